@@ -1,0 +1,71 @@
+"""Hugging Face tensor names of each family, mapped onto jmoe's parameter tree with shape checks.
+
+jmoe's NNX module names follow the HF ones, so one rule set covers every family; a family only
+says where its sparse block lives and what its expert projections are called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jmoe.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class FamilyNames:
+    moe_prefix: str = "mlp"  # Mixtral: "block_sparse_moe"
+    expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+
+
+FAMILY_NAMES = {
+    "qwen3_moe": FamilyNames(),
+    "qwen2_moe": FamilyNames(),
+    "olmoe": FamilyNames(),
+    "mixtral": FamilyNames(moe_prefix="block_sparse_moe", expert_projs=("w1", "w3", "w2")),
+}
+
+
+@dataclass(frozen=True)
+class DenseTensor:
+    """Where one jmoe dense parameter comes from: the HF name, and whether it is transposed."""
+
+    path: tuple  # key path in jmoe's parameter tree
+    hf_name: str
+    transpose: bool
+
+
+def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
+    """The HF tensor for a dense parameter path such as ('layers', 3, 'self_attn', 'q_proj', 'kernel')."""
+    names = FAMILY_NAMES[cfg.family]
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    transpose = leaf == "kernel"
+    parts[-1] = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    if parts[0] == "layers":
+        layer = int(parts[1])
+        if cfg.moe_layers[layer] and parts[2] == "mlp":
+            parts[2] = names.moe_prefix
+            if parts[3] == "router":
+                parts[3] = "gate"
+        name = "model." + ".".join(parts)
+    elif parts[0] == "lm_head":
+        name = ".".join(parts)
+    else:  # embed_tokens, norm
+        name = "model." + ".".join(parts)
+    return DenseTensor(tuple(path), name, transpose)
+
+
+def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """Per-expert (hub) layout: gate [F, D], up [F, D], down [D, F]."""
+    names = FAMILY_NAMES[cfg.family]
+    base = f"model.layers.{layer}.{names.moe_prefix}.experts.{expert}"
+    return tuple(f"{base}.{proj}.weight" for proj in names.expert_projs)
+
+
+def fused_expert_names(cfg: ModelConfig, layer: int) -> list[tuple[str, str]]:
+    """Fused 3-D layout written by newer transformers: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
+    prefixes = dict.fromkeys([FAMILY_NAMES[cfg.family].moe_prefix, "mlp"])
+    return [
+        (f"model.layers.{layer}.{p}.experts.gate_up_proj", f"model.layers.{layer}.{p}.experts.down_proj")
+        for p in prefixes
+    ]

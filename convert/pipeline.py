@@ -1,0 +1,195 @@
+"""`jmoe convert`: a Hugging Face checkpoint -> a jmoe directory.
+
+Streams the experts one at a time (never the whole model in memory), writes everything into a
+temporary directory next to the output and renames it into place only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from convert.hf_source import TOKENIZER_FILES, TensorSource, read_config, resolve_source
+from convert.name_maps import dense_tensor, expert_tensor_names, fused_expert_names
+from jmoe.config import ModelConfig
+from jmoe.errors import CheckpointError, InputError
+from jmoe.format import DENSE_DIR, FORMAT_VERSION, MANIFEST, TOKENIZER_DIR, RecordLayout, expert_file, sha256_file
+from jmoe.model import abstract_model
+from jmoe.models import config_from_hf
+from jmoe.quant import bf16_expert, expert_template
+from jmoe.tiers import TIER_NAMES
+
+log = logging.getLogger("jmoe.convert")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# (layer, expert) -> gate [F, D], up [F, D], down [D, F] in float32, HF orientation.
+ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def parse_tiers(tiers: str | Iterable[str]) -> tuple[str, ...]:
+    names = [t.strip() for t in (tiers.split(",") if isinstance(tiers, str) else tiers) if t.strip()]
+    unknown = [t for t in names if t not in TIER_NAMES]
+    if unknown or not names:
+        raise InputError(f"unknown tier(s) {unknown or names}; choose from {', '.join(TIER_NAMES)}")
+    return tuple(sorted(set(names), key=TIER_NAMES.index, reverse=True))
+
+
+def convert_checkpoint(
+    src: str | Path, out: str | Path, *, tiers: str | Iterable[str] = ("bf16",), overwrite: bool = False, progress: bool = True
+) -> Path:
+    """Convert `src` (HF directory or hub id) into a jmoe directory at `out`; returns `out`."""
+    tiers = parse_tiers(tiers)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"{out} already exists (pass overwrite=True / --force to replace it)")
+    root = resolve_source(src)
+    hf_config = read_config(root)
+    cfg = config_from_hf(hf_config)
+    source = TensorSource(root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        used: set[str] = set()
+        dense_index = write_dense(source, cfg, tmp, used)
+        reader = expert_reader(source, cfg, used)
+        layouts, checksums = write_experts(reader, cfg, tmp, tiers, progress)
+        copy_tokenizer(root, tmp)
+        warn_unused(source, used)
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = path.relative_to(tmp).as_posix()
+            checksums.setdefault(rel, {"bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "family": cfg.family,
+            "source": Path(str(src)).name,
+            "config": cfg.to_dict(),
+            "hf_config": hf_config,
+            "tiers": {tier: layouts[tier].to_json() for tier in tiers},
+            "dense": dense_index,
+            "tokenizer": TOKENIZER_DIR if (tmp / TOKENIZER_DIR).is_dir() else None,
+            "files": dict(sorted(checksums.items())),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_dense(source: TensorSource, cfg: ModelConfig, tmp: Path, used: set[str]) -> dict:
+    """Every non-expert weight, bf16, into an orbax checkpoint; returns the tensor index."""
+    state = nnx.to_pure_dict(nnx.state(abstract_model(cfg, np.float32)))
+    index = {}
+
+    def load(path, spec):
+        t = dense_tensor(cfg, tuple(k.key for k in path))
+        expected = tuple(reversed(spec.shape)) if t.transpose else tuple(spec.shape)
+        value = source.get(t.hf_name, expected)
+        used.add(t.hf_name)
+        value = value.T if t.transpose else value
+        key = ".".join(str(p) for p in t.path)
+        index[key] = {"hf_name": t.hf_name, "shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
+        return np.ascontiguousarray(value).astype(spec.dtype)
+
+    weights = jax.tree_util.tree_map_with_path(load, state)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((tmp / DENSE_DIR).absolute(), weights)
+    checkpointer.wait_until_finished()
+    return {"dir": DENSE_DIR, "tensors": index}
+
+
+def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> ExpertReader:
+    """Reads one expert at a time from either the per-expert (hub) or the fused 3-D layout."""
+    D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+
+    def read(layer: int, expert: int):
+        for gate_up_name, down_name in fused_expert_names(cfg, layer):
+            if gate_up_name in source:
+                if source.shape(gate_up_name) != (E, 2 * F, D):
+                    raise CheckpointError(f"tensor {gate_up_name} has shape {list(source.shape(gate_up_name))}, expected {[E, 2 * F, D]}")
+                if down_name not in source:
+                    raise CheckpointError(f"checkpoint has {gate_up_name} but no {down_name}")
+                if source.shape(down_name) != (E, D, F):
+                    raise CheckpointError(f"tensor {down_name} has shape {list(source.shape(down_name))}, expected {[E, D, F]}")
+                gate_up = source.get(gate_up_name, index=expert)
+                down = source.get(down_name, index=expert)
+                used.update((gate_up_name, down_name))
+                return gate_up[:F], gate_up[F:], down
+        gate_name, up_name, down_name = expert_tensor_names(cfg, layer, expert)
+        gate = source.get(gate_name, (F, D))
+        up = source.get(up_name, (F, D))
+        down = source.get(down_name, (D, F))
+        used.update((gate_name, up_name, down_name))
+        return gate, up, down
+
+    return read
+
+
+def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, tiers: tuple[str, ...], progress: bool):
+    """One file per (MoE layer, tier), one record per expert; sha256 computed while writing."""
+    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier)) for tier in tiers}
+    checksums = {}
+    total = cfg.num_moe_layers * cfg.num_experts
+    with tqdm(total=total, desc="experts", unit="expert", disable=not progress) as bar:
+        for moe_index, layer in enumerate(cfg.moe_layer_indices):
+            files, hashes = {}, {}
+            for tier in tiers:
+                path = tmp / expert_file(tier, moe_index)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                files[tier], hashes[tier] = open(path, "wb"), hashlib.sha256()
+            try:
+                for expert in range(cfg.num_experts):
+                    gate, up, down = reader(layer, expert)
+                    for tier in tiers:
+                        record = layouts[tier].encode(make_version(tier, gate, up, down))
+                        files[tier].write(record)
+                        hashes[tier].update(record)
+                    bar.update(1)
+            finally:
+                for f in files.values():
+                    f.close()
+            for tier in tiers:
+                rel = expert_file(tier, moe_index)
+                checksums[rel] = {"bytes": layouts[tier].nbytes * cfg.num_experts, "sha256": hashes[tier].hexdigest()}
+    return layouts, checksums
+
+
+def make_version(tier: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
+    if tier == "bf16":
+        return bf16_expert(gate, up, down)
+    raise InputError(f"tier {tier!r} cannot be written yet")
+
+
+def copy_tokenizer(root: Path, tmp: Path) -> None:
+    present = [name for name in TOKENIZER_FILES if (root / name).is_file()]
+    if not present:
+        log.warning("%s has no tokenizer files; the converted model will only accept token ids", root)
+        return
+    (tmp / TOKENIZER_DIR).mkdir()
+    for name in present:
+        shutil.copy2(root / name, tmp / TOKENIZER_DIR / name)
+
+
+def warn_unused(source: TensorSource, used: set[str]) -> None:
+    unused = sorted(n for n in source.names - used if not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
+        log.warning("%d checkpoint tensor(s) were not used: %s", len(unused), shown)
+
+
+__all__ = ["convert_checkpoint", "parse_tiers"]

@@ -1,0 +1,38 @@
+"""jmoe: run Mixture-of-Experts language models whose experts do not fit in accelerator memory."""
+
+from jmoe.config import ModelConfig
+from jmoe.errors import BudgetError, CheckpointError, ConfigError, FormatError, InputError, JmoeError
+from jmoe.evaluate import forward, perplexity
+from jmoe.runtime import JmoeModel, load
+
+__version__ = "0.1.0"
+
+
+def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0, stop=None, stream: bool = False):
+    """Generate a continuation of `prompt` (greedy unless temperature > 0).
+
+    Args:
+      model: what jmoe.load returned.
+      prompt: a string, chat messages ([{"role": ..., "content": ...}], through the model's chat
+        template), token ids, or a list of any one of these kinds for a batch.
+      max_new_tokens: stop after this many new tokens (earlier at EOS or a stop string).
+      temperature, top_k, top_p, repetition_penalty, seed: sampling controls (0 / 0 / 1 / 1 = off).
+      stop: a string or strings that end generation (not included in the output).
+      stream: yield pieces as they are produced instead of returning the whole output.
+
+    Returns:
+      Text for text prompts, token ids for id prompts; a list of those for a batch. With
+      stream=True, an iterator of text deltas (or ids); for a batch, a list per step with one
+      piece per prompt (None once that prompt is done).
+    """
+    from jmoe.generation import generate as _generate
+
+    return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream)
+
+
+__all__ = [
+    "load", "generate", "forward", "perplexity", "JmoeModel", "ModelConfig",
+    "JmoeError", "ConfigError", "CheckpointError", "FormatError", "InputError", "BudgetError",
+]

@@ -1,0 +1,39 @@
+"""Device-memory sizes: parsing "12GiB"-style budgets and counting bytes of pytrees."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+
+from jmoe.errors import InputError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | float | str) -> int:
+    """Bytes from an int or a string like '12GiB', '512 MiB', '2.5GB'."""
+    if isinstance(size, (int, np.integer)):
+        if size <= 0:
+            raise InputError(f"a size must be positive, got {size}")
+        return int(size)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InputError(f"cannot read size {size!r}; write it like '12GiB', '512MiB' or a number of bytes")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise InputError(f"a size must be positive, got {size!r}")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def tree_nbytes(tree) -> int:
+    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))

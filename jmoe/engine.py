@@ -1,0 +1,77 @@
+"""Jitted step functions: one forward step over every layer (prefill or decode), sampling, NLL.
+
+Shapes are bucketed so a new prompt length does not recompile: prompts are left-padded to a
+power-of-two bucket and the KV cache length is a power of two too. The cache is donated.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.expert_path import ExpertState
+from jmoe.layers import AttentionMeta, KVCache, rope_tables
+from jmoe.sampling import sample_tokens
+
+MIN_PROMPT_BUCKET = 16
+MIN_CACHE_BUCKET = 64
+
+
+def bucket(n: int, minimum: int, limit: int) -> int:
+    """Smallest power of two >= n (at least `minimum`), capped at `limit`."""
+    size = max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return min(size, limit)
+
+
+def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+    return KVCache(tuple(zeros() for _ in range(cfg.num_layers)), tuple(zeros() for _ in range(cfg.num_layers)))
+
+
+def cache_nbytes(cfg: ModelConfig, batch: int, length: int, dtype) -> int:
+    return 2 * cfg.num_layers * batch * length * cfg.kv_dim * jnp.dtype(dtype).itemsize
+
+
+def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, write_start, key_start, *, last_only, want_importance):
+    model = nnx.merge(graphdef, dense)
+    cfg = model.config
+    T = tokens.shape[1]
+    slots = write_start + jnp.arange(T, dtype=jnp.int32)
+    positions = jnp.maximum(slots[None, :] - key_start[:, None], 0)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    meta = AttentionMeta(jnp.asarray(write_start, jnp.int32), key_start, cos, sin)
+    x, cache, signals = model(tokens, cache, meta, experts, want_importance=want_importance)
+    if last_only:
+        x = x[:, -1:]
+    return model.logits(x), cache, signals
+
+
+def _token_nll(graphdef, dense, experts: ExpertState, tokens, cache: KVCache):
+    """Negative log-likelihood of tokens[:, 1:] given the prefix; tokens [1, T] -> [T - 1]."""
+    key_start = jnp.zeros((tokens.shape[0],), jnp.int32)
+    logits, _, _ = _forward(graphdef, dense, experts, tokens, cache, 0, key_start, last_only=False, want_importance=False)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0][0]
+
+
+def _sample(logits, seen, key, temperature, top_k, top_p, penalty, *, greedy):
+    """logits [B, V] -> (next tokens [B], seen with them marked)."""
+    tokens = sample_tokens(logits, seen, key, temperature, top_k, top_p, penalty, greedy=greedy)
+    seen = seen.at[jnp.arange(tokens.shape[0]), tokens].set(True)
+    return tokens, seen
+
+
+class Engine:
+    """Compiled step functions for one loaded model; each compiles once per shape bucket."""
+
+    def __init__(self, graphdef):
+        self.forward = jax.jit(
+            partial(_forward, graphdef), static_argnames=("last_only", "want_importance"), donate_argnames=("cache",)
+        )
+        self.token_nll = jax.jit(partial(_token_nll, graphdef), donate_argnames=("cache",))
+        self.sample = jax.jit(_sample, static_argnames=("greedy",), donate_argnames=("seen",))

@@ -1,0 +1,58 @@
+"""Evaluation helpers: full-sequence logits and perplexity over long token streams."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.engine import MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.errors import InputError
+
+
+def forward(model, token_ids) -> jnp.ndarray:
+    """Logits [T, vocab] float32 for one sequence of token ids (no sampling, no cache reuse)."""
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    T = ids.shape[0]
+    if T == 0:
+        raise InputError("forward needs at least one token")
+    if T > model.max_seq_len:
+        raise InputError(f"{T} tokens exceed the context of {model.max_seq_len}")
+    P = bucket(T, MIN_PROMPT_BUCKET, model.max_seq_len)
+    tokens = np.zeros((1, P), np.int32)
+    tokens[0, P - T :] = ids
+    cache = new_cache(model.config, 1, P, model.compute_dtype)
+    key_start = jnp.asarray([P - T], jnp.int32)
+    logits, _, _ = model.engine.forward(
+        model.dense, model.experts.begin_step(), jnp.asarray(tokens), cache, 0, key_start, last_only=False, want_importance=False
+    )
+    return logits[0, P - T :]
+
+
+def window_nll(model, token_ids, window: int) -> tuple[float, int]:
+    """Sum of NLL (nats) and number of predicted tokens over non-overlapping windows of `window` tokens."""
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    if window > model.max_seq_len or window < 2:
+        raise InputError(f"window must be in [2, {model.max_seq_len}], got {window}")
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        if len(chunk) < window:  # last partial window: pad on the right, count only real tokens
+            padded = np.zeros((window,), np.int32)
+            padded[: len(chunk)] = chunk
+        else:
+            padded = chunk
+        cache = new_cache(model.config, 1, window, model.compute_dtype)
+        nll = model.engine.token_nll(model.dense, model.experts.begin_step(), jnp.asarray(padded[None]), cache)
+        nll = np.asarray(nll)[: len(chunk) - 1]
+        total += float(nll.sum(dtype=np.float64))
+        count += len(chunk) - 1
+    return total, count
+
+
+def perplexity(model, token_ids, window: int = 512) -> float:
+    total, count = window_nll(model, token_ids, window)
+    return math.exp(total / count)

@@ -1,0 +1,181 @@
+"""Text generation: batching with left padding, the decode loop, streaming, stop conditions."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.errors import InputError
+from jmoe.sampling import SamplingOptions
+from jmoe.tokenizer import StreamDetokenizer, encode, is_chat, is_ids
+
+log = logging.getLogger("jmoe.generation")
+
+
+@dataclass(frozen=True)
+class Batch:
+    prompts: list[list[int]]
+    batched: bool  # the caller passed a list of prompts
+    as_text: bool  # answer with text (prompts were text/chat) or with token ids
+
+
+def split_prompts(tokenizer, prompt: Any) -> Batch:
+    """Tell one prompt from a batch: str | chat messages | ids, or a list of those."""
+    single = isinstance(prompt, str) or is_chat(prompt) or (is_ids(prompt) and len(prompt) > 0)
+    items = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else [prompt]
+    if not items:
+        raise InputError("the prompt is empty")
+    kinds = {"ids" if is_ids(p) and not isinstance(p, str) else "text" for p in items}
+    if len(kinds) > 1:
+        raise InputError("a batch must be all text (or chat messages) or all token ids, not a mix")
+    return Batch([encode(tokenizer, p) for p in items], batched=not single, as_text=kinds == {"text"})
+
+
+def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> tuple[int, int, int]:
+    """(prompt bucket P, cache length S, max new tokens that fit)."""
+    longest = max(len(p) for p in prompts)
+    if longest >= max_seq_len:
+        raise InputError(f"the prompt has {longest} tokens; the context holds {max_seq_len} (leave room for output)")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    P = bucket(longest, MIN_PROMPT_BUCKET, max_seq_len)
+    S = bucket(P + max_new_tokens, MIN_CACHE_BUCKET, max_seq_len)
+    fit = S - P
+    if fit < max_new_tokens:
+        log.warning("only %d new tokens fit in the %d-token context; generating that many", fit, max_seq_len)
+    return P, S, min(fit, max_new_tokens)
+
+
+def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingOptions) -> Iterator[np.ndarray]:
+    """Yield the next token of every row, one step at a time ([B] int32 numpy).
+
+    The next step is dispatched before the current token is read back, so host-side work
+    (detokenizing, stop checks) overlaps device compute.
+    """
+    cfg, engine = model.config, model.engine
+    B = len(prompts)
+    P, S, steps = plan_lengths(prompts, max_new_tokens, model.max_seq_len)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    tokens = np.full((B, P), pad, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, P - len(p) :] = p
+    key_start = jnp.asarray([P - len(p) for p in prompts], jnp.int32)
+    seen = np.zeros((B, cfg.vocab_size), bool)
+    if sampling.repetition_penalty != 1.0:
+        for b, p in enumerate(prompts):
+            seen[b, p] = True
+    params = (
+        jnp.float32(max(sampling.temperature, 1e-6)),
+        jnp.int32(sampling.top_k),
+        jnp.float32(sampling.top_p),
+        jnp.float32(sampling.repetition_penalty),
+    )
+    rng = jax.random.key(sampling.seed)
+    seen = jnp.asarray(seen)
+    cache = new_cache(cfg, B, S, model.compute_dtype)
+
+    def step(token_block, write_start, cache, seen, rng):
+        experts = model.experts.begin_step()
+        logits, cache, signals = engine.forward(
+            model.dense, experts, token_block, cache, write_start, key_start, last_only=True, want_importance=False
+        )
+        model.experts.end_step(signals)
+        rng, sub = jax.random.split(rng)
+        nxt, seen = engine.sample(logits[:, -1], seen, sub, *params, greedy=sampling.greedy)
+        return nxt, cache, seen, rng
+
+    nxt, cache, seen, rng = step(jnp.asarray(tokens), 0, cache, seen, rng)
+    for i in range(1, steps + 1):
+        current = nxt
+        if i < steps:
+            nxt, cache, seen, rng = step(current[:, None], P + i - 1, cache, seen, rng)
+        yield np.asarray(current)
+
+
+class RowText:
+    """Streaming text of one row: detokenizes, holds back what could start a stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.detok = StreamDetokenizer(tokenizer)
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.text += self.detok.push(token)
+        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self.flush()
+        upto = max(self.emitted, len(self.text) - self.holdback)
+        delta, self.emitted = self.text[self.emitted : upto], upto
+        return delta
+
+    def flush(self) -> str:
+        delta, self.emitted = self.text[self.emitted :], len(self.text)
+        return delta
+
+
+def stream(model, batch: Batch, max_new_tokens: int, sampling: SamplingOptions, stop: Sequence[str]) -> Iterator[list]:
+    """Per step, each row's new piece: text delta (text mode), token id, or None once the row is done."""
+    if stop and not batch.as_text:
+        raise InputError("stop strings need text prompts; with token ids use max_new_tokens or EOS")
+    eos = set(model.eos_token_ids)
+    B = len(batch.prompts)
+    rows = [RowText(model.tokenizer, stop) for _ in range(B)] if batch.as_text else None
+    done = [False] * B
+    for tokens in token_steps(model, batch.prompts, max_new_tokens, sampling):
+        pieces: list = [None] * B
+        for b, tok in enumerate(tokens.tolist()):
+            if done[b]:
+                continue
+            if tok in eos:
+                done[b] = True
+                pieces[b] = rows[b].flush() if rows else None
+                continue
+            if rows:
+                pieces[b] = rows[b].push(tok)
+                done[b] = rows[b].stopped
+            else:
+                pieces[b] = tok
+        yield pieces
+        if all(done):
+            return
+    if rows:
+        tail = [None if d else r.flush() for r, d in zip(rows, done)]
+        if any(tail):
+            yield tail
+
+
+def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+             seed=0, stop: str | Sequence[str] | None = None, stream_output=False):
+    batch = split_prompts(model.tokenizer, prompt)
+    sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    steps = stream(model, batch, max_new_tokens, sampling, stops)
+    if stream_output:
+        return _unbatch(steps, batch)
+    outputs: list[list] = [[] for _ in batch.prompts]
+    for pieces in steps:
+        for b, piece in enumerate(pieces):
+            if piece is not None and piece != "":
+                outputs[b].append(piece)
+    results = ["".join(o) for o in outputs] if batch.as_text else [list(o) for o in outputs]
+    return results if batch.batched else results[0]
+
+
+def _unbatch(steps: Iterator[list], batch: Batch):
+    for pieces in steps:
+        if batch.batched:
+            yield pieces
+        elif pieces[0] not in (None, ""):
+            yield pieces[0]

@@ -1,0 +1,66 @@
+"""Host-side expert store: every (MoE layer, expert, tier) version of the converted model.
+
+Records are read straight from the expert files through memory maps (no repacking): a record is
+one contiguous byte range whose arrays are views in the tier's layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmoe.config import ModelConfig
+from jmoe.errors import FormatError
+from jmoe.format import RecordLayout, expert_file
+from jmoe.quant import ExpertWeights, expert_template
+
+
+class ExpertStore:
+    def __init__(self, root: Path, manifest: dict[str, Any], cfg: ModelConfig):
+        self.root = Path(root)
+        self.config = cfg
+        self.tiers: tuple[str, ...] = tuple(manifest["tiers"])
+        self.layouts: dict[str, RecordLayout] = {}
+        self._treedefs = {}
+        for tier in self.tiers:
+            layout = RecordLayout.from_json(manifest["tiers"][tier])
+            template = expert_template(cfg, tier)
+            if RecordLayout.from_template(template) != layout:
+                raise FormatError(f"tier {tier} record layout in the manifest does not match this jmoe version")
+            self.layouts[tier] = layout
+            self._treedefs[tier] = jax.tree_util.tree_structure(template)
+        self._maps: dict[tuple[str, int], np.memmap] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_moe_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    def record_nbytes(self, tier: str) -> int:
+        return self.layouts[self._check_tier(tier)].nbytes
+
+    def _check_tier(self, tier: str) -> str:
+        if tier not in self.layouts:
+            raise FormatError(f"this model was converted without tier {tier!r} (it has {', '.join(self.tiers)})")
+        return tier
+
+    def _file(self, tier: str, layer: int) -> np.memmap:
+        key = (tier, layer)
+        if key not in self._maps:
+            self._maps[key] = np.memmap(self.root / expert_file(tier, layer), dtype=np.uint8, mode="r")
+        return self._maps[key]
+
+    def record_bytes(self, tier: str, layer: int, expert: int) -> np.ndarray:
+        """The raw bytes of one expert version (a read-only view of the mapped file)."""
+        n = self.record_nbytes(tier)
+        return self._file(tier, layer)[expert * n : (expert + 1) * n]
+
+    def record(self, tier: str, layer: int, expert: int) -> ExpertWeights:
+        """One expert version as numpy views in its tier's layout."""
+        return self.layouts[tier].decode(self.record_bytes(tier, layer, expert), self._treedefs[tier])

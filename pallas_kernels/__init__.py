@@ -1,0 +1,5 @@
+"""Grouped expert kernels. Imports jax only; every kernel sits next to its jnp reference."""
+
+from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+
+__all__ = ["expert_ffn", "expert_ffn_reference"]
