@@ -12,6 +12,8 @@ from safetensors import SafetensorError, safe_open
 
 from jmoe.errors import CheckpointError, ConfigError
 
+# A checkpoint has a tokenizer when one of these exists; the rest of TOKENIZER_FILES go along with it.
+TOKENIZER_CORE_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

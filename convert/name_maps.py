@@ -27,10 +27,10 @@ FAMILY_NAMES = {
 
 @dataclass(frozen=True)
 class DenseTensor:
-    """Where one jmoe dense parameter comes from: the HF name, and whether it is transposed."""
+    """Where one jmoe dense parameter comes from: HF name(s), and whether it is transposed."""
 
     path: tuple  # key path in jmoe's parameter tree
-    hf_name: str
+    hf_names: tuple[str, ...]  # the hub spelling first, then the one transformers uses internally
     transpose: bool
 
 
@@ -41,18 +41,15 @@ def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
     leaf = parts[-1]
     transpose = leaf == "kernel"
     parts[-1] = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    if parts[0] == "layers":
-        layer = int(parts[1])
-        if cfg.moe_layers[layer] and parts[2] == "mlp":
-            parts[2] = names.moe_prefix
-            if parts[3] == "router":
-                parts[3] = "gate"
-        name = "model." + ".".join(parts)
-    elif parts[0] == "lm_head":
-        name = ".".join(parts)
-    else:  # embed_tokens, norm
-        name = "model." + ".".join(parts)
-    return DenseTensor(tuple(path), name, transpose)
+    if parts[0] == "lm_head":
+        return DenseTensor(tuple(path), (".".join(parts),), transpose)
+    if parts[0] == "layers" and cfg.moe_layers[int(parts[1])] and parts[2] == "mlp":
+        if parts[3] == "router":
+            parts[3] = "gate"
+        prefixes = dict.fromkeys([names.moe_prefix, "mlp"])
+        candidates = tuple("model." + ".".join([*parts[:2], p, *parts[3:]]) for p in prefixes)
+        return DenseTensor(tuple(path), candidates, transpose)
+    return DenseTensor(tuple(path), ("model." + ".".join(parts),), transpose)
 
 
 def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:

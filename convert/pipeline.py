@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from convert.hf_source import TOKENIZER_FILES, TensorSource, read_config, resolve_source
+from convert.hf_source import TOKENIZER_CORE_FILES, TOKENIZER_FILES, TensorSource, read_config, resolve_source
 from convert.name_maps import dense_tensor, expert_tensor_names, fused_expert_names
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
@@ -99,11 +99,12 @@ def write_dense(source: TensorSource, cfg: ModelConfig, tmp: Path, used: set[str
     def load(path, spec):
         t = dense_tensor(cfg, tuple(k.key for k in path))
         expected = tuple(reversed(spec.shape)) if t.transpose else tuple(spec.shape)
-        value = source.get(t.hf_name, expected)
-        used.add(t.hf_name)
+        hf_name = next((n for n in t.hf_names if n in source), t.hf_names[0])
+        value = source.get(hf_name, expected)
+        used.add(hf_name)
         value = value.T if t.transpose else value
         key = ".".join(str(p) for p in t.path)
-        index[key] = {"hf_name": t.hf_name, "shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
+        index[key] = {"hf_name": hf_name, "shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
         return np.ascontiguousarray(value).astype(spec.dtype)
 
     weights = jax.tree_util.tree_map_with_path(load, state)
@@ -118,24 +119,16 @@ def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> Exp
     D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
 
     def read(layer: int, expert: int):
-        for gate_up_name, down_name in fused_expert_names(cfg, layer):
-            if gate_up_name in source:
-                if source.shape(gate_up_name) != (E, 2 * F, D):
-                    raise CheckpointError(f"tensor {gate_up_name} has shape {list(source.shape(gate_up_name))}, expected {[E, 2 * F, D]}")
-                if down_name not in source:
-                    raise CheckpointError(f"checkpoint has {gate_up_name} but no {down_name}")
-                if source.shape(down_name) != (E, D, F):
-                    raise CheckpointError(f"tensor {down_name} has shape {list(source.shape(down_name))}, expected {[E, D, F]}")
-                gate_up = source.get(gate_up_name, index=expert)
-                down = source.get(down_name, index=expert)
-                used.update((gate_up_name, down_name))
-                return gate_up[:F], gate_up[F:], down
+        fused = [names for names in fused_expert_names(cfg, layer) if names[0] in source]
+        if fused:
+            gate_up_name, down_name = fused[0]
+            gate_up = source.get(gate_up_name, (E, 2 * F, D), index=expert)
+            down = source.get(down_name, (E, D, F), index=expert)
+            used.update(fused[0])
+            return gate_up[:F], gate_up[F:], down
         gate_name, up_name, down_name = expert_tensor_names(cfg, layer, expert)
-        gate = source.get(gate_name, (F, D))
-        up = source.get(up_name, (F, D))
-        down = source.get(down_name, (D, F))
         used.update((gate_name, up_name, down_name))
-        return gate, up, down
+        return source.get(gate_name, (F, D)), source.get(up_name, (F, D)), source.get(down_name, (D, F))
 
     return read
 
@@ -177,7 +170,7 @@ def make_version(tier: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
 
 def copy_tokenizer(root: Path, tmp: Path) -> None:
     present = [name for name in TOKENIZER_FILES if (root / name).is_file()]
-    if not present:
+    if not any(name in present for name in TOKENIZER_CORE_FILES):
         log.warning("%s has no tokenizer files; the converted model will only accept token ids", root)
         return
     (tmp / TOKENIZER_DIR).mkdir()

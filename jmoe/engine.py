@@ -19,6 +19,7 @@ from jmoe.sampling import sample_tokens
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 64
+PREFILL_CHUNK = 512  # longest block of prompt tokens one step processes
 
 
 def bucket(n: int, minimum: int, limit: int) -> int:

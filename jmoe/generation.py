@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.errors import InputError
 from jmoe.sampling import SamplingOptions
 from jmoe.tokenizer import StreamDetokenizer, encode, is_chat, is_ids
@@ -55,12 +55,14 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
 def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingOptions) -> Iterator[np.ndarray]:
     """Yield the next token of every row, one step at a time ([B] int32 numpy).
 
-    The next step is dispatched before the current token is read back, so host-side work
-    (detokenizing, stop checks) overlaps device compute.
+    The prompt is prefilled in chunks of at most PREFILL_CHUNK tokens (bounding attention
+    workspace). Each decode step is dispatched before the previous token is read back, so
+    host-side work (detokenizing, stop checks) overlaps device compute.
     """
     cfg, engine = model.config, model.engine
     B = len(prompts)
     P, S, steps = plan_lengths(prompts, max_new_tokens, model.max_seq_len)
+    model.check_batch_fits(B, S)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     tokens = np.full((B, P), pad, np.int32)
     for b, p in enumerate(prompts):
@@ -76,25 +78,29 @@ def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: 
         jnp.float32(sampling.top_p),
         jnp.float32(sampling.repetition_penalty),
     )
-    rng = jax.random.key(sampling.seed)
-    seen = jnp.asarray(seen)
-    cache = new_cache(cfg, B, S, model.compute_dtype)
+    state = {"cache": new_cache(cfg, B, S, model.compute_dtype), "seen": jnp.asarray(seen), "rng": jax.random.key(sampling.seed)}
 
-    def step(token_block, write_start, cache, seen, rng):
+    def run(block, write_start):
         experts = model.experts.begin_step()
-        logits, cache, signals = engine.forward(
-            model.dense, experts, token_block, cache, write_start, key_start, last_only=True, want_importance=False
+        logits, state["cache"], signals = engine.forward(
+            model.dense, experts, block, state["cache"], write_start, key_start, last_only=True, want_importance=False
         )
         model.experts.end_step(signals)
-        rng, sub = jax.random.split(rng)
-        nxt, seen = engine.sample(logits[:, -1], seen, sub, *params, greedy=sampling.greedy)
-        return nxt, cache, seen, rng
+        return logits
 
-    nxt, cache, seen, rng = step(jnp.asarray(tokens), 0, cache, seen, rng)
+    def sample(logits):
+        state["rng"], sub = jax.random.split(state["rng"])
+        nxt, state["seen"] = engine.sample(logits[:, -1], state["seen"], sub, *params, greedy=sampling.greedy)
+        return nxt
+
+    chunk = min(P, PREFILL_CHUNK)  # P is a power of two, so chunks tile it exactly
+    for start in range(0, P, chunk):
+        logits = run(jnp.asarray(tokens[:, start : start + chunk]), start)
+    nxt = sample(logits)
     for i in range(1, steps + 1):
         current = nxt
         if i < steps:
-            nxt, cache, seen, rng = step(current[:, None], P + i - 1, cache, seen, rng)
+            nxt = sample(run(current[:, None], P + i - 1))
         yield np.asarray(current)
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jmoe.budget import format_size, parse_size, tree_nbytes
 from jmoe.config import ModelConfig
-from jmoe.engine import Engine, cache_nbytes
+from jmoe.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.format import check_files, read_manifest
 from jmoe.model import abstract_model
@@ -43,6 +43,17 @@ class JmoeModel:
     max_seq_len: int
     device_budget: int | None
     memory: dict[str, int]
+
+    def check_batch_fits(self, batch: int, cache_len: int) -> None:
+        """Under a budget, the KV cache of a request must fit what load() reserved for it."""
+        if self.device_budget is None:
+            return
+        need = cache_nbytes(self.config, batch, cache_len, self.compute_dtype)
+        if need > self.memory["kv_cache"]:
+            raise BudgetError(
+                f"a batch of {batch} with a {cache_len}-token cache needs {format_size(need)} of KV cache; "
+                f"load() reserved {format_size(self.memory['kv_cache'])} (raise max_batch or max_seq_len at load)"
+            )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -79,6 +90,7 @@ def load(
     tier: str | None = None,
     compute_dtype: Any = None,
     max_seq_len: int | None = None,
+    max_batch: int = 1,
     verify: bool = False,
 ) -> JmoeModel:
     """Load a converted model onto the default device.
@@ -90,6 +102,7 @@ def load(
       tier: expert precision to run ("bf16", ...); default the most precise tier converted.
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
+      max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
       verify: also check every file's sha256 (reads the whole model once).
     """
     root = Path(path)
@@ -111,8 +124,8 @@ def load(
     memory = {
         "dense": tree_nbytes(abstract_state),
         "experts": tree_nbytes(expert_template(cfg, tier)) * cfg.num_moe_layers * cfg.num_experts,
-        "kv_cache": cache_nbytes(cfg, 1, max_seq_len, dtype),
-        "workspace": workspace_nbytes(cfg, max_seq_len, max_seq_len, dtype),
+        "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype),
+        "workspace": max_batch * workspace_nbytes(cfg, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype),
     }
     budget = parse_size(device_budget) if device_budget is not None else None
     if budget is not None and sum(memory.values()) > budget:
@@ -120,7 +133,7 @@ def load(
         raise BudgetError(
             f"device budget {format_size(budget)} is too small for policy {policy!r} at tier {tier}: "
             f"needs at least {format_size(sum(memory.values()))} ({parts}); "
-            f"raise the budget or lower max_seq_len"
+            f"raise the budget or lower max_seq_len / max_batch"
         )
 
     device = jax.devices()[0]

@@ -1,0 +1,103 @@
+"""The `jmoe` command: convert a Hugging Face checkpoint, generate text, describe a converted model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jmoe.errors import JmoeError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jmoe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint (directory or hub id)")
+    conv.add_argument("source", help="HF checkpoint directory, or a hub id like Qwen/Qwen3-30B-A3B (needs network)")
+    conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
+    conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers to write (default: bf16)")
+    conv.add_argument("--force", action="store_true", help="replace an existing output directory")
+    conv.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    gen = sub.add_parser("generate", help="generate text from a converted model")
+    gen.add_argument("model", help="directory written by `jmoe convert`")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--device-budget", default=None, help="device memory cap, e.g. 12GiB")
+    gen.add_argument("--policy", default=None, help="expert residency policy")
+    gen.add_argument("--tier", default=None, help="expert precision tier")
+    gen.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    gen.add_argument("--max-seq-len", type=int, default=None, help="context to plan memory for")
+
+    info = sub.add_parser("info", help="describe a converted model (tiers, bytes per expert)")
+    info.add_argument("model")
+    return parser
+
+
+def cmd_convert(args) -> None:
+    from convert import convert_checkpoint  # the converter lives beside the runtime
+
+    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, overwrite=args.force,
+                             progress=not args.no_progress)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def cmd_generate(args) -> None:
+    import jmoe
+
+    model = jmoe.load(args.model, device_budget=args.device_budget, policy=args.policy, tier=args.tier,
+                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len)
+    pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                           seed=args.seed, stop=args.stop or None, stream=True)
+    sys.stdout.write(args.prompt)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_info(args) -> None:
+    from pathlib import Path
+
+    from jmoe.format import read_manifest
+
+    manifest = read_manifest(Path(args.model))
+    cfg = manifest["config"]
+    experts = sum(cfg["moe_layers"]) * cfg["num_experts"]
+    summary = {
+        "family": manifest["family"],
+        "layers": cfg["num_layers"],
+        "experts_per_layer": cfg["num_experts"],
+        "top_k": cfg["top_k"],
+        "tiers": {
+            tier: {"bytes_per_expert": t["record_nbytes"], "total_expert_bytes": t["record_nbytes"] * experts}
+            for tier, t in manifest["tiers"].items()
+        },
+    }
+    print(json.dumps(summary, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        {"convert": cmd_convert, "generate": cmd_generate, "info": cmd_info}[args.command](args)
+    except JmoeError as e:
+        print(f"jmoe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
+SHARED_CORPUS = ROOT.parent / "shared" / "corpus"
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (run with -m gpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir() -> Path:
+    return TINY_HF
+
+
+@pytest.fixture(scope="session")
+def tiny_converted(tmp_path_factory) -> Path:
+    from convert import convert_checkpoint
+
+    return convert_checkpoint(TINY_HF, tmp_path_factory.mktemp("tiny") / "tiny", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_converted):
+    import jmoe
+
+    return jmoe.load(tiny_converted, compute_dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TINY_HF, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY_HF)
+
+
+def dev_text(domain: str) -> str:
+    """A domain's dev split: ../shared/corpus when present (CI), else skip-free fallback is an error."""
+    path = SHARED_CORPUS / f"{domain}.dev.txt"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: the tests read the dev corpus from ../shared/corpus")
+    return path.read_text()
