@@ -52,8 +52,10 @@ def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, writ
     return model.logits(x), cache, signals
 
 
-def _token_nll(graphdef, dense, experts: ExpertState, tokens, cache: KVCache):
+def _token_nll(graphdef, dense, experts: ExpertState, tokens):
     """Negative log-likelihood of tokens[:, 1:] given the prefix; tokens [1, T] -> [T - 1]."""
+    model = nnx.merge(graphdef, dense)
+    cache = new_cache(model.config, tokens.shape[0], tokens.shape[1], model.dtype)
     key_start = jnp.zeros((tokens.shape[0],), jnp.int32)
     logits, _, _ = _forward(graphdef, dense, experts, tokens, cache, 0, key_start, last_only=False, want_importance=False)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -74,5 +76,5 @@ class Engine:
         self.forward = jax.jit(
             partial(_forward, graphdef), static_argnames=("last_only", "want_importance"), donate_argnames=("cache",)
         )
-        self.token_nll = jax.jit(partial(_token_nll, graphdef), donate_argnames=("cache",))
+        self.token_nll = jax.jit(partial(_token_nll, graphdef))
         self.sample = jax.jit(_sample, static_argnames=("greedy",), donate_argnames=("seen",))

@@ -45,8 +45,7 @@ def window_nll(model, token_ids, window: int) -> tuple[float, int]:
             padded[: len(chunk)] = chunk
         else:
             padded = chunk
-        cache = new_cache(model.config, 1, window, model.compute_dtype)
-        nll = model.engine.token_nll(model.dense, model.experts.begin_step(), jnp.asarray(padded[None]), cache)
+        nll = model.engine.token_nll(model.dense, model.experts.begin_step(), jnp.asarray(padded[None]))
         nll = np.asarray(nll)[: len(chunk) - 1]
         total += float(nll.sum(dtype=np.float64))
         count += len(chunk) - 1

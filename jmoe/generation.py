@@ -45,6 +45,8 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     P = bucket(longest, MIN_PROMPT_BUCKET, max_seq_len)
+    if P + max_new_tokens > max_seq_len:  # near the context limit, padding would cost output room
+        P = longest
     S = bucket(P + max_new_tokens, MIN_CACHE_BUCKET, max_seq_len)
     fit = S - P
     if fit < max_new_tokens:
@@ -93,7 +95,7 @@ def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: 
         nxt, state["seen"] = engine.sample(logits[:, -1], state["seen"], sub, *params, greedy=sampling.greedy)
         return nxt
 
-    chunk = min(P, PREFILL_CHUNK)  # P is a power of two, so chunks tile it exactly
+    chunk = min(P, PREFILL_CHUNK)  # P is a power of two (or, near the context limit, the prompt length)
     for start in range(0, P, chunk):
         logits = run(jnp.asarray(tokens[:, start : start + chunk]), start)
     nxt = sample(logits)

@@ -1,0 +1,50 @@
+"""The jmoe command line and device-budget handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import jmoe
+from jmoe.budget import parse_size
+from jmoe.cli import main
+from jmoe.errors import BudgetError, InputError
+
+
+def test_cli_convert_generate_info(tiny_hf_dir, tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert main(["convert", str(tiny_hf_dir), "-o", str(out), "--no-progress"]) == 0
+    assert main(["generate", str(out), "def fibonacci(n):", "--max-new-tokens", "12", "--device-budget", "256MiB"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def fibonacci(n):") and len(text) > len("def fibonacci(n):\n")
+    assert main(["info", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tiers"]["bf16"]["total_expert_bytes"] == 8 * 32 * info["tiers"]["bf16"]["bytes_per_expert"]
+
+
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing"), "hi"]) == 2
+    assert "jmoe: error:" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]) == 2
+
+
+@pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("512 MiB", 512 * 2**20), ("2.5GB", 2_500_000_000),
+                                           (4096, 4096), ("100", 100)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "12 parsecs", "-3GiB", 0, "GiB"])
+def test_parse_size_rejects_garbage(bad):
+    with pytest.raises(InputError):
+        parse_size(bad)
+
+
+def test_budget_too_small_names_the_minimum(tiny_converted):
+    with pytest.raises(BudgetError, match=r"needs at least [0-9.]+ MiB \(dense .*experts .*kv_cache"):
+        jmoe.load(tiny_converted, device_budget="4MiB")
+    model = jmoe.load(tiny_converted, device_budget="256MiB", compute_dtype="float32")
+    assert sum(model.memory.values()) <= 256 * 2**20
+    with pytest.raises(BudgetError, match="KV cache"):
+        jmoe.generate(model, ["a", "b", "c"], max_new_tokens=2000)

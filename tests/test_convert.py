@@ -1,0 +1,161 @@
+"""Converted format and converter failure modes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import jmoe
+from convert import convert_checkpoint
+from jmoe.errors import CheckpointError, ConfigError, FormatError, InputError
+from jmoe.format import check_files, read_manifest
+from jmoe.store import ExpertStore
+from tests.hf_models import make_checkpoint
+
+
+def hf_tensor(path, name):
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor(name).float().numpy()
+
+
+def test_manifest_describes_the_model(tiny_converted):
+    manifest = read_manifest(tiny_converted)
+    assert manifest["family"] == "qwen3_moe"
+    cfg = manifest["config"]
+    D, F = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    # bf16 record: gate_up [D, 2F] and down [F, D], two bytes each (both already 64-byte aligned here)
+    assert manifest["tiers"]["bf16"]["record_nbytes"] == 2 * (D * 2 * F) + 2 * (F * D)
+    expert_files = [f for f in manifest["files"] if f.startswith("experts/bf16/")]
+    assert len(expert_files) == cfg["num_layers"]
+    assert all(manifest["files"][f]["bytes"] == 32 * manifest["tiers"]["bf16"]["record_nbytes"] for f in expert_files)
+    assert "dense.embed_tokens.embedding" not in manifest["dense"]["tensors"]
+    assert manifest["dense"]["tensors"]["embed_tokens.embedding"]["hf_name"] == "model.embed_tokens.weight"
+    check_files(tiny_converted, manifest, verify_checksums=True)
+
+
+def test_one_expert_record_holds_that_expert(tiny_converted, tiny_hf_dir):
+    manifest = read_manifest(tiny_converted)
+    store = ExpertStore(tiny_converted, manifest, jmoe.ModelConfig.from_dict(manifest["config"]))
+    record = store.record("bf16", 5, 17)
+    base = "model.layers.5.mlp.experts.17"
+    gate, up, down = (hf_tensor(tiny_hf_dir, f"{base}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+    np.testing.assert_array_equal(np.asarray(record.gate_up, np.float32), np.concatenate([gate.T, up.T], axis=1))
+    np.testing.assert_array_equal(np.asarray(record.down, np.float32), down.T)
+
+
+def test_dense_weights_are_the_checkpoints(tiny_model, tiny_hf_dir):
+    q = hf_tensor(tiny_hf_dir, "model.layers.2.self_attn.q_proj.weight")
+    ours = np.asarray(tiny_model.dense["layers"][2]["self_attn"]["q_proj"]["kernel"][...], np.float32)
+    np.testing.assert_array_equal(ours, q.T)
+
+
+@pytest.fixture()
+def small_hf(tmp_path):
+    src = tmp_path / "hf"
+    make_checkpoint("qwen3_moe", src)
+    return src
+
+
+def no_partial_output(parent, name):
+    leftovers = [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+    return not (parent / name).exists() and not leftovers
+
+
+def test_existing_output_is_refused_unless_overwrite(small_hf, tmp_path):
+    out = tmp_path / "out"
+    convert_checkpoint(small_hf, out, progress=False)
+    with pytest.raises(InputError, match="already exists"):
+        convert_checkpoint(small_hf, out, progress=False)
+    convert_checkpoint(small_hf, out, overwrite=True, progress=False)
+    assert read_manifest(out)["family"] == "qwen3_moe"
+
+
+def rewrite_safetensors(src, drop=None, replace=None):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if replace:
+        tensors.update(replace)
+    save_file(tensors, str(src / "model.safetensors"))
+
+
+def test_missing_tensor_is_named_and_nothing_is_written(small_hf, tmp_path):
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    rewrite_safetensors(small_hf, drop=name)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        convert_checkpoint(small_hf, tmp_path / "out", progress=False)
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_wrong_shape_is_named(small_hf, tmp_path):
+    import torch
+
+    name = "model.layers.0.self_attn.k_proj.weight"
+    rewrite_safetensors(small_hf, replace={name: torch.zeros(8, 64, dtype=torch.bfloat16)})
+    with pytest.raises(CheckpointError, match=rf"{name}.*\[8, 64\].*expected \[32, 64\]"):
+        convert_checkpoint(small_hf, tmp_path / "out", progress=False)
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_truncated_safetensors_fails_cleanly(small_hf, tmp_path):
+    path = small_hf / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        convert_checkpoint(small_hf, tmp_path / "out", progress=False)
+    assert no_partial_output(tmp_path, "out")
+
+
+def test_missing_config(small_hf, tmp_path):
+    (small_hf / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        convert_checkpoint(small_hf, tmp_path / "out", progress=False)
+
+
+def test_unknown_model_type_lists_the_supported_ones(small_hf, tmp_path):
+    cfg = json.loads((small_hf / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (small_hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"unsupported model_type 'llama'.*qwen3_moe"):
+        convert_checkpoint(small_hf, tmp_path / "out", progress=False)
+
+
+def test_malformed_config_json(small_hf, tmp_path):
+    (small_hf / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        convert_checkpoint(small_hf, tmp_path / "out", progress=False)
+
+
+def test_missing_source_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        convert_checkpoint(tmp_path / "nowhere", tmp_path / "out", progress=False)
+
+
+def test_unknown_tier_is_refused(small_hf, tmp_path):
+    with pytest.raises(InputError, match="unknown tier"):
+        convert_checkpoint(small_hf, tmp_path / "out", tiers="bf16,int3", progress=False)
+
+
+def test_load_rejects_damaged_models(tiny_converted, tmp_path):
+    with pytest.raises(FormatError, match="not a directory"):
+        jmoe.load(tmp_path / "missing")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_converted, damaged)
+    expert_file = damaged / "experts" / "bf16" / "layer003.bin"
+    data = bytearray(expert_file.read_bytes())
+    data[1000] ^= 0xFF
+    expert_file.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="sha256"):
+        jmoe.load(damaged, verify=True)
+    expert_file.write_bytes(bytes(data[:-10]))
+    with pytest.raises(FormatError, match="truncated"):
+        jmoe.load(damaged)
+    (damaged / "manifest.json").unlink()
+    with pytest.raises(FormatError, match="no manifest.json"):
+        jmoe.load(damaged)
