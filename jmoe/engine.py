@@ -29,7 +29,7 @@ def bucket(n: int, minimum: int, limit: int) -> int:
 
 
 def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
     zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
     return KVCache(tuple(zeros() for _ in range(cfg.num_layers)), tuple(zeros() for _ in range(cfg.num_layers)))
 

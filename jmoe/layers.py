@@ -48,7 +48,7 @@ def linear(in_features: int, out_features: int, *, bias: bool, dtype, param_dtyp
 
 
 class KVCache(NamedTuple):
-    """Per-layer key/value caches, each [B, S, KV, hd] in the compute dtype."""
+    """Per-layer key/value caches, each [B, KV, S, hd] (heads-major) in the compute dtype."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -133,25 +133,28 @@ class Attention(nnx.Module):
     def __call__(self, x, k_cache, v_cache, meta: AttentionMeta, *, want_importance: bool = False):
         """x [B, T, D] -> (out [B, T, D], k_cache, v_cache, importance [B, S] or None)."""
         B, T, _ = x.shape
+        KV, G, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q, k, v = self._project(x)
         q = apply_rope(q, meta.cos, meta.sin)
         k = apply_rope(k, meta.cos, meta.sin)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, meta.write_start, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, meta.write_start, 0, 0))
-        S = k_cache.shape[1]
-        groups = self.num_heads // self.num_kv_heads
+        # Heads-major cache [B, KV, S, hd]: attention is a plain batched matmul per (row, kv head).
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), (0, 0, meta.write_start, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, meta.write_start, 0))
+        S = k_cache.shape[2]
         prec = matmul_precision(self.dtype)
-        qg = q.reshape(B, T, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, precision=prec) * (self.head_dim**-0.5)
+        qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
+        scores = jnp.einsum("bkmd,bksd->bkms", qh, k_cache, precision=prec).reshape(B, KV, G, T, S)
+        scores = scores.astype(jnp.float32) * (hd**-0.5)
         q_slot = meta.query_slots()[:, None]  # [T, 1]
         k_slot = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
         allowed = (k_slot <= q_slot)[None] & (k_slot[None] >= meta.key_start[:, None, None])  # [B, T, S]
         if self.window is not None:
             allowed &= (q_slot - k_slot < self.window)[None]
-        scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(self.dtype), v_cache, precision=prec)
-        out = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)  # [B, KV, G, T, S]
+        out = jnp.einsum("bkms,bksd->bkmd", probs.astype(self.dtype).reshape(B, KV, G * T, S), v_cache, precision=prec)
+        out = out.reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
+        out = self.o_proj(out)
         importance = None
         if want_importance:
             # DyMoE heavy hitters: mean attention each cached token receives from valid queries.

@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (convert the bundled model, generate under a device budget)
+# and `make test` (the test suite). Both create .venv and install everything on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# CPU build of torch first (only the HF-comparison tests use it); a looser spec pulls CUDA wheels.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/jmoe convert examples/tiny-qwen3-moe -o out/tiny-qwen3-moe --force
+	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 64MiB
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.speed_vs_transformers
+	$(BIN)/python -m bench.perplexity
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

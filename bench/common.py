@@ -1,0 +1,58 @@
+"""Shared benchmark helpers: machine description, timing, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
+CORPUS = ROOT.parent / "shared" / "corpus"
+
+
+def machine() -> dict:
+    dev = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "backend": jax.default_backend(),
+        "device": dev.device_kind,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def timed(fn, *, repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall time of fn() in seconds; fn must block until its result is ready."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    path = RESULTS / f"{name}_{tag}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return path
