@@ -28,11 +28,13 @@ from jmoe.errors import CheckpointError, InputError
 from jmoe.format import DENSE_DIR, FORMAT_VERSION, MANIFEST, TOKENIZER_DIR, RecordLayout, expert_file, sha256_file
 from jmoe.model import abstract_model
 from jmoe.models import config_from_hf
-from jmoe.quant import bf16_expert, expert_template
+from convert.quantizers.rtn import quantize_rtn
+from jmoe.quant import ExpertWeights, bf16_expert, expert_template, hf_to_kmajor, tier_format
 from jmoe.tiers import TIER_NAMES
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+METHODS = ("rtn",)
 
 # (layer, expert) -> gate [F, D], up [F, D], down [D, F] in float32, HF orientation.
 ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -47,10 +49,30 @@ def parse_tiers(tiers: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def convert_checkpoint(
-    src: str | Path, out: str | Path, *, tiers: str | Iterable[str] = ("bf16",), overwrite: bool = False, progress: bool = True
+    src: str | Path,
+    out: str | Path,
+    *,
+    tiers: str | Iterable[str] = ("bf16",),
+    method: str = "rtn",
+    group_size: int | None = None,
+    symmetric: bool | None = None,
+    w8a8: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
 ) -> Path:
-    """Convert `src` (HF directory or hub id) into a jmoe directory at `out`; returns `out`."""
+    """Convert `src` (HF directory or hub id) into a jmoe directory at `out`; returns `out`.
+
+    Args:
+      tiers: expert tiers to write, e.g. "bf16,int8,int4,int2" (all in one pass).
+      method: quantizer for the integer tiers: "rtn".
+      group_size: group size along K for every integer tier (default: 128 for int8, 64 otherwise).
+      symmetric: force symmetric (True) or asymmetric (False) integer grids.
+      w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
+    """
     tiers = parse_tiers(tiers)
+    if method not in METHODS:
+        raise InputError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
+    formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8) for t in tiers}
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists (pass overwrite=True / --force to replace it)")
@@ -64,7 +86,7 @@ def convert_checkpoint(
         used: set[str] = set()
         dense_index = write_dense(source, cfg, tmp, used)
         reader = expert_reader(source, cfg, used)
-        layouts, checksums = write_experts(reader, cfg, tmp, tiers, progress)
+        layouts, checksums = write_experts(reader, cfg, tmp, formats, method, progress)
         copy_tokenizer(root, tmp)
         warn_unused(source, used)
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -76,7 +98,11 @@ def convert_checkpoint(
             "source": Path(str(src)).name,
             "config": cfg.to_dict(),
             "hf_config": hf_config,
-            "tiers": {tier: layouts[tier].to_json() for tier in tiers},
+            "quantization": {"method": method},
+            "tiers": {
+                tier: {"format": fmt.to_json() if fmt else None, **layouts[tier].to_json()}
+                for tier, fmt in formats.items()
+            },
             "dense": dense_index,
             "tokenizer": TOKENIZER_DIR if (tmp / TOKENIZER_DIR).is_dir() else None,
             "files": dict(sorted(checksums.items())),
@@ -133,9 +159,10 @@ def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> Exp
     return read
 
 
-def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, tiers: tuple[str, ...], progress: bool):
+def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: dict, method: str, progress: bool):
     """One file per (MoE layer, tier), one record per expert; sha256 computed while writing."""
-    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier)) for tier in tiers}
+    tiers = tuple(formats)
+    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier, fmt)) for tier, fmt in formats.items()}
     checksums = {}
     total = cfg.num_moe_layers * cfg.num_experts
     with tqdm(total=total, desc="experts", unit="expert", disable=not progress) as bar:
@@ -149,7 +176,7 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, tiers: tupl
                 for expert in range(cfg.num_experts):
                     gate, up, down = reader(layer, expert)
                     for tier in tiers:
-                        record = layouts[tier].encode(make_version(tier, gate, up, down))
+                        record = layouts[tier].encode(make_version(formats[tier], method, gate, up, down))
                         files[tier].write(record)
                         hashes[tier].update(record)
                     bar.update(1)
@@ -162,10 +189,12 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, tiers: tupl
     return layouts, checksums
 
 
-def make_version(tier: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
-    if tier == "bf16":
+def make_version(fmt, method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> ExpertWeights:
+    """One expert at one tier: bf16 (fmt None) or quantized by `method`."""
+    if fmt is None:
         return bf16_expert(gate, up, down)
-    raise InputError(f"tier {tier!r} cannot be written yet")
+    gate_up, down_k = hf_to_kmajor(gate, up, down)
+    return ExpertWeights(quantize_rtn(gate_up, fmt), quantize_rtn(down_k, fmt))
 
 
 def copy_tokenizer(root: Path, tmp: Path) -> None:

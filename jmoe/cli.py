@@ -17,7 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint (directory or hub id)")
     conv.add_argument("source", help="HF checkpoint directory, or a hub id like Qwen/Qwen3-30B-A3B (needs network)")
     conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
-    conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers to write (default: bf16)")
+    conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int2 (default: bf16)")
+    conv.add_argument("--method", default="rtn", help="quantizer for integer tiers: rtn (default)")
+    conv.add_argument("--group-size", type=int, default=None, help="group size along K (32, 64, 128)")
+    conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
+    conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
     conv.add_argument("--force", action="store_true", help="replace an existing output directory")
     conv.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -45,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_convert(args) -> None:
     from convert import convert_checkpoint  # the converter lives beside the runtime
 
-    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, overwrite=args.force,
-                             progress=not args.no_progress)
+    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, method=args.method,
+                             group_size=args.group_size, symmetric=args.symmetric, w8a8=args.w8a8,
+                             overwrite=args.force, progress=not args.no_progress)
     print(f"wrote {out}", file=sys.stderr)
 
 

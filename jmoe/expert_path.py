@@ -8,6 +8,7 @@ Changing residency changes pool contents and the table, never shapes: nothing re
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -23,21 +24,28 @@ GATHER_MAX_ASSIGNMENTS = 64
 PREFILL_BLOCK_ROWS = 32
 
 
-class LayerExperts(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerExperts:
     tier: jax.Array  # [E] int32 tier code per expert (0 = skipped)
     slot: jax.Array  # [E] int32 slot in that tier's pool
     pools: dict[str, ExpertWeights]
+    backend: str | None = field(default=None, metadata=dict(static=True))
 
 
-class ExpertState(NamedTuple):
-    """What the jitted forward reads to reach experts: the handle table and the pools."""
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ExpertState:
+    """What the jitted forward reads to reach experts: the handle table, the pools, and (static)
+    which kernel backend multiplies them (None = the platform default)."""
 
     tier: jax.Array  # [L_moe, E] int32
     slot: jax.Array  # [L_moe, E] int32
     pools: dict[str, ExpertWeights]
+    backend: str | None = field(default=None, metadata=dict(static=True))
 
     def layer(self, moe_index: int) -> LayerExperts:
-        return LayerExperts(self.tier[moe_index], self.slot[moe_index], self.pools)
+        return LayerExperts(self.tier[moe_index], self.slot[moe_index], self.pools, self.backend)
 
 
 class BlockLayout(NamedTuple):
@@ -88,7 +96,7 @@ def block_layout(slots: jax.Array, active: jax.Array, block_rows: int, max_group
 
 
 def grouped_expert_ffn(
-    h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int
+    h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int, backend: str | None = None
 ) -> jax.Array:
     """SwiGLU expert FFN of every active (token, expert) assignment, reading weights by slot.
 
@@ -100,12 +108,14 @@ def grouped_expert_ffn(
     token = jnp.arange(A, dtype=jnp.int32) // k
     slots, active = slots.reshape(A), active.reshape(A)
     if A <= GATHER_MAX_ASSIGNMENTS:
-        y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1)
+        y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, backend=backend)
         return y.reshape(N, k, -1)
     layout = block_layout(slots, active, PREFILL_BLOCK_ROWS, max_groups)
     token_of_row = jnp.concatenate([token, jnp.array([N], jnp.int32)])[layout.row_source]
     rows = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])[token_of_row]
-    y_rows = expert_ffn(rows, layout.block_slot, pool.gate_up, pool.down, block_rows=PREFILL_BLOCK_ROWS)
+    y_rows = expert_ffn(
+        rows, layout.block_slot, pool.gate_up, pool.down, block_rows=PREFILL_BLOCK_ROWS, backend=backend
+    )
     y_rows = jnp.concatenate([y_rows, jnp.zeros((1, y_rows.shape[1]), y_rows.dtype)])
     return y_rows[layout.dest].reshape(N, k, -1)
 
@@ -121,7 +131,7 @@ def routed_experts(h: jax.Array, routing, token_valid: jax.Array, layer: LayerEx
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
         active = (tiers == TIER_CODES[name]) & token_valid[:, None]
-        y = grouped_expert_ffn(h, slots, active, pool, num_experts)  # [N, k, D]
+        y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend)  # [N, k, D]
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
     return out.astype(h.dtype)

@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.expert_path import ExpertState
-from jmoe.quant import ExpertWeights, expert_template
+from jmoe.quant import ExpertWeights
 from jmoe.store import ExpertStore
 from jmoe.tiers import TIER_CODES
 
 
 def pool_template(store: ExpertStore, tier: str, slots: int) -> ExpertWeights:
     """Shapes of a pool of `slots` expert versions at `tier`."""
-    one = expert_template(store.config, tier)
+    one = store.template(tier)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct((slots, *s.shape), s.dtype), one)
 
 

@@ -18,7 +18,6 @@ from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.format import check_files, read_manifest
 from jmoe.model import abstract_model
 from jmoe.pools import ResidentExperts
-from jmoe.quant import expert_template
 from jmoe.store import ExpertStore
 from jmoe.tokenizer import load_tokenizer
 
@@ -123,7 +122,7 @@ def load(
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
     memory = {
         "dense": tree_nbytes(abstract_state),
-        "experts": tree_nbytes(expert_template(cfg, tier)) * cfg.num_moe_layers * cfg.num_experts,
+        "experts": store.record_nbytes(tier) * cfg.num_moe_layers * cfg.num_experts,
         "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype),
         "workspace": max_batch * workspace_nbytes(cfg, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype),
     }

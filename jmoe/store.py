@@ -15,7 +15,7 @@ import numpy as np
 from jmoe.config import ModelConfig
 from jmoe.errors import FormatError
 from jmoe.format import RecordLayout, expert_file
-from jmoe.quant import ExpertWeights, expert_template
+from jmoe.quant import ExpertWeights, QuantFormat, expert_template
 
 
 class ExpertStore:
@@ -24,14 +24,16 @@ class ExpertStore:
         self.config = cfg
         self.tiers: tuple[str, ...] = tuple(manifest["tiers"])
         self.layouts: dict[str, RecordLayout] = {}
-        self._treedefs = {}
+        self.formats: dict[str, QuantFormat | None] = {}
+        self._templates: dict[str, ExpertWeights] = {}
         for tier in self.tiers:
-            layout = RecordLayout.from_json(manifest["tiers"][tier])
-            template = expert_template(cfg, tier)
+            entry = manifest["tiers"][tier]
+            fmt = QuantFormat.from_json(entry["format"]) if entry.get("format") else None
+            template = expert_template(cfg, tier, fmt)
+            layout = RecordLayout.from_json(entry)
             if RecordLayout.from_template(template) != layout:
                 raise FormatError(f"tier {tier} record layout in the manifest does not match this jmoe version")
-            self.layouts[tier] = layout
-            self._treedefs[tier] = jax.tree_util.tree_structure(template)
+            self.layouts[tier], self.formats[tier], self._templates[tier] = layout, fmt, template
         self._maps: dict[tuple[str, int], np.memmap] = {}
 
     @property
@@ -41,6 +43,10 @@ class ExpertStore:
     @property
     def num_experts(self) -> int:
         return self.config.num_experts
+
+    def template(self, tier: str) -> ExpertWeights:
+        """Shapes and dtypes of one expert version at `tier`."""
+        return self._templates[self._check_tier(tier)]
 
     def record_nbytes(self, tier: str) -> int:
         return self.layouts[self._check_tier(tier)].nbytes
@@ -63,4 +69,5 @@ class ExpertStore:
 
     def record(self, tier: str, layer: int, expert: int) -> ExpertWeights:
         """One expert version as numpy views in its tier's layout."""
-        return self.layouts[tier].decode(self.record_bytes(tier, layer, expert), self._treedefs[tier])
+        treedef = jax.tree_util.tree_structure(self._templates[tier])
+        return self.layouts[tier].decode(self.record_bytes(tier, layer, expert), treedef)

@@ -2,7 +2,7 @@
 
 Rows arrive grouped: rows [R, D] split into R / block_rows blocks, block b reading the expert in
 pool slot block_slot[b] (-1: empty block, output zeros). Weights are K-major: gate_up [S, D, 2F]
-(gate columns then up columns), down [S, F, D].
+(gate columns then up columns), down [S, F, D], each a plain array (bf16 tier) or a QArray pool.
 """
 
 from __future__ import annotations
@@ -10,27 +10,46 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.qarray import QArray, dequantize, prepare_input
+
+BACKENDS = ("xla", "pallas", "interpret")
+
+
+def default_backend() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
 
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def _block_matmul(x, w, safe, dtype):
+    """x [nb, BT, K] @ (weights of the blocks' slots) -> [nb, BT, N]; quantized pools dequantized."""
+    if isinstance(w, QArray):
+        blocks = jax.tree.map(lambda a: a[safe], w)
+        scale = None if blocks.act_scale is None else blocks.act_scale[:, None, :]
+        x = prepare_input(x, scale, w.fmt)
+        weights = dequantize(blocks, dtype)
+    else:
+        weights = w[safe].astype(dtype)
+    return jnp.einsum("btk,bkn->btn", x, weights, precision=_precision(dtype))
+
+
 def expert_ffn_reference(rows, block_slot, gate_up, down, *, block_rows: int):
-    """jnp reference: gather each block's weights, matmul, SwiGLU, matmul. Returns [R, D] in rows.dtype."""
+    """jnp reference: gather each block's weights, dequantize, matmul, SwiGLU, matmul. [R, D] in rows.dtype."""
     R, D = rows.shape
     nb = block_slot.shape[0]
     safe = jnp.maximum(block_slot, 0)
-    dtype = rows.dtype
-    prec = _precision(dtype)
     x = rows.reshape(nb, block_rows, D)
-    gu = jnp.einsum("btd,bdf->btf", x, gate_up[safe].astype(dtype), precision=prec)
-    gate, up = jnp.split(gu, 2, axis=-1)
-    mid = jax.nn.silu(gate) * up
-    y = jnp.einsum("btf,bfd->btd", mid, down[safe].astype(dtype), precision=prec)
+    gate, up = jnp.split(_block_matmul(x, gate_up, safe, rows.dtype), 2, axis=-1)
+    y = _block_matmul(jax.nn.silu(gate) * up, down, safe, rows.dtype)
     y = jnp.where((block_slot >= 0)[:, None, None], y, jnp.zeros_like(y))
     return y.reshape(R, -1)
 
 
-def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int):
+def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None):
     """Entry point the model calls; dispatches to a kernel where one supports the inputs."""
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
     return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows)

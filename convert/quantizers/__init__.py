@@ -1,0 +1,1 @@
+"""Expert quantizers: RTN, GPTQ and HAQ, all writing the packed QArray format."""

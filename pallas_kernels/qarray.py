@@ -1,0 +1,150 @@
+"""The packed quantized weight type the kernels read, and its jnp reference dequantization.
+
+A QArray stores a K-major weight W [K, N] (y = x @ W) quantized group-wise along K:
+
+  values   uint8 [..., Kp / pack, N]   pack = 8 // bits codes per byte
+  scales   f16   [..., Kp / G, N]      one per (group, column)
+  offsets  f16   [..., Kp / G, N]      asymmetric only: w = q * scale + offset
+  act_scale f16  [..., K]              optional input smoothing: y = (x * act_scale) @ W
+
+Symmetric codes are unsigned with a midpoint: w = (q - 2^(bits-1)) * scale. Kp is K rounded up
+to the group size G (padding rows are zero and meet zero activations). Packing is planar within
+each group: the G / pack bytes of group g hold, in bit field j, the K rows g*G + j*(G/pack) + r, so
+a kernel unpacks bit field j into a contiguous K slice without any interleaving.
+
+With act_bits = 8 (W8A8) the activations are quantized per token to int8 before the matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    bits: int  # 8, 4 or 2
+    group_size: int  # 32, 64 or 128, along K
+    symmetric: bool
+    act_bits: int | None = None  # 8: W8A8 (per-token int8 activations)
+    smooth: bool = False  # has an act_scale input-smoothing vector (HAQ)
+
+    def __post_init__(self):
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8, not {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128, not {self.group_size}")
+        if self.act_bits not in (None, 8):
+            raise ValueError(f"act_bits must be None or 8, not {self.act_bits}")
+        if self.act_bits and not (self.bits == 8 and self.symmetric):
+            raise ValueError("W8A8 needs symmetric int8 weights")
+
+    @property
+    def pack(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def qmax(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def midpoint(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def padded_k(self, k: int) -> int:
+        return -(-k // self.group_size) * self.group_size
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "QuantFormat":
+        return cls(**d)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QArray:
+    values: jax.Array
+    scales: jax.Array
+    offsets: jax.Array | None
+    act_scale: jax.Array | None
+    fmt: QuantFormat = dataclasses.field(metadata=dict(static=True))
+    k: int = dataclasses.field(metadata=dict(static=True))  # logical K (before padding)
+
+    @property
+    def n(self) -> int:
+        return self.values.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape [..., K, N] of the weight this array encodes."""
+        return (*self.values.shape[:-2], self.k, self.n)
+
+
+def template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = ()) -> QArray:
+    """A QArray of ShapeDtypeStructs: the arrays a (K, N) weight takes in this format."""
+    kp = fmt.padded_k(k)
+    sds = lambda *shape, dtype: jax.ShapeDtypeStruct((*leading, *shape), dtype)  # noqa: E731
+    return QArray(
+        values=sds(kp // fmt.pack, n, dtype=jnp.uint8),
+        scales=sds(kp // fmt.group_size, n, dtype=jnp.float16),
+        offsets=None if fmt.symmetric else sds(kp // fmt.group_size, n, dtype=jnp.float16),
+        act_scale=sds(k, dtype=jnp.float16) if fmt.smooth else None,
+        fmt=fmt,
+        k=k,
+    )
+
+
+def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
+    """uint8 [..., Kp / pack, N] -> integer codes [..., Kp, N] (int32), undoing the planar packing."""
+    *lead, rows, n = values.shape
+    plane = fmt.group_size // fmt.pack
+    groups = rows // plane
+    v = values.astype(jnp.int32).reshape(*lead, groups, 1, plane, n)
+    shifts = (jnp.arange(fmt.pack, dtype=jnp.int32) * fmt.bits).reshape(fmt.pack, 1, 1)
+    codes = (v >> shifts) & fmt.qmax  # [..., groups, pack, plane, N]
+    return codes.reshape(*lead, groups * fmt.group_size, n)
+
+
+def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
+    """Integer codes [..., Kp, N] in [0, qmax] -> planar-packed uint8 [..., Kp / pack, N]."""
+    *lead, kp, n = codes.shape
+    plane = fmt.group_size // fmt.pack
+    c = jnp.asarray(codes, jnp.uint32).reshape(*lead, kp // fmt.group_size, fmt.pack, plane, n)
+    shifts = (jnp.arange(fmt.pack, dtype=jnp.uint32) * fmt.bits).reshape(fmt.pack, 1, 1)
+    packed = jnp.sum(c << shifts, axis=-3, dtype=jnp.uint32)  # bit fields never overlap
+    return packed.astype(jnp.uint8).reshape(*lead, kp // fmt.pack, n)
+
+
+def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+    """Reference dequantization to the logical weight [..., K, N] (smoothing not applied)."""
+    fmt = q.fmt
+    codes = unpack_codes(q.values, fmt).astype(jnp.float32)
+    scales = jnp.repeat(q.scales.astype(jnp.float32), fmt.group_size, axis=-2)
+    if fmt.symmetric:
+        w = (codes - fmt.midpoint) * scales
+    else:
+        w = codes * scales + jnp.repeat(q.offsets.astype(jnp.float32), fmt.group_size, axis=-2)
+    return w[..., : q.k, :].astype(dtype)
+
+
+def quantize_activations(x: jax.Array) -> jax.Array:
+    """Per-token symmetric int8 fake quantization (W8A8): x [..., K] -> dequantized int8 grid values."""
+    x32 = x.astype(jnp.float32)
+    step = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
+    step = jnp.where(step == 0, 1.0, step)
+    return (jnp.clip(jnp.round(x32 / step), -127, 127) * step).astype(x.dtype)
+
+
+def prepare_input(x: jax.Array, act_scale: jax.Array | None, fmt: QuantFormat) -> jax.Array:
+    """What multiplies the dequantized weight: x [..., K] smoothed (act_scale broadcast against x)
+    and, for W8A8, quantized per token."""
+    if act_scale is not None:
+        x = x * act_scale.astype(x.dtype)
+    if fmt.act_bits == 8:
+        x = quantize_activations(x)
+    return x
