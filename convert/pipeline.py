@@ -1,7 +1,8 @@
 """`jmoe convert`: a Hugging Face checkpoint -> a jmoe directory.
 
-Streams the experts one at a time (never the whole model in memory), writes everything into a
-temporary directory next to the output and renames it into place only when complete.
+Streams the experts (one at a time for RTN, one layer at a time when GPTQ/HAQ calibrate), never
+the whole model; writes everything into a temporary directory next to the output and renames it
+into place only when complete.
 """
 
 from __future__ import annotations
@@ -13,28 +14,29 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from convert.calibration import LayerwiseCalibration, calibration_tokens
 from convert.hf_source import TOKENIZER_CORE_FILES, TOKENIZER_FILES, TensorSource, read_config, resolve_source
 from convert.name_maps import dense_tensor, expert_tensor_names, fused_expert_names
+from convert.quantizers.expert import METHODS, LayerQuantizer, rtn_expert
 from jmoe.config import ModelConfig
-from jmoe.errors import CheckpointError, InputError
+from jmoe.errors import InputError
 from jmoe.format import DENSE_DIR, FORMAT_VERSION, MANIFEST, TOKENIZER_DIR, RecordLayout, expert_file, sha256_file
 from jmoe.model import abstract_model
 from jmoe.models import config_from_hf
-from convert.quantizers.rtn import quantize_rtn
-from jmoe.quant import ExpertWeights, bf16_expert, expert_template, hf_to_kmajor, tier_format
+from jmoe.quant import ExpertWeights, expert_template, hf_to_kmajor, tier_format
 from jmoe.tiers import TIER_NAMES
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-METHODS = ("rtn",)
 
 # (layer, expert) -> gate [F, D], up [F, D], down [D, F] in float32, HF orientation.
 ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -54,6 +56,9 @@ def convert_checkpoint(
     *,
     tiers: str | Iterable[str] = ("bf16",),
     method: str = "rtn",
+    calib: str | Path | Sequence[str | Path] | None = None,
+    calib_sequences: int = 64,
+    calib_seq_len: int = 256,
     group_size: int | None = None,
     symmetric: bool | None = None,
     w8a8: bool = False,
@@ -64,7 +69,9 @@ def convert_checkpoint(
 
     Args:
       tiers: expert tiers to write, e.g. "bf16,int8,int4,int2" (all in one pass).
-      method: quantizer for the integer tiers: "rtn".
+      method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate).
+      calib: calibration text file(s) (comma-separated string or list); needed by gptq and haq.
+      calib_sequences, calib_seq_len: how many token windows of what length to calibrate on.
       group_size: group size along K for every integer tier (default: 128 for int8, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
@@ -72,7 +79,11 @@ def convert_checkpoint(
     tiers = parse_tiers(tiers)
     if method not in METHODS:
         raise InputError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
-    formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8) for t in tiers}
+    calib_files = [p.strip() for p in calib.split(",")] if isinstance(calib, str) else list(calib or [])
+    if method != "rtn" and not calib_files:
+        raise InputError(f"method {method!r} calibrates: pass calibration text with calib=... / --calib")
+    formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq")
+               for t in tiers}
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists (pass overwrite=True / --force to replace it)")
@@ -80,25 +91,39 @@ def convert_checkpoint(
     hf_config = read_config(root)
     cfg = config_from_hf(hf_config)
     source = TensorSource(root)
+    calibrating = method != "rtn" and any(fmt is not None for fmt in formats.values())
+    calibration = None
+    if calibrating:
+        tokens = calibration_tokens(load_source_tokenizer(root), calib_files, calib_sequences, calib_seq_len)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         used: set[str] = set()
-        dense_index = write_dense(source, cfg, tmp, used)
+        dense, dense_index = read_dense(source, cfg, used)
+        save_dense(dense, tmp / DENSE_DIR)
+        if calibrating:
+            calibration = LayerwiseCalibration(cfg, dense, tokens)
+        del dense
         reader = expert_reader(source, cfg, used)
-        layouts, checksums = write_experts(reader, cfg, tmp, formats, method, progress)
+        layouts, checksums, alphas = write_experts(reader, cfg, tmp, formats, method, progress, calibration)
         copy_tokenizer(root, tmp)
         warn_unused(source, used)
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = path.relative_to(tmp).as_posix()
             checksums.setdefault(rel, {"bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        quantization = {"method": method}
+        if calibration is not None:
+            quantization["calibration"] = {"files": [Path(f).name for f in calib_files],
+                                           "sequences": calib_sequences, "seq_len": calib_seq_len}
+        if alphas:
+            quantization["haq_alpha"] = alphas
         manifest = {
             "format_version": FORMAT_VERSION,
             "family": cfg.family,
             "source": Path(str(src)).name,
             "config": cfg.to_dict(),
             "hf_config": hf_config,
-            "quantization": {"method": method},
+            "quantization": quantization,
             "tiers": {
                 tier: {"format": fmt.to_json() if fmt else None, **layouts[tier].to_json()}
                 for tier, fmt in formats.items()
@@ -117,8 +142,16 @@ def convert_checkpoint(
     return out
 
 
-def write_dense(source: TensorSource, cfg: ModelConfig, tmp: Path, used: set[str]) -> dict:
-    """Every non-expert weight, bf16, into an orbax checkpoint; returns the tensor index."""
+def load_source_tokenizer(root: Path):
+    if not any((root / name).is_file() for name in TOKENIZER_CORE_FILES):
+        raise InputError(f"{root} has no tokenizer; calibration text cannot be tokenized")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(root))
+
+
+def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str]) -> tuple[dict, dict]:
+    """Every non-expert weight as bf16 numpy in jmoe's parameter tree, and the tensor index."""
     state = nnx.to_pure_dict(nnx.state(abstract_model(cfg, np.float32)))
     index = {}
 
@@ -133,11 +166,13 @@ def write_dense(source: TensorSource, cfg: ModelConfig, tmp: Path, used: set[str
         index[key] = {"hf_name": hf_name, "shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
         return np.ascontiguousarray(value).astype(spec.dtype)
 
-    weights = jax.tree_util.tree_map_with_path(load, state)
+    return jax.tree_util.tree_map_with_path(load, state), {"dir": DENSE_DIR, "tensors": index}
+
+
+def save_dense(dense: dict, path: Path) -> None:
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((tmp / DENSE_DIR).absolute(), weights)
+    checkpointer.save(path.absolute(), dense)
     checkpointer.wait_until_finished()
-    return {"dir": DENSE_DIR, "tensors": index}
 
 
 def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> ExpertReader:
@@ -159,42 +194,79 @@ def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> Exp
     return read
 
 
-def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: dict, method: str, progress: bool):
-    """One file per (MoE layer, tier), one record per expert; sha256 computed while writing."""
-    tiers = tuple(formats)
+class LayerFiles:
+    """The expert files of one MoE layer, one per tier, hashed as they are written."""
+
+    def __init__(self, tmp: Path, moe_index: int, layouts: dict[str, RecordLayout]):
+        self.layouts = layouts
+        self.paths = {tier: expert_file(tier, moe_index) for tier in layouts}
+        self.files, self.hashes = {}, {}
+        for tier, rel in self.paths.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            self.files[tier], self.hashes[tier] = open(tmp / rel, "wb"), hashlib.sha256()
+
+    def write(self, tier: str, version: ExpertWeights) -> None:
+        record = self.layouts[tier].encode(version)
+        self.files[tier].write(record)
+        self.hashes[tier].update(record)
+
+    def close(self, num_experts: int) -> dict:
+        for f in self.files.values():
+            f.close()
+        return {
+            rel: {"bytes": self.layouts[tier].nbytes * num_experts, "sha256": self.hashes[tier].hexdigest()}
+            for tier, rel in self.paths.items()
+        }
+
+
+def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: dict, method: str, progress: bool,
+                  calibration: LayerwiseCalibration | None = None):
+    """One file per (MoE layer, tier), one record per expert, every tier in one pass.
+
+    Without calibration (RTN) experts stream one at a time; with it (GPTQ, HAQ) one layer's
+    experts are held while the calibration hidden states pass through that layer.
+    """
     layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier, fmt)) for tier, fmt in formats.items()}
-    checksums = {}
-    total = cfg.num_moe_layers * cfg.num_experts
-    with tqdm(total=total, desc="experts", unit="expert", disable=not progress) as bar:
-        for moe_index, layer in enumerate(cfg.moe_layer_indices):
-            files, hashes = {}, {}
-            for tier in tiers:
-                path = tmp / expert_file(tier, moe_index)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                files[tier], hashes[tier] = open(path, "wb"), hashlib.sha256()
+    checksums, alphas = {}, {}
+    E = cfg.num_experts
+    with tqdm(total=cfg.num_moe_layers * E, desc="experts", unit="expert", disable=not progress) as bar:
+        moe_index = 0
+        for layer in range(cfg.num_layers):
+            inputs = calibration.enter(layer) if calibration else None
+            if not cfg.moe_layers[layer]:
+                if calibration:
+                    calibration.leave(layer)
+                continue
+            files = LayerFiles(tmp, moe_index, layouts)
             try:
-                for expert in range(cfg.num_experts):
-                    gate, up, down = reader(layer, expert)
-                    for tier in tiers:
-                        record = layouts[tier].encode(make_version(formats[tier], method, gate, up, down))
-                        files[tier].write(record)
-                        hashes[tier].update(record)
-                    bar.update(1)
+                if calibration is None:
+                    for expert in range(E):
+                        weights = hf_to_kmajor(*reader(layer, expert))
+                        write_versions(files, formats, weights, lambda tier: rtn_expert(*weights, formats[tier]))
+                        bar.update(1)
+                else:
+                    experts = [hf_to_kmajor(*reader(layer, e)) for e in range(E)]
+                    plan = LayerQuantizer(method, formats, experts, inputs)
+                    if plan.alphas:
+                        alphas[moe_index] = plan.alphas
+                    for expert in range(E):
+                        write_versions(files, formats, experts[expert], lambda tier: plan.quantize(expert, tier))
+                        bar.update(1)
+                    calibration.leave(layer, [ExpertWeights(*w) for w in experts])
             finally:
-                for f in files.values():
-                    f.close()
-            for tier in tiers:
-                rel = expert_file(tier, moe_index)
-                checksums[rel] = {"bytes": layouts[tier].nbytes * cfg.num_experts, "sha256": hashes[tier].hexdigest()}
-    return layouts, checksums
+                checksums.update(files.close(E))
+            moe_index += 1
+    return layouts, checksums, alphas
 
 
-def make_version(fmt, method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> ExpertWeights:
-    """One expert at one tier: bf16 (fmt None) or quantized by `method`."""
-    if fmt is None:
-        return bf16_expert(gate, up, down)
-    gate_up, down_k = hf_to_kmajor(gate, up, down)
-    return ExpertWeights(quantize_rtn(gate_up, fmt), quantize_rtn(down_k, fmt))
+def write_versions(files: LayerFiles, formats: dict, weights, quantize: Callable[[str], ExpertWeights]) -> None:
+    """Every tier of one expert (K-major float32 gate_up, down): bf16 as is, integer tiers quantized."""
+    for tier, fmt in formats.items():
+        if fmt is None:
+            gate_up, down = weights
+            files.write(tier, ExpertWeights(gate_up.astype(ml_dtypes.bfloat16), down.astype(ml_dtypes.bfloat16)))
+        else:
+            files.write(tier, quantize(tier))
 
 
 def copy_tokenizer(root: Path, tmp: Path) -> None:

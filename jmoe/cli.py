@@ -18,7 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("source", help="HF checkpoint directory, or a hub id like Qwen/Qwen3-30B-A3B (needs network)")
     conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
     conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int2 (default: bf16)")
-    conv.add_argument("--method", default="rtn", help="quantizer for integer tiers: rtn (default)")
+    conv.add_argument("--method", default="rtn", help="quantizer for integer tiers: rtn (default), gptq, haq")
+    conv.add_argument("--calib", action="append", default=[], help="calibration text file for gptq/haq (repeatable)")
+    conv.add_argument("--calib-sequences", type=int, default=64, help="calibration windows (default 64)")
+    conv.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
     conv.add_argument("--group-size", type=int, default=None, help="group size along K (32, 64, 128)")
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
@@ -49,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_convert(args) -> None:
     from convert import convert_checkpoint  # the converter lives beside the runtime
 
-    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, method=args.method,
+    calib = [f for item in args.calib for f in item.split(",") if f]
+    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, method=args.method, calib=calib,
+                             calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
                              group_size=args.group_size, symmetric=args.symmetric, w8a8=args.w8a8,
                              overwrite=args.force, progress=not args.no_progress)
     print(f"wrote {out}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Grouped expert kernels. Imports jax only; every kernel sits next to its jnp reference."""
 
 from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, supports
 
-__all__ = ["expert_ffn", "expert_ffn_reference"]
+__all__ = ["expert_ffn", "expert_ffn_reference", "expert_ffn_pallas", "supports"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, supports
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
 BACKENDS = ("xla", "pallas", "interpret")
@@ -48,8 +49,16 @@ def expert_ffn_reference(rows, block_slot, gate_up, down, *, block_rows: int):
 
 
 def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None):
-    """Entry point the model calls; dispatches to a kernel where one supports the inputs."""
+    """Entry point the model calls; dispatches to a kernel where one supports the inputs.
+
+    "pallas" runs the compiled Pallas kernel, "interpret" the same kernel in interpret mode; either
+    falls back to the XLA reference for inputs the kernel does not support.
+    """
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
+    if backend != "xla" and supports(rows, gate_up, down, block_rows):
+        return expert_ffn_pallas(
+            rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret"
+        )
     return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows)

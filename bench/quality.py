@@ -1,0 +1,91 @@
+"""Quality of the quantized tiers: perplexity of the bundled tiny model per dev domain.
+
+Converts the model once per method (RTN, GPTQ, HAQ; weights only, and with a W8A8 int8 tier),
+calibrating GPTQ/HAQ on the train splits, then scores every tier on ../shared/corpus/*.dev.txt.
+
+    python -m bench.quality [--max-tokens N] [--window 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import jmoe
+from bench.common import CORPUS, TINY_HF, write_result
+from convert import convert_checkpoint
+from jmoe.evaluate import window_nll
+
+DOMAINS = ("prose", "code", "math")
+TIERS = ("int8", "int4", "int2")
+CALIB = [CORPUS / f"{d}.train.txt" for d in DOMAINS]
+
+
+def dev_tokens(tokenizer, max_tokens: int | None) -> dict[str, np.ndarray]:
+    out = {}
+    for d in DOMAINS:
+        ids = np.asarray(tokenizer.encode((CORPUS / f"{d}.dev.txt").read_text()), np.int32)
+        out[d] = ids[:max_tokens] if max_tokens else ids
+    return out
+
+
+def perplexities(path: Path, tier: str, tokens: dict, window: int) -> dict[str, float]:
+    model = jmoe.load(path, tier=tier, compute_dtype="float32")
+    result = {}
+    for domain, ids in tokens.items():
+        total, count = window_nll(model, ids, window)
+        result[domain] = math.exp(total / count)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N dev tokens per domain")
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--calib-sequences", type=int, default=64)
+    args = parser.parse_args()
+
+    rows, timings = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = [("rtn", False), ("gptq", False), ("haq", False), ("rtn", True), ("gptq", True), ("haq", True)]
+        tokens = None
+        for method, w8a8 in variants:
+            name = f"{method}{'-w8a8' if w8a8 else ''}"
+            tiers = ("bf16", *TIERS) if not w8a8 else ("int8",)
+            t = time.perf_counter()
+            out = convert_checkpoint(TINY_HF, Path(tmp) / name, tiers=",".join(tiers), method=method, w8a8=w8a8,
+                                     calib=None if method == "rtn" else [str(p) for p in CALIB],
+                                     calib_sequences=args.calib_sequences, progress=False)
+            timings[name] = {"convert_s": time.perf_counter() - t}
+            if tokens is None:
+                tokens = dev_tokens(jmoe.load(out, compute_dtype="float32").tokenizer, args.max_tokens)
+                rows.append({"method": "-", "tier": "bf16", "activations": "bf16/f32",
+                             **perplexities(out, "bf16", tokens, args.window)})
+            for tier in tiers:
+                if tier == "bf16":
+                    continue
+                t = time.perf_counter()
+                row = {"method": method, "tier": tier, "activations": "int8 per token" if w8a8 else "float",
+                       **perplexities(out, tier, tokens, args.window)}
+                timings[name][f"eval_{tier}_s"] = time.perf_counter() - t
+                rows.append(row)
+                print(f"{method:5s} {tier:5s} {'W8A8' if w8a8 else '    '} " +
+                      "  ".join(f"{d} {row[d]:8.3f}" for d in DOMAINS), flush=True)
+    payload = {
+        "model": "tiny-qwen3-moe",
+        "window": args.window,
+        "dev_tokens": {d: int(len(ids)) for d, ids in tokens.items()},
+        "calibration": {"files": [p.name for p in CALIB], "sequences": args.calib_sequences, "seq_len": 256},
+        "rows": rows,
+        "seconds": timings,
+    }
+    write_result("quality_tiny", payload)
+
+
+if __name__ == "__main__":
+    main()

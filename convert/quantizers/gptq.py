@@ -1,0 +1,162 @@
+"""GPTQ (Frantar et al., 2022): Hessian-aware rounding, one input row at a time.
+
+W [K, N] (y = x @ W) is quantized row by row along K. After rounding row k, its error is spread over
+the rows not yet quantized so that the layer output x @ W changes as little as possible on the
+calibration inputs, using the upper Cholesky factor U of the damped inverse Hessian (U^T U = H^-1):
+
+  err     = (W[k] - Q[k]) / U[k, k]
+  W[j]   -= U[k, j] * err            for j > k
+
+Rows are processed in blocks: inside a block the update is applied row by row (lax.fori_loop),
+the rows after the block receive the block's errors in one matmul. Group scales and offsets come from
+the error-updated weights of a group when the loop reaches the group's first row.
+
+The Hessian is prepared (dead inputs, damping, inverse, Cholesky) in float64 with numpy/scipy on the
+host; the rounding loop runs in float32 under jax.jit, on the default device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.linalg
+from jax import lax
+
+from convert.quantizers.grid import decode, encode, group_params, to_qarray
+from pallas_kernels.qarray import QArray, QuantFormat
+
+_HIGHEST = lax.Precision.HIGHEST  # no TF32/bf16 passes on GPU: errors feed back into later rows
+
+
+def gptq_quantize(w, hessian, fmt: QuantFormat, *, damp: float = 0.01, block_size: int = 128, act_scale=None) -> QArray:
+    """Quantize a K-major weight with GPTQ.
+
+    Args:
+      w: [K, N] weight, y = x @ w (float32 or anything convertible).
+      hessian: [K, K] X^T X of the calibration inputs X [n, K] that multiply w (sum or mean: the
+        damping is relative, so the scale does not matter).
+      fmt: the target format; groups of fmt.group_size rows along K.
+      damp: fraction of mean(diag(H)) added to the diagonal.
+      block_size: rows per lazy-update block (rounded to a multiple of the group size).
+      act_scale: [K] input smoothing vector stored with the result (w must already be scaled);
+        required exactly when fmt.smooth.
+
+    Returns:
+      A host QArray of logical shape [K, N].
+    """
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    if np.shape(hessian) != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}] for a weight of shape {w.shape}, not {np.shape(hessian)}")
+    if (act_scale is not None) != fmt.smooth:
+        raise ValueError(f"act_scale must be given exactly when fmt.smooth ({fmt.smooth})")
+    if not np.all(np.isfinite(w)) or not np.all(np.isfinite(hessian)):
+        raise ValueError("weight and hessian must be finite")
+
+    u, dead = inverse_hessian_cholesky(hessian, damp)  # [K, K], [K]
+    w = np.where(dead[:, None], 0.0, w).astype(np.float32)  # dead inputs: any weight is free, use 0
+
+    group = fmt.group_size
+    block = max(group, block_size // group * group)  # groups never straddle blocks
+    kp = fmt.padded_k(k)
+    kb = -(-kp // block) * block
+    # Padding rows are dead inputs: zero weight, identity rows of U (no error flows in or out).
+    w_padded = np.zeros((kb, n), np.float32)
+    w_padded[:k] = w
+    u_padded = np.eye(kb, dtype=np.float32)
+    u_padded[:k, :k] = u
+
+    codes, scales, offsets = _gptq_blocks(jnp.asarray(w_padded), jnp.asarray(u_padded), fmt, block)
+    codes, scales, offsets = codes[:kp], scales[: kp // group], offsets[: kp // group]
+    return to_qarray(codes, scales, offsets, fmt, k, act_scale)
+
+
+def inverse_hessian_cholesky(hessian, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """Damped inverse Hessian as its upper Cholesky factor, in float64.
+
+    Args:
+      hessian: [K, K] X^T X.
+      damp: fraction of mean(diag(H)) added to the diagonal (after dead inputs get H[k, k] = 1).
+
+    Returns:
+      u: [K, K] float32 upper triangular with u^T u = (H + damping)^-1.
+      dead: [K] bool, inputs that never fire (H[k, k] == 0).
+    """
+    h = np.array(hessian, np.float64)
+    diag = np.diagonal(h).copy()
+    dead = diag == 0
+    diag[dead] = 1.0
+    diag += damp * np.mean(diag)
+    np.fill_diagonal(h, diag)
+    h_inv = scipy.linalg.cho_solve(scipy.linalg.cho_factor(h, lower=True), np.eye(len(h)))
+    u = scipy.linalg.cholesky(h_inv, lower=False)
+    return u.astype(np.float32), dead
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block"))
+def _gptq_blocks(w, u, fmt: QuantFormat, block: int):
+    """w [Kb, N], u [Kb, Kb] (Kb a multiple of block) -> codes [Kb, N], scales/offsets [Kb / G, N]."""
+    kb, n = w.shape
+    group = fmt.group_size
+
+    def one_block(b, carry):
+        w, codes, scales, offsets = carry
+        start = b * block
+        w_block = lax.dynamic_slice_in_dim(w, start, block, 0)  # [B, N]
+        u_rows = lax.dynamic_slice_in_dim(u, start, block, 0)  # [B, Kb]
+        u_block = lax.dynamic_slice_in_dim(u_rows, start, block, 1)  # [B, B]
+        block_codes, block_scales, block_offsets, errors = _quantize_block(w_block, u_block, fmt)
+        # Lazy update: u_rows is zero left of the block, and the block's own rows are never read again.
+        w = w - jnp.dot(u_rows.T, errors, precision=_HIGHEST)  # [Kb, N]
+        codes = lax.dynamic_update_slice_in_dim(codes, block_codes, start, 0)
+        scales = lax.dynamic_update_slice_in_dim(scales, block_scales, start // group, 0)
+        offsets = lax.dynamic_update_slice_in_dim(offsets, block_offsets, start // group, 0)
+        return w, codes, scales, offsets
+
+    init = (
+        w,
+        jnp.zeros((kb, n), jnp.int32),
+        jnp.ones((kb // group, n), jnp.float32),
+        jnp.zeros((kb // group, n), jnp.float32),
+    )
+    _, codes, scales, offsets = lax.fori_loop(0, kb // block, one_block, init)
+    return codes, scales, offsets
+
+
+def _quantize_block(w, u, fmt: QuantFormat):
+    """One block, row by row: w [B, N], u [B, B] -> codes [B, N], scales/offsets [B / G, N], errors [B, N]."""
+    rows, n = w.shape
+    group = fmt.group_size
+
+    def one_row(i, carry):
+        w, codes, errors, scales, offsets, scale, offset = carry
+        scale, offset = lax.cond(
+            i % group == 0,
+            lambda: group_params(lax.dynamic_slice_in_dim(w, i, group, 0), fmt),  # [1, N] each
+            lambda: (scale, offset),
+        )
+        row = lax.dynamic_slice_in_dim(w, i, 1, 0)  # [1, N]
+        q = encode(row, scale, offset, fmt)  # [1, N]
+        err = (row - decode(q, scale, offset, fmt)) / u[i, i]  # [1, N]
+        # u is upper triangular: rows before i are untouched, row i becomes its dequantized value.
+        w = w - u[i][:, None] * err  # [B, N]
+        codes = lax.dynamic_update_slice_in_dim(codes, q, i, 0)
+        errors = lax.dynamic_update_slice_in_dim(errors, err, i, 0)
+        scales = lax.dynamic_update_slice_in_dim(scales, scale, i // group, 0)
+        offsets = lax.dynamic_update_slice_in_dim(offsets, offset, i // group, 0)
+        return w, codes, errors, scales, offsets, scale, offset
+
+    init = (
+        w,
+        jnp.zeros((rows, n), jnp.int32),
+        jnp.zeros((rows, n), jnp.float32),
+        jnp.ones((rows // group, n), jnp.float32),
+        jnp.zeros((rows // group, n), jnp.float32),
+        jnp.ones((1, n), jnp.float32),
+        jnp.zeros((1, n), jnp.float32),
+    )
+    _, codes, errors, scales, offsets, _, _ = lax.fori_loop(0, rows, one_row, init)
+    return codes, scales, offsets, errors

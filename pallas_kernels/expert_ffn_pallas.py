@@ -1,0 +1,396 @@
+"""Pallas (Triton) grouped SwiGLU expert FFN reading expert weights straight from a pool by slot.
+
+Computes what `expert_ffn_reference` computes, in two kernels:
+
+  stage 1  h = silu(x @ gate) * (x @ up)   grid (blocks, F / BN): one program per row block and
+                                            N tile of F; gate and up tiles share the x loads
+  stage 2  y = h @ down                     grid (blocks, D / BN)
+
+Every program loads its block's slot id from `block_slot` and indexes the whole pool ref with it,
+so no weights are gathered or copied outside the kernel; a block with slot -1 writes zeros.
+
+Quantized weights are unpacked inside the kernel. The activations are brought into the packed
+layout outside it instead: with planar packing, bit field j of packed rows [r0, r0 + n) holds K rows
+that are contiguous per group, so x is permuted once per call to [R, pack, Kp / pack] (x_planar[:, j,
+r] multiplies bit field j of packed row r). Then one K step is a contiguous slice of packed rows
+and, for every bit field, a contiguous slice of x. Smoothing (act_scale) and W8A8 quantization also
+happen there: the per-token int8 scale needs the whole smoothed row, and both touch K values per
+row against K x N weight bytes.
+
+Two contraction paths:
+- decode (block_rows == 1, memory-bound): GEMV by broadcast-multiply and sum over K; tl.dot needs
+  M >= 16, and a single row gains nothing from tensor cores.
+- prefill (block_rows >= 16): jnp.dot on [BT, BK] x [BK, BN] tiles with float32 accumulation;
+  W8A8 runs int8 x int8 dots with int32 accumulation per quantization group.
+
+Tile choices (GPU):
+- BN (output columns per program): 64 for decode, to spread a handful of experts over enough
+  programs to fill the SMs; 128 for prefill, where each weight tile is reused by BT rows. Capped
+  at the largest power of two dividing N, so no program needs masked loads or stores.
+- K step: one quantization group for quantized weights, so one scale (and offset) row applies to
+  the whole step; on the dot path at least 16 packed rows (int2 with groups of 32 has 8 per group,
+  so two groups are taken per step). 64 rows for plain weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.qarray import QArray
+
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_N = 128
+PLAIN_BLOCK_K = 64
+MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
+DECODE_PARAMS = dict(num_warps=4, num_stages=3)
+PREFILL_PARAMS = dict(num_warps=4, num_stages=3)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static description of one grouped matmul kernel."""
+
+    block_rows: int  # BT
+    block_n: int  # BN
+    step_rows: int  # packed weight rows per K step
+    num_steps: int
+    pack: int  # codes per byte (1 for plain weights)
+    bits: int
+    plane: int  # packed rows per quantization group (0 for plain weights)
+    quantized: bool
+    symmetric: bool
+    int8_activations: bool
+    up_offset: int | None  # stage 1: column offset of the up half; stage 2: None
+    float32: bool
+    plain_dtype: str | None  # 16-bit float dtype of a plain pool passed as its bit pattern
+
+    @property
+    def gemv(self) -> bool:
+        return self.block_rows == 1
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.step_rows // self.plane
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def _weight_k(w) -> int:
+    """Logical K of one pool's weights."""
+    return w.k if isinstance(w, QArray) else w.shape[-2]
+
+
+def _packed_rows(w) -> int:
+    """Rows of the stored weight per slot: Kp / pack for QArrays, K for plain arrays."""
+    return w.values.shape[-2] if isinstance(w, QArray) else w.shape[-2]
+
+
+def _block_n(n_out: int, gemv: bool) -> int:
+    """Output columns per program: a power of two dividing N, so no tile needs masking."""
+    return _largest_pow2_divisor(n_out, DECODE_BLOCK_N if gemv else PREFILL_BLOCK_N)
+
+
+def _step_rows(w, gemv: bool) -> int:
+    """Packed weight rows per K step: one group (two for int2/G32 dots), or PLAIN_BLOCK_K rows."""
+    if not isinstance(w, QArray):
+        return _largest_pow2_divisor(w.shape[-2], PLAIN_BLOCK_K)
+    plane = w.fmt.group_size // w.fmt.pack
+    return plane if gemv else max(plane, MIN_DOT_DIM)
+
+
+def _plan(w, block_rows: int, n_out: int, up_offset: int | None, dtype) -> _Plan:
+    gemv = block_rows == 1
+    step_rows = _step_rows(w, gemv)
+    quantized = isinstance(w, QArray)
+    fmt = w.fmt if quantized else None
+    return _Plan(
+        block_rows=block_rows,
+        block_n=_block_n(n_out, gemv),
+        step_rows=step_rows,
+        num_steps=_packed_rows(w) // step_rows,
+        pack=fmt.pack if quantized else 1,
+        bits=fmt.bits if quantized else 16,
+        plane=fmt.group_size // fmt.pack if quantized else 0,
+        quantized=quantized,
+        symmetric=fmt.symmetric if quantized else True,
+        int8_activations=quantized and fmt.act_bits == 8,
+        up_offset=up_offset,
+        float32=jnp.dtype(dtype) == jnp.float32,
+        plain_dtype=None if quantized or jnp.dtype(w.dtype).itemsize != 2 else jnp.dtype(w.dtype).name,
+    )
+
+
+def _pool_supported(w, block_rows: int, n_out: int) -> bool:
+    if not (isinstance(w, QArray) or jnp.issubdtype(w.dtype, jnp.floating)):
+        return False
+    gemv = block_rows == 1
+    block_n = _block_n(n_out, gemv)
+    step_rows = _step_rows(w, gemv)
+    if block_n < MIN_DOT_DIM or step_rows < (1 if gemv else MIN_DOT_DIM):
+        return False
+    return _packed_rows(w) % step_rows == 0
+
+
+def supports(rows, gate_up, down, block_rows: int) -> bool:
+    """Whether `expert_ffn_pallas` handles these inputs (else use the reference).
+
+    Needs float32/bfloat16 rows; block_rows 1 (GEMV) or a power of two >= 16 (tl.dot needs M >= 16);
+    output widths F and D with a power-of-two factor >= 16 (unmasked N tiles). On the dot path K
+    steps must reach 16 rows: plain weights need a power-of-two factor >= 16 in K, and int2 with
+    groups of 32 (8 packed rows per group, two groups per step) an even number of groups.
+    """
+    if jnp.dtype(rows.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return False
+    if not (block_rows == 1 or (block_rows >= MIN_DOT_DIM and block_rows & (block_rows - 1) == 0)):
+        return False
+    if rows.ndim != 2 or rows.shape[0] % block_rows:
+        return False
+    D = rows.shape[1]
+    F = _weight_k(down)
+    if _weight_k(gate_up) != D or gate_up.shape[-1] != 2 * F or down.shape[-1] != D:
+        return False
+    return _pool_supported(gate_up, block_rows, F) and _pool_supported(down, block_rows, D)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _smooth(x, act_scale, block_slot, block_rows: int):
+    """x [R, K] * act_scale of each block's slot, in x's dtype (as the reference rounds it)."""
+    R, K = x.shape
+    scale = act_scale[jnp.maximum(block_slot, 0)].astype(x.dtype)  # [nb, K]
+    return (x.reshape(-1, block_rows, K) * scale[:, None, :]).reshape(R, K)
+
+
+def _quantize_rows(x):
+    """Per-row symmetric int8: x [R, K] -> (codes int8 [R, K], step float32 [R])."""
+    x32 = x.astype(jnp.float32)
+    step = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+    step = jnp.where(step == 0, 1.0, step)
+    codes = jnp.clip(jnp.round(x32 / step[:, None]), -127, 127).astype(jnp.int8)
+    return codes, step
+
+
+def _planar(x, w):
+    """x [R, K] -> [R, pack, Kp / pack], zero-padded to Kp and permuted to the packing layout."""
+    R, K = x.shape
+    if not isinstance(w, QArray):
+        return x[:, None, :]
+    fmt = w.fmt
+    kp = fmt.padded_k(K)
+    plane = fmt.group_size // fmt.pack
+    x = jnp.pad(x, ((0, 0), (0, kp - K)))
+    x = x.reshape(R, kp // fmt.group_size, fmt.pack, plane).transpose(0, 2, 1, 3)
+    return x.reshape(R, fmt.pack, kp // fmt.pack)
+
+
+def _prepare_activations(x, block_slot, w, block_rows: int):
+    """What the kernel multiplies: (x_planar [R, pack, Kp / pack], per-row int8 step [R] or None)."""
+    step = None
+    if isinstance(w, QArray):
+        if w.act_scale is not None:
+            x = _smooth(x, w.act_scale, block_slot, block_rows)
+        if w.fmt.act_bits == 8:
+            x, step = _quantize_rows(x)
+    return _planar(x, w), step
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _load_x(x_ref, field: int, r0, plan: _Plan):
+    """Bit field `field`'s activations for packed rows [r0, r0 + step): [BT, step] ([step] for GEMV)."""
+    rows = pl.ds(r0, plan.step_rows)
+    return x_ref[0, field, rows] if plan.gemv else x_ref[:, field, rows]
+
+
+def _group_row(ref, slot, group, col, plan: _Plan):
+    """One group's scale or offset row for the N tile: [BN] float32."""
+    return ref[slot, group, pl.ds(col, plan.block_n)].astype(jnp.float32)
+
+
+def _group_rows(ref, slot, g0, col, plan: _Plan):
+    """Per-group parameter (scale or offset) for every packed row of the step: [step or 1, BN]."""
+    tile = _group_row(ref, slot, g0, col, plan)[None, :]  # [1, BN]
+    if plan.groups_per_step == 1:
+        return tile
+    row = jax.lax.broadcasted_iota(jnp.int32, (plan.step_rows, plan.block_n), 0)
+    tile = jnp.broadcast_to(tile, (plan.step_rows, plan.block_n))
+    for i in range(1, plan.groups_per_step):
+        later = _group_row(ref, slot, g0 + i, col, plan)[None, :]
+        tile = jnp.where(row >= i * plan.plane, later, tile)
+    return tile
+
+
+def _contract(x, w, plan: _Plan):
+    """x [BT, K] @ w [K, BN] -> [BT, BN] (x [K] -> [BN] for GEMV), float32 or int32."""
+    if plan.int8_activations:
+        if plan.gemv:
+            return jnp.sum(x.astype(jnp.int32)[:, None] * w.astype(jnp.int32), axis=0)
+        return jnp.dot(x, w, preferred_element_type=jnp.int32)
+    if plan.gemv:
+        return jnp.sum(x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
+    precision = jax.lax.Precision.HIGHEST if plan.float32 else None
+    return jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _step_plain(x_ref, w_ref, slot, r0, col, plan: _Plan):
+    """One K step over plain weights: [BT, BN] float32."""
+    x = _load_x(x_ref, 0, r0, plan)
+    w = w_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)]
+    if plan.plain_dtype is not None:
+        w = jax.lax.bitcast_convert_type(w, jnp.dtype(plan.plain_dtype))
+    return _contract(x, w.astype(x.dtype), plan)
+
+
+def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
+    """One K step (one group, or two for int2/G32 dots): unpack every bit field, dequantize, contract."""
+    values_ref, scales_ref, offsets_ref = q_refs
+    g0 = r0 // plan.plane
+    packed = values_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)].astype(jnp.int32)
+    if plan.int8_activations:
+        # W8A8: integer dot per group, then the group's scale (groups_per_step == 1 for int8)
+        w = (packed - 128).astype(jnp.int8)
+        total = _contract(_load_x(x_ref, 0, r0, plan), w, plan).astype(jnp.float32)
+        return total * _group_row(scales_ref, slot, g0, col, plan)
+    scale = _group_rows(scales_ref, slot, g0, col, plan)
+    offset = None if plan.symmetric else _group_rows(offsets_ref, slot, g0, col, plan)
+    total = None
+    for field in range(plan.pack):
+        x = _load_x(x_ref, field, r0, plan)
+        codes = ((packed >> (field * plan.bits)) & ((1 << plan.bits) - 1)).astype(jnp.float32)
+        if plan.symmetric:
+            w = (codes - (1 << (plan.bits - 1))) * scale
+        else:
+            w = codes * scale + offset
+        part = _contract(x, w.astype(x.dtype), plan)
+        total = part if total is None else total + part
+    return total
+
+
+def _accumulate(x_ref, w_refs, slot, columns, plan: _Plan):
+    """Sum over K of every column tile in `columns`: tuple of [BT, BN] ([BN] for GEMV) float32."""
+    acc_shape = (plan.block_n,) if plan.gemv else (plan.block_rows, plan.block_n)
+
+    def body(step, accs):
+        r0 = pl.multiple_of(step * plan.step_rows, plan.step_rows)
+        if plan.quantized:
+            parts = [_step_quantized(x_ref, w_refs, slot, r0, col, plan) for col in columns]
+        else:
+            parts = [_step_plain(x_ref, w_refs[0], slot, r0, col, plan) for col in columns]
+        return tuple(a + p for a, p in zip(accs, parts))
+
+    init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in columns)
+    return jax.lax.fori_loop(0, plan.num_steps, body, init)
+
+
+def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
+    """One (row block, N tile) program: load the block's slot, multiply, write [BT, BN]."""
+    *in_refs, o_ref = refs
+    step_ref = in_refs.pop(0) if plan.int8_activations else None
+    if plan.quantized:
+        w_refs = (in_refs[0], in_refs[1], None if plan.symmetric else in_refs[2])
+    else:
+        w_refs = (in_refs[0],)
+    block = pl.program_id(0)
+    col = pl.multiple_of(pl.program_id(1) * plan.block_n, plan.block_n)
+    slot = slot_ref[block]
+
+    @pl.when(slot < 0)
+    def _empty_block():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(slot >= 0)
+    def _expert_block():
+        columns = (col,) if plan.up_offset is None else (col, col + plan.up_offset)
+        accs = _accumulate(x_ref, w_refs, slot, columns, plan)
+        if step_ref is not None:
+            step = step_ref[0] if plan.gemv else step_ref[...][:, None]  # per-row int8 step
+            accs = tuple(a * step for a in accs)
+        if plan.up_offset is None:
+            out = accs[0]
+        else:
+            gate, up = accs
+            out = gate / (1.0 + jnp.exp(-gate)) * up
+        o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- pallas_call
+
+
+def _whole(shape):
+    """BlockSpec handing the kernel the whole array (pools are indexed by slot inside)."""
+    return pl.BlockSpec(shape, lambda b, n: (0,) * len(shape))
+
+
+def _weight_operands(w, plan: _Plan):
+    if plan.plain_dtype is not None:
+        # A bitcast view, free on GPU; in interpret mode it keeps XLA:CPU from converting the whole
+        # 16-bit pool to float32 once per program of the grid.
+        return [jax.lax.bitcast_convert_type(w, jnp.uint16)]
+    if not plan.quantized:
+        return [w]
+    return [w.values, w.scales] + ([] if plan.symmetric else [w.offsets])
+
+
+def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows, interpret):
+    """Per row block: x [R, K] @ w[block_slot[b]] -> [R, n_out] (stage 1 with up_offset: SwiGLU)."""
+    R = x.shape[0]
+    nb = block_slot.shape[0]
+    plan = _plan(w, block_rows, n_out, up_offset, x.dtype)
+    x_planar, step = _prepare_activations(x, block_slot, w, block_rows)  # [R, pack, Kp / pack]
+    operands = [block_slot, x_planar] + ([] if step is None else [step]) + _weight_operands(w, plan)
+    in_specs = [
+        _whole(block_slot.shape),
+        pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n: (b, 0, 0)),
+    ]
+    if step is not None:
+        in_specs.append(pl.BlockSpec((block_rows,), lambda b, n: (b,)))
+    in_specs += [_whole(a.shape) for a in operands[len(in_specs):]]
+    params = DECODE_PARAMS if plan.gemv else PREFILL_PARAMS
+    return pl.pallas_call(
+        functools.partial(_kernel, plan=plan),
+        grid=(nb, n_out // plan.block_n),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_rows, plan.block_n), lambda b, n: (b, n)),
+        out_shape=jax.ShapeDtypeStruct((R, n_out), out_dtype),
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=interpret,
+        name="expert_gate_up_silu" if up_offset is not None else "expert_down",
+    )(*operands)
+
+
+def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, interpret: bool = False):
+    """Grouped SwiGLU expert FFN, weights read from the pools by slot inside the kernels.
+
+    Args:
+      rows: [R, D] float32 or bfloat16, R a multiple of block_rows.
+      block_slot: [R / block_rows] int32 pool slot per row block (-1: empty block, zeros out).
+      gate_up: pool [S, D, 2F] (gate columns, then up), plain array or QArray.
+      down: pool [S, F, D], plain array or QArray.
+      block_rows: rows per block (1: decode GEMV path; a power of two >= 16: dot path).
+      interpret: run the kernels in Pallas interpret mode (CPU).
+
+    Returns:
+      [R, D] in rows.dtype, equal to `expert_ffn_reference` within rounding.
+    """
+    if not supports(rows, gate_up, down, block_rows):
+        raise ValueError("expert_ffn_pallas does not support these shapes/formats; see supports()")
+    D = rows.shape[1]
+    F = _weight_k(down)
+    block_slot = block_slot.astype(jnp.int32)
+    h = _grouped_matmul(rows, block_slot, gate_up, n_out=F, up_offset=F, out_dtype=rows.dtype,
+                        block_rows=block_rows, interpret=interpret)  # [R, F]
+    return _grouped_matmul(h, block_slot, down, n_out=D, up_offset=None, out_dtype=rows.dtype,
+                           block_rows=block_rows, interpret=interpret)  # [R, D]

@@ -1,0 +1,273 @@
+"""Pallas grouped expert FFN vs its jnp reference: interpret-mode parity on CPU for every tier,
+lowering for CUDA (Triton lowering errors fail here without a GPU), and compiled runs on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from convert.quantizers.rtn import quantize_rtn
+from jmoe.expert_path import ExpertState, routed_experts
+from jmoe.layers import Routing
+from jmoe.quant import ExpertWeights
+from jmoe.tiers import TIER_CODES
+from pallas_kernels import expert_ffn, expert_ffn_pallas, expert_ffn_reference, supports
+from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template
+
+SLOTS = 7  # odd on purpose: nothing may assume a power-of-two pool
+DECODE_SLOTS = (3, -1, 6, 0, 3, 5)  # one row per block; repeats, an empty block, the last slot
+PREFILL_SLOTS = (6, -1, 2)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1.5e-2}  # relative (Frobenius) error vs the reference
+# W8A8 re-quantizes h per token to int8, so a bf16 rounding difference in h becomes a whole int8 step:
+# the bf16 reference itself sits ~1.5-2% from its float32 run.
+W8A8_BF16_TOLERANCE = 3e-2
+
+
+# ----------------------------------------------------------------------------- pools
+
+
+def rtn_pool(rng, K: int, N: int, fmt: QuantFormat) -> QArray:
+    """RTN-quantized random weights; with fmt.smooth, a random act_scale folded out of each slot's weights.
+
+    Groups run along K, so quantizing the slots side by side as one [K, S * N] weight gives each
+    slot's own quantization in one call.
+    """
+    w = rng.normal(size=(SLOTS, K, N)).astype(np.float32) * 0.1
+    act_scale = rng.uniform(0.5, 2.0, size=(SLOTS, K)).astype(np.float32) if fmt.smooth else None
+    if act_scale is not None:
+        w = w / act_scale[:, :, None]
+    q = quantize_rtn(np.concatenate(list(w), axis=1), dataclasses.replace(fmt, smooth=False))
+    per_slot = lambda a: jnp.asarray(np.stack(np.split(np.asarray(a), SLOTS, axis=-1)))  # noqa: E731
+    return QArray(
+        values=per_slot(q.values),
+        scales=per_slot(q.scales),
+        offsets=None if q.offsets is None else per_slot(q.offsets),
+        act_scale=None if act_scale is None else jnp.asarray(act_scale, jnp.float16),
+        fmt=fmt,
+        k=K,
+    )
+
+
+def random_code_pool(rng, K: int, N: int, fmt: QuantFormat) -> QArray:
+    """Uniformly random codes (padding rows too: they must meet zero activations), scales, offsets."""
+    kp, groups = fmt.padded_k(K), fmt.padded_k(K) // fmt.group_size
+    codes = rng.integers(0, fmt.qmax + 1, size=(SLOTS, kp, N))
+    scales = rng.uniform(0.5, 1.5, size=(SLOTS, groups, N)) * (0.2 / fmt.midpoint)
+    offsets = None if fmt.symmetric else rng.normal(size=(SLOTS, groups, N)) * 0.05
+    act_scale = rng.uniform(0.5, 2.0, size=(SLOTS, K)) if fmt.smooth else None
+    f16 = lambda a: None if a is None else jnp.asarray(a, jnp.float16)  # noqa: E731
+    return QArray(pack_codes(jnp.asarray(codes), fmt), f16(scales), f16(offsets), f16(act_scale), fmt, K)
+
+
+def plain_pool(rng, K: int, N: int) -> jax.Array:
+    return jnp.asarray(rng.normal(size=(SLOTS, K, N)) * 0.1, jnp.bfloat16)
+
+
+def make_pools(rng, fmt: QuantFormat | None, D: int, F: int, codes: str) -> tuple:
+    """(gate_up [S, D, 2F], down [S, F, D]) at a tier; smoothing applies to gate_up only."""
+    if fmt is None:
+        return plain_pool(rng, D, 2 * F), plain_pool(rng, F, D)
+    build = rtn_pool if codes == "rtn" else random_code_pool
+    return build(rng, D, 2 * F, fmt), build(rng, F, D, dataclasses.replace(fmt, smooth=False))
+
+
+def relative_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def fmt(bits, group, symmetric=True, **kw) -> QuantFormat:
+    return QuantFormat(bits=bits, group_size=group, symmetric=symmetric, **kw)
+
+
+# ----------------------------------------------------------------------------- interpret parity
+
+# (format or None for the bf16 tier, D, F, block_rows, rows dtype, how codes are made)
+PARITY_CASES = {
+    "bf16-decode-f32": (None, 64, 96, 1, jnp.float32, "rtn"),
+    "bf16-prefill-bf16": (None, 64, 48, 16, jnp.bfloat16, "rtn"),
+    "int8-g128-decode-f32-k_pad": (fmt(8, 128), 128, 96, 1, jnp.float32, "rtn"),
+    "int8-g32-prefill-bf16": (fmt(8, 32), 64, 64, 32, jnp.bfloat16, "random"),
+    "int4-g64-asym-decode-bf16-k_pad": (fmt(4, 64, False), 64, 96, 1, jnp.bfloat16, "rtn"),
+    "int4-g32-prefill-f32": (fmt(4, 32), 64, 48, 16, jnp.float32, "random"),
+    "int2-g64-asym-decode-f32": (fmt(2, 64, False), 64, 96, 1, jnp.float32, "rtn"),
+    "int2-g32-decode-bf16-odd_groups": (fmt(2, 32), 64, 96, 1, jnp.bfloat16, "random"),
+    "int2-g32-asym-prefill-f32-two_groups_per_step": (fmt(2, 32, False), 64, 64, 16, jnp.float32, "random"),
+    "int2-g128-asym-prefill-bf16": (fmt(2, 128, False), 128, 96, 16, jnp.bfloat16, "random"),
+    "int4-smooth-decode-f32": (fmt(4, 64, False, smooth=True), 64, 96, 1, jnp.float32, "rtn"),
+    "int4-smooth-prefill-bf16": (fmt(4, 32, smooth=True), 64, 48, 16, jnp.bfloat16, "random"),
+    "w8a8-g128-decode-f32": (fmt(8, 128, act_bits=8), 128, 96, 1, jnp.float32, "rtn"),
+    "w8a8-smooth-g64-prefill-bf16": (fmt(8, 64, act_bits=8, smooth=True), 64, 96, 16, jnp.bfloat16, "rtn"),
+    "w8a8-g32-prefill-f32": (fmt(8, 32, act_bits=8), 64, 64, 32, jnp.float32, "random"),
+}
+
+
+def case_inputs(name: str, seed: int = 0):
+    quant, D, F, block_rows, dtype, codes = PARITY_CASES[name]
+    rng = np.random.default_rng(seed)
+    gate_up, down = make_pools(rng, quant, D, F, codes)
+    block_slot = jnp.asarray(DECODE_SLOTS if block_rows == 1 else PREFILL_SLOTS, jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(block_slot.shape[0] * block_rows, D)), dtype)
+    return rows, block_slot, gate_up, down, block_rows
+
+
+@pytest.mark.parametrize("name", list(PARITY_CASES))
+def test_interpret_matches_reference(name):
+    rows, block_slot, gate_up, down, block_rows = case_inputs(name)
+    assert supports(rows, gate_up, down, block_rows)
+    kernel = jax.jit(functools.partial(expert_ffn_pallas, block_rows=block_rows, interpret=True))
+    reference = jax.jit(functools.partial(expert_ffn_reference, block_rows=block_rows))
+    ours = kernel(rows, block_slot, gate_up, down)
+    ref = reference(rows, block_slot, gate_up, down)
+    assert ours.shape == ref.shape and ours.dtype == rows.dtype
+    w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
+    tolerance = W8A8_BF16_TOLERANCE if w8a8 and rows.dtype == jnp.bfloat16 else TOLERANCE[rows.dtype.name]
+    assert relative_error(ours, ref) < tolerance
+    empty = np.repeat(np.asarray(block_slot) < 0, block_rows)
+    assert np.all(np.asarray(ours, np.float32)[empty] == 0)  # empty blocks write zeros
+    assert np.all(np.abs(np.asarray(ours, np.float32)[~empty]).max(axis=-1) > 0)
+
+
+def test_supports_excludes_what_the_kernel_cannot_tile():
+    rng = np.random.default_rng(1)
+    rows = jnp.zeros((32, 64), jnp.float32)
+    gate_up, down = make_pools(rng, fmt(2, 32), 64, 96, "random")
+    assert supports(rows[:6], gate_up, down, block_rows=1)
+    assert not supports(rows, gate_up, down, block_rows=16)  # F=96: 3 int2 groups of 8 packed rows, K < 16
+    gate_up, down = make_pools(rng, None, 64, 96, "rtn")
+    assert supports(rows, gate_up, down, block_rows=16)
+    assert not supports(rows, gate_up, down, block_rows=8)  # tl.dot needs M >= 16
+    assert not supports(rows.astype(jnp.float16), gate_up, down, block_rows=16)
+    gate_up, down = make_pools(rng, None, 64, 40, "rtn")
+    assert not supports(rows, gate_up, down, block_rows=16)  # N tile of F=40 would be 8 wide
+
+
+def test_dispatch_routes_to_the_kernel_or_falls_back():
+    rows, block_slot, gate_up, down, block_rows = case_inputs("int4-g32-prefill-f32")
+    call = functools.partial(expert_ffn, block_rows=block_rows)
+    jaxpr = lambda backend: str(jax.make_jaxpr(functools.partial(call, backend=backend))(  # noqa: E731
+        rows, block_slot, gate_up, down))
+    assert "pallas_call" in jaxpr("interpret") and "pallas_call" not in jaxpr("xla")
+    # unsupported inputs (int2/G32 prefill with an odd group count) run the reference
+    rng = np.random.default_rng(2)
+    gate_up, down = make_pools(rng, fmt(2, 32), 64, 96, "random")
+    rows = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+    slots = jnp.asarray([4, -1], jnp.int32)
+    fallback = expert_ffn(rows, slots, gate_up, down, block_rows=16, backend="interpret")
+    np.testing.assert_array_equal(fallback, expert_ffn_reference(rows, slots, gate_up, down, block_rows=16))
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        expert_ffn(rows, slots, gate_up, down, block_rows=16, backend="cuda")
+
+
+# ----------------------------------------------------------------------------- model path
+
+
+def small_expert_state(backend: str | None) -> tuple[ExpertState, int]:
+    """One MoE layer, 6 experts: 0-2 in the bf16 pool, 3-4 in an int4 pool, 5 skipped."""
+    rng = np.random.default_rng(3)
+    D, F = 64, 48
+    pools = {
+        "bf16": ExpertWeights(*make_pools(rng, None, D, F, "rtn")),
+        "int4": ExpertWeights(*make_pools(rng, fmt(4, 32, False), D, F, "rtn")),
+    }
+    tier = np.array([TIER_CODES["bf16"]] * 3 + [TIER_CODES["int4"]] * 2 + [0], np.int32)
+    slot = np.array([4, 0, 6, 1, 3, 0], np.int32)
+    state = ExpertState(jnp.asarray(tier)[None], jnp.asarray(slot)[None], pools, backend)
+    return state, D
+
+
+@pytest.mark.parametrize("tokens", [3, 40])  # decode (one row per assignment) and prefill (blocks of 32)
+def test_routed_experts_run_the_kernel(tokens):
+    E, k = 6, 2
+    rng = np.random.default_rng(tokens)
+    ids = jnp.asarray(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)]), jnp.int32)
+    routing = Routing(ids, jnp.asarray(rng.random(size=(tokens, k)), jnp.float32))
+    valid = jnp.asarray(rng.random(tokens) > 0.2)
+    outputs = {}
+    for backend in ("interpret", "xla"):
+        state, D = small_expert_state(backend)
+        h = jnp.asarray(np.random.default_rng(9).normal(size=(tokens, D)), jnp.float32)
+        run = jax.jit(lambda h, r, v, s: routed_experts(h, r, v, s.layer(0)))
+        outputs[backend] = run(h, routing, valid, state)
+        if backend == "interpret":
+            assert "pallas_call" in str(jax.make_jaxpr(run)(h, routing, valid, state))
+    np.testing.assert_allclose(outputs["interpret"], outputs["xla"], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- lowering for CUDA
+
+LOWERING_FORMATS = {
+    "bf16": None,
+    "int8-g128": fmt(8, 128),
+    "int8-g32-asym": fmt(8, 32, False),
+    "int4-g64-asym": fmt(4, 64, False),
+    "int4-g32": fmt(4, 32),
+    "int2-g64-asym": fmt(2, 64, False),
+    "int2-g32": fmt(2, 32),
+    "int2-g128": fmt(2, 128),
+    "int4-smooth": fmt(4, 64, False, smooth=True),
+    "w8a8-smooth": fmt(8, 128, act_bits=8, smooth=True),
+}
+
+
+def pool_shapes(quant: QuantFormat | None, D: int, F: int, slots: int = SLOTS):
+    if quant is None:
+        return (jax.ShapeDtypeStruct((slots, D, 2 * F), jnp.bfloat16), jax.ShapeDtypeStruct((slots, F, D), jnp.bfloat16))
+    return template(quant, D, 2 * F, (slots,)), template(dataclasses.replace(quant, smooth=False), F, D, (slots,))
+
+
+def triton_calls(lowered) -> int:
+    return lowered.as_text().count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_rows", [1, 32])
+@pytest.mark.parametrize("name", list(LOWERING_FORMATS))
+def test_every_variant_lowers_for_cuda(name, block_rows, dtype):
+    # Lowering for CUDA runs the Pallas -> Triton IR lowering on this machine (no GPU or plugin
+    # needed); Triton's own compilation to PTX happens only on a GPU.
+    gate_up, down = pool_shapes(LOWERING_FORMATS[name], 128, 192)  # K=192 pads to G=128: Kp=256
+    rows = jax.ShapeDtypeStruct((4 * block_rows, 128), dtype)
+    block_slot = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert supports(rows, gate_up, down, block_rows)
+    f = functools.partial(expert_ffn_pallas, block_rows=block_rows)
+    lowered = jax.jit(f).trace(rows, block_slot, gate_up, down).lower(lowering_platforms=("cuda",))
+    assert triton_calls(lowered) == 2  # gate/up + SiLU, then down
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_model_path_lowers_for_cuda(tokens):
+    state, D = small_expert_state("pallas")
+    h = jax.ShapeDtypeStruct((tokens, D), jnp.bfloat16)
+    routing = Routing(jax.ShapeDtypeStruct((tokens, 2), jnp.int32), jax.ShapeDtypeStruct((tokens, 2), jnp.float32))
+    valid = jax.ShapeDtypeStruct((tokens,), jnp.bool_)
+    run = jax.jit(lambda h, r, v, s: routed_experts(h, r, v, s.layer(0)))
+    lowered = run.trace(h, routing, valid, state).lower(lowering_platforms=("cuda",))
+    assert triton_calls(lowered) == 4  # two tiers, two kernels each
+
+
+# ----------------------------------------------------------------------------- compiled (GPU)
+
+GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32", "int4-smooth", "w8a8-smooth"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_rows", [1, 32])
+@pytest.mark.parametrize("name", GPU_FORMATS)
+def test_compiled_matches_reference_on_gpu(name, block_rows):
+    rng = np.random.default_rng(4)
+    D, F = 2048, 768
+    gate_up, down = make_pools(rng, LOWERING_FORMATS[name], D, F, "random")
+    block_slot = jnp.asarray((5, -1, 0, 6, 5, 2, 3, 1), jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(block_slot.shape[0] * block_rows, D)), jnp.bfloat16)
+    assert supports(rows, gate_up, down, block_rows)
+    ours = jax.jit(functools.partial(expert_ffn_pallas, block_rows=block_rows))(rows, block_slot, gate_up, down)
+    ref = expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows)
+    w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
+    assert relative_error(ours, ref) < (W8A8_BF16_TOLERANCE if w8a8 else TOLERANCE["bfloat16"])
+    assert np.all(np.asarray(ours, np.float32)[np.repeat(np.asarray(block_slot) < 0, block_rows)] == 0)

@@ -1,0 +1,236 @@
+"""GPTQ and HAQ at the matrix level: agreement with a plain reference, and error against RTN."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from convert.quantizers import grid
+from convert.quantizers.gptq import gptq_quantize
+from convert.quantizers.haq import S_MAX, S_MIN, haq_quantize, search_alpha, smoothing_scales
+from convert.quantizers.rtn import rtn_dequantized as _rtn_dequantized
+from pallas_kernels.qarray import QuantFormat
+from pallas_kernels.qarray import dequantize as _dequantize
+from pallas_kernels.qarray import prepare_input, unpack_codes
+
+W8A8 = QuantFormat(8, 128, True, act_bits=8, smooth=True)
+# Jitted once per format and shape: op-by-op dispatch would dominate the test time.
+rtn_dequantized = jax.jit(_rtn_dequantized, static_argnums=1)
+dequantize = jax.jit(_dequantize)
+
+
+def correlated_inputs(rng, n, k, *, rank=8, noise=0.3, outliers=(1, 5), outlier_scale=20.0):
+    """X [n, K]: low-rank structure plus noise, a few channels of large magnitude (as in LLM activations)."""
+    x = rng.standard_normal((n, rank)) @ rng.standard_normal((rank, k)) + noise * rng.standard_normal((n, k))
+    x[:, list(outliers)] *= outlier_scale
+    return x.astype(np.float32)
+
+
+def weights(rng, k, n):
+    return (0.05 * rng.standard_normal((k, n))).astype(np.float32)
+
+
+def output_error(x, w, w_hat, x_hat=None):
+    """|| X W - X_hat W_hat || (X_hat: what the runtime multiplies the weight by, default X)."""
+    x_hat = x if x_hat is None else x_hat
+    return float(np.linalg.norm(x.astype(np.float64) @ w - np.asarray(x_hat, np.float64) @ np.asarray(w_hat)))
+
+
+def reference_gptq(w, hessian, fmt, damp=0.01):
+    """Unblocked GPTQ, one row at a time, straight from the paper.
+
+    Returns codes [Kp, N] and the dequantized weight [K, N] it decided on.
+    """
+    k, n = w.shape
+    g = fmt.group_size
+    h = np.array(hessian, np.float64)
+    dead = np.diag(h) == 0
+    h[np.diag_indices(k)] = np.where(dead, 1.0, np.diag(h))
+    h += damp * np.mean(np.diag(h)) * np.eye(k)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: u.T @ u = inv(h)
+
+    kp = fmt.padded_k(k)
+    w_work = np.zeros((kp, n), np.float32)  # padding rows are dead inputs with zero weight
+    w_work[:k] = np.where(dead[:, None], 0.0, w)
+    u_padded = np.eye(kp, dtype=np.float32)
+    u_padded[:k, :k] = u
+    codes = np.zeros((kp, n), np.int64)
+    w_hat = np.zeros((kp, n), np.float32)
+    for row in range(kp):
+        if row % g == 0:  # group grid from the weights as they are now, after earlier errors
+            scale, offset = (np.asarray(p)[0] for p in grid.group_params(w_work[row : row + g], fmt))
+        codes[row] = np.asarray(grid.encode(w_work[row], scale, offset, fmt))
+        w_hat[row] = np.asarray(grid.decode(codes[row], scale, offset, fmt))
+        err = (w_work[row] - w_hat[row]) / u_padded[row, row]
+        w_work[row + 1 :] -= np.outer(u_padded[row, row + 1 :], err)
+    return codes, w_hat[:k]
+
+
+# ---------------------------------------------------------------- GPTQ
+
+
+# Shapes and formats shared with the tests below, so the compiled GPTQ is reused.
+@pytest.mark.parametrize(
+    "k, fmt, block_size",
+    [
+        (256, QuantFormat(4, 32, True), 128),  # two blocks, groups starting inside a block
+        (96, QuantFormat(2, 64, True), 32),  # K not a multiple of G; block rounded up to G
+    ],
+)
+def test_gptq_matches_reference_and_round_trips(k, fmt, block_size):
+    rng = np.random.default_rng(0)
+    x = correlated_inputs(rng, 512, k)
+    w = weights(rng, k, 64)
+    hessian = x.T @ x
+
+    q = gptq_quantize(w, hessian, fmt, block_size=block_size)
+    ref_codes, ref_w_hat = reference_gptq(w, hessian, fmt)
+
+    codes = np.asarray(unpack_codes(q.values, fmt))
+    assert codes.shape == ref_codes.shape
+    assert np.mean(codes == ref_codes) > 0.995
+    # Round trip: the packed array dequantizes to the weights GPTQ decided on.
+    w_hat = np.asarray(dequantize(q))
+    assert w_hat.shape == (k, 64)
+    assert np.mean(np.isclose(w_hat, ref_w_hat, rtol=0, atol=1e-6)) > 0.995
+    err, ref_err = output_error(x, w, w_hat), output_error(x, w, ref_w_hat)
+    assert abs(err - ref_err) < 0.01 * ref_err
+
+
+# Every (bits, symmetric) pair twice, every group size with both bit widths and both grids.
+@pytest.mark.parametrize(
+    "bits, symmetric, k, group_size",
+    [
+        (4, True, 256, 32),
+        (4, False, 256, 64),
+        (4, True, 256, 128),
+        (4, False, 96, 64),
+        (2, False, 256, 32),
+        (2, True, 256, 64),
+        (2, False, 256, 128),
+        (2, True, 96, 64),
+    ],
+)
+def test_gptq_beats_rtn_on_correlated_inputs(bits, symmetric, k, group_size):
+    rng = np.random.default_rng(1)
+    x = correlated_inputs(rng, 1024, k, rank=16)
+    w = weights(rng, k, 64)
+    fmt = QuantFormat(bits, group_size, symmetric)
+
+    q = gptq_quantize(w, x.T @ x, fmt)
+    gptq_err = output_error(x, w, dequantize(q))
+    rtn_err = output_error(x, w, rtn_dequantized(w, fmt))
+    assert gptq_err < 0.6 * rtn_err
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat(4, 32, True), QuantFormat(4, 64, False)])
+def test_gptq_dead_inputs(fmt):
+    rng = np.random.default_rng(2)
+    k = 256
+    x = correlated_inputs(rng, 256, k)
+    dead = np.r_[3, 40, 100, 128:192]  # scattered channels and whole groups
+    x[:, dead] = 0.0
+    w = weights(rng, k, 64)  # non-zero weights on dead rows: must not leak into live rows
+
+    q = gptq_quantize(w, x.T @ x, fmt)
+    w_hat = np.asarray(dequantize(q))
+    assert np.all(np.isfinite(w_hat))
+    assert np.all(w_hat[128:192] == 0.0)  # a group with no live input quantizes to exact zeros
+    scales = np.repeat(np.asarray(q.scales, np.float32), fmt.group_size, axis=0)[:k]
+    # Dead rows hold zero before rounding: exact on a symmetric grid, within half a step otherwise.
+    assert np.all(np.abs(w_hat[dead]) <= 0.5 * scales[dead] + 1e-7)
+    if fmt.symmetric:
+        assert np.all(w_hat[dead] == 0.0)
+    assert output_error(x, w, w_hat) < output_error(x, w, rtn_dequantized(w, fmt))
+
+
+def test_gptq_rejects_bad_input():
+    w = np.zeros((64, 8), np.float32)
+    with pytest.raises(ValueError, match="hessian"):
+        gptq_quantize(w, np.eye(32), QuantFormat(4, 64, True))
+    with pytest.raises(ValueError, match="act_scale"):
+        gptq_quantize(w, np.eye(64), W8A8)
+
+
+# ---------------------------------------------------------------- HAQ
+
+
+def outlier_case(rng, n, k, n_out, *, outlier_scale=50.0):
+    """(X [n, K], act_absmax [K], W [K, N]) with a few activation channels far above the rest."""
+    x = correlated_inputs(rng, n, k, rank=16, outliers=(2, 17, 60), outlier_scale=outlier_scale)
+    return x, np.max(np.abs(x), axis=0), weights(rng, k, n_out)
+
+
+def smoothed_rtn_error(cases, fmt, alpha):
+    """The search's objective written out: sum of || X W - prepare(X) RTN(diag(s) W) ||^2."""
+    total = 0.0
+    for x, act_absmax, w in cases:
+        s = np.asarray(smoothing_scales(act_absmax, w, alpha))
+        x_hat = prepare_input(x, 1.0 / s, fmt)
+        total += output_error(x, w, rtn_dequantized(s[:, None] * w, fmt), x_hat) ** 2
+    return total
+
+
+def test_smoothing_is_exact_and_safe():
+    rng = np.random.default_rng(3)
+    x, act_absmax, w = outlier_case(rng, 64, 128, 32)
+    act_absmax[7] = 0.0  # dead channel
+    w[9] = 0.0  # dead weight row
+    act_absmax[11] = 1e12  # extreme outlier: clamped
+    for alpha in (0.0, 0.5, 0.85, 1.0):
+        s = np.asarray(smoothing_scales(act_absmax, w, alpha))
+        assert s.shape == (128,) and np.all(np.isfinite(s))
+        assert np.all((s >= S_MIN * (1 - 1e-3)) & (s <= S_MAX * (1 + 1e-3)))
+        assert s[7] == 1.0 and s[9] == 1.0
+        act_scale = (1.0 / s).astype(np.float16).astype(np.float32)  # what the QArray stores
+        np.testing.assert_allclose(act_scale, 1.0 / s, rtol=1e-6)
+        smoothed = (x / s) @ (s[:, None] * w)
+        np.testing.assert_allclose(smoothed, x @ w, rtol=1e-4, atol=1e-4 * np.abs(x @ w).max())
+
+
+@pytest.mark.parametrize("fmt", [W8A8, QuantFormat(4, 64, False, smooth=True)])
+def test_search_alpha(fmt):
+    rng = np.random.default_rng(4)
+    cases = [outlier_case(rng, n, 128, 48) for n in (3, 12, 60)]  # experts see few tokens
+
+    alpha = search_alpha(cases, fmt)
+    assert 0.0 <= alpha <= 1.0
+    best, at_zero = smoothed_rtn_error(cases, fmt, alpha), smoothed_rtn_error(cases, fmt, 0.0)
+    assert best <= at_zero * (1 + 1e-5)
+    if fmt.act_bits == 8:  # outlier channels wreck per-token int8 unless smoothed away
+        assert alpha > 0.0 and best < 0.5 * at_zero
+
+
+def test_search_alpha_ties_go_to_smaller_alpha():
+    rng = np.random.default_rng(5)
+    x, act_absmax, w = outlier_case(rng, 16, 64, 8)
+    # All-zero inputs: every alpha gives zero error.
+    assert search_alpha([(np.zeros_like(x), act_absmax, w)], W8A8, alphas=(0.7, 0.3, 0.5)) == pytest.approx(0.3)
+    assert search_alpha([(x[:0], act_absmax, w)], W8A8) == 0.0
+
+
+@pytest.mark.parametrize(
+    "fmt, rtn_fmt",
+    [
+        (W8A8, QuantFormat(8, 128, True, act_bits=8)),
+        (QuantFormat(4, 64, False, smooth=True), QuantFormat(4, 64, False)),
+    ],
+)
+def test_haq_beats_rtn_on_outlier_data(fmt, rtn_fmt):
+    rng = np.random.default_rng(6)
+    x, _, w = outlier_case(rng, 512, 128, 64)
+    x_cal, x_test = x[:256], x[256:]  # held-out rows from the same distribution
+    act_absmax = np.max(np.abs(x_cal), axis=0)
+    alpha = search_alpha([(x_cal, act_absmax, w), outlier_case(rng, 256, 128, 64)], fmt)
+
+    q = haq_quantize(w, x_cal.T @ x_cal, act_absmax, alpha, fmt)
+    assert q.act_scale is not None and q.act_scale.shape == (128,) and q.act_scale.dtype == np.float16
+    haq_err = output_error(x_test, w, dequantize(q), prepare_input(x_test, q.act_scale, fmt))
+    rtn_err = output_error(x_test, w, rtn_dequantized(w, rtn_fmt), prepare_input(x_test, None, rtn_fmt))
+    assert haq_err < 0.7 * rtn_err
+
+
+def test_haq_needs_smooth_format():
+    with pytest.raises(ValueError, match="smooth"):
+        haq_quantize(np.ones((64, 8)), np.eye(64), np.ones(64), 0.5, QuantFormat(8, 64, True))
