@@ -31,12 +31,12 @@ def bf16(x: np.ndarray) -> np.ndarray:
 
 
 def write_checkpoint(out: Path, *, layers: int, hidden: int, moe_intermediate: int, experts: int, top_k: int,
-                     heads: int, kv_heads: int, head_dim: int, vocab: int = 4096, skew: float = 3.0,
+                     heads: int, kv_heads: int, head_dim: int, vocab: int = 4096, skew: float = 0.5,
                      seed: int = 0) -> Path:
     """Write the checkpoint; returns `out`. vocab is the bundled tokenizer's (4096) so text works."""
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
-    std = 0.02
+    std, out_std = 0.02, 0.004
     u = rng.normal(size=hidden).astype(np.float32)
     u /= np.linalg.norm(u)
     weight_map = {}
@@ -45,7 +45,7 @@ def write_checkpoint(out: Path, *, layers: int, hidden: int, moe_intermediate: i
         save_file({k: bf16(v) for k, v in tensors.items()}, str(out / name))
         weight_map.update({k: name for k in tensors})
 
-    embed = rng.normal(size=(vocab, hidden)).astype(np.float32) * std + 0.05 * u  # shared direction u
+    embed = rng.normal(size=(vocab, hidden)).astype(np.float32) * std + 0.02 * u  # shared direction u
     shard("model-embed.safetensors", {
         "model.embed_tokens.weight": embed,
         "model.norm.weight": np.ones(hidden, np.float32),
@@ -59,7 +59,9 @@ def write_checkpoint(out: Path, *, layers: int, hidden: int, moe_intermediate: i
         t[f"{p}.self_attn.q_proj.weight"] = rng.normal(size=(heads * head_dim, hidden)).astype(np.float32) * std
         t[f"{p}.self_attn.k_proj.weight"] = rng.normal(size=(kv_heads * head_dim, hidden)).astype(np.float32) * std
         t[f"{p}.self_attn.v_proj.weight"] = rng.normal(size=(kv_heads * head_dim, hidden)).astype(np.float32) * std
-        t[f"{p}.self_attn.o_proj.weight"] = rng.normal(size=(hidden, heads * head_dim)).astype(np.float32) * std
+        # Small output projections keep each token's own embedding dominant in the residual stream,
+        # so routing stays token-dependent through depth (random layers otherwise blur tokens together).
+        t[f"{p}.self_attn.o_proj.weight"] = rng.normal(size=(hidden, heads * head_dim)).astype(np.float32) * out_std
         t[f"{p}.self_attn.q_norm.weight"] = np.ones(head_dim, np.float32)
         t[f"{p}.self_attn.k_norm.weight"] = np.ones(head_dim, np.float32)
         bias = rng.standard_exponential(experts).astype(np.float32) * skew  # heavy tail: a few hot experts
@@ -69,7 +71,7 @@ def write_checkpoint(out: Path, *, layers: int, hidden: int, moe_intermediate: i
             q = f"{p}.mlp.experts.{e}"
             t[f"{q}.gate_proj.weight"] = rng.normal(size=(moe_intermediate, hidden)).astype(np.float32) * std
             t[f"{q}.up_proj.weight"] = rng.normal(size=(moe_intermediate, hidden)).astype(np.float32) * std
-            t[f"{q}.down_proj.weight"] = rng.normal(size=(hidden, moe_intermediate)).astype(np.float32) * std
+            t[f"{q}.down_proj.weight"] = rng.normal(size=(hidden, moe_intermediate)).astype(np.float32) * out_std
         shard(f"model-layer{layer:03d}.safetensors", t)
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = {
@@ -95,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--skew", type=float, default=3.0)
+    parser.add_argument("--skew", type=float, default=0.5)
     args = parser.parse_args()
     write_checkpoint(args.out, layers=args.layers, skew=args.skew, **QWEN3_30B_A3B)
     print(f"wrote {args.out} ({checkpoint_bytes(args.out) / 2**30:.2f} GiB)")

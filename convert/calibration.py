@@ -147,7 +147,7 @@ def _layer_fn(kind: str, graphdef):
         if experts is None:
             return layer.mlp(flat).reshape(B, L, D)
         routing = layer.mlp.route(flat)
-        return layer.mlp.combine(flat, routing, jnp.ones((B * L,), bool), experts, 0).reshape(B, L, D)
+        return layer.mlp.combine(flat, routing, jnp.ones((B * L,), bool), experts.layer(0)).reshape(B, L, D)
 
     _JITTED[key] = jax.jit({"attention": attention, "route": route, "mlp": mlp}[kind])
     return _JITTED[key]

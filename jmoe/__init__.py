@@ -32,7 +32,13 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream)
 
 
+def stats(model: JmoeModel) -> dict:
+    """Offload counters since load: hit rate, bytes moved host->device, prefetch accuracy and
+    predictor recall, stalls, replays, CPU-run experts, TTFT and TPOT (seconds)."""
+    return {"policy": model.policy.name, "tier": model.policy.tier, **model.stats.summary()}
+
+
 __all__ = [
-    "load", "generate", "forward", "perplexity", "JmoeModel", "ModelConfig",
+    "load", "generate", "forward", "perplexity", "stats", "JmoeModel", "ModelConfig",
     "JmoeError", "ConfigError", "CheckpointError", "FormatError", "InputError", "BudgetError",
 ]

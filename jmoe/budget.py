@@ -7,7 +7,7 @@ import re
 import jax
 import numpy as np
 
-from jmoe.errors import InputError
+from jmoe.errors import BudgetError, InputError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -37,3 +37,42 @@ def format_size(nbytes: int) -> str:
 
 def tree_nbytes(tree) -> int:
     return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+class BudgetTracker:
+    """Device bytes reserved per purpose; a reservation that would exceed the budget is refused.
+
+    Everything that lives on the device is reserved here before it is allocated (dense weights,
+    KV cache, workspace, expert pools) and every in-flight expert transfer reserves its staging
+    bytes until its copy into a pool slot has completed.
+    """
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.reserved: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.reserved.values())
+
+    def available(self) -> int | None:
+        return None if self.budget is None else self.budget - self.total
+
+    def try_reserve(self, purpose: str, nbytes: int) -> bool:
+        if self.budget is not None and self.total + nbytes > self.budget:
+            return False
+        self.reserved[purpose] = self.reserved.get(purpose, 0) + nbytes
+        return True
+
+    def reserve(self, purpose: str, nbytes: int) -> None:
+        if not self.try_reserve(purpose, nbytes):
+            raise BudgetError(
+                f"reserving {format_size(nbytes)} for {purpose} would exceed the device budget of "
+                f"{format_size(self.budget)} ({format_size(self.total)} already reserved)"
+            )
+
+    def release(self, purpose: str, nbytes: int) -> None:
+        left = self.reserved.get(purpose, 0) - nbytes
+        if left < 0:
+            raise ValueError(f"released more {purpose} bytes than were reserved")
+        self.reserved[purpose] = left

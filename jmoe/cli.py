@@ -39,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--device-budget", default=None, help="device memory cap, e.g. 12GiB")
-    gen.add_argument("--policy", default=None, help="expert residency policy")
+    gen.add_argument("--policy", default=None,
+                     help="expert residency: resident, ondemand, lru, lru+prefetch, lru+cpu, lru+prefetch+cpu "
+                          "(default: resident if every expert fits the budget, else lru+prefetch)")
+    gen.add_argument("--execution", default="layerwise", choices=["layerwise", "resident"],
+                     help="offloaded step: layer-wise (host between layers) or one jit per step with replay")
+    gen.add_argument("--stats", action="store_true", help="print offload statistics (JSON) to stderr at the end")
     gen.add_argument("--tier", default=None, help="expert precision tier")
     gen.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     gen.add_argument("--max-seq-len", type=int, default=None, help="context to plan memory for")
@@ -64,7 +69,7 @@ def cmd_generate(args) -> None:
     import jmoe
 
     model = jmoe.load(args.model, device_budget=args.device_budget, policy=args.policy, tier=args.tier,
-                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len)
+                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution)
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop or None, stream=True)
@@ -73,6 +78,8 @@ def cmd_generate(args) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.stats:
+        print(json.dumps(jmoe.stats(model), indent=1), file=sys.stderr)
 
 
 def cmd_info(args) -> None:

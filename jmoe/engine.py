@@ -38,28 +38,21 @@ def cache_nbytes(cfg: ModelConfig, batch: int, length: int, dtype) -> int:
     return 2 * cfg.num_layers * batch * length * cfg.kv_dim * jnp.dtype(dtype).itemsize
 
 
-def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, write_start, key_start, *, last_only, want_importance):
-    model = nnx.merge(graphdef, dense)
-    cfg = model.config
-    T = tokens.shape[1]
-    slots = write_start + jnp.arange(T, dtype=jnp.int32)
+def attention_meta(cfg: ModelConfig, num_tokens: int, write_start, key_start) -> AttentionMeta:
+    """Cache placement and RoPE tables of `num_tokens` tokens written from slot `write_start`."""
+    slots = write_start + jnp.arange(num_tokens, dtype=jnp.int32)
     positions = jnp.maximum(slots[None, :] - key_start[:, None], 0)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    meta = AttentionMeta(jnp.asarray(write_start, jnp.int32), key_start, cos, sin)
+    return AttentionMeta(jnp.asarray(write_start, jnp.int32), key_start, cos, sin)
+
+
+def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, write_start, key_start, *, last_only, want_importance):
+    model = nnx.merge(graphdef, dense)
+    meta = attention_meta(model.config, tokens.shape[1], write_start, key_start)
     x, cache, signals = model(tokens, cache, meta, experts, want_importance=want_importance)
     if last_only:
         x = x[:, -1:]
     return model.logits(x), cache, signals
-
-
-def _token_nll(graphdef, dense, experts: ExpertState, tokens):
-    """Negative log-likelihood of tokens[:, 1:] given the prefix; tokens [1, T] -> [T - 1]."""
-    model = nnx.merge(graphdef, dense)
-    cache = new_cache(model.config, tokens.shape[0], tokens.shape[1], model.dtype)
-    key_start = jnp.zeros((tokens.shape[0],), jnp.int32)
-    logits, _, _ = _forward(graphdef, dense, experts, tokens, cache, 0, key_start, last_only=False, want_importance=False)
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0][0]
 
 
 def _sample(logits, seen, key, temperature, top_k, top_p, penalty, *, greedy):
@@ -76,5 +69,4 @@ class Engine:
         self.forward = jax.jit(
             partial(_forward, graphdef), static_argnames=("last_only", "want_importance"), donate_argnames=("cache",)
         )
-        self.token_nll = jax.jit(partial(_token_nll, graphdef))
         self.sample = jax.jit(_sample, static_argnames=("greedy",), donate_argnames=("seen",))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,10 +25,15 @@ def forward(model, token_ids) -> jnp.ndarray:
     tokens[0, P - T :] = ids
     cache = new_cache(model.config, 1, P, model.compute_dtype)
     key_start = jnp.asarray([P - T], jnp.int32)
-    logits, _, _ = model.engine.forward(
-        model.dense, model.experts.begin_step(), jnp.asarray(tokens), cache, 0, key_start, last_only=False, want_importance=False
-    )
+    logits, _ = model.step(jnp.asarray(tokens), cache, 0, key_start, last_only=False, phase="prefill")
     return logits[0, P - T :]
+
+
+@jax.jit
+def _token_nll(logits, tokens):
+    """logits [1, T, V], tokens [1, T] -> NLL of tokens[:, 1:] given the prefix, [T - 1]."""
+    logp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+    return -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
 
 
 def window_nll(model, token_ids, window: int) -> tuple[float, int]:
@@ -45,8 +51,10 @@ def window_nll(model, token_ids, window: int) -> tuple[float, int]:
             padded[: len(chunk)] = chunk
         else:
             padded = chunk
-        nll = model.engine.token_nll(model.dense, model.experts.begin_step(), jnp.asarray(padded[None]))
-        nll = np.asarray(nll)[: len(chunk) - 1]
+        tokens = jnp.asarray(padded[None])
+        cache = new_cache(model.config, 1, window, model.compute_dtype)
+        logits, _ = model.step(tokens, cache, 0, jnp.zeros((1,), jnp.int32), last_only=False, phase="prefill")
+        nll = np.asarray(_token_nll(logits, tokens))[: len(chunk) - 1]
         total += float(nll.sum(dtype=np.float64))
         count += len(chunk) - 1
     return total, count

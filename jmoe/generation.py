@@ -82,12 +82,8 @@ def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: 
     )
     state = {"cache": new_cache(cfg, B, S, model.compute_dtype), "seen": jnp.asarray(seen), "rng": jax.random.key(sampling.seed)}
 
-    def run(block, write_start):
-        experts = model.experts.begin_step()
-        logits, state["cache"], signals = engine.forward(
-            model.dense, experts, block, state["cache"], write_start, key_start, last_only=True, want_importance=False
-        )
-        model.experts.end_step(signals)
+    def run(block, write_start, phase):
+        logits, state["cache"] = model.step(block, state["cache"], write_start, key_start, last_only=True, phase=phase)
         return logits
 
     def sample(logits):
@@ -95,15 +91,18 @@ def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: 
         nxt, state["seen"] = engine.sample(logits[:, -1], state["seen"], sub, *params, greedy=sampling.greedy)
         return nxt
 
+    model.stats.start_request()
     chunk = min(P, PREFILL_CHUNK)  # P is a power of two (or, near the context limit, the prompt length)
     for start in range(0, P, chunk):
-        logits = run(jnp.asarray(tokens[:, start : start + chunk]), start)
+        logits = run(jnp.asarray(tokens[:, start : start + chunk]), start, "prefill")
     nxt = sample(logits)
     for i in range(1, steps + 1):
         current = nxt
         if i < steps:
-            nxt = sample(run(current[:, None], P + i - 1))
-        yield np.asarray(current)
+            nxt = sample(run(current[:, None], P + i - 1, "decode"))
+        out = np.asarray(current)
+        model.stats.token_ready(B)
+        yield out
 
 
 class RowText:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.expert_path import ExpertState, routed_experts
+from jmoe.expert_path import LayerExperts, routed_experts
 
 
 def matmul_precision(dtype) -> jax.lax.Precision:
@@ -205,13 +205,17 @@ class MoEBlock(nnx.Module):
             weights = weights / weights.sum(-1, keepdims=True)
         return Routing(ids.astype(jnp.int32), weights.astype(self.dtype).astype(jnp.float32))
 
-    def combine(self, h, routing: Routing, token_valid, experts: ExpertState, moe_index: int):
+    def shared_out(self, h):
+        """Qwen2-MoE's shared expert behind its sigmoid gate (None for families without one)."""
+        if self.shared_expert is None:
+            return None
+        return jax.nn.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+
+    def combine(self, h, routing: Routing, token_valid, experts: LayerExperts):
         """Routed experts (through the handle table) plus the shared expert, h [N, D] -> [N, D]."""
-        out = routed_experts(h, routing, token_valid, experts.layer(moe_index))
-        if self.shared_expert is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(h))
-            out = out + gate * self.shared_expert(h)
-        return out
+        out = routed_experts(h, routing, token_valid, experts)
+        shared = self.shared_out(h)
+        return out if shared is None else out + shared
 
 
 class DecoderLayer(nnx.Module):

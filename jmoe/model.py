@@ -72,7 +72,7 @@ class Transformer(nnx.Module):
             h = h.reshape(B * T, -1)
             if layer.is_moe:
                 routing = layer.mlp.route(h)
-                out = layer.mlp.combine(h, routing, valid, experts, moe_index)
+                out = layer.mlp.combine(h, routing, valid, experts.layer(moe_index))
                 ids.append(routing.ids.reshape(B, T, -1))
                 weights.append(routing.weights.reshape(B, T, -1))
                 if imp is not None:

@@ -8,21 +8,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jmoe.budget import format_size, parse_size, tree_nbytes
+from jmoe.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.config import ModelConfig
 from jmoe.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.format import check_files, read_manifest
 from jmoe.model import abstract_model
+from jmoe.offload import OffloadRuntime, plan_pool
+from jmoe.policies import Policy, make_policy
 from jmoe.pools import ResidentExperts
 from jmoe.store import ExpertStore
 from jmoe.tokenizer import load_tokenizer
+from pallas_kernels.expert_ffn import BACKENDS
 
 DEFAULT_MAX_SEQ_LEN = 4096
-POLICIES = ("resident",)
 
 
 @dataclass
@@ -42,6 +43,16 @@ class JmoeModel:
     max_seq_len: int
     device_budget: int | None
     memory: dict[str, int]
+    policy: Policy
+
+    def step(self, tokens, cache, write_start, key_start, *, last_only: bool, phase: str):
+        """One forward step over `tokens` [B, T] written at cache slot `write_start`: (logits, cache)."""
+        return self.experts.step(self.engine, self.dense, tokens, cache, write_start, key_start,
+                                 last_only=last_only, phase=phase)
+
+    @property
+    def stats(self):
+        return self.experts.stats
 
     def check_batch_fits(self, batch: int, cache_len: int) -> None:
         """Under a budget, the KV cache of a request must fit what load() reserved for it."""
@@ -64,7 +75,7 @@ class JmoeModel:
     def __repr__(self) -> str:
         return (
             f"JmoeModel({self.config.family}, {self.config.num_layers} layers, {self.config.num_experts} experts, "
-            f"compute {jnp.dtype(self.compute_dtype).name}, experts {self.experts.tier})"
+            f"compute {jnp.dtype(self.compute_dtype).name}, experts {self.experts.tier}, policy {self.policy.name})"
         )
 
 
@@ -81,6 +92,30 @@ def workspace_nbytes(cfg: ModelConfig, tokens: int, cache_len: int, dtype) -> in
     return scores + acts + logits
 
 
+def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
+    """Device bytes reserved before any expert: dense weights, KV cache, workspace."""
+    return {
+        "dense": tree_nbytes(abstract_state),
+        "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype),
+        "workspace": max_batch * workspace_nbytes(cfg, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype),
+    }
+
+
+def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
+                max_batch: int = 1) -> dict[str, int]:
+    """What load() would reserve before experts, and the bytes of every expert at `tier`
+    (key "all_experts"), without loading anything: for choosing a budget."""
+    manifest = read_manifest(Path(path))
+    cfg = ModelConfig.from_dict(manifest["config"])
+    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(default_compute_dtype())
+    tier = tier or next(iter(manifest["tiers"]))
+    _, abstract_state = nnx.split(abstract_model(cfg, dtype))
+    plan = fixed_memory(cfg, abstract_state, dtype, int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)),
+                        max_batch)
+    plan["all_experts"] = manifest["tiers"][tier]["record_nbytes"] * cfg.num_moe_layers * cfg.num_experts
+    return plan
+
+
 def load(
     path: str | Path,
     *,
@@ -90,19 +125,30 @@ def load(
     compute_dtype: Any = None,
     max_seq_len: int | None = None,
     max_batch: int = 1,
+    execution: str = "layerwise",
+    kernel_backend: str | None = None,
+    cpu_critical_tokens: int | None = None,
     verify: bool = False,
+    progress: bool = False,
 ) -> JmoeModel:
     """Load a converted model onto the default device.
 
     Args:
       path: directory written by `jmoe convert`.
       device_budget: hard cap on device memory ("12GiB", bytes); None = no cap.
-      policy: expert residency policy; "resident" (default) keeps every expert on the device.
-      tier: expert precision to run ("bf16", ...); default the most precise tier converted.
+      policy: expert residency policy: "resident" (every expert on the device), "ondemand", "lru",
+        "lru+prefetch", "lru+cpu", "lru+prefetch+cpu". Default: "resident" when every expert fits
+        the budget, else "lru+prefetch".
+      tier: expert precision to run ("bf16", "int8", ...); default the most precise tier converted.
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
       max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
+      execution: "layerwise" (exact, the host between layers) or "resident" (one jit per step,
+        replayed after fetching a missing expert); used by the offloading policies.
+      kernel_backend: expert kernels: "pallas", "interpret" or "xla"; default Pallas on GPU, XLA on CPU.
+      cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 (reads the whole model once).
+      progress: show a progress bar while experts are loaded into host memory.
     """
     root = Path(path)
     manifest = read_manifest(root)
@@ -112,32 +158,46 @@ def load(
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise InputError(f"compute_dtype must be float32, bfloat16 or float16, not {dtype}")
     max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
-    policy = policy or "resident"
-    if policy not in POLICIES:
-        raise InputError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
     store = ExpertStore(root, manifest, cfg)
     tier = tier or store.tiers[0]
     store.record_nbytes(tier)  # clear error for a tier the model was not converted with
+    if kernel_backend not in (None, *BACKENDS):
+        raise InputError(f"kernel_backend must be one of {', '.join(BACKENDS)}, not {kernel_backend!r}")
 
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
-    memory = {
-        "dense": tree_nbytes(abstract_state),
-        "experts": store.record_nbytes(tier) * cfg.num_moe_layers * cfg.num_experts,
-        "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype),
-        "workspace": max_batch * workspace_nbytes(cfg, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype),
-    }
+    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
     budget = parse_size(device_budget) if device_budget is not None else None
-    if budget is not None and sum(memory.values()) > budget:
+    all_experts = store.record_nbytes(tier) * cfg.num_moe_layers * cfg.num_experts
+    fixed = sum(memory.values())
+    if policy is None:
+        policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
+    chosen = make_policy(policy, tier)
+    if budget is not None and fixed > budget:
         parts = ", ".join(f"{k} {format_size(v)}" for k, v in memory.items())
         raise BudgetError(
-            f"device budget {format_size(budget)} is too small for policy {policy!r} at tier {tier}: "
-            f"needs at least {format_size(sum(memory.values()))} ({parts}); "
-            f"raise the budget or lower max_seq_len / max_batch"
+            f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
+            f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
         )
-
+    tracker = BudgetTracker(budget)
+    for purpose, nbytes in memory.items():
+        tracker.reserve(purpose, nbytes)
     device = jax.devices()[0]
     dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, device)
-    experts = ResidentExperts(store, tier, device)
+    if chosen.everything_resident:
+        if budget is not None and fixed + all_experts > budget:
+            raise BudgetError(
+                f"device budget {format_size(budget)} is too small for policy 'resident' at tier {tier}: needs at least "
+                f"{format_size(fixed + all_experts)} (experts {format_size(all_experts)} + {format_size(fixed)} fixed); "
+                f"raise the budget, lower max_seq_len / max_batch, or pick an offloading policy such as 'lru+prefetch'"
+            )
+        tracker.reserve("experts", all_experts)
+        experts = ResidentExperts(store, tier, device, backend=kernel_backend)
+    else:
+        plan = plan_pool(store, tier, fixed, budget, staging_transfers=2 * cfg.top_k)
+        experts = OffloadRuntime(cfg, store, chosen, tracker, plan, graphdef, dense, device, dtype,
+                                 path=execution, backend=kernel_backend, cpu_critical_tokens=cpu_critical_tokens,
+                                 progress=progress)
+    memory = dict(tracker.reserved)
     tokenizer = load_tokenizer(root / manifest["tokenizer"]) if manifest.get("tokenizer") else None
     return JmoeModel(
         path=root,
@@ -153,6 +213,7 @@ def load(
         max_seq_len=max_seq_len,
         device_budget=budget,
         memory=memory,
+        policy=chosen,
     )
 
 

@@ -42,9 +42,12 @@ def test_parse_size_rejects_garbage(bad):
 
 
 def test_budget_too_small_names_the_minimum(tiny_converted):
-    with pytest.raises(BudgetError, match=r"needs at least [0-9.]+ MiB \(dense .*experts .*kv_cache"):
+    with pytest.raises(BudgetError, match=r"needs [0-9.]+ MiB before any expert \(dense .*kv_cache .*workspace"):
         jmoe.load(tiny_converted, device_budget="4MiB")
+    with pytest.raises(BudgetError, match=r"too small for policy 'resident'.*needs at least [0-9.]+ MiB"):
+        jmoe.load(tiny_converted, device_budget="56MiB", policy="resident")
+    assert jmoe.load(tiny_converted, device_budget="56MiB").policy.name == "lru+prefetch"  # offloads by default
     model = jmoe.load(tiny_converted, device_budget="256MiB", compute_dtype="float32")
-    assert sum(model.memory.values()) <= 256 * 2**20
+    assert model.policy.name == "resident" and sum(model.memory.values()) <= 256 * 2**20
     with pytest.raises(BudgetError, match="KV cache"):
         jmoe.generate(model, ["a", "b", "c"], max_new_tokens=2000)

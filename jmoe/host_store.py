@@ -1,0 +1,47 @@
+"""Expert versions in host memory, ready for asynchronous host -> device copies.
+
+Each (tier, MoE layer, expert) record of the converted model becomes one pinned-host JAX array
+of bytes (the record as stored: no repacking), so fetching an expert version is a single
+`jax.device_put` of one array. Where the platform has no pinned host memory, plain host arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jmoe.store import ExpertStore
+
+
+def host_sharding(device):
+    kinds = {m.kind for m in device.addressable_memories()}
+    kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host" if "unpinned_host" in kinds else None
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind), kind
+
+
+class HostStore:
+    def __init__(self, store: ExpertStore, tiers: tuple[str, ...], device, progress: bool = False):
+        self.store = store
+        self.tiers = tiers
+        self.sharding, self.memory_kind = host_sharding(device)
+        L, E = store.num_layers, store.num_experts
+        self._records: dict[str, list[list[jax.Array]]] = {}
+        with tqdm(total=L * E * len(tiers), desc="host store", unit="expert", disable=not progress) as bar:
+            for tier in tiers:
+                rows = []
+                for layer in range(L):
+                    rows.append([jax.device_put(np.asarray(store.record_bytes(tier, layer, e)), self.sharding)
+                                 for e in range(E)])
+                    bar.update(E)
+                self._records[tier] = rows
+
+    def record(self, tier: str, layer: int, expert: int) -> jax.Array:
+        """uint8 [record_nbytes] host array of one expert version."""
+        return self._records[tier][layer][expert]
+
+    def nbytes(self, tier: str) -> int:
+        return self.store.record_nbytes(tier)
+
+    def total_nbytes(self) -> int:
+        return sum(self.nbytes(t) * self.store.num_layers * self.store.num_experts for t in self.tiers)

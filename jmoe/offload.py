@@ -1,0 +1,236 @@
+"""The offload runtime: experts live on the host, a budget-sized pool on the device caches them.
+
+Two execution paths share the layer code (DESIGN.md section 2):
+- "layerwise" (default, exact): per-layer jitted pieces; the host sees each layer's routing and
+  fetches, prefetches or runs on the CPU before the layer's experts run.
+- "resident": one jitted forward per step over whatever is resident; the host reads the step's
+  routing afterwards, and if a routed expert was missing (these policies never degrade) fetches it
+  and replays the step. A step whose experts cannot all be resident at once runs layer-wise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jmoe.budget import BudgetTracker, format_size
+from jmoe.cache import CacheManager
+from jmoe.config import ModelConfig
+from jmoe.cpu_exec import CpuExecutor
+from jmoe.errors import BudgetError, InputError
+from jmoe.expert_path import ExpertState
+from jmoe.handles import HandleTable
+from jmoe.host_store import HostStore
+from jmoe.layerwise import LayerwiseStep, token_importance
+from jmoe.policies import ExpertCounters, LayerRouting, Policy
+from jmoe.pools import TierPool, slot_nbytes
+from jmoe.stats import Stats
+from jmoe.store import ExpertStore
+from jmoe.tiers import SKIP
+
+PATHS = ("layerwise", "resident")
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    slots: int
+    slot_nbytes: int
+    staging_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_nbytes
+
+
+def plan_pool(store: ExpertStore, tier: str, fixed: int, budget: int | None, staging_transfers: int) -> PoolPlan:
+    """Size the tier's pool from what the budget leaves after the fixed reservations.
+
+    The minimum is one token's experts of one layer (top_k slots) plus staging for the transfers
+    that may be in flight at once; the maximum is every expert.
+    """
+    cfg = store.config
+    per_slot = slot_nbytes(store, tier)
+    staging = staging_transfers * store.record_nbytes(tier)
+    total_experts = cfg.num_moe_layers * cfg.num_experts
+    if budget is None:
+        return PoolPlan(total_experts, per_slot, staging)
+    slots = min(total_experts, (budget - fixed - staging) // per_slot)
+    if slots < cfg.top_k:
+        minimum = fixed + staging + cfg.top_k * per_slot
+        raise BudgetError(
+            f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and one layer's "
+            f"working set: needs at least {format_size(minimum)} ({format_size(fixed)} fixed + "
+            f"{format_size(staging)} transfer staging + {cfg.top_k} experts x {format_size(per_slot)} at {tier})"
+        )
+    return PoolPlan(int(slots), per_slot, staging)
+
+
+class OffloadRuntime:
+    def __init__(self, cfg: ModelConfig, store: ExpertStore, policy: Policy, tracker: BudgetTracker, plan: PoolPlan,
+                 graphdef, dense, device, compute_dtype, *, path: str = "layerwise", backend: str | None = None,
+                 cpu_critical_tokens: int | None = None, progress: bool = False):
+        if path not in PATHS:
+            raise InputError(f"unknown execution path {path!r}; choose from {', '.join(PATHS)}")
+        self.cfg, self.policy, self.path, self.backend, self.device = cfg, policy, path, backend, device
+        self.tier = policy.tier
+        self.stats = Stats()
+        self.counters = ExpertCounters(cfg.num_moe_layers, cfg.num_experts)
+        self.step_index = 0
+        tracker.reserve("experts", plan.nbytes)
+        tracker.reserve("staging", plan.staging_nbytes)
+        self.tracker = tracker
+        self.host = HostStore(store, (self.tier,), device, progress=progress)
+        self.pools = {self.tier: TierPool(store, self.tier, plan.slots, device)}
+        self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, device)
+        self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
+                                  device)
+        self.layerwise = LayerwiseStep(self, graphdef, dense)
+        self.cpu = None
+        self.critical_tokens = 0
+        if policy.cpu_execution:
+            self.cpu = CpuExecutor(self.host, device, compute_dtype)
+            cost = self.cpu.calibrate(self.tier)
+            self.critical_tokens = cost.critical_tokens if cpu_critical_tokens is None else cpu_critical_tokens
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (the cache keeps its contents)."""
+        self.stats = self.cache.stats = Stats()
+
+    # -- what the forward reads
+
+    @property
+    def slots(self) -> int:
+        return self.pools[self.tier].slots
+
+    def pool_arrays(self) -> dict:
+        return {tier: pool.arrays for tier, pool in self.pools.items()}
+
+    def expert_state(self) -> ExpertState:
+        tier, slot = self.handles.on_device()
+        return ExpertState(tier, slot, self.pool_arrays(), self.backend)
+
+    def handle_rows(self, layer: int, experts) -> tuple[jax.Array, jax.Array]:
+        """One layer's handle rows with only `experts` visible (a pass of the layer-wise path)."""
+        tier_row = np.zeros(self.cfg.num_experts, np.int32)
+        chosen = np.asarray(list(experts), np.int64)
+        tier_row[chosen] = self.handles.tier[layer, chosen]
+        return jax.device_put(tier_row, self.device), jax.device_put(self.handles.slot[layer], self.device)
+
+    # -- layer-wise path
+
+    def plan_layer(self, r: LayerRouting) -> tuple[list[int], list[int]]:
+        """Count uses and sort the layer's routed experts into (run on the device, run on the CPU)."""
+        self.cache.poll()  # publish prefetches that landed while earlier layers computed
+        wanted = self.policy.wanted_tiers(r, self.counters)
+        self.counters.update(r)
+        counts = r.token_counts(self.cfg.num_experts)
+        device, cpu = [], []
+        for expert, code in wanted.items():
+            key = (r.layer, expert)
+            self.stats.uses += 1
+            if code == SKIP:
+                self.stats.skipped += 1
+                continue
+            if self.cache.code_of(key) >= code:
+                self.stats.hits += 1
+                self.cache.touch(key)
+                device.append(expert)
+            elif key in self.cache.inflight:
+                self.stats.late += 1
+                device.append(expert)
+            elif self.cpu is not None and counts[expert] <= self.critical_tokens:
+                self.stats.cpu_runs += 1
+                self.stats.cpu_tokens += int(counts[expert])
+                cpu.append(expert)
+            else:
+                self.stats.misses += 1
+                device.append(expert)
+        return device, cpu
+
+    def split_passes(self, layer: int, experts: list[int]) -> list[list[int]]:
+        """Groups that fit the pool together; resident experts first so they run before evictions."""
+        ordered = sorted(experts, key=lambda e: self.cache.code_of((layer, e)) == SKIP)
+        size = self.slots
+        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+    def fetch_group(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
+        keys = [(layer, e) for e in experts]
+        self.cache.pinned = set(keys)
+        for key in keys:
+            if self.cache.request(key, self.tier, "demand") == "full":
+                raise RuntimeError(f"no slot for expert {key} although the pass fits the pool")
+        return keys
+
+    def finish_group(self, keys) -> None:
+        self.cache.pinned = set()
+        if not self.policy.cache:
+            for key in keys:
+                self.cache.drop(key)
+
+    def prefetch_limit(self) -> int:
+        return max(1, self.slots // max(1, self.cfg.num_moe_layers))
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        for expert in experts[: max(self.cfg.top_k, self.prefetch_limit())]:
+            if self.cache.request((layer, expert), self.tier, "prefetch") == "full":
+                break
+
+    # -- stepping
+
+    def step(self, engine, dense, tokens, cache, write_start, key_start, *, last_only: bool, phase: str):
+        """One forward step (any number of tokens); returns (logits, cache)."""
+        self.cache.poll()
+        self.stats.steps += 1
+        self.step_index += 1
+        if self.path == "resident":
+            return self._resident_step(engine, dense, tokens, cache, write_start, key_start, last_only, phase)
+        return self.layerwise.run(tokens, cache, write_start, key_start, last_only=last_only, phase=phase)
+
+    def _routings(self, signals, valid, phase, write_start: int) -> list[LayerRouting]:
+        ids, weights = np.asarray(signals.ids), np.asarray(signals.weights)  # [L, B, T, k]
+        L, T = self.cfg.num_moe_layers, ids.shape[2]
+        importance = [None] * L if signals.importance is None else signals.importance
+        return [LayerRouting(self.step_index, phase, layer, L, ids[layer].reshape(len(valid), -1),
+                             weights[layer].reshape(len(valid), -1), valid,
+                             token_importance(importance[layer], write_start, T)) for layer in range(L)]
+
+    def _resident_step(self, engine, dense, tokens, cache, write_start, key_start, last_only, phase):
+        B, T = tokens.shape
+        valid = ((write_start + np.arange(T))[None, :] >= np.asarray(key_start)[:, None]).reshape(-1)
+        fetched: set = set()
+        while True:
+            want_importance = phase == "prefill" and self.policy.wants_importance
+            logits, cache, signals = engine.forward(dense, self.expert_state(), tokens, cache, write_start, key_start,
+                                                    last_only=last_only, want_importance=want_importance)
+            routings = self._routings(signals, valid, phase, write_start)
+            needed = {(r.layer, e): code for r in routings
+                      for e, code in self.policy.wanted_tiers(r, self.counters).items() if code != SKIP}
+            missing = [key for key, code in needed.items() if self.cache.code_of(key) < code]
+            if not missing:
+                self._accept(routings, needed, fetched)
+                return logits, cache
+            if len(needed) > self.slots:
+                # This step's experts cannot all be resident together: run it layer by layer.
+                return self.layerwise.run(tokens, cache, write_start, key_start, last_only=last_only, phase=phase)
+            self.cache.pinned = set(needed)
+            for key in missing:
+                self.cache.request(key, self.tier, "demand")
+            self.cache.wait(missing)
+            self.cache.pinned = set()
+            fetched.update(missing)
+            self.stats.replays += 1
+
+    def _accept(self, routings: list[LayerRouting], needed: dict, fetched: set) -> None:
+        """Account for a resident-path step whose every expert was resident on its last run."""
+        misses = sum(1 for key in needed if key in fetched)
+        self.stats.uses += len(needed)
+        self.stats.misses += misses
+        self.stats.hits += len(needed) - misses
+        for r in routings:
+            self.counters.update(r)
+        for key in needed:
+            self.cache.touch(key)
+            if not self.policy.cache:
+                self.cache.drop(key)

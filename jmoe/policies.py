@@ -1,0 +1,85 @@
+"""Expert residency policies.
+
+A policy sees, per step and MoE layer, the router's top-k ids and scores (and in prefill a
+per-token importance from attention), the layer's depth and long-horizon per-expert counters; it
+answers with the tier it wants for each routed expert this step (0 = skip it). Whether experts
+stay cached, whether the next layer is prefetched and whether cold experts may run on the CPU
+are properties of the policy too. The cache manager turns its answers into fetches and evictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jmoe.errors import InputError
+from jmoe.tiers import TIER_CODES
+
+
+@dataclass
+class LayerRouting:
+    """What one MoE layer's router decided for this step's tokens."""
+
+    step: int
+    phase: str  # "prefill" | "decode"
+    layer: int  # MoE layer index (handle-table row)
+    num_layers: int
+    ids: np.ndarray  # [N, k] top-k experts
+    scores: np.ndarray  # [N, k] their combine weights
+    valid: np.ndarray  # [N] False on padding
+    importance: np.ndarray | None = None  # [N] prefill: mean attention each token received
+
+    def experts(self) -> np.ndarray:
+        """Distinct experts routed to by real tokens."""
+        return np.unique(self.ids[self.valid])
+
+    def token_counts(self, num_experts: int) -> np.ndarray:
+        return np.bincount(self.ids[self.valid].ravel(), minlength=num_experts)
+
+
+class ExpertCounters:
+    """Long-horizon routing statistics per (layer, expert): totals and an EMA per step."""
+
+    def __init__(self, num_layers: int, num_experts: int, decay: float = 0.9):
+        self.total = np.zeros((num_layers, num_experts), np.int64)
+        self.ema = np.zeros((num_layers, num_experts), np.float64)
+        self.decay = decay
+
+    def update(self, routing: LayerRouting) -> None:
+        counts = routing.token_counts(self.total.shape[1])
+        self.total[routing.layer] += counts
+        self.ema[routing.layer] = self.decay * self.ema[routing.layer] + (1 - self.decay) * counts
+
+
+@dataclass
+class Policy:
+    name: str
+    tier: str  # the tier experts run at
+    cache: bool = True  # keep fetched experts resident (False: evict after use)
+    prefetch: bool = False  # fetch the next layer's predicted experts while this layer computes
+    cpu_execution: bool = False  # run cold experts with few tokens on the host CPU
+    everything_resident: bool = False  # all experts preloaded; nothing is ever fetched
+    wants_importance: bool = False  # prefill routing carries each token's received attention
+
+    def wanted_tiers(self, routing: LayerRouting, counters: ExpertCounters) -> dict[int, int]:
+        """Tier code wanted for each routed expert this step (0 = skip). Baselines never degrade."""
+        code = TIER_CODES[self.tier]
+        return {int(e): code for e in routing.experts()}
+
+
+POLICY_NAMES = ("resident", "ondemand", "lru", "lru+prefetch", "lru+cpu", "lru+prefetch+cpu")
+
+
+def make_policy(name: str, tier: str) -> Policy:
+    if name not in POLICY_NAMES:
+        raise InputError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")
+    parts = set(name.split("+"))
+    return Policy(
+        name=name,
+        tier=tier,
+        cache="ondemand" not in parts,
+        prefetch="prefetch" in parts,
+        cpu_execution="cpu" in parts,
+        everything_resident=name == "resident",
+    )

@@ -1,0 +1,84 @@
+"""Counters of the offload runtime, and the summary jmoe.stats() returns."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Stats:
+    # expert uses: one per (step, MoE layer, expert routed to by a real token)
+    uses: int = 0
+    hits: int = 0  # resident at (or above) the wanted tier when needed
+    late: int = 0  # in flight when needed (the step waited for it)
+    misses: int = 0  # fetched on demand
+    degraded: int = 0  # ran at a lower resident tier than wanted
+    skipped: int = 0  # wanted tier 0 or nothing resident, and the policy allowed skipping
+    cpu_runs: int = 0  # ran on the host CPU instead of being fetched
+    cpu_tokens: int = 0
+    # transfers
+    transfers: int = 0
+    bytes_h2d: int = 0
+    waited_bytes: int = 0  # bytes of the transfers a step waited for
+    transfer_seconds: float = 0.0  # their time from device_put to ready
+    stalls: int = 0  # times a step waited for a transfer
+    stall_seconds: float = 0.0
+    replays: int = 0  # resident-path steps re-run after fetching their misses
+    evictions: int = 0
+    # prefetch and prediction
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_evicted_unused: int = 0
+    predicted: int = 0  # |predicted set ∩ actual set| summed over (step, layer)
+    actual: int = 0  # |actual set| summed over (step, layer)
+    # timing of generation
+    steps: int = 0
+    tokens: int = 0
+    ttft_seconds: list[float] = field(default_factory=list)
+    tpot_seconds: list[float] = field(default_factory=list)
+    _request_start: float | None = None
+    _last_token: float | None = None
+
+    def start_request(self) -> None:
+        self._request_start = time.perf_counter()
+        self._last_token = None
+
+    def token_ready(self, count: int = 1) -> None:
+        now = time.perf_counter()
+        if self._last_token is None and self._request_start is not None:
+            self.ttft_seconds.append(now - self._request_start)
+        elif self._last_token is not None:
+            self.tpot_seconds.append(now - self._last_token)
+        self._last_token = now
+        self.tokens += count
+
+    def summary(self) -> dict:
+        uses = max(self.uses, 1)
+        return {
+            "expert_uses": self.uses,
+            "hit_rate": self.hits / uses,
+            "late_rate": self.late / uses,
+            "miss_rate": self.misses / uses,
+            "degraded": self.degraded,
+            "skipped": self.skipped,
+            "cpu_expert_runs": self.cpu_runs,
+            "cpu_tokens": self.cpu_tokens,
+            "transfers": self.transfers,
+            "bytes_h2d": self.bytes_h2d,
+            "bytes_h2d_per_token": self.bytes_h2d / max(self.tokens, 1),
+            "waited_transfer_gb_per_s": self.waited_bytes / 1e9 / self.transfer_seconds if self.transfer_seconds else None,
+            "evictions": self.evictions,
+            "stalls": self.stalls,
+            "stall_seconds": self.stall_seconds,
+            "replays": self.replays,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_accuracy": self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None,
+            "predictor_recall": self.predicted / self.actual if self.actual else None,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "ttft_s": float(np.mean(self.ttft_seconds)) if self.ttft_seconds else None,
+            "tpot_s": float(np.mean(self.tpot_seconds)) if self.tpot_seconds else None,
+        }

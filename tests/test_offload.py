@@ -1,0 +1,264 @@
+"""Offload runtime: exactness of every policy and path, the budget, the cache rules, the counters."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jmoe
+import jmoe.runtime
+from convert import convert_checkpoint
+from jmoe.budget import BudgetTracker
+from jmoe.cache import CacheManager
+from jmoe.errors import BudgetError
+from jmoe.format import read_manifest
+from jmoe.handles import HandleTable
+from jmoe.host_store import HostStore
+from jmoe.offload import plan_pool
+from jmoe.policies import Policy
+from jmoe.pools import TierPool
+from jmoe.stats import Stats
+from jmoe.store import ExpertStore
+from jmoe.tiers import TIER_CODES
+from tests.hf_models import FAMILIES, make_checkpoint
+
+PROMPTS = ["def fibonacci(n):", "261 + 120 = "]
+POLICIES = ["ondemand", "lru", "lru+prefetch", "lru+cpu", "lru+prefetch+cpu"]
+
+
+def budget_for(model, fraction: float) -> int:
+    """Fixed reservations plus a fraction of every expert at the model's tier."""
+    fixed = sum(v for k, v in model.memory.items() if k != "experts")
+    return int(fixed + fraction * model.memory["experts"])
+
+
+@pytest.fixture(scope="module")
+def resident_reference(tiny_converted):
+    model = jmoe.load(tiny_converted, compute_dtype="float32")
+    return model, [jmoe.generate(model, p, max_new_tokens=16) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("execution", ["layerwise", "resident"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_and_path_gives_the_resident_tokens(tiny_converted, resident_reference, policy, execution):
+    reference_model, reference = resident_reference
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy=policy, execution=execution, cpu_critical_tokens=2)
+    assert model.experts.slots < 8 * 32  # really offloading
+    assert [jmoe.generate(model, p, max_new_tokens=16) for p in PROMPTS] == reference
+    stats = jmoe.stats(model)
+    assert stats["degraded"] == 0 and stats["skipped"] == 0  # baselines never degrade or skip
+    assert stats["expert_uses"] > 0
+    assert stats["transfers"] > 0 and stats["bytes_h2d"] > 0
+    if "cpu" in policy:
+        assert stats["cpu_expert_runs"] > 0
+    model.experts.cache.check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_model_of_each_family_is_exact_when_offloaded(tmp_path, family):
+    src = tmp_path / "hf"
+    make_checkpoint(family, src)
+    out = convert_checkpoint(src, tmp_path / "jmoe", progress=False)
+    ids = [5, 17, 99, 3, 42, 250, 7, 61]
+    reference_model = jmoe.load(out, compute_dtype="float32")
+    reference = jmoe.generate(reference_model, ids, max_new_tokens=16)
+    budget = budget_for(reference_model, 0.4)
+    for policy, execution in [("lru+prefetch", "layerwise"), ("ondemand", "resident")]:
+        model = jmoe.load(out, compute_dtype="float32", device_budget=budget, policy=policy, execution=execution)
+        assert model.experts.slots < model.config.num_moe_layers * model.config.num_experts
+        assert jmoe.generate(model, ids, max_new_tokens=16) == reference, (policy, execution)
+
+
+def test_budget_too_small_for_one_layer_names_the_minimum(tiny_converted, resident_reference):
+    reference_model, _ = resident_reference
+    fixed = budget_for(reference_model, 0.0)
+    with pytest.raises(BudgetError, match=r"one layer's working set: needs at least ([0-9.]+) MiB") as err:
+        jmoe.load(tiny_converted, device_budget=fixed + 1000, policy="lru")
+    minimum = float(err.value.args[0].split("needs at least ")[1].split(" MiB")[0])
+    model = jmoe.load(tiny_converted, device_budget=f"{minimum + 0.01}MiB", policy="lru", compute_dtype="float32")
+    assert model.experts.slots == model.config.top_k
+    assert jmoe.generate(model, "x = ", max_new_tokens=4)
+    with pytest.raises(BudgetError, match="before any expert"):
+        jmoe.load(tiny_converted, device_budget="1MiB", policy="lru")
+
+
+def test_bytes_moved_are_the_fetched_versions(tiny_converted, resident_reference, monkeypatch):
+    reference_model, _ = resident_reference
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy="lru+prefetch")
+    moved = []
+    real_put = jax.device_put
+    host_kind = model.experts.host.memory_kind
+
+    def counting_put(x, *args, **kwargs):  # count transfers whose source is an expert's host record
+        if getattr(getattr(x, "sharding", None), "memory_kind", None) == host_kind:
+            moved.append(x.nbytes)
+        return real_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counting_put)
+    jmoe.generate(model, PROMPTS[0], max_new_tokens=12)
+    stats = jmoe.stats(model)
+    record = model.store.record_nbytes("bf16")
+    assert stats["bytes_h2d"] == sum(moved) == len(moved) * record == stats["transfers"] * record
+    assert stats["bytes_h2d_per_token"] == stats["bytes_h2d"] / stats["tokens"]
+
+
+def test_predictor_recall_and_prefetch_are_measured(tiny_converted, resident_reference):
+    reference_model, _ = resident_reference
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.5),
+                      policy="lru+prefetch")
+    jmoe.generate(model, PROMPTS[1], max_new_tokens=24)
+    stats = jmoe.stats(model)
+    assert 0.3 < stats["predictor_recall"] <= 1.0  # the next layer's router on this layer's state
+    assert stats["prefetch_issued"] > 0 and 0.0 < stats["prefetch_accuracy"] <= 1.0
+    assert stats["ttft_s"] > 0 and stats["tpot_s"] > 0 and stats["tokens"] == 24
+
+
+def test_cpu_cost_model_is_calibrated(tiny_converted, resident_reference):
+    reference_model, _ = resident_reference
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy="lru+cpu")
+    cost = model.experts.cpu.cost
+    assert cost.transfer_s > 0 and cost.cpu_per_token_s >= 0
+    assert model.experts.critical_tokens == cost.critical_tokens
+
+
+# ---------------------------------------------------------------- the cache manager on its own
+
+
+@pytest.fixture(scope="module")
+def two_tier_store(tmp_path_factory, tiny_hf_dir):
+    out = convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("tiers") / "m", tiers="int4,int2", progress=False)
+    manifest = read_manifest(out)
+    return ExpertStore(out, manifest, jmoe.ModelConfig.from_dict(manifest["config"]))
+
+
+@pytest.fixture(scope="module")
+def two_tier_host(two_tier_store):
+    return HostStore(two_tier_store, ("int4", "int2"), jax.devices()[0])
+
+
+def make_cache(store, host, slots: dict[str, int], staging_transfers: int):
+    device = jax.devices()[0]
+    pools = {tier: TierPool(store, tier, n, device) for tier, n in slots.items()}
+    staging = BudgetTracker(staging_transfers * store.record_nbytes("int4"))
+    handles = HandleTable(store.num_layers, store.num_experts, device)
+    return CacheManager(host, pools, handles, staging, Stats(), device)
+
+
+def test_promotion_replaces_and_lower_requests_reuse(two_tier_store, two_tier_host):
+    cache = make_cache(two_tier_store, two_tier_host, {"int4": 2, "int2": 2}, 2)
+    key = (3, 5)
+    assert cache.request(key, "int2") == "started"
+    cache.settle()
+    assert cache.code_of(key) == TIER_CODES["int2"]
+    assert cache.request(key, "int4") == "started"  # a higher tier is a miss
+    assert cache.code_of(key) == TIER_CODES["int2"]  # the old version stays published until the copy lands
+    cache.settle()
+    assert cache.code_of(key) == TIER_CODES["int4"] and len(cache.free["int2"]) == 2  # promoted, int2 slot freed
+    assert cache.request(key, "int2") == "hit"  # a lower tier reuses the higher version
+    cache.check()
+    # the slot really holds the int4 record
+    slot = cache.resident[key][1]
+    written = np.concatenate([np.asarray(a[slot]).view(np.uint8).ravel()
+                              for a in jax.tree.leaves(cache.pools["int4"].arrays)])
+    expected = np.concatenate([np.asarray(a).view(np.uint8).ravel()
+                               for a in jax.tree.leaves(two_tier_store.record("int4", 3, 5))])
+    np.testing.assert_array_equal(written, expected)
+
+
+def test_pinned_experts_are_not_evicted(two_tier_store, two_tier_host):
+    cache = make_cache(two_tier_store, two_tier_host, {"int4": 2}, 1)
+    for e in (0, 1):
+        cache.request((0, e), "int4")
+    cache.settle()
+    cache.pinned = {(0, 0), (0, 1)}
+    assert cache.request((0, 2), "int4") == "full"
+    cache.pinned = {(0, 0)}
+    assert cache.request((0, 2), "int4") == "started"
+    cache.settle()
+    assert cache.code_of((0, 1)) == 0 and cache.code_of((0, 0)) == TIER_CODES["int4"]
+    cache.check()
+
+
+operation = st.one_of(
+    st.tuples(st.just("request"), st.integers(0, 7), st.integers(0, 31), st.sampled_from(["int4", "int2"]),
+              st.sampled_from(["demand", "prefetch"])),
+    st.tuples(st.just("poll")),
+    st.tuples(st.just("wait"), st.integers(0, 7), st.integers(0, 31)),
+    st.tuples(st.just("pin"), st.integers(0, 7), st.integers(0, 31)),
+    st.tuples(st.just("unpin")),
+    st.tuples(st.just("drop"), st.integers(0, 7), st.integers(0, 31)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget_mib=st.floats(0.02, 1.2), trace=st.lists(operation, min_size=1, max_size=40))
+def test_budget_is_never_exceeded(two_tier_store, two_tier_host, budget_mib, trace):
+    """Random budgets and routing traces: every reservation stays within the budget after every step."""
+    budget = int(budget_mib * 2**20)
+    tracker = BudgetTracker(budget)
+    try:  # half of the budget per tier, as a two-tier policy might split it
+        plans = {t: plan_pool(two_tier_store, t, 0, budget // 2, staging_transfers=1) for t in ("int4", "int2")}
+    except BudgetError:
+        return
+    for tier, plan in plans.items():
+        tracker.reserve(f"pool {tier}", plan.nbytes)
+    tracker.reserve("staging", plans["int4"].staging_nbytes)  # one staging area, sized for the larger record
+    cache = make_cache(two_tier_store, two_tier_host, {t: p.slots for t, p in plans.items()}, 1)
+    assert tracker.total <= budget
+    for op in trace:
+        kind = op[0]
+        if kind == "request":
+            cache.request((op[1], op[2]), op[3], op[4])
+        elif kind == "poll":
+            cache.poll()
+        elif kind == "wait":
+            cache.wait([(op[1], op[2])])
+        elif kind == "pin":
+            cache.pinned.add((op[1], op[2]))
+        elif kind == "unpin":
+            cache.pinned.clear()
+        elif kind == "drop":
+            cache.drop((op[1], op[2]))
+        assert tracker.total <= budget
+        assert cache.staging.total <= cache.staging.budget
+        cache.check()
+    cache.settle()
+    assert cache.staging.total == 0  # every staging reservation came back
+    cache.check()
+
+
+class RecordingPolicy(Policy):
+    """A baseline LRU that records what the policy interface hands it."""
+
+    def __init__(self):
+        super().__init__(name="recording", tier="bf16", wants_importance=True)
+        self.seen: list = []
+
+    def wanted_tiers(self, routing, counters):
+        self.seen.append((routing.phase, routing.layer, routing.num_layers, routing.ids.shape, routing.importance,
+                          counters.total.sum()))
+        return super().wanted_tiers(routing, counters)
+
+
+@pytest.mark.parametrize("execution", ["layerwise", "resident"])
+def test_policies_see_routing_importance_depth_and_counters(tiny_converted, resident_reference, execution, monkeypatch):
+    reference_model, reference = resident_reference
+    policy = RecordingPolicy()
+    monkeypatch.setattr(jmoe.runtime, "make_policy", lambda name, tier: policy)
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.5),
+                      policy="lru", execution=execution)
+    assert jmoe.generate(model, PROMPTS[0], max_new_tokens=16) == reference[0]
+    prefill = [s for s in policy.seen if s[0] == "prefill"]
+    decode = [s for s in policy.seen if s[0] == "decode"]
+    assert {s[1] for s in prefill} == set(range(8)) and all(s[2] == 8 for s in policy.seen)
+    for _, _, _, shape, importance, _ in prefill:
+        assert importance is not None and importance.shape == (shape[0],)
+        assert np.all(importance >= 0) and 0.0 < importance.sum() <= 1.0 + 1e-5  # a share of the attention
+    assert all(s[4] is None for s in decode) and decode[0][3] == (1, 4)
+    assert decode[-1][5] > decode[0][5]  # long-horizon counters keep growing
