@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/jmoe convert examples/tiny-qwen3-moe -o out/tiny-qwen3-moe --force
-	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 64MiB
+	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 56MiB --stats
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

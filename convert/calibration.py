@@ -25,9 +25,12 @@ from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 
 
-def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: int, seq_len: int, seed: int = 0,
-                       max_chars: int = 4_000_000) -> np.ndarray:
-    """[num_sequences, seq_len] token windows drawn evenly from each calibration text file."""
+def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: int, seq_len: int,
+                       seed: int = 0) -> np.ndarray:
+    """[num_sequences, seq_len] token windows drawn evenly from the calibration text files.
+
+    Each window tokenizes only a random span of text, so large calibration files cost little.
+    """
     if tokenizer is None:
         raise InputError("calibration needs the checkpoint's tokenizer to read the calibration text")
     rng = np.random.default_rng(seed)
@@ -37,12 +40,22 @@ def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: in
         path = Path(path)
         if not path.is_file():
             raise InputError(f"calibration file {path} does not exist")
-        ids = np.asarray(tokenizer.encode(path.read_text(errors="replace")[:max_chars]), np.int32)
-        if len(ids) < seq_len + 1:
-            raise InputError(f"calibration file {path} has {len(ids)} tokens, fewer than one {seq_len}-token window")
-        starts = rng.integers(0, len(ids) - seq_len, size=count)
-        windows += [ids[s : s + seq_len] for s in starts]
+        text = path.read_text(errors="replace")
+        for _ in range(count):
+            windows.append(_window(tokenizer, text, seq_len, rng, path))
     return np.stack(windows)
+
+
+def _window(tokenizer, text: str, seq_len: int, rng, path: Path) -> np.ndarray:
+    span = 8 * seq_len  # characters; doubled until the span holds seq_len tokens
+    while True:
+        start = int(rng.integers(0, max(1, len(text) - span)))
+        ids = tokenizer.encode(text[start : start + span])
+        if len(ids) >= seq_len:
+            return np.asarray(ids[:seq_len], np.int32)
+        if span >= len(text):
+            raise InputError(f"calibration file {path} has fewer than {seq_len} tokens")
+        span *= 2
 
 
 @dataclass

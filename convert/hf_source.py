@@ -60,24 +60,35 @@ def read_config(root: Path) -> dict[str, Any]:
 
 
 class TensorSource:
-    """Name -> tensor over every safetensors shard, read one tensor (or one slice) at a time."""
+    """Name -> tensor over every safetensors shard, read one tensor (or one slice) at a time.
+
+    Shards are memory-mapped while open; release() closes them (they reopen on the next read), so
+    the pages of a layer already converted do not stay mapped into the process.
+    """
 
     def __init__(self, root: Path):
         self.root = root
-        files = self._shard_files(root)
         self._handles = {}
         self._where: dict[str, Path] = {}
         self._cpu = jax.devices("cpu")[0]
-        for f in files:
-            try:
-                handle = safe_open(str(f), framework="flax")
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{f.name} is not a readable safetensors file ({e})") from None
-            self._handles[f] = handle
-            for name in handle.keys():
+        for f in self._shard_files(root):
+            for name in self._open(f).keys():
                 self._where[name] = f
+        self.release()
         if not self._where:
             raise CheckpointError(f"{root} holds no tensors")
+
+    def _open(self, f: Path):
+        if f not in self._handles:
+            try:
+                self._handles[f] = safe_open(str(f), framework="flax")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f.name} is not a readable safetensors file ({e})") from None
+        return self._handles[f]
+
+    def release(self) -> None:
+        """Close every shard (unmapping it); later reads reopen what they need."""
+        self._handles.clear()
 
     @staticmethod
     def _shard_files(root: Path) -> list[Path]:
@@ -106,14 +117,14 @@ class TensorSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         self._require(name)
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
 
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None, index: int | None = None) -> np.ndarray:
         """The tensor (or its slice [index] along the first axis) as float32 numpy."""
         shape = self.shape(name)
         if expected_shape is not None and shape != tuple(expected_shape):
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(expected_shape)}")
-        handle = self._handles[self._where[name]]
+        handle = self._open(self._where[name])
         try:
             with jax.default_device(self._cpu):
                 value = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)

@@ -105,7 +105,9 @@ def convert_checkpoint(
             calibration = LayerwiseCalibration(cfg, dense, tokens)
         del dense
         reader = expert_reader(source, cfg, used)
-        layouts, checksums, alphas = write_experts(reader, cfg, tmp, formats, method, progress, calibration)
+        source.release()
+        layouts, checksums, alphas = write_experts(reader, cfg, tmp, formats, method, progress, calibration,
+                                                   release=source.release)
         copy_tokenizer(root, tmp)
         warn_unused(source, used)
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -220,7 +222,7 @@ class LayerFiles:
 
 
 def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: dict, method: str, progress: bool,
-                  calibration: LayerwiseCalibration | None = None):
+                  calibration: LayerwiseCalibration | None = None, release: Callable[[], None] = lambda: None):
     """One file per (MoE layer, tier), one record per expert, every tier in one pass.
 
     Without calibration (RTN) experts stream one at a time; with it (GPTQ, HAQ) one layer's
@@ -255,6 +257,7 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: di
                     calibration.leave(layer, [ExpertWeights(*w) for w in experts])
             finally:
                 checksums.update(files.close(E))
+            release()  # unmap the checkpoint pages of the layer just written
             moe_index += 1
     return layouts, checksums, alphas
 
