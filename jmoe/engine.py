@@ -62,11 +62,16 @@ def _sample(logits, seen, key, temperature, top_k, top_p, penalty, *, greedy):
     return tokens, seen
 
 
+# Module-level jits keyed on the (hashable) graphdef: loads of models with the same structure
+# share compiled steps.
+_forward_jit = jax.jit(_forward, static_argnums=0, static_argnames=("last_only", "want_importance"),
+                       donate_argnames=("cache",))
+_sample_jit = jax.jit(_sample, static_argnames=("greedy",), donate_argnames=("seen",))
+
+
 class Engine:
     """Compiled step functions for one loaded model; each compiles once per shape bucket."""
 
     def __init__(self, graphdef):
-        self.forward = jax.jit(
-            partial(_forward, graphdef), static_argnames=("last_only", "want_importance"), donate_argnames=("cache",)
-        )
-        self.sample = jax.jit(_sample, static_argnames=("greedy",), donate_argnames=("seen",))
+        self.forward = partial(_forward_jit, graphdef)
+        self.sample = _sample_jit

@@ -67,10 +67,12 @@ def test_random_model_of_each_family_is_exact_when_offloaded(tmp_path, family):
     reference_model = jmoe.load(out, compute_dtype="float32")
     reference = jmoe.generate(reference_model, ids, max_new_tokens=16)
     budget = budget_for(reference_model, 0.4)
-    for policy, execution in [("lru+prefetch", "layerwise"), ("ondemand", "resident")]:
-        model = jmoe.load(out, compute_dtype="float32", device_budget=budget, policy=policy, execution=execution)
-        assert model.experts.slots < model.config.num_moe_layers * model.config.num_experts
-        assert jmoe.generate(model, ids, max_new_tokens=16) == reference, (policy, execution)
+    for policy in POLICIES:
+        for execution in ("layerwise", "resident"):
+            model = jmoe.load(out, compute_dtype="float32", device_budget=budget, policy=policy, execution=execution,
+                              cpu_critical_tokens=1)
+            assert model.experts.slots < model.config.num_moe_layers * model.config.num_experts
+            assert jmoe.generate(model, ids, max_new_tokens=16) == reference, (policy, execution)
 
 
 def test_budget_too_small_for_one_layer_names_the_minimum(tiny_converted, resident_reference):
