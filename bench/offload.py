@@ -30,7 +30,9 @@ from jmoe.host_store import host_sharding
 from jmoe.runtime import memory_plan
 
 BUDGETS = (0.25, 0.5, 0.75)
-MODES = ("ondemand", "lru", "lru+prefetch", "lru+cpu")
+# "lru+cpu@1" forces a critical token count of 1 (decode tokens of a missing expert run on the CPU):
+# where the "device" is the CPU itself the measured cost model never prefers the CPU path.
+MODES = ("ondemand", "lru", "lru+prefetch", "lru+cpu", "lru+cpu@1")
 MAX_SEQ_LEN = 512
 
 
@@ -51,7 +53,9 @@ def run_case(path: Path, tier: str, mode: str, fraction: float, items, new_token
     fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
     budget = int(fixed + fraction * plan["all_experts"])
     t = time.perf_counter()
-    model = jmoe.load(path, tier=tier, device_budget=budget, policy=mode, compute_dtype="float32", max_seq_len=MAX_SEQ_LEN)
+    policy, _, forced = mode.partition("@")
+    model = jmoe.load(path, tier=tier, device_budget=budget, policy=policy, compute_dtype="float32",
+                      max_seq_len=MAX_SEQ_LEN, cpu_critical_tokens=int(forced) if forced else None)
     load_s = time.perf_counter() - t
     jmoe.generate(model, items[0][:8], max_new_tokens=4)  # compile the step shapes
     model.experts.reset_stats()
@@ -112,11 +116,24 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("hit_rate", "hit rate"), ("bytes_h2d_per_token", "MiB moved per token"), ("tpot_s", "TPOT (ms, CPU)")]
-    fig, axes = plt.subplots(len(results), len(metrics), figsize=(13, 3.6 * len(results)), squeeze=False)
+    metrics = [("hit_rate", "hit rate"), ("bytes_h2d_per_token", "MiB moved per token"),
+               ("tpot_s", f"TPOT (ms, {jax.default_backend().upper()})"), ("predictor_recall", "look-ahead recall / prefetch accuracy")]
+    fig, axes = plt.subplots(len(results), len(metrics), figsize=(17, 3.6 * len(results)), squeeze=False)
     for row, result in enumerate(results):
         for col, (key, label) in enumerate(metrics):
             ax = axes[row][col]
+            if key == "predictor_recall":  # only the prefetching mode has these
+                cases = [c for c in result["cases"] if c["mode"] == "lru+prefetch"]
+                xs = [100 * c["budget_fraction"] for c in cases]
+                ax.plot(xs, [c["predictor_recall"] for c in cases], marker="o", color="C2", label="look-ahead recall")
+                ax.plot(xs, [c["prefetch_accuracy"] for c in cases], marker="s", ls="--", color="C2",
+                        label="prefetch accuracy")
+                ax.set_ylim(0, 1.05)
+                ax.legend(fontsize=8)
+                ax.set_title(f"{result['model']} ({result['tier']}): {label}", fontsize=9)
+                ax.set_xlabel("expert budget (% of all expert bytes)")
+                ax.grid(alpha=0.3)
+                continue
             for mode in MODES:
                 cases = [c for c in result["cases"] if c["mode"] == mode]
                 xs = [100 * c["budget_fraction"] for c in cases]

@@ -95,8 +95,9 @@ class OffloadRuntime:
             self.critical_tokens = cost.critical_tokens if cpu_critical_tokens is None else cpu_critical_tokens
 
     def reset_stats(self) -> None:
-        """Start counting afresh (the cache keeps its contents)."""
+        """Start counting afresh (the cache keeps its contents; earlier prefetches are not credited)."""
         self.stats = self.cache.stats = Stats()
+        self.cache.prefetched.clear()
 
     # -- what the forward reads
 

@@ -264,3 +264,16 @@ def test_policies_see_routing_importance_depth_and_counters(tiny_converted, resi
         assert np.all(importance >= 0) and 0.0 < importance.sum() <= 1.0 + 1e-5  # a share of the attention
     assert all(s[4] is None for s in decode) and decode[0][3] == (1, 4)
     assert decode[-1][5] > decode[0][5]  # long-horizon counters keep growing
+
+
+def test_reset_stats_keeps_the_cache_and_starts_counting_afresh(tiny_converted, resident_reference):
+    reference_model, _ = resident_reference
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.5),
+                      policy="lru+prefetch")
+    jmoe.generate(model, PROMPTS[0], max_new_tokens=8)
+    resident = dict(model.experts.cache.resident)
+    model.experts.reset_stats()
+    assert jmoe.stats(model)["expert_uses"] == 0 and model.experts.cache.resident == resident
+    jmoe.generate(model, PROMPTS[1], max_new_tokens=8)
+    stats = jmoe.stats(model)
+    assert stats["prefetch_issued"] > 0 and stats["prefetch_accuracy"] <= 1.0
