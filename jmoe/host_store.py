@@ -21,13 +21,14 @@ def host_sharding(device):
 
 
 class HostStore:
-    def __init__(self, store: ExpertStore, tiers: tuple[str, ...], device, progress: bool = False):
+    def __init__(self, store: ExpertStore, tiers: tuple[str, ...], device, progress: bool | None = None):
         self.store = store
         self.tiers = tiers
         self.sharding, self.memory_kind = host_sharding(device)
         L, E = store.num_layers, store.num_experts
         self._records: dict[str, list[list[jax.Array]]] = {}
-        with tqdm(total=L * E * len(tiers), desc="host store", unit="expert", disable=not progress) as bar:
+        disable = None if progress is None else not progress  # None: only on a terminal
+        with tqdm(total=L * E * len(tiers), desc="host store", unit="expert", disable=disable) as bar:
             for tier in tiers:
                 rows = []
                 for layer in range(L):

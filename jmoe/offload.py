@@ -70,7 +70,7 @@ def plan_pool(store: ExpertStore, tier: str, fixed: int, budget: int | None, sta
 class OffloadRuntime:
     def __init__(self, cfg: ModelConfig, store: ExpertStore, policy: Policy, tracker: BudgetTracker, plan: PoolPlan,
                  graphdef, dense, device, compute_dtype, *, path: str = "layerwise", backend: str | None = None,
-                 cpu_critical_tokens: int | None = None, progress: bool = False):
+                 cpu_critical_tokens: int | None = None, progress: bool | None = None):
         if path not in PATHS:
             raise InputError(f"unknown execution path {path!r}; choose from {', '.join(PATHS)}")
         self.cfg, self.policy, self.path, self.backend, self.device = cfg, policy, path, backend, device

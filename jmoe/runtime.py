@@ -129,7 +129,7 @@ def load(
     kernel_backend: str | None = None,
     cpu_critical_tokens: int | None = None,
     verify: bool = False,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> JmoeModel:
     """Load a converted model onto the default device.
 
@@ -148,7 +148,7 @@ def load(
       kernel_backend: expert kernels: "pallas", "interpret" or "xla"; default Pallas on GPU, XLA on CPU.
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 (reads the whole model once).
-      progress: show a progress bar while experts are loaded into host memory.
+      progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
     """
     root = Path(path)
     manifest = read_manifest(root)

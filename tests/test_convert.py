@@ -159,3 +159,15 @@ def test_load_rejects_damaged_models(tiny_converted, tmp_path):
     (damaged / "manifest.json").unlink()
     with pytest.raises(FormatError, match="no manifest.json"):
         jmoe.load(damaged)
+
+
+def test_hub_id_that_cannot_be_fetched_fails_cleanly(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError, match="not a local directory and could not be fetched from the hub: no network"):
+        convert_checkpoint("some-org/some-moe", tmp_path / "out", progress=False)
+    assert no_partial_output(tmp_path, "out")
