@@ -21,9 +21,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
 bench: $(STAMP)
 	$(BIN)/python -m bench.speed_vs_transformers
 	$(BIN)/python -m bench.perplexity
+	$(BIN)/python -m bench.tier_bytes
+	$(BIN)/python -m bench.kernels
+	$(BIN)/python -m bench.convert_memory
+	$(BIN)/python -m bench.quality
+	$(BIN)/python -m bench.offload
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

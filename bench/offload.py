@@ -117,7 +117,7 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     metrics = [("hit_rate", "hit rate"), ("bytes_h2d_per_token", "MiB moved per token"),
-               ("tpot_s", f"TPOT (ms, {jax.default_backend().upper()})"), ("predictor_recall", "look-ahead recall / prefetch accuracy")]
+               ("tpot_s", f"TPOT (ms, {jax.default_backend().upper()})"), ("predictor_recall", "recall / prefetch accuracy")]
     fig, axes = plt.subplots(len(results), len(metrics), figsize=(17, 3.6 * len(results)), squeeze=False)
     for row, result in enumerate(results):
         for col, (key, label) in enumerate(metrics):
@@ -153,7 +153,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--synthetic-layers", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON")
     args = parser.parse_args()
+    tag = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    if args.replot:
+        saved = json.loads((RESULTS / f"offload_{tag}.json").read_text())
+        plot(saved["models"], RESULTS / saved["plot"])
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -163,7 +169,6 @@ def main() -> None:
         synthetic = convert_checkpoint(src, tmp / "synthetic", tiers="int4", progress=False)
         name = f"synthetic-qwen3-30b-a3b-{args.synthetic_layers}L"
         results.append(bench_model(name, synthetic, "int4", args.new_tokens))
-    tag = "gpu" if jax.default_backend() == "gpu" else "cpu"
     png = RESULTS / f"offload_{tag}.png"
     plot(results, png)
     write_result("offload", {"note": "times are this machine's; on CPU the 'device' is the CPU too",
