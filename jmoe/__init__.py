@@ -35,7 +35,9 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
 def stats(model: JmoeModel) -> dict:
     """Offload counters since load: hit rate, bytes moved host->device, prefetch accuracy and
     predictor recall, stalls, replays, CPU-run experts, TTFT and TPOT (seconds)."""
-    return {"policy": model.policy.name, "tier": model.policy.tier, **model.stats.summary()}
+    pools = getattr(model.experts, "pools", None)
+    slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
+    return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
 
 
 __all__ = [

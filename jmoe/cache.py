@@ -99,6 +99,7 @@ class CacheManager:
         self.inflight[key] = Transfer(key, tier, slot, staged, nbytes, kind, time.perf_counter())
         self.stats.transfers += 1
         self.stats.bytes_h2d += nbytes
+        self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
         if kind == "prefetch":
             self.stats.prefetch_issued += 1
         return "started"

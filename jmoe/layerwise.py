@@ -136,7 +136,7 @@ class LayerwiseStep:
         device_wanted, cpu_experts = rt.plan_layer(r)
         passes = rt.split_passes(r.layer, device_wanted)
         out = None
-        for p, group in enumerate(passes or [[]]):
+        for p, group in enumerate(passes or [{}]):
             keys = rt.fetch_group(r.layer, group)
             if p == 0 and next_prefetch is not None:
                 rt.prefetch(*next_prefetch)
@@ -146,10 +146,10 @@ class LayerwiseStep:
             part = _experts_piece(graphdef, state, h, routing, valid_dev, experts, shared=p == 0)
             out = part if out is None else out + part
             rt.finish_group(keys)
-        for expert in cpu_experts:
+        for expert, tier in cpu_experts:
             tokens, position = np.nonzero(r.ids == expert)
             keep = r.valid[tokens]
             tokens, position = tokens[keep], position[keep]
-            y = rt.cpu.run(h[tokens], rt.policy.tier, r.layer, expert)
+            y = rt.cpu.run(h[tokens], tier, r.layer, expert)
             out = _scatter_add(out, jnp.asarray(tokens), jnp.asarray(r.scores[tokens, position]), y)
         return out

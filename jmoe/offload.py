@@ -10,6 +10,7 @@ Two execution paths share the layer code (DESIGN.md section 2):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import jax
@@ -28,43 +29,47 @@ from jmoe.policies import ExpertCounters, LayerRouting, Policy
 from jmoe.pools import TierPool, slot_nbytes
 from jmoe.stats import Stats
 from jmoe.store import ExpertStore
-from jmoe.tiers import SKIP
+from jmoe.tiers import SKIP, TIER_CODES, tier_name
 
 PATHS = ("layerwise", "resident")
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    slots: int
-    slot_nbytes: int
+    slots: dict[str, int]  # tier -> slots of its pool
+    slot_nbytes: dict[str, int]
     staging_nbytes: int
 
     @property
     def nbytes(self) -> int:
-        return self.slots * self.slot_nbytes
+        return sum(self.slots[t] * self.slot_nbytes[t] for t in self.slots)
 
 
-def plan_pool(store: ExpertStore, tier: str, fixed: int, budget: int | None, staging_transfers: int) -> PoolPlan:
-    """Size the tier's pool from what the budget leaves after the fixed reservations.
+def plan_pools(store: ExpertStore, shares: dict[str, float], fixed: int, budget: int | None,
+               staging_transfers: int) -> PoolPlan:
+    """Size one pool per tier from what the budget leaves after the fixed reservations.
 
-    The minimum is one token's experts of one layer (top_k slots) plus staging for the transfers
-    that may be in flight at once; the maximum is every expert.
+    Each tier gets its share of that remainder. A pool must hold at least one token's experts of
+    one layer (top_k slots); staging is sized for `staging_transfers` of the largest record. With
+    no budget every pool can hold every expert.
     """
     cfg = store.config
-    per_slot = slot_nbytes(store, tier)
-    staging = staging_transfers * store.record_nbytes(tier)
+    per_slot = {t: slot_nbytes(store, t) for t in shares}
+    staging = staging_transfers * max(store.record_nbytes(t) for t in shares)
     total_experts = cfg.num_moe_layers * cfg.num_experts
     if budget is None:
-        return PoolPlan(total_experts, per_slot, staging)
-    slots = min(total_experts, (budget - fixed - staging) // per_slot)
-    if slots < cfg.top_k:
-        minimum = fixed + staging + cfg.top_k * per_slot
+        return PoolPlan({t: total_experts for t in shares}, per_slot, staging)
+    left = budget - fixed - staging
+    slots = {t: int(min(total_experts, max(0, left) * share // per_slot[t])) for t, share in shares.items()}
+    if any(n < cfg.top_k for n in slots.values()):
+        need = max(-(-cfg.top_k * per_slot[t] // share) for t, share in shares.items())
+        pools = ", ".join(f"{cfg.top_k} experts x {format_size(per_slot[t])} at {t}" for t in shares)
         raise BudgetError(
             f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and one layer's "
-            f"working set: needs at least {format_size(minimum)} ({format_size(fixed)} fixed + "
-            f"{format_size(staging)} transfer staging + {cfg.top_k} experts x {format_size(per_slot)} at {tier})"
+            f"working set: needs at least {format_size(fixed + staging + int(need))} ({format_size(fixed)} fixed + "
+            f"{format_size(staging)} transfer staging + {pools})"
         )
-    return PoolPlan(int(slots), per_slot, staging)
+    return PoolPlan(slots, per_slot, staging)
 
 
 class OffloadRuntime:
@@ -81,8 +86,8 @@ class OffloadRuntime:
         tracker.reserve("experts", plan.nbytes)
         tracker.reserve("staging", plan.staging_nbytes)
         self.tracker = tracker
-        self.host = HostStore(store, (self.tier,), device, progress=progress)
-        self.pools = {self.tier: TierPool(store, self.tier, plan.slots, device)}
+        self.host = HostStore(store, tuple(plan.slots), device, progress=progress)
+        self.pools = {tier: TierPool(store, tier, slots, device) for tier, slots in plan.slots.items()}
         self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, device)
         self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
                                   device)
@@ -103,6 +108,7 @@ class OffloadRuntime:
 
     @property
     def slots(self) -> int:
+        """Slots of the run tier's pool."""
         return self.pools[self.tier].slots
 
     def pool_arrays(self) -> dict:
@@ -121,13 +127,31 @@ class OffloadRuntime:
 
     # -- layer-wise path
 
-    def plan_layer(self, r: LayerRouting) -> tuple[list[int], list[int]]:
-        """Count uses and sort the layer's routed experts into (run on the device, run on the CPU)."""
-        self.cache.poll()  # publish prefetches that landed while earlier layers computed
+    def wanted(self, r: LayerRouting) -> dict[int, int]:
+        """The policy's tier code per routed expert, checked against the pools."""
         wanted = self.policy.wanted_tiers(r, self.counters)
+        for expert, code in wanted.items():
+            if code != SKIP and tier_name(code) not in self.pools:
+                raise InputError(f"policy {self.policy.name!r} asked for {tier_name(code)} (layer {r.layer}, expert "
+                                 f"{expert}) but has no {tier_name(code)} pool; add it to the policy's pool_shares")
+        return wanted
+
+    def landing_tier(self, key, code: int) -> str:
+        """The pool an expert occupies when it runs: its resident tier if that is good enough."""
+        resident = self.cache.code_of(key)
+        moving = self.cache.inflight.get(key)
+        if moving is not None and TIER_CODES[moving.tier] >= code:
+            return moving.tier
+        return tier_name(resident if resident >= code else code)
+
+    def plan_layer(self, r: LayerRouting) -> tuple[dict[int, str], list[tuple[int, str]]]:
+        """Count uses and sort the layer's routed experts into (expert -> tier to run on the device,
+        [(expert, tier)] to run on the CPU)."""
+        self.cache.poll()  # publish prefetches that landed while earlier layers computed
+        wanted = self.wanted(r)
         self.counters.update(r)
         counts = r.token_counts(self.cfg.num_experts)
-        device, cpu = [], []
+        device, cpu = {}, []
         for expert, code in wanted.items():
             key = (r.layer, expert)
             self.stats.uses += 1
@@ -137,31 +161,39 @@ class OffloadRuntime:
             if self.cache.code_of(key) >= code:
                 self.stats.hits += 1
                 self.cache.touch(key)
-                device.append(expert)
-            elif key in self.cache.inflight:
+            elif key in self.cache.inflight and TIER_CODES[self.cache.inflight[key].tier] >= code:
                 self.stats.late += 1
-                device.append(expert)
             elif self.cpu is not None and counts[expert] <= self.critical_tokens:
                 self.stats.cpu_runs += 1
                 self.stats.cpu_tokens += int(counts[expert])
-                cpu.append(expert)
+                cpu.append((expert, tier_name(code)))
+                continue
             else:
                 self.stats.misses += 1
-                device.append(expert)
+            device[expert] = tier_name(code)
         return device, cpu
 
-    def split_passes(self, layer: int, experts: list[int]) -> list[list[int]]:
-        """Groups that fit the pool together; resident experts first so they run before evictions."""
-        ordered = sorted(experts, key=lambda e: self.cache.code_of((layer, e)) == SKIP)
-        size = self.slots
-        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    def split_passes(self, layer: int, wanted: dict[int, str]) -> list[dict[int, str]]:
+        """Groups whose experts fit the pools together (each pool counted apart); resident experts
+        first so they run before anything is evicted."""
+        ordered = sorted(wanted, key=lambda e: self.cache.code_of((layer, e)) == SKIP)
+        passes: list[dict[int, str]] = []
+        used: dict[str, int] = {}
+        for expert in ordered:
+            pool = self.landing_tier((layer, expert), TIER_CODES[wanted[expert]])
+            if not passes or used.get(pool, 0) == self.pools[pool].slots:
+                passes.append({})
+                used = {}
+            passes[-1][expert] = wanted[expert]
+            used[pool] = used.get(pool, 0) + 1
+        return passes
 
-    def fetch_group(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
-        keys = [(layer, e) for e in experts]
+    def fetch_group(self, layer: int, group: dict[int, str]) -> list[tuple[int, int]]:
+        keys = [(layer, e) for e in group]
         self.cache.pinned = set(keys)
         for key in keys:
-            if self.cache.request(key, self.tier, "demand") == "full":
-                raise RuntimeError(f"no slot for expert {key} although the pass fits the pool")
+            if self.cache.request(key, group[key[1]], "demand") == "full":
+                raise RuntimeError(f"no slot for expert {key} although the pass fits the pools")
         return keys
 
     def finish_group(self, keys) -> None:
@@ -206,18 +238,18 @@ class OffloadRuntime:
             logits, cache, signals = engine.forward(dense, self.expert_state(), tokens, cache, write_start, key_start,
                                                     last_only=last_only, want_importance=want_importance)
             routings = self._routings(signals, valid, phase, write_start)
-            needed = {(r.layer, e): code for r in routings
-                      for e, code in self.policy.wanted_tiers(r, self.counters).items() if code != SKIP}
+            needed = {(r.layer, e): code for r in routings for e, code in self.wanted(r).items() if code != SKIP}
             missing = [key for key, code in needed.items() if self.cache.code_of(key) < code]
             if not missing:
                 self._accept(routings, needed, fetched)
                 return logits, cache
-            if len(needed) > self.slots:
+            occupancy = Counter(self.landing_tier(key, code) for key, code in needed.items())
+            if any(n > self.pools[tier].slots for tier, n in occupancy.items()):
                 # This step's experts cannot all be resident together: run it layer by layer.
                 return self.layerwise.run(tokens, cache, write_start, key_start, last_only=last_only, phase=phase)
             self.cache.pinned = set(needed)
             for key in missing:
-                self.cache.request(key, self.tier, "demand")
+                self.cache.request(key, tier_name(needed[key]), "demand")
             self.cache.wait(missing)
             self.cache.pinned = set()
             fetched.update(missing)

@@ -55,12 +55,31 @@ class ExpertCounters:
 @dataclass
 class Policy:
     name: str
-    tier: str  # the tier experts run at
+    tier: str  # the tier experts run at (and are prefetched and calibrated at)
     cache: bool = True  # keep fetched experts resident (False: evict after use)
     prefetch: bool = False  # fetch the next layer's predicted experts while this layer computes
     cpu_execution: bool = False  # run cold experts with few tokens on the host CPU
     everything_resident: bool = False  # all experts preloaded; nothing is ever fetched
     wants_importance: bool = False  # prefill routing carries each token's received attention
+    # Device pools, tier -> share of the expert budget. None: one pool, of the run tier. A policy
+    # that asks for several tiers in wanted_tiers needs a pool for each of them.
+    pool_shares: dict[str, float] | None = None
+
+    def pools(self) -> dict[str, float]:
+        return dict(self.pool_shares) if self.pool_shares else {self.tier: 1.0}
+
+    def check(self) -> None:
+        """Raise InputError for pool shares that cannot work."""
+        shares = self.pools()
+        for tier, share in shares.items():
+            if tier not in TIER_CODES:
+                raise InputError(f"policy {self.name!r}: unknown pool tier {tier!r}")
+            if not share > 0:
+                raise InputError(f"policy {self.name!r}: the {tier} pool's share must be positive, not {share}")
+        if self.tier not in shares:
+            raise InputError(f"policy {self.name!r} runs at {self.tier} but has no {self.tier} pool")
+        if sum(shares.values()) > 1 + 1e-9:
+            raise InputError(f"policy {self.name!r}: pool shares add up to {sum(shares.values()):g}, more than 1")
 
     def wanted_tiers(self, routing: LayerRouting, counters: ExpertCounters) -> dict[int, int]:
         """Tier code wanted for each routed expert this step (0 = skip). Baselines never degrade."""

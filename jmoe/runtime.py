@@ -16,7 +16,7 @@ from jmoe.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.format import check_files, read_manifest
 from jmoe.model import abstract_model
-from jmoe.offload import OffloadRuntime, plan_pool
+from jmoe.offload import OffloadRuntime, plan_pools
 from jmoe.policies import Policy, make_policy
 from jmoe.pools import ResidentExperts
 from jmoe.store import ExpertStore
@@ -120,7 +120,7 @@ def load(
     path: str | Path,
     *,
     device_budget: int | str | None = None,
-    policy: str | None = None,
+    policy: str | Policy | None = None,
     tier: str | None = None,
     compute_dtype: Any = None,
     max_seq_len: int | None = None,
@@ -137,9 +137,11 @@ def load(
       path: directory written by `jmoe convert`.
       device_budget: hard cap on device memory ("12GiB", bytes); None = no cap.
       policy: expert residency policy: "resident" (every expert on the device), "ondemand", "lru",
-        "lru+prefetch", "lru+cpu", "lru+prefetch+cpu". Default: "resident" when every expert fits
-        the budget, else "lru+prefetch".
-      tier: expert precision to run ("bf16", "int8", ...); default the most precise tier converted.
+        "lru+prefetch", "lru+cpu", "lru+prefetch+cpu", or a `jmoe.policies.Policy` (whose
+        `pool_shares` may ask for a device pool per tier). Default: "resident" when every expert
+        fits the budget, else "lru+prefetch".
+      tier: expert precision to run ("bf16", "int8", ...); default the policy's tier, else the most
+        precise tier converted.
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
       max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
@@ -159,6 +161,10 @@ def load(
         raise InputError(f"compute_dtype must be float32, bfloat16 or float16, not {dtype}")
     max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
     store = ExpertStore(root, manifest, cfg)
+    if isinstance(policy, Policy):
+        if tier is not None and tier != policy.tier:
+            raise InputError(f"tier {tier!r} differs from the policy's tier {policy.tier!r}")
+        tier = policy.tier
     tier = tier or store.tiers[0]
     store.record_nbytes(tier)  # clear error for a tier the model was not converted with
     if kernel_backend not in (None, *BACKENDS):
@@ -171,7 +177,10 @@ def load(
     fixed = sum(memory.values())
     if policy is None:
         policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
-    chosen = make_policy(policy, tier)
+    chosen = policy if isinstance(policy, Policy) else make_policy(policy, tier)
+    chosen.check()
+    for pool_tier in chosen.pools():
+        store.record_nbytes(pool_tier)
     if budget is not None and fixed > budget:
         parts = ", ".join(f"{k} {format_size(v)}" for k, v in memory.items())
         raise BudgetError(
@@ -193,7 +202,7 @@ def load(
         tracker.reserve("experts", all_experts)
         experts = ResidentExperts(store, tier, device, backend=kernel_backend)
     else:
-        plan = plan_pool(store, tier, fixed, budget, staging_transfers=2 * cfg.top_k)
+        plan = plan_pools(store, chosen.pools(), fixed, budget, staging_transfers=2 * cfg.top_k)
         experts = OffloadRuntime(cfg, store, chosen, tracker, plan, graphdef, dense, device, dtype,
                                  path=execution, backend=kernel_backend, cpu_critical_tokens=cpu_critical_tokens,
                                  progress=progress)

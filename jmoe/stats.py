@@ -22,6 +22,7 @@ class Stats:
     # transfers
     transfers: int = 0
     bytes_h2d: int = 0
+    bytes_h2d_by_tier: dict[str, int] = field(default_factory=dict)
     waited_bytes: int = 0  # bytes of the transfers a step waited for
     transfer_seconds: float = 0.0  # their time from device_put to ready
     stalls: int = 0  # times a step waited for a transfer
@@ -68,6 +69,7 @@ class Stats:
             "cpu_tokens": self.cpu_tokens,
             "transfers": self.transfers,
             "bytes_h2d": self.bytes_h2d,
+            "bytes_h2d_by_tier": dict(self.bytes_h2d_by_tier),
             "bytes_h2d_per_token": self.bytes_h2d / max(self.tokens, 1),
             "waited_transfer_gb_per_s": self.waited_bytes / 1e9 / self.transfer_seconds if self.transfer_seconds else None,
             "evictions": self.evictions,

@@ -13,11 +13,11 @@ import jmoe.runtime
 from convert import convert_checkpoint
 from jmoe.budget import BudgetTracker
 from jmoe.cache import CacheManager
-from jmoe.errors import BudgetError
+from jmoe.errors import BudgetError, InputError
 from jmoe.format import read_manifest
 from jmoe.handles import HandleTable
 from jmoe.host_store import HostStore
-from jmoe.offload import plan_pool
+from jmoe.offload import plan_pools
 from jmoe.policies import Policy
 from jmoe.pools import TierPool
 from jmoe.stats import Stats
@@ -133,8 +133,13 @@ def test_cpu_cost_model_is_calibrated(tiny_converted, resident_reference):
 
 
 @pytest.fixture(scope="module")
-def two_tier_store(tmp_path_factory, tiny_hf_dir):
-    out = convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("tiers") / "m", tiers="int4,int2", progress=False)
+def two_tier_model(tmp_path_factory, tiny_hf_dir):
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("tiers") / "m", tiers="int4,int2", progress=False)
+
+
+@pytest.fixture(scope="module")
+def two_tier_store(two_tier_model):
+    out = two_tier_model
     manifest = read_manifest(out)
     return ExpertStore(out, manifest, jmoe.ModelConfig.from_dict(manifest["config"]))
 
@@ -205,13 +210,12 @@ def test_budget_is_never_exceeded(two_tier_store, two_tier_host, budget_mib, tra
     budget = int(budget_mib * 2**20)
     tracker = BudgetTracker(budget)
     try:  # half of the budget per tier, as a two-tier policy might split it
-        plans = {t: plan_pool(two_tier_store, t, 0, budget // 2, staging_transfers=1) for t in ("int4", "int2")}
+        plan = plan_pools(two_tier_store, {"int4": 0.5, "int2": 0.5}, 0, budget, staging_transfers=1)
     except BudgetError:
         return
-    for tier, plan in plans.items():
-        tracker.reserve(f"pool {tier}", plan.nbytes)
-    tracker.reserve("staging", plans["int4"].staging_nbytes)  # one staging area, sized for the larger record
-    cache = make_cache(two_tier_store, two_tier_host, {t: p.slots for t, p in plans.items()}, 1)
+    tracker.reserve("pools", plan.nbytes)
+    tracker.reserve("staging", plan.staging_nbytes)  # one staging area, sized for the larger record
+    cache = make_cache(two_tier_store, two_tier_host, plan.slots, 1)
     assert tracker.total <= budget
     for op in trace:
         kind = op[0]
@@ -252,9 +256,8 @@ class RecordingPolicy(Policy):
 def test_policies_see_routing_importance_depth_and_counters(tiny_converted, resident_reference, execution, monkeypatch):
     reference_model, reference = resident_reference
     policy = RecordingPolicy()
-    monkeypatch.setattr(jmoe.runtime, "make_policy", lambda name, tier: policy)
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.5),
-                      policy="lru", execution=execution)
+                      policy=policy, execution=execution)
     assert jmoe.generate(model, PROMPTS[0], max_new_tokens=16) == reference[0]
     prefill = [s for s in policy.seen if s[0] == "prefill"]
     decode = [s for s in policy.seen if s[0] == "decode"]
@@ -277,3 +280,55 @@ def test_reset_stats_keeps_the_cache_and_starts_counting_afresh(tiny_converted, 
     jmoe.generate(model, PROMPTS[1], max_new_tokens=8)
     stats = jmoe.stats(model)
     assert stats["prefetch_issued"] > 0 and stats["prefetch_accuracy"] <= 1.0
+
+
+# ---------------------------------------------------------------- one pool per tier
+
+
+class TwoTierPolicy(Policy):
+    """Even experts at int4, odd ones at int2, each tier in its own pool (a mixed-precision
+    policy's shape; the placement rule is arbitrary but fixed, so runs are comparable)."""
+
+    def __init__(self, shares=None):
+        super().__init__(name="two-tier", tier="int4", pool_shares=shares or {"int4": 0.6, "int2": 0.4})
+
+    def wanted_tiers(self, routing, counters):
+        return {int(e): TIER_CODES["int4" if e % 2 == 0 else "int2"] for e in routing.experts()}
+
+
+@pytest.mark.parametrize("execution", ["layerwise", "resident"])
+def test_a_pool_per_tier_under_a_budget_matches_the_unbudgeted_run(two_tier_model, execution):
+    ids = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
+    unbudgeted = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy())
+    reference = jmoe.generate(unbudgeted, ids, max_new_tokens=12)
+    plan = jmoe.runtime.memory_plan(two_tier_model, tier="int4", compute_dtype="float32")
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
+    model = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy(), execution=execution,
+                      device_budget=int(fixed + 0.35 * plan["all_experts"]))
+    assert jmoe.generate(model, ids, max_new_tokens=12) == reference
+    rt = model.experts
+    assert set(rt.pools) == {"int4", "int2"} and all(p.slots < 128 for p in rt.pools.values())
+    assert sum(p.nbytes for p in rt.pools.values()) + rt.tracker.reserved["staging"] <= model.device_budget - fixed
+    stats = jmoe.stats(model)
+    by_tier = stats["bytes_h2d_by_tier"]
+    assert set(by_tier) == {"int4", "int2"} and sum(by_tier.values()) == stats["bytes_h2d"]
+    for tier, nbytes in by_tier.items():
+        assert nbytes % model.store.record_nbytes(tier) == 0
+    assert all(tier == ("int4" if e % 2 == 0 else "int2") for (_, e), (tier, _) in rt.cache.resident.items())
+    rt.cache.check()
+    # int2 experts really ran: the logits differ from the same model with every expert at int4
+    int4_only = jmoe.load(two_tier_model, compute_dtype="float32", tier="int4")
+    assert not np.allclose(jmoe.forward(model, ids), jmoe.forward(int4_only, ids), atol=1e-3)
+
+
+def test_pool_shares_and_tiers_are_checked(two_tier_model, tiny_converted):
+    with pytest.raises(InputError, match="add up to 1.2"):
+        jmoe.load(two_tier_model, policy=TwoTierPolicy({"int4": 0.8, "int2": 0.4}), device_budget="64MiB")
+    with pytest.raises(InputError, match="has no int4 pool"):
+        jmoe.load(two_tier_model, policy=TwoTierPolicy({"int2": 1.0}), device_budget="64MiB")
+    with pytest.raises(jmoe.FormatError, match="converted without tier 'int4'"):
+        jmoe.load(tiny_converted, policy=TwoTierPolicy(), device_budget="64MiB")
+    one_pool = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy({"int4": 1.0}),
+                         device_budget="64MiB")
+    with pytest.raises(InputError, match="asked for int2 .* but has no int2 pool"):
+        jmoe.generate(one_pool, [5, 17, 99], max_new_tokens=2)
