@@ -3,9 +3,11 @@
 Two execution paths share the layer code (DESIGN.md section 2):
 - "layerwise" (default, exact): per-layer jitted pieces; the host sees each layer's routing and
   fetches, prefetches or runs on the CPU before the layer's experts run.
-- "resident": one jitted forward per step over whatever is resident; the host reads the step's
-  routing afterwards, and if a routed expert was missing (these policies never degrade) fetches it
-  and replays the step. A step whose experts cannot all be resident at once runs layer-wise.
+- "resident": one jitted forward per step over whatever is resident (a routed expert runs at its
+  resident tier, or is left out if none is); the host reads the step's routing afterwards. If a
+  routed expert was below its wanted tier, it is fetched and the step replayed, or, in the phases
+  the policy lists in degrade_phases, the step is kept and the miss counted as degraded or skipped.
+  A step whose experts cannot all be resident at once runs layer-wise.
 """
 
 from __future__ import annotations
@@ -243,6 +245,9 @@ class OffloadRuntime:
             if not missing:
                 self._accept(routings, needed, fetched)
                 return logits, cache
+            if phase in self.policy.degrade_phases:
+                self._accept_degraded(routings, needed, missing)
+                return logits, cache
             occupancy = Counter(self.landing_tier(key, code) for key, code in needed.items())
             if any(n > self.pools[tier].slots for tier, n in occupancy.items()):
                 # This step's experts cannot all be resident together: run it layer by layer.
@@ -254,6 +259,25 @@ class OffloadRuntime:
             self.cache.pinned = set()
             fetched.update(missing)
             self.stats.replays += 1
+
+    def _accept_degraded(self, routings: list[LayerRouting], needed: dict, missing: list) -> None:
+        """Keep a resident-path step that ran some experts below their wanted tier or not at all;
+        fetch those for the steps to come."""
+        for key in missing:
+            if self.cache.code_of(key) > SKIP:
+                self.stats.degraded += 1  # ran at its best resident tier
+            else:
+                self.stats.skipped += 1  # nothing resident: its contribution was left out
+        self.stats.uses += len(needed)
+        self.stats.hits += len(needed) - len(missing)
+        for r in routings:
+            self.counters.update(r)
+        for key in needed:
+            self.cache.touch(key)
+        self.cache.pinned = set(needed)
+        for key in missing:
+            self.cache.request(key, tier_name(needed[key]), "demand")
+        self.cache.pinned = set()
 
     def _accept(self, routings: list[LayerRouting], needed: dict, fetched: set) -> None:
         """Account for a resident-path step whose every expert was resident on its last run."""

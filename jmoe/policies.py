@@ -61,6 +61,11 @@ class Policy:
     cpu_execution: bool = False  # run cold experts with few tokens on the host CPU
     everything_resident: bool = False  # all experts preloaded; nothing is ever fetched
     wants_importance: bool = False  # prefill routing carries each token's received attention
+    # Resident path: a step in which a routed expert was not resident at its wanted tier is
+    # re-run after fetching it (exact), except in these phases ("prefill", "decode"), where the
+    # step is kept (the expert ran at its best resident tier, or was left out: counted as degraded
+    # or skipped) and the expert is fetched for later steps.
+    degrade_phases: tuple[str, ...] = ()
     # Device pools, tier -> share of the expert budget. None: one pool, of the run tier. A policy
     # that asks for several tiers in wanted_tiers needs a pool for each of them.
     pool_shares: dict[str, float] | None = None
@@ -78,6 +83,9 @@ class Policy:
                 raise InputError(f"policy {self.name!r}: the {tier} pool's share must be positive, not {share}")
         if self.tier not in shares:
             raise InputError(f"policy {self.name!r} runs at {self.tier} but has no {self.tier} pool")
+        if not set(self.degrade_phases) <= {"prefill", "decode"}:
+            raise InputError(f"policy {self.name!r}: degrade_phases must name 'prefill' or 'decode', "
+                             f"not {self.degrade_phases}")
         if sum(shares.values()) > 1 + 1e-9:
             raise InputError(f"policy {self.name!r}: pool shares add up to {sum(shares.values()):g}, more than 1")
 

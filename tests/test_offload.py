@@ -332,3 +332,36 @@ def test_pool_shares_and_tiers_are_checked(two_tier_model, tiny_converted):
                          device_budget="64MiB")
     with pytest.raises(InputError, match="asked for int2 .* but has no int2 pool"):
         jmoe.generate(one_pool, [5, 17, 99], max_new_tokens=2)
+
+
+class PromoteInDecode(Policy):
+    """int2 for the prompt, int4 once decoding: every expert kept from prefill is below its wanted
+    tier in decode, which the resident path may then run degraded."""
+
+    def wanted_tiers(self, routing, counters):
+        tier = "int2" if routing.phase == "prefill" else "int4"
+        return {int(e): TIER_CODES[tier] for e in routing.experts()}
+
+
+def test_resident_path_runs_misses_degraded_or_skipped_when_the_policy_allows(two_tier_model):
+    ids = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
+    plan = jmoe.runtime.memory_plan(two_tier_model, tier="int4", compute_dtype="float32")
+    budget = int(plan["dense"] + plan["kv_cache"] + plan["workspace"] + 0.5 * plan["all_experts"])
+    runs = {}
+    for degrade in ((), ("decode",)):
+        policy = PromoteInDecode(name="promote", tier="int4", pool_shares={"int4": 0.5, "int2": 0.5},
+                                 degrade_phases=degrade)
+        model = jmoe.load(two_tier_model, compute_dtype="float32", policy=policy, execution="resident",
+                          device_budget=budget)
+        runs[degrade] = (jmoe.generate(model, ids, max_new_tokens=12), jmoe.stats(model))
+        model.experts.cache.check()
+    (exact, exact_stats), (kept, kept_stats) = runs[()], runs[("decode",)]
+    assert kept[0] == exact[0]  # the prompt is never degraded: the first token is the exact one
+    assert exact_stats["degraded"] == exact_stats["skipped"] == 0 and exact_stats["replays"] > 0
+    assert kept_stats["degraded"] > 0  # int2 versions ran where int4 was wanted
+    assert kept_stats["bytes_h2d_by_tier"]["int4"] > 0  # ... and int4 was fetched for later steps
+    counted = kept_stats["hit_rate"] + kept_stats["miss_rate"] + kept_stats["late_rate"]
+    counted += (kept_stats["degraded"] + kept_stats["skipped"]) / kept_stats["expert_uses"]
+    assert counted == pytest.approx(1.0)
+    with pytest.raises(InputError, match="degrade_phases"):
+        jmoe.load(two_tier_model, policy=PromoteInDecode(name="p", tier="int4", degrade_phases=("always",)))
