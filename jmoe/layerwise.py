@@ -3,7 +3,7 @@
 After each layer's attention and router the host reads the routing, asks the policy which tier
 each routed expert should run at, fetches what is missing (the next layer's predicted experts are
 already in flight), or runs cold experts on the CPU, then dispatches the experts. A layer whose
-experts do not all fit in the pool at once runs in several passes. Exact: the same layer code as
+experts do not all fit in the pools at once runs in several passes. Exact: the same layer code as
 the one-jit step, every expert at the tier the policy asked for.
 """
 

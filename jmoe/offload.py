@@ -1,4 +1,4 @@
-"""The offload runtime: experts live on the host, a budget-sized pool on the device caches them.
+"""The offload runtime: experts live on the host; budget-sized device pools, one per tier, cache them.
 
 Two execution paths share the layer code (DESIGN.md section 2):
 - "layerwise" (default, exact): per-layer jitted pieces; the host sees each layer's routing and
