@@ -55,9 +55,6 @@ class BudgetTracker:
     def total(self) -> int:
         return sum(self.reserved.values())
 
-    def available(self) -> int | None:
-        return None if self.budget is None else self.budget - self.total
-
     def try_reserve(self, purpose: str, nbytes: int) -> bool:
         if self.budget is not None and self.total + nbytes > self.budget:
             return False

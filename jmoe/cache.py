@@ -64,8 +64,10 @@ class CacheManager:
         tier = self.resident.get(key)
         return TIER_CODES[tier[0]] if tier else SKIP
 
-    def capacity(self, tier: str) -> int:
-        return self.pools[tier].slots
+    def code_in_flight(self, key: Key) -> int:
+        """Tier code of the version being copied in (0 if none)."""
+        moving = self.inflight.get(key)
+        return TIER_CODES[moving.tier] if moving else SKIP
 
     # -- requests
 
@@ -79,12 +81,11 @@ class CacheManager:
         if self.code_of(key) >= code:
             self.touch(key)
             return "hit"
-        moving = self.inflight.get(key)
-        if moving is not None:
-            if TIER_CODES[moving.tier] >= code:
-                if kind == "demand":
-                    moving.kind = "demand"
-                return "pending"
+        if self.code_in_flight(key) >= code:
+            if kind == "demand":
+                self.inflight[key].kind = "demand"
+            return "pending"
+        if key in self.inflight:
             self.wait([key])  # a lower version is landing: let it, then promote
         slot = self._claim_slot(tier)
         if slot is None:

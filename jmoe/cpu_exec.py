@@ -69,9 +69,9 @@ class CpuExecutor:
     def calibrate(self, tier: str, samples: int = 3) -> CostModel:
         """Measure one transfer and the CPU's time for 1 and 8 tokens on layer 0's experts."""
         transfers = []
+        target = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
         for e in range(samples):
             t = time.perf_counter()
-            target = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
             jax.device_put(self.host.record(tier, 0, e), target).block_until_ready()
             transfers.append(time.perf_counter() - t)
         D = self.host.store.config.hidden_size

@@ -43,6 +43,3 @@ class HostStore:
 
     def nbytes(self, tier: str) -> int:
         return self.store.record_nbytes(tier)
-
-    def total_nbytes(self) -> int:
-        return sum(self.nbytes(t) * self.store.num_layers * self.store.num_experts for t in self.tiers)

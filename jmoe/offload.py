@@ -140,10 +140,9 @@ class OffloadRuntime:
 
     def landing_tier(self, key, code: int) -> str:
         """The pool an expert occupies when it runs: its resident tier if that is good enough."""
+        if self.cache.code_in_flight(key) >= code:
+            return self.cache.inflight[key].tier
         resident = self.cache.code_of(key)
-        moving = self.cache.inflight.get(key)
-        if moving is not None and TIER_CODES[moving.tier] >= code:
-            return moving.tier
         return tier_name(resident if resident >= code else code)
 
     def plan_layer(self, r: LayerRouting) -> tuple[dict[int, str], list[tuple[int, str]]]:
@@ -163,7 +162,7 @@ class OffloadRuntime:
             if self.cache.code_of(key) >= code:
                 self.stats.hits += 1
                 self.cache.touch(key)
-            elif key in self.cache.inflight and TIER_CODES[self.cache.inflight[key].tier] >= code:
+            elif self.cache.code_in_flight(key) >= code:
                 self.stats.late += 1
             elif self.cpu is not None and counts[expert] <= self.critical_tokens:
                 self.stats.cpu_runs += 1
@@ -208,7 +207,8 @@ class OffloadRuntime:
         return max(1, self.slots // max(1, self.cfg.num_moe_layers))
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
-        for expert in experts[: max(self.cfg.top_k, self.prefetch_limit())]:
+        """Start fetching `experts` (ranked, already cut to prefetch_limit) until the pool is full."""
+        for expert in experts:
             if self.cache.request((layer, expert), self.tier, "prefetch") == "full":
                 break
 
@@ -268,12 +268,8 @@ class OffloadRuntime:
                 self.stats.degraded += 1  # ran at its best resident tier
             else:
                 self.stats.skipped += 1  # nothing resident: its contribution was left out
-        self.stats.uses += len(needed)
         self.stats.hits += len(needed) - len(missing)
-        for r in routings:
-            self.counters.update(r)
-        for key in needed:
-            self.cache.touch(key)
+        self._kept(routings, needed)
         self.cache.pinned = set(needed)
         for key in missing:
             self.cache.request(key, tier_name(needed[key]), "demand")
@@ -282,12 +278,17 @@ class OffloadRuntime:
     def _accept(self, routings: list[LayerRouting], needed: dict, fetched: set) -> None:
         """Account for a resident-path step whose every expert was resident on its last run."""
         misses = sum(1 for key in needed if key in fetched)
-        self.stats.uses += len(needed)
         self.stats.misses += misses
         self.stats.hits += len(needed) - misses
+        self._kept(routings, needed)
+        if not self.policy.cache:
+            for key in needed:
+                self.cache.drop(key)
+
+    def _kept(self, routings: list[LayerRouting], needed: dict) -> None:
+        """Uses, long-horizon counters and LRU order of a step the resident path keeps."""
+        self.stats.uses += len(needed)
         for r in routings:
             self.counters.update(r)
         for key in needed:
             self.cache.touch(key)
-            if not self.policy.cache:
-                self.cache.drop(key)

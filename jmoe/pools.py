@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.budget import tree_nbytes
 from jmoe.expert_path import ExpertState
 from jmoe.format import RecordLayout, np_dtype
 from jmoe.quant import ExpertWeights
@@ -28,7 +29,7 @@ def pool_template(store: ExpertStore, tier: str, slots: int) -> ExpertWeights:
 
 def slot_nbytes(store: ExpertStore, tier: str) -> int:
     """Device bytes one slot takes (the record minus its alignment padding)."""
-    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(store.template(tier))))
+    return tree_nbytes(store.template(tier))
 
 
 def _from_bytes(segment, dtype, shape):
@@ -57,7 +58,6 @@ class TierPool:
 
     def __init__(self, store: ExpertStore, tier: str, slots: int, device):
         self.tier = tier
-        self.code = TIER_CODES[tier]
         self.slots = slots
         self.layout = store.layouts[tier]
         self.slot_nbytes = slot_nbytes(store, tier)

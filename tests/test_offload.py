@@ -35,6 +35,13 @@ def budget_for(model, fraction: float) -> int:
     return int(fixed + fraction * model.memory["experts"])
 
 
+def planned_budget(path, tier: str, fraction: float) -> tuple[int, int]:
+    """(fixed reservations, budget = fixed + a fraction of every expert at `tier`), before loading."""
+    plan = jmoe.runtime.memory_plan(path, tier=tier, compute_dtype="float32")
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
+    return fixed, int(fixed + fraction * plan["all_experts"])
+
+
 @pytest.fixture(scope="module")
 def resident_reference(tiny_converted):
     model = jmoe.load(tiny_converted, compute_dtype="float32")
@@ -301,10 +308,9 @@ def test_a_pool_per_tier_under_a_budget_matches_the_unbudgeted_run(two_tier_mode
     ids = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
     unbudgeted = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy())
     reference = jmoe.generate(unbudgeted, ids, max_new_tokens=12)
-    plan = jmoe.runtime.memory_plan(two_tier_model, tier="int4", compute_dtype="float32")
-    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
+    fixed, budget = planned_budget(two_tier_model, "int4", 0.35)
     model = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy(), execution=execution,
-                      device_budget=int(fixed + 0.35 * plan["all_experts"]))
+                      device_budget=budget)
     assert jmoe.generate(model, ids, max_new_tokens=12) == reference
     rt = model.experts
     assert set(rt.pools) == {"int4", "int2"} and all(p.slots < 128 for p in rt.pools.values())
@@ -345,8 +351,7 @@ class PromoteInDecode(Policy):
 
 def test_resident_path_runs_misses_degraded_or_skipped_when_the_policy_allows(two_tier_model):
     ids = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
-    plan = jmoe.runtime.memory_plan(two_tier_model, tier="int4", compute_dtype="float32")
-    budget = int(plan["dense"] + plan["kv_cache"] + plan["workspace"] + 0.5 * plan["all_experts"])
+    _, budget = planned_budget(two_tier_model, "int4", 0.5)
     runs = {}
     for degrade in ((), ("decode",)):
         policy = PromoteInDecode(name="promote", tier="int4", pool_shares={"int4": 0.5, "int2": 0.5},
