@@ -79,8 +79,19 @@ class JmoeModel:
         )
 
 
-def default_compute_dtype():
-    return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
+    """The given activation dtype, or the default: bfloat16 on GPU, float32 elsewhere."""
+    if compute_dtype is None:
+        compute_dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return jnp.dtype(compute_dtype)
+
+
+def resolve_max_seq_len(cfg: ModelConfig, max_seq_len: int | None) -> int:
+    return int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
+
+
+def all_expert_bytes(cfg: ModelConfig, record_nbytes: int) -> int:
+    return record_nbytes * cfg.num_moe_layers * cfg.num_experts
 
 
 def workspace_nbytes(cfg: ModelConfig, tokens: int, cache_len: int, dtype) -> int:
@@ -107,12 +118,11 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     (key "all_experts"), without loading anything: for choosing a budget."""
     manifest = read_manifest(Path(path))
     cfg = ModelConfig.from_dict(manifest["config"])
-    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(default_compute_dtype())
+    dtype = resolve_compute_dtype(compute_dtype)
     tier = tier or next(iter(manifest["tiers"]))
     _, abstract_state = nnx.split(abstract_model(cfg, dtype))
-    plan = fixed_memory(cfg, abstract_state, dtype, int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)),
-                        max_batch)
-    plan["all_experts"] = manifest["tiers"][tier]["record_nbytes"] * cfg.num_moe_layers * cfg.num_experts
+    plan = fixed_memory(cfg, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch)
+    plan["all_experts"] = all_expert_bytes(cfg, manifest["tiers"][tier]["record_nbytes"])
     return plan
 
 
@@ -156,10 +166,10 @@ def load(
     manifest = read_manifest(root)
     check_files(root, manifest, verify_checksums=verify)
     cfg = ModelConfig.from_dict(manifest["config"])
-    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(default_compute_dtype())
+    dtype = resolve_compute_dtype(compute_dtype)
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise InputError(f"compute_dtype must be float32, bfloat16 or float16, not {dtype}")
-    max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
+    max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     store = ExpertStore(root, manifest, cfg)
     if isinstance(policy, Policy):
         if tier is not None and tier != policy.tier:
@@ -173,7 +183,7 @@ def load(
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
     memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
     budget = parse_size(device_budget) if device_budget is not None else None
-    all_experts = store.record_nbytes(tier) * cfg.num_moe_layers * cfg.num_experts
+    all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
     fixed = sum(memory.values())
     if policy is None:
         policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
