@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import jax
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -32,8 +31,9 @@ from jmoe.errors import InputError
 from jmoe.format import DENSE_DIR, FORMAT_VERSION, MANIFEST, TOKENIZER_DIR, RecordLayout, expert_file, sha256_file
 from jmoe.model import abstract_model
 from jmoe.models import config_from_hf
-from jmoe.quant import ExpertWeights, expert_template, hf_to_kmajor, tier_format
+from jmoe.quant import ExpertWeights, bf16_expert, expert_template, hf_to_kmajor, tier_format
 from jmoe.tiers import TIER_NAMES
+from jmoe.tokenizer import load_tokenizer
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -147,9 +147,7 @@ def convert_checkpoint(
 def load_source_tokenizer(root: Path):
     if not any((root / name).is_file() for name in TOKENIZER_CORE_FILES):
         raise InputError(f"{root} has no tokenizer; calibration text cannot be tokenized")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(root))
+    return load_tokenizer(root)
 
 
 def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str]) -> tuple[dict, dict]:
@@ -265,11 +263,7 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: di
 def write_versions(files: LayerFiles, formats: dict, weights, quantize: Callable[[str], ExpertWeights]) -> None:
     """Every tier of one expert (K-major float32 gate_up, down): bf16 as is, integer tiers quantized."""
     for tier, fmt in formats.items():
-        if fmt is None:
-            gate_up, down = weights
-            files.write(tier, ExpertWeights(gate_up.astype(ml_dtypes.bfloat16), down.astype(ml_dtypes.bfloat16)))
-        else:
-            files.write(tier, quantize(tier))
+        files.write(tier, bf16_expert(*weights) if fmt is None else quantize(tier))
 
 
 def copy_tokenizer(root: Path, tmp: Path) -> None:

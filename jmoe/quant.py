@@ -74,9 +74,9 @@ def hf_to_kmajor(gate, up, down) -> tuple[np.ndarray, np.ndarray]:
     return gate_up, np.ascontiguousarray(np.asarray(down, np.float32).T)
 
 
-def bf16_expert(gate, up, down) -> ExpertWeights:
-    gate_up, down_k = hf_to_kmajor(gate, up, down)
-    return ExpertWeights(gate_up.astype(ml_dtypes.bfloat16), down_k.astype(ml_dtypes.bfloat16))
+def bf16_expert(gate_up, down) -> ExpertWeights:
+    """The bf16 tier of one expert from its K-major weights."""
+    return ExpertWeights(np.asarray(gate_up).astype(ml_dtypes.bfloat16), np.asarray(down).astype(ml_dtypes.bfloat16))
 
 
 def dequantize_expert(weights: ExpertWeights, dtype=jnp.float32) -> ExpertWeights:

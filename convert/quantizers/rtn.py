@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from convert.quantizers.grid import decode, encode, group_params, pad_k, to_qarray
 from pallas_kernels.qarray import QArray, QuantFormat
 
