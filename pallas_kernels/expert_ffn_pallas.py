@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.qarray import QArray
+from pallas_kernels.qarray import QArray, int8_per_token
 
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_N = 128
@@ -173,15 +173,6 @@ def _smooth(x, act_scale, block_slot, block_rows: int):
     return (x.reshape(-1, block_rows, K) * scale[:, None, :]).reshape(R, K)
 
 
-def _quantize_rows(x):
-    """Per-row symmetric int8: x [R, K] -> (codes int8 [R, K], step float32 [R])."""
-    x32 = x.astype(jnp.float32)
-    step = jnp.max(jnp.abs(x32), axis=-1) / 127.0
-    step = jnp.where(step == 0, 1.0, step)
-    codes = jnp.clip(jnp.round(x32 / step[:, None]), -127, 127).astype(jnp.int8)
-    return codes, step
-
-
 def _planar(x, w):
     """x [R, K] -> [R, pack, Kp / pack], zero-padded to Kp and permuted to the packing layout."""
     R, K = x.shape
@@ -202,7 +193,8 @@ def _prepare_activations(x, block_slot, w, block_rows: int):
         if w.act_scale is not None:
             x = _smooth(x, w.act_scale, block_slot, block_rows)
         if w.fmt.act_bits == 8:
-            x, step = _quantize_rows(x)
+            x, step = int8_per_token(x)
+            step = step[:, 0]
     return _planar(x, w), step
 
 

@@ -132,12 +132,18 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     return w[..., : q.k, :].astype(dtype)
 
 
-def quantize_activations(x: jax.Array) -> jax.Array:
-    """Per-token symmetric int8 fake quantization (W8A8): x [..., K] -> dequantized int8 grid values."""
+def int8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token symmetric int8 (W8A8): x [..., K] -> (codes int8 [..., K], step float32 [..., 1])."""
     x32 = x.astype(jnp.float32)
     step = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
     step = jnp.where(step == 0, 1.0, step)
-    return (jnp.clip(jnp.round(x32 / step), -127, 127) * step).astype(x.dtype)
+    return jnp.clip(jnp.round(x32 / step), -127, 127).astype(jnp.int8), step
+
+
+def quantize_activations(x: jax.Array) -> jax.Array:
+    """Per-token symmetric int8 fake quantization (W8A8): x [..., K] -> dequantized int8 grid values."""
+    codes, step = int8_per_token(x)
+    return (codes.astype(jnp.float32) * step).astype(x.dtype)
 
 
 def prepare_input(x: jax.Array, act_scale: jax.Array | None, fmt: QuantFormat) -> jax.Array:
