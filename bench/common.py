@@ -10,11 +10,20 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
 CORPUS = ROOT.parent / "shared" / "corpus"
+DOMAINS = ("prose", "code", "math")
+CALIB_FILES = [CORPUS / f"{d}.train.txt" for d in DOMAINS]  # calibration: the train splits
+
+
+def dev_tokens(tokenizer, domain: str, max_tokens: int | None = None) -> np.ndarray:
+    """A domain's dev split (every quality figure is measured there), optionally cut short."""
+    ids = np.asarray(tokenizer.encode((CORPUS / f"{domain}.dev.txt").read_text()), np.int32)
+    return ids[:max_tokens] if max_tokens else ids
 
 
 def machine() -> dict:

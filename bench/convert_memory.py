@@ -16,11 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import CORPUS, ROOT, TINY_HF, write_result
+from bench.common import CALIB_FILES, ROOT, TINY_HF, write_result
 from bench.synthetic import QWEN3_30B_A3B, checkpoint_bytes, write_checkpoint
 
 TIERS = "bf16,int8,int4,int2"
-CALIB = ",".join(str(CORPUS / f"{d}.train.txt") for d in ("prose", "code", "math"))
+CALIB = ",".join(str(p) for p in CALIB_FILES)
 
 # The child measures itself: VmHWM is this process's peak resident set (file pages mapped by
 # safetensors count there, though the kernel can drop them), RssAnon sampled every 20 ms is the

@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CORPUS, TINY_HF, write_result
+from bench.common import DOMAINS, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
 from jmoe.evaluate import window_nll
-
-DOMAINS = ("prose", "code", "math")
 
 
 def hf_window_nll(model, ids: np.ndarray, window: int) -> tuple[float, int]:
@@ -53,8 +51,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = jmoe.load(convert_checkpoint(TINY_HF, Path(tmp) / "tiny", progress=False), compute_dtype="float32")
         for domain in DOMAINS:
-            ids = np.asarray(model.tokenizer.encode((CORPUS / f"{domain}.dev.txt").read_text()), np.int32)
-            ids = ids[: args.max_tokens] if args.max_tokens else ids
+            ids = dev_tokens(model.tokenizer, domain, args.max_tokens)
             t = time.perf_counter()
             ours, n = window_nll(model, ids, args.window)
             t_ours = time.perf_counter() - t

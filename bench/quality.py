@@ -9,38 +9,20 @@ calibrating GPTQ/HAQ on the train splits, then scores every tier on ../shared/co
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import jmoe
-from bench.common import CORPUS, TINY_HF, write_result
+from bench.common import CALIB_FILES, DOMAINS, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
-from jmoe.evaluate import window_nll
 
-DOMAINS = ("prose", "code", "math")
 TIERS = ("int8", "int4", "int2")
-CALIB = [CORPUS / f"{d}.train.txt" for d in DOMAINS]
-
-
-def dev_tokens(tokenizer, max_tokens: int | None) -> dict[str, np.ndarray]:
-    out = {}
-    for d in DOMAINS:
-        ids = np.asarray(tokenizer.encode((CORPUS / f"{d}.dev.txt").read_text()), np.int32)
-        out[d] = ids[:max_tokens] if max_tokens else ids
-    return out
 
 
 def perplexities(path: Path, tier: str, tokens: dict, window: int) -> dict[str, float]:
     model = jmoe.load(path, tier=tier, compute_dtype="float32")
-    result = {}
-    for domain, ids in tokens.items():
-        total, count = window_nll(model, ids, window)
-        result[domain] = math.exp(total / count)
-    return result
+    return {domain: jmoe.perplexity(model, ids, window=window) for domain, ids in tokens.items()}
 
 
 def main() -> None:
@@ -59,11 +41,12 @@ def main() -> None:
             tiers = ("bf16", *TIERS) if not w8a8 else ("int8",)
             t = time.perf_counter()
             out = convert_checkpoint(TINY_HF, Path(tmp) / name, tiers=",".join(tiers), method=method, w8a8=w8a8,
-                                     calib=None if method == "rtn" else [str(p) for p in CALIB],
+                                     calib=None if method == "rtn" else [str(p) for p in CALIB_FILES],
                                      calib_sequences=args.calib_sequences, progress=False)
             timings[name] = {"convert_s": time.perf_counter() - t}
             if tokens is None:
-                tokens = dev_tokens(jmoe.load(out, compute_dtype="float32").tokenizer, args.max_tokens)
+                tokenizer = jmoe.load(out, compute_dtype="float32").tokenizer
+                tokens = {d: dev_tokens(tokenizer, d, args.max_tokens) for d in DOMAINS}
                 rows.append({"method": "-", "tier": "bf16", "activations": "bf16/f32",
                              **perplexities(out, "bf16", tokens, args.window)})
             for tier in tiers:
@@ -80,7 +63,7 @@ def main() -> None:
         "model": "tiny-qwen3-moe",
         "window": args.window,
         "dev_tokens": {d: int(len(ids)) for d, ids in tokens.items()},
-        "calibration": {"files": [p.name for p in CALIB], "sequences": args.calib_sequences, "seq_len": 256},
+        "calibration": {"files": [p.name for p in CALIB_FILES], "sequences": args.calib_sequences, "seq_len": 256},
         "rows": rows,
         "seconds": timings,
     }
