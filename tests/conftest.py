@@ -7,7 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
-SHARED_CORPUS = ROOT.parent / "shared" / "corpus"
+DATA = ROOT / "tests" / "data"  # slices of the training corpus (see tests/data/README.md)
+CALIB_FILES = [str(DATA / f"{d}.train.txt") for d in ("prose", "code", "math")]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,8 +55,5 @@ def tiny_tokenizer():
 
 
 def dev_text(domain: str) -> str:
-    """A domain's dev split: ../shared/corpus when present (CI), else skip-free fallback is an error."""
-    path = SHARED_CORPUS / f"{domain}.dev.txt"
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: the tests read the dev corpus from ../shared/corpus")
-    return path.read_text()
+    """The start of a domain's dev split (bundled under tests/data)."""
+    return (DATA / f"{domain}.dev.txt").read_text()

@@ -13,9 +13,8 @@ from jmoe.errors import InputError
 from jmoe.format import read_manifest
 from jmoe.quant import dequantize_expert
 from jmoe.store import ExpertStore
-from tests.conftest import SHARED_CORPUS, dev_text
-
-CALIB = [str(SHARED_CORPUS / f"{d}.train.txt") for d in ("prose", "code", "math")]
+from tests.conftest import CALIB_FILES as CALIB
+from tests.conftest import dev_text
 
 
 def expected_record_bytes(D: int, F: int, bits: int, group: int, symmetric: bool, smooth: bool = False) -> int:
