@@ -55,9 +55,9 @@ def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, writ
     return model.logits(x), cache, signals
 
 
-def _sample(logits, seen, key, temperature, top_k, top_p, penalty, *, greedy):
+def _sample(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, *, greedy):
     """logits [B, V] -> (next tokens [B], seen with them marked)."""
-    tokens = sample_tokens(logits, seen, key, temperature, top_k, top_p, penalty, greedy=greedy)
+    tokens = sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, greedy=greedy)
     seen = seen.at[jnp.arange(tokens.shape[0]), tokens].set(True)
     return tokens, seen
 

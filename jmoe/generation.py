@@ -74,13 +74,8 @@ def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: 
     if sampling.repetition_penalty != 1.0:
         for b, p in enumerate(prompts):
             seen[b, p] = True
-    params = (
-        jnp.float32(max(sampling.temperature, 1e-6)),
-        jnp.int32(sampling.top_k),
-        jnp.float32(sampling.top_p),
-        jnp.float32(sampling.repetition_penalty),
-    )
-    state = {"cache": new_cache(cfg, B, S, model.compute_dtype), "seen": jnp.asarray(seen), "rng": jax.random.key(sampling.seed)}
+    params = sampling.device_params()
+    state = {"cache": new_cache(cfg, B, S, model.compute_dtype), "seen": jnp.asarray(seen), "rng": sampling.rng()}
 
     def run(block, write_start, phase):
         logits, state["cache"] = model.step(block, state["cache"], write_start, key_start, last_only=True, phase=phase)

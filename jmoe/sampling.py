@@ -1,4 +1,10 @@
-"""Token sampling: repetition penalty, temperature, top-k, top-p (in Hugging Face's order), greedy."""
+"""Token sampling with Hugging Face transformers' semantics, ties included.
+
+The order and the arithmetic follow transformers' logits processors exactly:
+RepetitionPenaltyLogitsProcessor, then TemperatureLogitsWarper, TopKLogitsWarper and
+TopPLogitsWarper (min_tokens_to_keep=1), each applied only when it is switched on. Filtered
+tokens get -inf. Greedy decoding applies the repetition penalty and takes the argmax.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jmoe.errors import InputError
+from jmoe import validate
+
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -19,46 +28,74 @@ class SamplingOptions:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        fields = dict(
+            temperature=validate.real("temperature", self.temperature, minimum=0.0),
+            top_k=validate.integer("top_k", self.top_k, minimum=0),
+            top_p=validate.real("top_p", self.top_p, above=0.0, maximum=1.0),
+            repetition_penalty=validate.real("repetition_penalty", self.repetition_penalty, above=0.0),
+            seed=validate.integer("seed", self.seed, minimum=0, maximum=MAX_SEED),
+        )
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def device_params(self) -> tuple[jax.Array, ...]:
+        """(temperature, top_k, 1 - top_p, penalty) as the jitted sampler takes them.
+
+        1 - top_p is computed here in double precision, as transformers does in Python, and only
+        then rounded to float32, so the top-p cut compares against the same float32 threshold.
+        """
+        return (
+            jnp.float32(self.temperature if self.temperature > 0 else 1.0),
+            jnp.int32(self.top_k),
+            jnp.float32(1.0 - self.top_p),
+            jnp.float32(self.repetition_penalty),
+        )
+
+    def rng(self) -> jax.Array:
+        """A PRNG key from all 64 bits of the seed (seeds below 2**32 give jax.random.key(seed))."""
+        key = jax.random.key(np.uint32(self.seed & 0xFFFFFFFF))
+        return jax.random.fold_in(key, np.uint32(self.seed >> 32)) if self.seed >> 32 else key
+
 
 def apply_repetition_penalty(logits, seen, penalty):
-    """HF rule: seen tokens' positive logits are divided by the penalty, negative ones multiplied."""
-    penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    """Tokens seen so far: negative logits multiplied by the penalty, the others divided by it."""
+    penalized = jnp.where(logits < 0, logits * penalty, logits / penalty)
     return jnp.where(seen, penalized, logits)
 
 
-def filter_top_k_top_p(logits, top_k, top_p):
-    """Mask logits [B, V] outside the top-k and outside the smallest set with probability >= top_p."""
-    neg = jnp.finfo(logits.dtype).min
+def top_k_filter(logits, top_k):
+    """Keep every token whose logit is at least the k-th largest (ties with it kept); top_k=0: off."""
     V = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    kth = jax.lax.dynamic_slice_in_dim(sorted_desc, jnp.clip(top_k - 1, 0, V - 1), 1, axis=-1)  # [B, 1]
-    drop_k = (top_k > 0) & (sorted_desc < kth)
-    sorted_desc = jnp.where(drop_k, neg, sorted_desc)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_above = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_above < top_p) & ~drop_k
-    # The smallest kept logit is the threshold; ties with it are kept too (as in HF).
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < threshold, neg, logits)
+    k = jnp.clip(top_k, 1, V)
+    kth = jnp.take_along_axis(jnp.sort(logits, axis=-1), jnp.broadcast_to(V - k, logits.shape[:-1])[..., None], -1)
+    return jnp.where((top_k > 0) & (logits < kth), -jnp.inf, logits)
 
 
-def sample_tokens(logits, seen, key, temperature, top_k, top_p, penalty, *, greedy: bool):
+def top_p_filter(logits, one_minus_top_p):
+    """transformers' TopPLogitsWarper: sort ascending (ties in index order, as torch's CPU sort
+    leaves them), drop tokens whose cumulative probability is <= 1 - top_p, always keep the last."""
+    order = jnp.argsort(logits, axis=-1, stable=True)
+    ascending = jnp.take_along_axis(logits, order, -1)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    drop_sorted = (cumulative <= one_minus_top_p).at[..., -1].set(False)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    drop = jnp.zeros_like(drop_sorted).at[rows, order].set(drop_sorted)
+    drop = drop & (one_minus_top_p > 0)  # top_p = 1: the warper is not applied at all
+    return jnp.where(drop, -jnp.inf, logits)
+
+
+def warp(logits, temperature, top_k, one_minus_top_p):
+    """Temperature, then top-k, then top-p: logits [B, V] -> filtered logits (-inf outside)."""
+    return top_p_filter(top_k_filter(logits / temperature, top_k), one_minus_top_p)
+
+
+def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, *, greedy: bool):
     """logits [B, V] float32, seen [B, V] bool -> next tokens [B] int32."""
     logits = apply_repetition_penalty(logits, seen, penalty)
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filter_top_k_top_p(logits / temperature, top_k, top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p), axis=-1).astype(jnp.int32)

@@ -1,47 +1,117 @@
-"""Sampling filters agree with Hugging Face's logits processors."""
+"""Sampling filters are transformers' logits processors, ties and top_p=1 included."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from jmoe.sampling import apply_repetition_penalty, filter_top_k_top_p
-
-NEG = np.finfo(np.float32).min
+from jmoe.sampling import SamplingOptions, apply_repetition_penalty, warp
 
 
-def kept(logits) -> np.ndarray:
-    return np.asarray(logits) > NEG / 2
+def hf_processed(logits: np.ndarray, history: torch.Tensor | None, opts: SamplingOptions) -> np.ndarray:
+    """What transformers' generate() makes of the logits with these options (sampling mode)."""
+    steps = []
+    if opts.repetition_penalty != 1.0:
+        steps.append(RepetitionPenaltyLogitsProcessor(opts.repetition_penalty))
+    if opts.temperature != 1.0:
+        steps.append(TemperatureLogitsWarper(opts.temperature))
+    if opts.top_k:
+        steps.append(TopKLogitsWarper(opts.top_k))
+    if opts.top_p < 1.0:
+        steps.append(TopPLogitsWarper(opts.top_p))
+    ids = history if history is not None else torch.zeros((logits.shape[0], 0), dtype=torch.long)
+    return LogitsProcessorList(steps)(ids, torch.tensor(logits)).numpy()
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (10, 0.5), (0, 0.05), (50, 0.99)])
-def test_top_k_top_p_keep_the_same_tokens_as_transformers(top_k, top_p):
-    rng = np.random.default_rng(top_k * 100 + int(top_p * 100))
-    logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
-    ours = filter_top_k_top_p(jnp.asarray(logits), jnp.int32(top_k), jnp.float32(top_p))
-    ref = torch.tensor(logits)
-    if top_k:
-        ref = TopKLogitsWarper(top_k)(None, ref)
-    if top_p < 1.0:
-        ref = TopPLogitsWarper(top_p)(None, ref)
-    np.testing.assert_array_equal(kept(ours), np.isfinite(ref.numpy()))
-    assert kept(ours).sum(-1).min() >= 1
+def ours(logits: np.ndarray, seen: np.ndarray, opts: SamplingOptions) -> np.ndarray:
+    temperature, top_k, one_minus_top_p, penalty = opts.device_params()
+    out = apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), penalty)
+    return np.asarray(warp(out, temperature, top_k, one_minus_top_p))
+
+
+def assert_same_filter(a: np.ndarray, b: np.ndarray, *, identities: bool = True) -> None:
+    """Same number of kept tokens per row with the same values (to float32 rounding: XLA's CPU
+    division by a scalar may differ from torch's in the last bit), and the same kept token ids
+    unless ties straddle the cut (torch's CPU sort is not stable, so which of several tied tokens
+    survives is its implementation's choice)."""
+    np.testing.assert_array_equal(np.isinf(a).sum(-1), np.isinf(b).sum(-1))
+    for row_a, row_b in zip(a, b):
+        np.testing.assert_allclose(np.sort(row_a[np.isfinite(row_a)]), np.sort(row_b[np.isfinite(row_b)]), rtol=1e-6)
+    if identities:
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+
+
+OPTIONS = [
+    SamplingOptions(temperature=1.0, top_p=0.9),
+    SamplingOptions(temperature=0.7, top_k=5),
+    SamplingOptions(temperature=1.3, top_k=10, top_p=0.5),
+    SamplingOptions(temperature=1.0, top_p=0.05),
+    SamplingOptions(temperature=0.5, top_k=50, top_p=0.99, repetition_penalty=1.4),
+    SamplingOptions(temperature=2.0, top_k=400),  # k beyond the vocabulary
+    SamplingOptions(temperature=1.0, top_p=1.0),  # no filter at all
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"t{o.temperature}-k{o.top_k}-p{o.top_p}-r{o.repetition_penalty}")
+def test_random_logits_filter_exactly_like_transformers(opts):
+    rng = np.random.default_rng(opts.top_k * 100 + int(opts.top_p * 100))
+    logits = (rng.normal(size=(4, 300)) * 3).astype(np.float32)
+    history = torch.tensor(rng.integers(0, 300, size=(4, 12)))
+    seen = np.zeros(logits.shape, bool)
+    for b, row in enumerate(history.tolist()):
+        seen[b, row] = True
+    assert_same_filter(ours(logits, seen, opts), hf_processed(logits, history, opts))
+
+
+@pytest.mark.parametrize("top_p,kept", [(0.25, 1), (0.5, 2), (0.26, 2), (0.75, 3), (1.0, 4)])
+def test_tied_logits_keep_as_many_as_transformers(top_p, kept):
+    logits = np.zeros((1, 4), np.float32)  # four equally likely tokens
+    opts = SamplingOptions(temperature=1.0, top_p=top_p)
+    mine = ours(logits, np.zeros_like(logits, bool), opts)
+    assert np.isfinite(mine).sum() == kept
+    assert_same_filter(mine, hf_processed(logits, None, opts))  # below 16 tokens torch's sort is stable
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.3), (7, 0.6), (0, 0.95)])
+def test_many_ties_in_a_large_vocabulary(top_k, top_p):
+    rng = np.random.default_rng(top_k + int(top_p * 10))
+    logits = rng.integers(-3, 3, size=(3, 500)).astype(np.float32)  # every value shared by ~80 tokens
+    opts = SamplingOptions(temperature=1.0, top_k=top_k, top_p=top_p)
+    assert_same_filter(ours(logits, np.zeros_like(logits, bool), opts), hf_processed(logits, None, opts),
+                       identities=top_p == 1.0)
+
+
+def test_top_p_one_keeps_the_far_tail():
+    logits = np.array([[30.0, 0.0, -40.0, -80.0]], np.float32)  # tail probabilities underflow float32 sums
+    kept = ours(logits, np.zeros_like(logits, bool), SamplingOptions(temperature=1.0, top_p=1.0))
+    np.testing.assert_array_equal(kept, logits)
 
 
 def test_repetition_penalty_matches_transformers():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 50)).astype(np.float32)
+    logits[0, 5] = 0.0  # zero stays zero either way
     history = torch.tensor([[1, 5, 7, 5], [0, 49, 3, 3]])
     seen = np.zeros((2, 50), bool)
     for b, row in enumerate(history.tolist()):
         seen[b, row] = True
-    ours = apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), 1.7)
+    mine = apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), jnp.float32(1.7))
     ref = RepetitionPenaltyLogitsProcessor(1.7)(history, torch.tensor(logits))
-    np.testing.assert_allclose(np.asarray(ours), ref.numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(mine), ref.numpy())
+
+
+def test_seeds_use_all_64_bits():
+    keys = {s: SamplingOptions(seed=s).rng() for s in (0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1)}
+    data = {s: tuple(np.asarray(jax.random.key_data(k)).ravel().tolist()) for s, k in keys.items()}
+    assert len(set(data.values())) == len(data)  # no two seeds share a stream
+    assert data[1] == tuple(np.asarray(jax.random.key_data(jax.random.key(1))).ravel().tolist())
