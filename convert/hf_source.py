@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +10,9 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jmoe import validate
 from jmoe.errors import CheckpointError, ConfigError
+from jmoe.tokenizer import first_line
 
 # A checkpoint has a tokenizer when one of these exists; the rest of TOKENIZER_FILES go along with it.
 TOKENIZER_CORE_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -28,7 +30,7 @@ TOKENIZER_FILES = (
 )
 
 
-def resolve_source(src: str | Path) -> Path:
+def resolve_source(src: Path) -> Path:
     """A local checkpoint directory, or a hub id downloaded into the local cache (needs network)."""
     path = Path(src)
     if path.is_dir():
@@ -43,20 +45,28 @@ def resolve_source(src: str | Path) -> Path:
         patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
         return Path(snapshot_download(str(src), allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, gated model, ...
-        raise CheckpointError(f"{src} is not a local directory and could not be fetched from the hub: {e}") from None
+        raise CheckpointError(f"{src} is not a local directory and could not be fetched from the hub: "
+                              f"{first_line(e)}") from None
 
 
 def read_config(root: Path) -> dict[str, Any]:
     path = root / "config.json"
     if not path.is_file():
         raise ConfigError(f"{root} has no config.json")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} does not hold a JSON object")
-    return cfg
+    return validate.read_json_object(path, what="config.json", error=ConfigError)
+
+
+def trusted_root(root: Path) -> Path:
+    """The directory files copied from a checkpoint must resolve into: the checkpoint itself, or for
+    a Hugging Face cache snapshot (whose files link into the repository's blobs/) that repository."""
+    root = root.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root.parent.parent
+    return root
+
+
+# safetensors dtypes that hold weights; anything else (I64, BOOL, U8, ...) is refused by name.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class TensorSource:
@@ -73,6 +83,8 @@ class TensorSource:
         self._cpu = jax.devices("cpu")[0]
         for f in self._shard_files(root):
             for name in self._open(f).keys():
+                if name in self._where:
+                    raise CheckpointError(f"tensor {name} is stored twice, in {self._where[name].name} and {f.name}")
                 self._where[name] = f
         self.release()
         if not self._where:
@@ -94,10 +106,12 @@ class TensorSource:
     def _shard_files(root: Path) -> list[Path]:
         index = root / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index.name} is malformed: {e}") from None
+            weight_map = validate.read_json_object(index, what="safetensors index", error=CheckpointError).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index.name} has no 'weight_map' of tensor names to shard files")
+            for name in set(weight_map.values()):
+                if Path(name).name != name or name in ("", ".", ".."):
+                    raise CheckpointError(f"{index.name} names shard {name!r}, which is not a file in {root}")
             files = sorted({root / name for name in weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:
@@ -120,17 +134,31 @@ class TensorSource:
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())
 
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None, index: int | None = None) -> np.ndarray:
-        """The tensor (or its slice [index] along the first axis) as float32 numpy."""
+        """The tensor (or its slice [index] along the first axis) as float32 numpy; refuses shapes
+        other than `expected_shape`, non-float dtypes and NaN/Inf values, naming the tensor."""
         shape = self.shape(name)
         if expected_shape is not None and shape != tuple(expected_shape):
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(expected_shape)}")
         handle = self._open(self._where[name])
         try:
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"tensor {name} has dtype {dtype}; weights must be one of {', '.join(FLOAT_DTYPES)}")
             with jax.default_device(self._cpu):
                 value = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"tensor {name} in {self._where[name].name} cannot be read ({e})") from None
-        return np.asarray(value, dtype=np.float32)
+        value = np.asarray(value, dtype=np.float32)
+        if not np.isfinite(value).all():
+            bad = int(value.size - np.isfinite(value).sum())
+            where = f" (expert {index})" if index is not None else ""
+            raise CheckpointError(f"tensor {name}{where} holds {bad} NaN or infinite value(s)")
+        return value
+
+    def layer_indices(self, prefix: str = "model.layers.") -> set[int]:
+        """Decoder-layer indices that tensor names mention (model.layers.<i>.)."""
+        found = (re.match(re.escape(prefix) + r"(\d+)\.", name) for name in self._where)
+        return {int(m.group(1)) for m in found if m}
 
     def _require(self, name: str) -> None:
         if name not in self._where:

@@ -7,12 +7,12 @@ into place only when complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -23,27 +23,43 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from convert.calibration import LayerwiseCalibration, calibration_tokens
-from convert.hf_source import TOKENIZER_CORE_FILES, TOKENIZER_FILES, TensorSource, read_config, resolve_source
+from convert.hf_source import (
+    TOKENIZER_CORE_FILES,
+    TOKENIZER_FILES,
+    TensorSource,
+    read_config,
+    resolve_source,
+    trusted_root,
+)
 from convert.name_maps import dense_tensor, expert_tensor_names, fused_expert_names
+from convert.output import Partial, absolute, check_output, clean_stale, output_error
 from convert.quantizers.expert import METHODS, LayerQuantizer, rtn_expert
+from jmoe import validate
 from jmoe.config import ModelConfig
-from jmoe.errors import InputError
-from jmoe.format import DENSE_DIR, FORMAT_VERSION, MANIFEST, TOKENIZER_DIR, RecordLayout, expert_file, sha256_file
+from jmoe.errors import CheckpointError, InputError, OutputError
+from jmoe.format import DENSE_DIR, TOKENIZER_DIR, RecordLayout, expert_file
+from jmoe.manifest import MANIFEST, PARTIAL_MARKER, seal, sha256_file
 from jmoe.model import abstract_model
 from jmoe.models import config_from_hf
 from jmoe.quant import ExpertWeights, bf16_expert, expert_template, hf_to_kmajor, tier_format
 from jmoe.tiers import TIER_NAMES
-from jmoe.tokenizer import load_tokenizer
+from jmoe.tokenizer import first_line, load_tokenizer
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # always about the output
 
 # (layer, expert) -> gate [F, D], up [F, D], down [D, F] in float32, HF orientation.
 ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def parse_tiers(tiers: str | Iterable[str]) -> tuple[str, ...]:
-    names = [t.strip() for t in (tiers.split(",") if isinstance(tiers, str) else tiers) if t.strip()]
+    """Tier names from "bf16,int4" or a list, most precise first."""
+    items = tiers.split(",") if isinstance(tiers, str) else tiers
+    if not isinstance(items, (list, tuple)):
+        raise InputError(f"tiers must be a comma-separated string or a list of tier names, got {tiers!r}")
+    names = [validate.text(f"tiers[{i}]", t).strip() for i, t in enumerate(items)]
+    names = [t for t in names if t]
     unknown = [t for t in names if t not in TIER_NAMES]
     if unknown or not names:
         raise InputError(f"unknown tier(s) {unknown or names}; choose from {', '.join(TIER_NAMES)}")
@@ -67,6 +83,11 @@ def convert_checkpoint(
 ) -> Path:
     """Convert `src` (HF directory or hub id) into a jmoe directory at `out`; returns `out`.
 
+    Every option is checked before any work. The output is written into a temporary directory
+    beside `out` and renamed into place at the end, so a failure leaves nothing behind; an
+    existing `out` is replaced only with `overwrite`, and only if it is an earlier jmoe output or
+    an empty directory (never the source, its parents, the working or home directory).
+
     Args:
       tiers: expert tiers to write, e.g. "bf16,int8,int4,int2" (all in one pass).
       method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate).
@@ -77,26 +98,37 @@ def convert_checkpoint(
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
     """
     tiers = parse_tiers(tiers)
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise InputError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
-    calib_files = [p.strip() for p in calib.split(",")] if isinstance(calib, str) else list(calib or [])
+    calib_files = calibration_files(calib)
     if method != "rtn" and not calib_files:
         raise InputError(f"method {method!r} calibrates: pass calibration text with calib=... / --calib")
+    calib_sequences = validate.integer("calib_sequences", calib_sequences, minimum=1, maximum=1 << 16)
+    calib_seq_len = validate.integer("calib_seq_len", calib_seq_len, minimum=2)
+    if group_size is not None:
+        validate.choice("group_size", group_size, (32, 64, 128))
+    if symmetric is not None:
+        validate.boolean("symmetric", symmetric)
+    w8a8, overwrite, progress = (validate.boolean(n, v) for n, v in
+                                 (("w8a8", w8a8), ("overwrite", overwrite), ("progress", progress)))
     formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq")
                for t in tiers}
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise InputError(f"{out} already exists (pass overwrite=True / --force to replace it)")
-    root = resolve_source(src)
+    out = absolute(validate.path("output", out))
+    root = resolve_source(validate.path("source", src))
+    check_output(out, root, overwrite)
     hf_config = read_config(root)
     cfg = config_from_hf(hf_config)
     source = TensorSource(root)
+    check_layer_count(source, cfg)
     calibrating = method != "rtn" and any(fmt is not None for fmt in formats.values())
     calibration = None
     if calibrating:
+        if calib_seq_len > cfg.max_position_embeddings:
+            raise InputError(f"calib_seq_len {calib_seq_len} exceeds the model's {cfg.max_position_embeddings} positions")
         tokens = calibration_tokens(load_source_tokenizer(root), calib_files, calib_sequences, calib_seq_len)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    clean_stale(out)
+    partial = Partial(out)
+    tmp = partial.path
     try:
         used: set[str] = set()
         dense, dense_index = read_dense(source, cfg, used)
@@ -110,7 +142,7 @@ def convert_checkpoint(
                                                    release=source.release)
         copy_tokenizer(root, tmp)
         warn_unused(source, used)
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != PARTIAL_MARKER):
             rel = path.relative_to(tmp).as_posix()
             checksums.setdefault(rel, {"bytes": path.stat().st_size, "sha256": sha256_file(path)})
         quantization = {"method": method}
@@ -119,8 +151,7 @@ def convert_checkpoint(
                                            "sequences": calib_sequences, "seq_len": calib_seq_len}
         if alphas:
             quantization["haq_alpha"] = alphas
-        manifest = {
-            "format_version": FORMAT_VERSION,
+        manifest = seal({
             "family": cfg.family,
             "source": Path(str(src)).name,
             "config": cfg.to_dict(),
@@ -133,21 +164,42 @@ def convert_checkpoint(
             "dense": dense_index,
             "tokenizer": TOKENIZER_DIR if (tmp / TOKENIZER_DIR).is_dir() else None,
             "files": dict(sorted(checksums.items())),
-        }
+        })
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        partial.commit(root, overwrite)
+    except OSError as e:
+        partial.discard()
+        if e.errno in WRITE_ERRNOS or e.filename is None or str(e.filename).startswith(str(out.parent)):
+            raise output_error(e) from None
+        raise CheckpointError(f"cannot read {e.filename}: {e.strerror or e}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        partial.discard()
         raise
     return out
+
+
+def calibration_files(calib) -> list[str]:
+    """Calibration text files from a comma-separated string, a path, or a list of them."""
+    if calib is None:
+        return []
+    items = calib.split(",") if isinstance(calib, str) else [calib] if isinstance(calib, os.PathLike) else calib
+    if not isinstance(items, (list, tuple)):
+        raise InputError(f"calib must be a path, a comma-separated string or a list of paths, got {calib!r}")
+    return [str(validate.path(f"calib[{i}]", f)).strip() for i, f in enumerate(items) if str(f).strip()]
+
+
+def check_layer_count(source: TensorSource, cfg: ModelConfig) -> None:
+    """A config that declares fewer layers than the checkpoint holds would silently drop layers."""
+    beyond = sorted(i for i in source.layer_indices() if i >= cfg.num_layers)
+    if beyond:
+        raise CheckpointError(f"the checkpoint has tensors of layer {beyond[0]} (model.layers.{beyond[0]}.*) but "
+                              f"config.json 'num_hidden_layers' is {cfg.num_layers}")
 
 
 def load_source_tokenizer(root: Path):
     if not any((root / name).is_file() for name in TOKENIZER_CORE_FILES):
         raise InputError(f"{root} has no tokenizer; calibration text cannot be tokenized")
-    return load_tokenizer(root)
+    return load_tokenizer(root, error=CheckpointError)
 
 
 def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str]) -> tuple[dict, dict]:
@@ -171,8 +223,13 @@ def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str]) -> tuple[
 
 def save_dense(dense: dict, path: Path) -> None:
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path.absolute(), dense)
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer.save(path.absolute(), dense)
+        checkpointer.wait_until_finished()
+    except OSError:
+        raise
+    except Exception as e:  # orbax reports write failures (disk full, ...) in several types
+        raise OutputError(f"cannot write the dense weights to {path}: {first_line(e)}") from None
 
 
 def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> ExpertReader:
@@ -271,6 +328,10 @@ def copy_tokenizer(root: Path, tmp: Path) -> None:
     if not any(name in present for name in TOKENIZER_CORE_FILES):
         log.warning("%s has no tokenizer files; the converted model will only accept token ids", root)
         return
+    trusted = trusted_root(root)
+    for name in present:  # a link out of the checkpoint would copy an unrelated file into the output
+        if not (root / name).resolve().is_relative_to(trusted):
+            raise CheckpointError(f"tokenizer file {name} is a symbolic link out of {root}; refusing to copy it")
     (tmp / TOKENIZER_DIR).mkdir()
     for name in present:
         shutil.copy2(root / name, tmp / TOKENIZER_DIR / name)

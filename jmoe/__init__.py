@@ -1,7 +1,7 @@
 """jmoe: run Mixture-of-Experts language models whose experts do not fit in accelerator memory."""
 
 from jmoe.config import ModelConfig
-from jmoe.errors import BudgetError, CheckpointError, ConfigError, FormatError, InputError, JmoeError
+from jmoe.errors import BudgetError, CheckpointError, ConfigError, FormatError, InputError, JmoeError, OutputError
 from jmoe.evaluate import forward, perplexity
 from jmoe.runtime import JmoeModel, load
 
@@ -17,9 +17,14 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
       prompt: a string, chat messages ([{"role": ..., "content": ...}], through the model's chat
         template), token ids, or a list of any one of these kinds for a batch.
       max_new_tokens: stop after this many new tokens (earlier at EOS or a stop string).
-      temperature, top_k, top_p, repetition_penalty, seed: sampling controls (0 / 0 / 1 / 1 = off).
+      temperature, top_k, top_p, repetition_penalty: sampling controls (0 / 0 / 1 / 1 = off), with
+        transformers' semantics and order (penalty, temperature, top-k, top-p; ties kept as it does).
+      seed: any integer in [0, 2**64): the sampling stream (all 64 bits count).
       stop: a string or strings that end generation (not included in the output).
       stream: yield pieces as they are produced instead of returning the whole output.
+
+    Every argument is checked before any work (a bad one raises InputError naming it, also with
+    stream=True).
 
     Returns:
       Text for text prompts, token ids for id prompts; a list of those for a batch. With
@@ -35,6 +40,9 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
 def stats(model: JmoeModel) -> dict:
     """Offload counters since load: hit rate, bytes moved host->device, prefetch accuracy and
     predictor recall, stalls, replays, CPU-run experts, TTFT and TPOT (seconds)."""
+    from jmoe.evaluate import check_model
+
+    check_model(model)
     pools = getattr(model.experts, "pools", None)
     slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
     return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
@@ -42,5 +50,5 @@ def stats(model: JmoeModel) -> dict:
 
 __all__ = [
     "load", "generate", "forward", "perplexity", "stats", "JmoeModel", "ModelConfig",
-    "JmoeError", "ConfigError", "CheckpointError", "FormatError", "InputError", "BudgetError",
+    "JmoeError", "ConfigError", "CheckpointError", "FormatError", "InputError", "BudgetError", "OutputError",
 ]

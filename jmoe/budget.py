@@ -13,18 +13,20 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(size: int | float | str) -> int:
-    """Bytes from an int or a string like '12GiB', '512 MiB', '2.5GB'."""
+def parse_size(size: int | float | str, name: str = "size") -> int:
+    """Bytes from an int or a string like '12GiB', '512 MiB', '2.5GB'; `name` is the option's name."""
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, float, str, np.integer, np.floating)):
+        raise InputError(f"{name} must be a number of bytes or a string like '12GiB', got {size!r}")
     if isinstance(size, (int, np.integer)):
         if size <= 0:
-            raise InputError(f"a size must be positive, got {size}")
+            raise InputError(f"{name} must be positive, got {size}")
         return int(size)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(size))
     if not match or match.group(2).lower() not in _UNITS:
-        raise InputError(f"cannot read size {size!r}; write it like '12GiB', '512MiB' or a number of bytes")
+        raise InputError(f"{name}: cannot read size {size!r}; write it like '12GiB', '512MiB' or a number of bytes")
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise InputError(f"a size must be positive, got {size!r}")
+    if not 1 <= value < 2**63:
+        raise InputError(f"{name} must be between 1 byte and 8 EiB, got {size!r}")
     return int(value)
 
 

@@ -7,11 +7,20 @@ import json
 import logging
 import sys
 
+from jmoe import validate
 from jmoe.errors import JmoeError
+from jmoe.tokenizer import first_line
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (and exit status 2), like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"jmoe: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jmoe", description=__doc__)
+    parser = Parser(prog="jmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     conv = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint (directory or hub id)")
@@ -67,7 +76,13 @@ def cmd_convert(args) -> None:
 
 def cmd_generate(args) -> None:
     import jmoe
+    from jmoe.generation import stop_strings
+    from jmoe.sampling import SamplingOptions
 
+    # Refuse bad generation options before spending time on loading the model.
+    SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
+    stop_strings(args.stop)
     model = jmoe.load(args.model, device_budget=args.device_budget, policy=args.policy, tier=args.tier,
                       compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution)
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -85,7 +100,7 @@ def cmd_generate(args) -> None:
 def cmd_info(args) -> None:
     from pathlib import Path
 
-    from jmoe.format import read_manifest
+    from jmoe.manifest import read_manifest
 
     manifest = read_manifest(Path(args.model))
     cfg = manifest["config"]
@@ -105,11 +120,15 @@ def cmd_info(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument already reported in one line
+        return e.code if isinstance(e.code, int) else 2
     try:
         {"convert": cmd_convert, "generate": cmd_generate, "info": cmd_info}[args.command](args)
-    except JmoeError as e:
-        print(f"jmoe: error: {e}", file=sys.stderr)
+    except (JmoeError, OSError) as e:  # OSError: disk full, permission denied, a closed pipe
+        message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
+        print(f"jmoe: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

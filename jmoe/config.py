@@ -7,10 +7,14 @@ reads feature flags (qk_norm, qkv_bias, shared expert, ...) and never a family n
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from jmoe import validate
 from jmoe.errors import ConfigError
+
+log = logging.getLogger("jmoe.config")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,13 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        self._check_fields()
         if len(self.moe_layers) != self.num_layers:
             raise ConfigError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ConfigError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -60,6 +67,39 @@ class ModelConfig:
             raise ConfigError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
         if self.qk_norm not in (None, "head", "full"):
             raise ConfigError(f"qk_norm must be None, 'head' or 'full', not {self.qk_norm!r}")
+        if not all(self.moe_layers) and self.dense_intermediate_size < 1:
+            raise ConfigError("the model has dense (non-MoE) layers but intermediate_size is missing or 0")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    def _check_fields(self) -> None:
+        """Types and ranges of every field (configs come from files a user may have edited)."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "num_experts", "top_k", "moe_intermediate_size"):
+            validate.integer(name, getattr(self, name), minimum=1, error=ConfigError)
+        for name in ("dense_intermediate_size", "shared_expert_intermediate_size"):
+            validate.integer(name, getattr(self, name), minimum=0, error=ConfigError)
+        validate.real("rms_norm_eps", self.rms_norm_eps, above=0, error=ConfigError)
+        validate.real("rope_theta", self.rope_theta, above=0, error=ConfigError)
+        if self.clip_qkv is not None:
+            validate.real("clip_qkv", self.clip_qkv, above=0, error=ConfigError)
+        for name in ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "o_bias"):
+            validate.boolean(name, getattr(self, name), error=ConfigError)
+        validate.text("family", self.family, error=ConfigError)
+        for name in ("moe_layers", "sliding_windows", "eos_token_ids"):
+            if not isinstance(getattr(self, name), tuple):
+                raise ConfigError(f"{name} must be a list, got {type(getattr(self, name)).__name__}")
+        for i, flag in enumerate(self.moe_layers):
+            validate.boolean(f"moe_layers[{i}]", flag, error=ConfigError)
+        for i, window in enumerate(self.sliding_windows):
+            if window is not None:
+                validate.integer(f"sliding_windows[{i}]", window, minimum=1, error=ConfigError)
+        token = dict(minimum=0, maximum=self.vocab_size - 1, error=ConfigError)
+        for i, eos in enumerate(self.eos_token_ids):
+            validate.integer(f"eos_token_id[{i}]", eos, **token)
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None:
+                validate.integer(name, getattr(self, name), **token)
 
     @property
     def moe_layer_indices(self) -> tuple[int, ...]:
@@ -79,18 +119,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
+        if not isinstance(d, dict):
+            raise ConfigError(f"a model config must be a JSON object, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(fields)
         if unknown:
             raise ConfigError(f"unknown model config fields {sorted(unknown)}")
-        kwargs = dict(d)
-        for name in ("moe_layers", "sliding_windows", "eos_token_ids"):
-            if name in kwargs and kwargs[name] is not None:
-                kwargs[name] = tuple(kwargs[name])
+        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in d]
+        if missing:
+            raise ConfigError(f"model config is missing {', '.join(missing)}")
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
         return cls(**kwargs)
 
 
-def require(hf: dict[str, Any], *names: str, default: Any = ConfigError) -> Any:
+def hf_value(hf: dict[str, Any], *names: str, default: Any = ConfigError) -> Any:
     """The first of `names` present in a HF config dict (4.x and 5.x spell some fields differently)."""
     for name in names:
         if name in hf and hf[name] is not None:
@@ -101,26 +143,56 @@ def require(hf: dict[str, Any], *names: str, default: Any = ConfigError) -> Any:
     return default
 
 
+def _field(names: tuple[str, ...]) -> str:
+    return f"config.json {names[0]!r}"
+
+
+def hf_int(hf: dict[str, Any], *names: str, default: Any = ConfigError, minimum: int | None = 1) -> int | None:
+    """An integer field (an integral float such as 1e6 is accepted), range-checked, named in errors."""
+    value = hf_value(hf, *names, default=default)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return validate.integer(_field(names), value, minimum=minimum, error=ConfigError)
+
+
+def hf_float(hf: dict[str, Any], *names: str, default: Any = ConfigError, above: float | None = 0.0) -> float | None:
+    value = hf_value(hf, *names, default=default)
+    return None if value is None else validate.real(_field(names), value, above=above, error=ConfigError)
+
+
+def hf_bool(hf: dict[str, Any], name: str, default: bool) -> bool:
+    value = hf.get(name)
+    return default if value is None else validate.boolean(_field((name,)), value, error=ConfigError)
+
+
+def hf_int_list(hf: dict[str, Any], name: str, *, minimum: int = 0) -> tuple[int, ...]:
+    """A list of integers (or one integer) such as eos_token_id or mlp_only_layers; () when absent."""
+    value = hf.get(name)
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    return tuple(validate.integer(f"{_field((name,))}[{i}]", v, minimum=minimum, error=ConfigError)
+                 for i, v in enumerate(items))
+
+
 def rope_theta_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> float:
     """rope_theta from transformers 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict) and params:
+    scaling = hf.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"config.json {name!r} must be an object, got {type(value).__name__}")
+    if params:
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = params.get("rope_theta", hf.get("rope_theta"))
     else:
-        scaling = hf.get("rope_scaling") or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
         theta = hf.get("rope_theta")
     if rope_type not in ("default", None):
         raise ConfigError(f"rope type {rope_type!r} is not supported yet (only the default RoPE)")
-    return float(default_theta if theta is None else theta)
-
-
-def eos_ids_from_hf(hf: dict[str, Any]) -> tuple[int, ...]:
-    eos = hf.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return hf_float({"rope_theta": theta}, "rope_theta", default=default_theta)
 
 
 def common_fields(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
@@ -128,29 +200,44 @@ def common_fields(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[st
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
-    hidden = int(require(hf, "hidden_size"))
-    heads = int(require(hf, "num_attention_heads"))
+    hidden = hf_int(hf, "hidden_size")
+    heads = hf_int(hf, "num_attention_heads")
     return dict(
-        vocab_size=int(require(hf, "vocab_size")),
+        vocab_size=hf_int(hf, "vocab_size"),
         hidden_size=hidden,
-        num_layers=int(require(hf, "num_hidden_layers")),
+        num_layers=hf_int(hf, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=int(require(hf, "num_key_value_heads", default=heads)),
-        head_dim=int(require(hf, "head_dim", default=hidden // heads)),
-        rms_norm_eps=float(require(hf, "rms_norm_eps", default=1e-6)),
+        num_kv_heads=hf_int(hf, "num_key_value_heads", default=heads),
+        head_dim=hf_int(hf, "head_dim", default=hidden // heads),
+        rms_norm_eps=hf_float(hf, "rms_norm_eps", default=1e-6),
         rope_theta=rope_theta_from_hf(hf, default_theta),
-        max_position_embeddings=int(require(hf, "max_position_embeddings", default=4096)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        num_experts=int(require(hf, "num_local_experts", "num_experts")),
-        top_k=int(require(hf, "num_experts_per_tok")),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids_from_hf(hf),
-        pad_token_id=hf.get("pad_token_id"),
+        max_position_embeddings=hf_int(hf, "max_position_embeddings", default=4096),
+        tie_word_embeddings=hf_bool(hf, "tie_word_embeddings", False),
+        num_experts=hf_int(hf, "num_local_experts", "num_experts"),
+        top_k=hf_int(hf, "num_experts_per_tok"),
+        **special_tokens(hf, hf_int(hf, "vocab_size")),
+    )
+
+
+def special_tokens(hf: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """bos/eos/pad ids; ids outside the vocabulary (a config default some checkpoints keep) are
+    dropped with a warning, as transformers only warns about them too."""
+    def in_vocab(name: str, ids: tuple[int, ...]) -> tuple[int, ...]:
+        outside = [i for i in ids if i >= vocab_size]
+        if outside:
+            log.warning("config.json %r %s is outside the vocabulary of %d; ignored", name, outside, vocab_size)
+        return tuple(i for i in ids if i < vocab_size)
+
+    single = {name: in_vocab(name, hf_int_list(hf, name)[:1]) for name in ("bos_token_id", "pad_token_id")}
+    return dict(
+        bos_token_id=single["bos_token_id"][0] if single["bos_token_id"] else None,
+        eos_token_ids=in_vocab("eos_token_id", hf_int_list(hf, "eos_token_id")),
+        pad_token_id=single["pad_token_id"][0] if single["pad_token_id"] else None,
     )
 
 
 def sparse_layer_pattern(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     """Qwen-style `decoder_sparse_step` / `mlp_only_layers`: which layers are MoE."""
-    step = int(hf.get("decoder_sparse_step") or 1)
-    dense_only = set(hf.get("mlp_only_layers") or [])
+    step = hf_int(hf, "decoder_sparse_step", default=1)
+    dense_only = set(hf_int_list(hf, "mlp_only_layers"))
     return tuple((i not in dense_only) and ((i + 1) % step == 0) for i in range(num_layers))

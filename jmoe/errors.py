@@ -23,3 +23,7 @@ class InputError(JmoeError):
 
 class BudgetError(JmoeError):
     """The device-memory budget cannot hold what the requested configuration needs."""
+
+
+class OutputError(JmoeError):
+    """An output cannot be written: the disk is full, permission is denied, the file system is read-only."""

@@ -8,16 +8,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe import validate
 from jmoe.engine import MIN_PROMPT_BUCKET, bucket, new_cache
 from jmoe.errors import InputError
 
 
+def check_model(model) -> None:
+    from jmoe.runtime import JmoeModel
+
+    if not isinstance(model, JmoeModel):
+        raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
+
+
+def token_array(model, token_ids, minimum: int) -> np.ndarray:
+    """Validated token ids [T] int32: integers in the vocabulary, at least `minimum` of them."""
+    ids = np.asarray(validate.token_ids("token_ids", token_ids, model.config.vocab_size), np.int32)
+    if ids.shape[0] < minimum:
+        raise InputError(f"token_ids must hold at least {minimum} token(s), got {ids.shape[0]}")
+    return ids
+
+
 def forward(model, token_ids) -> jnp.ndarray:
     """Logits [T, vocab] float32 for one sequence of token ids (no sampling, no cache reuse)."""
-    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    check_model(model)
+    ids = token_array(model, token_ids, 1)
     T = ids.shape[0]
-    if T == 0:
-        raise InputError("forward needs at least one token")
     if T > model.max_seq_len:
         raise InputError(f"{T} tokens exceed the context of {model.max_seq_len}")
     P = bucket(T, MIN_PROMPT_BUCKET, model.max_seq_len)
@@ -38,9 +53,9 @@ def _token_nll(logits, tokens):
 
 def window_nll(model, token_ids, window: int) -> tuple[float, int]:
     """Sum of NLL (nats) and number of predicted tokens over non-overlapping windows of `window` tokens."""
-    ids = np.asarray(token_ids, np.int32).reshape(-1)
-    if window > model.max_seq_len or window < 2:
-        raise InputError(f"window must be in [2, {model.max_seq_len}], got {window}")
+    check_model(model)
+    window = validate.integer("window", window, minimum=2, maximum=model.max_seq_len)
+    ids = token_array(model, token_ids, 2)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window]

@@ -1,6 +1,6 @@
 """The converted jmoe directory: manifest, dense weights (orbax), expert store records.
 
-Layout:
+Layout (the manifest itself: jmoe/manifest.py):
     manifest.json                 format version, family, config, tiers, tensor index, checksums
     dense/                        orbax checkpoint of every non-expert weight (bf16)
     experts/<tier>/layerNNN.bin   one file per (MoE layer, tier); expert e's record at e * record_nbytes
@@ -12,10 +12,7 @@ aligned), so one read and one host->device transfer move exactly one (layer, exp
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,8 +21,6 @@ import numpy as np
 
 from jmoe.errors import FormatError
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 DENSE_DIR = "dense"
 EXPERTS_DIR = "experts"
 TOKENIZER_DIR = "tokenizer"
@@ -102,47 +97,3 @@ class RecordLayout:
 
 def expert_file(tier: str, moe_index: int) -> str:
     return f"{EXPERTS_DIR}/{tier}/layer{moe_index:03d}.bin"
-
-
-def read_manifest(root: Path) -> dict[str, Any]:
-    path = Path(root) / MANIFEST
-    if not Path(root).is_dir():
-        raise FormatError(f"{root} is not a directory (expected a model written by `jmoe convert`)")
-    if not path.is_file():
-        raise FormatError(f"{root} has no {MANIFEST}: not a jmoe model, or its conversion did not finish")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path} is not valid JSON: {e}") from None
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise FormatError(
-            f"{root} has format version {version!r}; this jmoe reads version {FORMAT_VERSION}. Convert the model again."
-        )
-    return manifest
-
-
-def check_files(root: Path, manifest: dict[str, Any], *, verify_checksums: bool) -> None:
-    """Every weight file exists with its recorded size (and sha256 when asked).
-
-    Tokenizer files are listed too but not checked: editing a chat template is legitimate.
-    """
-    for rel, info in manifest["files"].items():
-        if not rel.startswith((f"{DENSE_DIR}/", f"{EXPERTS_DIR}/")):
-            continue
-        path = Path(root) / rel
-        if not path.is_file():
-            raise FormatError(f"{root} is missing {rel}")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise FormatError(f"{rel} has {size} bytes, the manifest says {info['bytes']} (truncated or replaced)")
-        if verify_checksums and sha256_file(path) != info["sha256"]:
-            raise FormatError(f"{rel} does not match its sha256 checksum (corrupt file)")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe import validate
 from jmoe.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.errors import InputError
 from jmoe.sampling import SamplingOptions
@@ -25,25 +26,35 @@ class Batch:
     as_text: bool  # answer with text (prompts were text/chat) or with token ids
 
 
-def split_prompts(tokenizer, prompt: Any) -> Batch:
+@dataclass(frozen=True)
+class Lengths:
+    prompt: int  # P: prompt bucket (left-padded)
+    cache: int  # S: KV cache length
+    new_tokens: int  # how many new tokens fit
+
+
+def split_prompts(tokenizer, prompt: Any, vocab_size: int) -> Batch:
     """Tell one prompt from a batch: str | chat messages | ids, or a list of those."""
     single = isinstance(prompt, str) or is_chat(prompt) or (is_ids(prompt) and len(prompt) > 0)
-    items = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else [prompt]
-    if not items:
-        raise InputError("the prompt is empty")
-    kinds = {"ids" if is_ids(p) and not isinstance(p, str) else "text" for p in items}
+    if single:
+        return Batch([encode(tokenizer, prompt, vocab_size)], batched=False, as_text=not is_ids(prompt))
+    if not isinstance(prompt, (list, tuple)):
+        raise InputError(f"prompt must be a string, chat messages or token ids (or a list of them), "
+                         f"not {type(prompt).__name__}")
+    if not prompt:
+        raise InputError("prompt is empty")
+    kinds = {"ids" if is_ids(p) else "text" for p in prompt}
     if len(kinds) > 1:
         raise InputError("a batch must be all text (or chat messages) or all token ids, not a mix")
-    return Batch([encode(tokenizer, p) for p in items], batched=not single, as_text=kinds == {"text"})
+    ids = [encode(tokenizer, p, vocab_size, name=f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return Batch(ids, batched=True, as_text=kinds == {"text"})
 
 
-def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> tuple[int, int, int]:
-    """(prompt bucket P, cache length S, max new tokens that fit)."""
+def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> Lengths:
+    """Prompt bucket, cache length and the number of new tokens that fit."""
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise InputError(f"the prompt has {longest} tokens; the context holds {max_seq_len} (leave room for output)")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     P = bucket(longest, MIN_PROMPT_BUCKET, max_seq_len)
     if P + max_new_tokens > max_seq_len:  # near the context limit, padding would cost output room
         P = longest
@@ -51,10 +62,10 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
     fit = S - P
     if fit < max_new_tokens:
         log.warning("only %d new tokens fit in the %d-token context; generating that many", fit, max_seq_len)
-    return P, S, min(fit, max_new_tokens)
+    return Lengths(P, S, min(fit, max_new_tokens))
 
 
-def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingOptions) -> Iterator[np.ndarray]:
+def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: SamplingOptions) -> Iterator[np.ndarray]:
     """Yield the next token of every row, one step at a time ([B] int32 numpy).
 
     The prompt is prefilled in chunks of at most PREFILL_CHUNK tokens (bounding attention
@@ -63,8 +74,7 @@ def token_steps(model, prompts: list[list[int]], max_new_tokens: int, sampling: 
     """
     cfg, engine = model.config, model.engine
     B = len(prompts)
-    P, S, steps = plan_lengths(prompts, max_new_tokens, model.max_seq_len)
-    model.check_batch_fits(B, S)
+    P, S, steps = lengths.prompt, lengths.cache, lengths.new_tokens
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     tokens = np.full((B, P), pad, np.int32)
     for b, p in enumerate(prompts):
@@ -127,15 +137,13 @@ class RowText:
         return delta
 
 
-def stream(model, batch: Batch, max_new_tokens: int, sampling: SamplingOptions, stop: Sequence[str]) -> Iterator[list]:
+def stream(model, batch: Batch, lengths: Lengths, sampling: SamplingOptions, stop: Sequence[str]) -> Iterator[list]:
     """Per step, each row's new piece: text delta (text mode), token id, or None once the row is done."""
-    if stop and not batch.as_text:
-        raise InputError("stop strings need text prompts; with token ids use max_new_tokens or EOS")
     eos = set(model.eos_token_ids)
     B = len(batch.prompts)
     rows = [RowText(model.tokenizer, stop) for _ in range(B)] if batch.as_text else None
     done = [False] * B
-    for tokens in token_steps(model, batch.prompts, max_new_tokens, sampling):
+    for tokens in token_steps(model, batch.prompts, lengths, sampling):
         pieces: list = [None] * B
         for b, tok in enumerate(tokens.tolist()):
             if done[b]:
@@ -158,12 +166,32 @@ def stream(model, batch: Batch, max_new_tokens: int, sampling: SamplingOptions, 
             yield tail
 
 
+def stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise InputError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
+    return list(items)
+
+
 def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
              seed=0, stop: str | Sequence[str] | None = None, stream_output=False):
-    batch = split_prompts(model.tokenizer, prompt)
+    """Every argument is checked here, before any work, so a streaming call fails at once."""
+    from jmoe.runtime import JmoeModel
+
+    if not isinstance(model, JmoeModel):
+        raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
+    max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, minimum=1)
     sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    steps = stream(model, batch, max_new_tokens, sampling, stops)
+    stops = stop_strings(stop)
+    stream_output = validate.boolean("stream", stream_output)
+    batch = split_prompts(model.tokenizer, prompt, model.config.vocab_size)
+    if stops and not batch.as_text:
+        raise InputError("stop strings need text prompts; with token ids use max_new_tokens or EOS")
+    lengths = plan_lengths(batch.prompts, max_new_tokens, model.max_seq_len)
+    model.check_batch_fits(len(batch.prompts), lengths.cache)
+    steps = stream(model, batch, lengths, sampling, stops)
     if stream_output:
         return _unbatch(steps, batch)
     outputs: list[list] = [[] for _ in batch.prompts]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,20 +11,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmoe import validate
 from jmoe.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.config import ModelConfig
 from jmoe.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
-from jmoe.format import check_files, read_manifest
+from jmoe.manifest import check_files, inside, read_manifest
 from jmoe.model import abstract_model
-from jmoe.offload import OffloadRuntime, plan_pools
-from jmoe.policies import Policy, make_policy
+from jmoe.offload import PATHS, OffloadRuntime, plan_pools
+from jmoe.policies import POLICY_NAMES, Policy, make_policy
 from jmoe.pools import ResidentExperts
 from jmoe.store import ExpertStore
+from jmoe.tiers import TIER_NAMES
 from jmoe.tokenizer import load_tokenizer
 from pallas_kernels.expert_ffn import BACKENDS
 
 DEFAULT_MAX_SEQ_LEN = 4096
+log = logging.getLogger("jmoe.runtime")
 
 
 @dataclass
@@ -79,15 +83,40 @@ class JmoeModel:
         )
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
     """The given activation dtype, or the default: bfloat16 on GPU, float32 elsewhere."""
     if compute_dtype is None:
         compute_dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    return jnp.dtype(compute_dtype)
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.name not in COMPUTE_DTYPES:
+        raise InputError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+    return dtype
 
 
 def resolve_max_seq_len(cfg: ModelConfig, max_seq_len: int | None) -> int:
-    return int(max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
+    if max_seq_len is None:
+        return min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = validate.integer("max_seq_len", max_seq_len, minimum=2)
+    if max_seq_len > cfg.max_position_embeddings:
+        log.warning("max_seq_len %d is beyond the %d positions the model was trained for", max_seq_len,
+                    cfg.max_position_embeddings)
+    return max_seq_len
+
+
+def resolve_tier(manifest: dict[str, Any], tier: str | None) -> str:
+    """The tier to run: the one asked for (it must have been converted), else the most precise one."""
+    if tier is None:
+        return next(iter(manifest["tiers"]))
+    validate.choice("tier", tier, TIER_NAMES)
+    if tier not in manifest["tiers"]:
+        raise FormatError(f"this model was converted without tier {tier!r} (it has {', '.join(manifest['tiers'])})")
+    return tier
 
 
 def all_expert_bytes(cfg: ModelConfig, record_nbytes: int) -> int:
@@ -116,10 +145,11 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
                 max_batch: int = 1) -> dict[str, int]:
     """What load() would reserve before experts, and the bytes of every expert at `tier`
     (key "all_experts"), without loading anything: for choosing a budget."""
-    manifest = read_manifest(Path(path))
+    manifest = read_manifest(validate.path("path", path))
     cfg = ModelConfig.from_dict(manifest["config"])
     dtype = resolve_compute_dtype(compute_dtype)
-    tier = tier or next(iter(manifest["tiers"]))
+    tier = resolve_tier(manifest, tier)
+    max_batch = validate.integer("max_batch", max_batch, minimum=1)
     _, abstract_state = nnx.split(abstract_model(cfg, dtype))
     plan = fixed_memory(cfg, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch)
     plan["all_experts"] = all_expert_bytes(cfg, manifest["tiers"][tier]["record_nbytes"])
@@ -143,6 +173,9 @@ def load(
 ) -> JmoeModel:
     """Load a converted model onto the default device.
 
+    Every option is checked (type and range) before anything is read; a bad one raises a
+    JmoeError naming it.
+
     Args:
       path: directory written by `jmoe convert`.
       device_budget: hard cap on device memory ("12GiB", bytes); None = no cap.
@@ -159,30 +192,38 @@ def load(
         replayed after fetching a missing expert); used by the offloading policies.
       kernel_backend: expert kernels: "pallas", "interpret" or "xla"; default Pallas on GPU, XLA on CPU.
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
-      verify: also check every file's sha256 (reads the whole model once).
+      verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
     """
-    root = Path(path)
-    manifest = read_manifest(root)
-    check_files(root, manifest, verify_checksums=verify)
-    cfg = ModelConfig.from_dict(manifest["config"])
+    root = validate.path("path", path)
+    budget = parse_size(device_budget, "device_budget") if device_budget is not None else None
+    if policy is not None and not isinstance(policy, Policy):
+        validate.choice("policy", policy, POLICY_NAMES)
+    max_batch = validate.integer("max_batch", max_batch, minimum=1)
+    validate.choice("execution", execution, PATHS)
+    if kernel_backend is not None:
+        validate.choice("kernel_backend", kernel_backend, BACKENDS)
+    if cpu_critical_tokens is not None:
+        validate.integer("cpu_critical_tokens", cpu_critical_tokens, minimum=0)
+    verify = validate.boolean("verify", verify)
+    if progress is not None:
+        validate.boolean("progress", progress)
     dtype = resolve_compute_dtype(compute_dtype)
-    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise InputError(f"compute_dtype must be float32, bfloat16 or float16, not {dtype}")
-    max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
-    store = ExpertStore(root, manifest, cfg)
     if isinstance(policy, Policy):
+        policy.check()
         if tier is not None and tier != policy.tier:
             raise InputError(f"tier {tier!r} differs from the policy's tier {policy.tier!r}")
         tier = policy.tier
-    tier = tier or store.tiers[0]
-    store.record_nbytes(tier)  # clear error for a tier the model was not converted with
-    if kernel_backend not in (None, *BACKENDS):
-        raise InputError(f"kernel_backend must be one of {', '.join(BACKENDS)}, not {kernel_backend!r}")
+
+    manifest = read_manifest(root, verify=verify)
+    check_files(root, manifest, verify_checksums=verify)
+    cfg = ModelConfig.from_dict(manifest["config"])
+    max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
+    tier = resolve_tier(manifest, tier)
+    store = ExpertStore(root, manifest, cfg)
 
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
     memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
-    budget = parse_size(device_budget) if device_budget is not None else None
     all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
     fixed = sum(memory.values())
     if policy is None:
@@ -217,7 +258,12 @@ def load(
                                  path=execution, backend=kernel_backend, cpu_critical_tokens=cpu_critical_tokens,
                                  progress=progress)
     memory = dict(tracker.reserved)
-    tokenizer = load_tokenizer(root / manifest["tokenizer"]) if manifest.get("tokenizer") else None
+    tokenizer = None
+    if manifest["tokenizer"] is not None:
+        tokenizer_dir = inside(root, manifest["tokenizer"])
+        for file in sorted(tokenizer_dir.iterdir()) if tokenizer_dir.is_dir() else []:
+            inside(root, f"{manifest['tokenizer']}/{file.name}")
+        tokenizer = load_tokenizer(tokenizer_dir)
     return JmoeModel(
         path=root,
         config=cfg,

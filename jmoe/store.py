@@ -28,12 +28,20 @@ class ExpertStore:
         self._templates: dict[str, ExpertWeights] = {}
         for tier in self.tiers:
             entry = manifest["tiers"][tier]
-            fmt = QuantFormat.from_json(entry["format"]) if entry.get("format") else None
+            try:
+                fmt = QuantFormat.from_json(entry["format"]) if entry.get("format") else None
+            except ValueError as e:
+                raise FormatError(f"manifest.json: tiers.{tier}.format: {e}") from None
             template = expert_template(cfg, tier, fmt)
             layout = RecordLayout.from_json(entry)
             if RecordLayout.from_template(template) != layout:
                 raise FormatError(f"tier {tier} record layout in the manifest does not match this jmoe version")
             self.layouts[tier], self.formats[tier], self._templates[tier] = layout, fmt, template
+            for layer in range(cfg.num_moe_layers):
+                listed = manifest["files"].get(expert_file(tier, layer))
+                if listed is None or listed["bytes"] != layout.nbytes * cfg.num_experts:
+                    raise FormatError(f"manifest.json does not list {expert_file(tier, layer)} with "
+                                      f"{cfg.num_experts} records of {layout.nbytes} bytes")
         self._maps: dict[tuple[str, int], np.memmap] = {}
 
     @property
@@ -59,7 +67,11 @@ class ExpertStore:
     def _file(self, tier: str, layer: int) -> np.memmap:
         key = (tier, layer)
         if key not in self._maps:
-            self._maps[key] = np.memmap(self.root / expert_file(tier, layer), dtype=np.uint8, mode="r")
+            path = self.root / expert_file(tier, layer)
+            try:
+                self._maps[key] = np.memmap(path, dtype=np.uint8, mode="r")
+            except OSError as e:
+                raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
         return self._maps[key]
 
     def record_bytes(self, tier: str, layer: int, expert: int) -> np.ndarray:

@@ -1,19 +1,37 @@
-"""The model's own tokenizer: prompts (text, chat messages or ids) in, streamed text out."""
+"""The model's own tokenizer: prompts (text, chat messages or ids) in, streamed text out.
+
+jmoe's calls into the tokenizer are serialised: a loaded model may be shared between threads, and
+the Rust fast tokenizers refuse some concurrent calls ("Already borrowed").
+"""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from jmoe.errors import InputError
+import numpy as np
+
+from jmoe import validate
+from jmoe.errors import FormatError, InputError, JmoeError
+
+_LOCK = threading.Lock()
 
 
-def load_tokenizer(path: Path | None):
+def load_tokenizer(path: Path | None, error: type[JmoeError] = FormatError):
     if path is None or not Path(path).is_dir():
         return None
     from transformers import AutoTokenizer  # deferred: importing transformers takes seconds
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for damaged tokenizer files
+        raise error(f"the tokenizer in {path} cannot be loaded: {first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def is_chat(prompt: Any) -> bool:
@@ -21,28 +39,48 @@ def is_chat(prompt: Any) -> bool:
 
 
 def is_ids(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer)
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt)
 
 
-def encode(tokenizer, prompt: Any) -> list[int]:
+def check_messages(messages: Sequence[dict]) -> list[dict]:
+    for i, m in enumerate(messages):
+        for key in ("role", "content"):
+            if key not in m:
+                raise InputError(f"chat message {i} has no {key!r} (each message needs 'role' and 'content')")
+            if not isinstance(m[key], str):
+                raise InputError(f"chat message {i}: {key!r} must be a string, got {type(m[key]).__name__}")
+    return list(messages)
+
+
+def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt") -> list[int]:
     """One prompt -> token ids. Strings use the model's tokenizer; chat messages its chat template."""
     if isinstance(prompt, str):
+        if not prompt:
+            raise InputError(f"{name} is empty")
         if tokenizer is None:
             raise InputError("this model was converted without a tokenizer; pass token ids instead of text")
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        with _LOCK:
+            ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif is_chat(prompt):
+        messages = check_messages(prompt)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise InputError("this model's tokenizer has no chat template; pass a plain string instead of messages")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        try:
+            with _LOCK:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # the template is user-editable Jinja
+            raise InputError(f"the chat template cannot render these messages: {first_line(e)}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
     elif is_ids(prompt):
-        ids = list(prompt)
+        ids = prompt
     else:
-        raise InputError(f"a prompt must be a string, chat messages or token ids, not {type(prompt).__name__}")
-    if not ids:
-        raise InputError("the prompt is empty")
-    return [int(t) for t in ids]
+        raise InputError(f"{name} must be a string, chat messages or token ids, not {type(prompt).__name__}")
+    if len(ids) == 0:
+        raise InputError(f"{name} is empty")
+    return validate.token_ids(name, ids, vocab_size)
 
 
 class StreamDetokenizer:
@@ -60,8 +98,9 @@ class StreamDetokenizer:
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        with _LOCK:
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+            text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
@@ -70,4 +109,5 @@ class StreamDetokenizer:
 
 
 def decode_all(tokenizer, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=True)
+    with _LOCK:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)

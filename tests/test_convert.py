@@ -12,7 +12,7 @@ from safetensors import safe_open
 import jmoe
 from convert import convert_checkpoint
 from jmoe.errors import CheckpointError, ConfigError, FormatError, InputError
-from jmoe.format import check_files, read_manifest
+from jmoe.manifest import check_files, read_manifest
 from jmoe.store import ExpertStore
 from tests.hf_models import make_checkpoint
 

@@ -14,9 +14,9 @@ from convert import convert_checkpoint
 from jmoe.budget import BudgetTracker
 from jmoe.cache import CacheManager
 from jmoe.errors import BudgetError, InputError
-from jmoe.format import read_manifest
 from jmoe.handles import HandleTable
 from jmoe.host_store import HostStore
+from jmoe.manifest import read_manifest
 from jmoe.offload import plan_pools
 from jmoe.policies import Policy
 from jmoe.pools import TierPool

@@ -10,7 +10,7 @@ import pytest
 import jmoe
 from convert import convert_checkpoint
 from jmoe.errors import InputError
-from jmoe.format import read_manifest
+from jmoe.manifest import read_manifest
 from jmoe.quant import dequantize_expert
 from jmoe.store import ExpertStore
 from tests.conftest import CALIB_FILES as CALIB

@@ -1,18 +1,18 @@
 """Mixtral: every layer sparse, top-k always renormalised, plain attention with optional sliding window."""
 
-from jmoe.config import ModelConfig, common_fields, require
+from jmoe.config import ModelConfig, common_fields, hf_int
 
 MODEL_TYPES = ("mixtral",)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
     base = common_fields(hf, default_theta=1e6)
-    window = hf.get("sliding_window")
+    window = hf_int(hf, "sliding_window", default=None, minimum=0) or None  # 0 or null: full attention
     return ModelConfig(
         family="mixtral",
         **base,
-        moe_intermediate_size=int(require(hf, "intermediate_size")),
+        moe_intermediate_size=hf_int(hf, "intermediate_size"),
         norm_topk_prob=True,
         moe_layers=(True,) * base["num_layers"],
-        sliding_windows=(int(window) if window else None,) * base["num_layers"],
+        sliding_windows=(window,) * base["num_layers"],
     )
