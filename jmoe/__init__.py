@@ -24,7 +24,7 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
       stream: yield pieces as they are produced instead of returning the whole output.
 
     Every argument is checked before any work (a bad one raises InputError naming it, also with
-    stream=True).
+    stream=True). A model may be shared between threads: calls interleave step by step.
 
     Returns:
       Text for text prompts, token ids for id prompts; a list of those for a batch. With
@@ -43,9 +43,10 @@ def stats(model: JmoeModel) -> dict:
     from jmoe.evaluate import check_model
 
     check_model(model)
-    pools = getattr(model.experts, "pools", None)
-    slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
-    return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
+    with model.lock:  # a consistent snapshot while other threads generate
+        pools = getattr(model.experts, "pools", None)
+        slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
+        return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
 
 
 __all__ = [

@@ -91,12 +91,20 @@ class CacheManager:
         if slot is None:
             return "full"
         nbytes = self.host.nbytes(tier)
-        while not self.staging.try_reserve("transfer", nbytes):
-            if kind == "prefetch" or not (self.inflight or self.retiring):
-                self.free[tier].append(slot)
-                return "full"
-            self._drain_oldest()
-        staged = jax.device_put(self.host.record(tier, *key), self.target)
+        reserved = False
+        try:
+            while not self.staging.try_reserve("transfer", nbytes):
+                if kind == "prefetch" or not (self.inflight or self.retiring):
+                    self.free[tier].append(slot)
+                    return "full"
+                self._drain_oldest()
+            reserved = True
+            staged = jax.device_put(self.host.record(tier, *key), self.target)
+        except BaseException:  # leave no slot or staging bytes behind
+            self.free[tier].append(slot)
+            if reserved:
+                self.staging.release("transfer", nbytes)
+            raise
         self.inflight[key] = Transfer(key, tier, slot, staged, nbytes, kind, time.perf_counter())
         self.stats.transfers += 1
         self.stats.bytes_h2d += nbytes
@@ -210,4 +218,7 @@ class CacheManager:
         for key, (tier, slot) in self.resident.items():
             assert self.handles.tier[key] == TIER_CODES[tier] and self.handles.slot[key] == slot
         assert (self.handles.tier > 0).sum() == len(self.resident), "a handle points at no resident version"
+        assert not set(self.resident) & set(self.inflight) or all(
+            self.inflight[k].tier != self.resident[k][0] for k in set(self.resident) & set(self.inflight)
+        ), "an expert is both resident and in flight at the same tier"
         assert self.staging.budget is None or self.staging.total <= self.staging.budget

@@ -14,6 +14,7 @@ from jmoe import validate
 from jmoe.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.errors import InputError
 from jmoe.sampling import SamplingOptions
+from jmoe.stats import RequestClock
 from jmoe.tokenizer import StreamDetokenizer, encode, is_chat, is_ids
 
 log = logging.getLogger("jmoe.generation")
@@ -70,7 +71,8 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
 
     The prompt is prefilled in chunks of at most PREFILL_CHUNK tokens (bounding attention
     workspace). Each decode step is dispatched before the previous token is read back, so
-    host-side work (detokenizing, stop checks) overlaps device compute.
+    host-side work (detokenizing, stop checks) overlaps device compute. Each step takes the
+    model's lock, so requests sharing a model interleave step by step.
     """
     cfg, engine = model.config, model.engine
     B = len(prompts)
@@ -96,7 +98,7 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
         nxt, state["seen"] = engine.sample(logits[:, -1], state["seen"], sub, *params, greedy=sampling.greedy)
         return nxt
 
-    model.stats.start_request()
+    clock = RequestClock()
     chunk = min(P, PREFILL_CHUNK)  # P is a power of two (or, near the context limit, the prompt length)
     for start in range(0, P, chunk):
         logits = run(jnp.asarray(tokens[:, start : start + chunk]), start, "prefill")
@@ -106,7 +108,8 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
         if i < steps:
             nxt = sample(run(current[:, None], P + i - 1, "decode"))
         out = np.asarray(current)
-        model.stats.token_ready(B)
+        with model.lock:
+            clock.tick(model.stats, B)
         yield out
 
 

@@ -215,13 +215,20 @@ class OffloadRuntime:
     # -- stepping
 
     def step(self, engine, dense, tokens, cache, write_start, key_start, *, last_only: bool, phase: str):
-        """One forward step (any number of tokens); returns (logits, cache)."""
-        self.cache.poll()
-        self.stats.steps += 1
-        self.step_index += 1
-        if self.path == "resident":
-            return self._resident_step(engine, dense, tokens, cache, write_start, key_start, last_only, phase)
-        return self.layerwise.run(tokens, cache, write_start, key_start, last_only=last_only, phase=phase)
+        """One forward step (any number of tokens); returns (logits, cache).
+
+        Whatever happens inside (a policy raising, an interrupt), the step's pins are dropped on
+        the way out, so the cache stays usable and consistent for the next call.
+        """
+        try:
+            self.cache.poll()
+            self.stats.steps += 1
+            self.step_index += 1
+            if self.path == "resident":
+                return self._resident_step(engine, dense, tokens, cache, write_start, key_start, last_only, phase)
+            return self.layerwise.run(tokens, cache, write_start, key_start, last_only=last_only, phase=phase)
+        finally:
+            self.cache.pinned = set()
 
     def _routings(self, signals, valid, phase, write_start: int) -> list[LayerRouting]:
         ids, weights = np.asarray(signals.ids), np.asarray(signals.weights)  # [L, B, T, k]
@@ -235,7 +242,9 @@ class OffloadRuntime:
         B, T = tokens.shape
         valid = ((write_start + np.arange(T))[None, :] >= np.asarray(key_start)[:, None]).reshape(-1)
         fetched: set = set()
-        while True:
+        # Each replay makes at least one more layer exact (its experts stay pinned), so L + 1 runs
+        # always suffice for a policy whose wants follow the routing.
+        for _ in range(self.cfg.num_moe_layers + 1):
             want_importance = phase == "prefill" and self.policy.wants_importance
             logits, cache, signals = engine.forward(dense, self.expert_state(), tokens, cache, write_start, key_start,
                                                     last_only=last_only, want_importance=want_importance)
@@ -259,6 +268,9 @@ class OffloadRuntime:
             self.cache.pinned = set()
             fetched.update(missing)
             self.stats.replays += 1
+        # The wants kept moving (a policy that answers differently each time it is asked): stop
+        # chasing them and run the step layer by layer, which fetches as it goes.
+        return self.layerwise.run(tokens, cache, write_start, key_start, last_only=last_only, phase=phase)
 
     def _accept_degraded(self, routings: list[LayerRouting], needed: dict, missing: list) -> None:
         """Keep a resident-path step that ran some experts below their wanted tier or not at all;

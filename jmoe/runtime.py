@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,15 @@ class JmoeModel:
     device_budget: int | None
     memory: dict[str, int]
     policy: Policy
+    # Serialises steps: threads sharing the model interleave step by step, never inside one
+    # (the cache, pools and handle table change only under it).
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def step(self, tokens, cache, write_start, key_start, *, last_only: bool, phase: str):
         """One forward step over `tokens` [B, T] written at cache slot `write_start`: (logits, cache)."""
-        return self.experts.step(self.engine, self.dense, tokens, cache, write_start, key_start,
-                                 last_only=last_only, phase=phase)
+        with self.lock:
+            return self.experts.step(self.engine, self.dense, tokens, cache, write_start, key_start,
+                                     last_only=last_only, phase=phase)
 
     @property
     def stats(self):

@@ -8,6 +8,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+class RequestClock:
+    """Time to first token and time per output token of one request. Requests on one model may
+    interleave step by step, so each keeps its own clock; tick() runs under the model's lock."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def tick(self, stats: "Stats", tokens: int) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            stats.ttft_seconds.append(now - self.start)
+        else:
+            stats.tpot_seconds.append(now - self.last)
+        self.last = now
+        stats.tokens += tokens
+
+
 @dataclass
 class Stats:
     # expert uses: one per (step, MoE layer, expert routed to by a real token)
@@ -40,21 +58,6 @@ class Stats:
     tokens: int = 0
     ttft_seconds: list[float] = field(default_factory=list)
     tpot_seconds: list[float] = field(default_factory=list)
-    _request_start: float | None = None
-    _last_token: float | None = None
-
-    def start_request(self) -> None:
-        self._request_start = time.perf_counter()
-        self._last_token = None
-
-    def token_ready(self, count: int = 1) -> None:
-        now = time.perf_counter()
-        if self._last_token is None and self._request_start is not None:
-            self.ttft_seconds.append(now - self._request_start)
-        elif self._last_token is not None:
-            self.tpot_seconds.append(now - self._last_token)
-        self._last_token = now
-        self.tokens += count
 
     def summary(self) -> dict:
         uses = max(self.uses, 1)
