@@ -26,8 +26,8 @@ import jmoe
 from bench.common import CORPUS, RESULTS, TINY_HF, write_result
 from bench.synthetic import QWEN3_30B_A3B, write_checkpoint
 from convert import convert_checkpoint
-from jmoe.host_store import host_sharding
-from jmoe.runtime import memory_plan
+from jmoe.runtime.host_store import host_sharding
+from jmoe.runtime.loader import memory_plan
 
 BUDGETS = (0.25, 0.5, 0.75)
 # "lru+cpu@1" forces a critical token count of 1 (decode tokens of a missing expert run on the CPU):

@@ -19,7 +19,7 @@ import numpy as np
 import jmoe
 from bench.common import DOMAINS, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
-from jmoe.evaluate import window_nll
+from jmoe.decoding.evaluate import window_nll
 
 
 def hf_window_nll(model, ids: np.ndarray, window: int) -> tuple[float, int]:

@@ -20,7 +20,7 @@ import numpy as np
 import jmoe
 from bench.common import CORPUS, TINY_HF, timed, write_result
 from convert import convert_checkpoint
-from jmoe.engine import _forward_jit, new_cache
+from jmoe.decoding.engine import _forward_jit, new_cache
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:

@@ -18,9 +18,10 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
-from jmoe.expert_path import ExpertState
-from jmoe.layers import AttentionMeta, rope_tables
-from jmoe.model import abstract_model
+from jmoe.layers.attention import AttentionMeta
+from jmoe.layers.experts import ExpertState
+from jmoe.layers.rope import rope_tables
+from jmoe.layers.transformer import abstract_model
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 

@@ -38,8 +38,8 @@ from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError, OutputError
 from jmoe.format import DENSE_DIR, TOKENIZER_DIR, RecordLayout, expert_file
+from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import MANIFEST, PARTIAL_MARKER, seal, sha256_file
-from jmoe.model import abstract_model
 from jmoe.models import config_from_hf
 from jmoe.quant import ExpertWeights, bf16_expert, expert_template, hf_to_kmajor, tier_format
 from jmoe.tiers import TIER_NAMES

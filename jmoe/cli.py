@@ -76,8 +76,8 @@ def cmd_convert(args) -> None:
 
 def cmd_generate(args) -> None:
     import jmoe
-    from jmoe.generation import stop_strings
-    from jmoe.sampling import SamplingOptions
+    from jmoe.decoding.generation import stop_strings
+    from jmoe.decoding.sampling import SamplingOptions
 
     # Refuse bad generation options before spending time on loading the model.
     SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)

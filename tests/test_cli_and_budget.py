@@ -7,9 +7,9 @@ import json
 import pytest
 
 import jmoe
-from jmoe.budget import parse_size
 from jmoe.cli import main
 from jmoe.errors import BudgetError, InputError
+from jmoe.runtime.budget import parse_size
 
 
 def test_cli_convert_generate_info(tiny_hf_dir, tmp_path, capsys):

@@ -13,7 +13,7 @@ import jmoe
 from convert import convert_checkpoint
 from jmoe.errors import CheckpointError, ConfigError, FormatError, InputError
 from jmoe.manifest import check_files, read_manifest
-from jmoe.store import ExpertStore
+from jmoe.runtime.store import ExpertStore
 from tests.hf_models import make_checkpoint
 
 

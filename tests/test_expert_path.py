@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jmoe.expert_path import LayerExperts, block_layout, padded_rows, routed_experts
-from jmoe.layers import Routing
+from jmoe.layers.experts import LayerExperts, block_layout, padded_rows, routed_experts
+from jmoe.layers.moe import Routing
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 

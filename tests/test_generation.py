@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jmoe
-from jmoe import engine
+from jmoe.decoding import engine
 from jmoe.errors import InputError
 
 

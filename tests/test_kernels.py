@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from convert.quantizers.rtn import quantize_rtn
-from jmoe.expert_path import ExpertState, routed_experts
-from jmoe.layers import Routing
+from jmoe.layers.experts import ExpertState, routed_experts
+from jmoe.layers.moe import Routing
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn, expert_ffn_pallas, expert_ffn_reference, supports

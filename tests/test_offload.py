@@ -9,19 +9,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jmoe
-import jmoe.runtime
+import jmoe.runtime.loader
 from convert import convert_checkpoint
-from jmoe.budget import BudgetTracker
-from jmoe.cache import CacheManager
 from jmoe.errors import BudgetError, InputError
-from jmoe.handles import HandleTable
-from jmoe.host_store import HostStore
 from jmoe.manifest import read_manifest
-from jmoe.offload import plan_pools
 from jmoe.policies import Policy
-from jmoe.pools import TierPool
-from jmoe.stats import Stats
-from jmoe.store import ExpertStore
+from jmoe.runtime.budget import BudgetTracker
+from jmoe.runtime.cache import CacheManager
+from jmoe.runtime.handles import HandleTable
+from jmoe.runtime.host_store import HostStore
+from jmoe.runtime.offload import plan_pools
+from jmoe.runtime.pools import TierPool
+from jmoe.runtime.stats import Stats
+from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import TIER_CODES
 from tests.hf_models import FAMILIES, make_checkpoint
 
@@ -37,7 +37,7 @@ def budget_for(model, fraction: float) -> int:
 
 def planned_budget(path, tier: str, fraction: float) -> tuple[int, int]:
     """(fixed reservations, budget = fixed + a fraction of every expert at `tier`), before loading."""
-    plan = jmoe.runtime.memory_plan(path, tier=tier, compute_dtype="float32")
+    plan = jmoe.runtime.loader.memory_plan(path, tier=tier, compute_dtype="float32")
     fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
     return fixed, int(fixed + fraction * plan["all_experts"])
 

@@ -12,7 +12,7 @@ from convert import convert_checkpoint
 from jmoe.errors import InputError
 from jmoe.manifest import read_manifest
 from jmoe.quant import dequantize_expert
-from jmoe.store import ExpertStore
+from jmoe.runtime.store import ExpertStore
 from tests.conftest import CALIB_FILES as CALIB
 from tests.conftest import dev_text
 

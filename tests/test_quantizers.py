@@ -10,9 +10,8 @@ from convert.quantizers import grid
 from convert.quantizers.gptq import gptq_quantize
 from convert.quantizers.haq import S_MAX, S_MIN, haq_quantize, search_alpha, smoothing_scales
 from convert.quantizers.rtn import rtn_dequantized as _rtn_dequantized
-from pallas_kernels.qarray import QuantFormat
+from pallas_kernels.qarray import QuantFormat, prepare_input, unpack_codes
 from pallas_kernels.qarray import dequantize as _dequantize
-from pallas_kernels.qarray import prepare_input, unpack_codes
 
 W8A8 = QuantFormat(8, 128, True, act_bits=8, smooth=True)
 # Jitted once per format and shape: op-by-op dispatch would dominate the test time.

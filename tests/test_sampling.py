@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from jmoe.sampling import SamplingOptions, apply_repetition_penalty, warp
+from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, warp
 
 
 def hf_processed(logits: np.ndarray, history: torch.Tensor | None, opts: SamplingOptions) -> np.ndarray:

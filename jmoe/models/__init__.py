@@ -1,7 +1,7 @@
 """Model families: each module maps one Hugging Face `model_type` onto the shared ModelConfig.
 
 A family module exposes MODEL_TYPES and config_from_hf(hf_config_dict) -> ModelConfig; the layers
-in jmoe/layers.py read only the resulting feature flags.
+in jmoe/layers/ read only the resulting feature flags.
 """
 
 from __future__ import annotations

@@ -13,8 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.expert_path import ExpertState
-from jmoe.layers import AttentionMeta, DecoderLayer, KVCache, RMSNorm, Routing, linear, matmul_precision
+from jmoe.layers.attention import AttentionMeta, KVCache
+from jmoe.layers.decoder_layer import DecoderLayer
+from jmoe.layers.experts import ExpertState
+from jmoe.layers.moe import Routing
+from jmoe.layers.norms import RMSNorm, linear, matmul_precision
 
 
 class StepSignals(NamedTuple):

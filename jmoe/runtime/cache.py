@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import jax
 
-from jmoe.budget import BudgetTracker
-from jmoe.handles import HandleTable
-from jmoe.host_store import HostStore
-from jmoe.pools import TierPool
-from jmoe.stats import Stats
+from jmoe.runtime.budget import BudgetTracker
+from jmoe.runtime.handles import HandleTable
+from jmoe.runtime.host_store import HostStore
+from jmoe.runtime.pools import TierPool
+from jmoe.runtime.stats import Stats
 from jmoe.tiers import SKIP, TIER_CODES
 
 Key = tuple[int, int]  # (MoE layer, expert)

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe.budget import tree_nbytes
-from jmoe.expert_path import ExpertState
 from jmoe.format import RecordLayout, np_dtype
+from jmoe.layers.experts import ExpertState
 from jmoe.quant import ExpertWeights
-from jmoe.stats import Stats
-from jmoe.store import ExpertStore
+from jmoe.runtime.budget import tree_nbytes
+from jmoe.runtime.stats import Stats
+from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import TIER_CODES
 
 

@@ -18,19 +18,19 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jmoe.budget import BudgetTracker, format_size
-from jmoe.cache import CacheManager
 from jmoe.config import ModelConfig
-from jmoe.cpu_exec import CpuExecutor
 from jmoe.errors import BudgetError, InputError
-from jmoe.expert_path import ExpertState
-from jmoe.handles import HandleTable
-from jmoe.host_store import HostStore
-from jmoe.layerwise import LayerwiseStep, token_importance
+from jmoe.layers.experts import ExpertState
 from jmoe.policies import ExpertCounters, LayerRouting, Policy
-from jmoe.pools import TierPool, slot_nbytes
-from jmoe.stats import Stats
-from jmoe.store import ExpertStore
+from jmoe.runtime.budget import BudgetTracker, format_size
+from jmoe.runtime.cache import CacheManager
+from jmoe.runtime.cpu_exec import CpuExecutor
+from jmoe.runtime.handles import HandleTable
+from jmoe.runtime.host_store import HostStore
+from jmoe.runtime.layerwise import LayerwiseStep, token_importance
+from jmoe.runtime.pools import TierPool, slot_nbytes
+from jmoe.runtime.stats import Stats
+from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import SKIP, TIER_CODES, tier_name
 
 PATHS = ("layerwise", "resident")

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.expert_path import ExpertState
-from jmoe.layers import AttentionMeta, KVCache, rope_tables
-from jmoe.sampling import sample_tokens
+from jmoe.decoding.sampling import sample_tokens
+from jmoe.layers.attention import AttentionMeta, KVCache
+from jmoe.layers.experts import ExpertState
+from jmoe.layers.rope import rope_tables
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 64

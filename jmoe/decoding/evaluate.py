@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
-from jmoe.engine import MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, new_cache
 from jmoe.errors import InputError
 
 
 def check_model(model) -> None:
-    from jmoe.runtime import JmoeModel
+    from jmoe.runtime.loader import JmoeModel
 
     if not isinstance(model, JmoeModel):
         raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")

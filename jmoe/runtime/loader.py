@@ -13,16 +13,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe import validate
-from jmoe.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.config import ModelConfig
-from jmoe.engine import PREFILL_CHUNK, Engine, cache_nbytes
+from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
+from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, inside, read_manifest
-from jmoe.model import abstract_model
-from jmoe.offload import PATHS, OffloadRuntime, plan_pools
 from jmoe.policies import POLICY_NAMES, Policy, make_policy
-from jmoe.pools import ResidentExperts
-from jmoe.store import ExpertStore
+from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
+from jmoe.runtime.offload import PATHS, OffloadRuntime, plan_pools
+from jmoe.runtime.pools import ResidentExperts
+from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import TIER_NAMES
 from jmoe.tokenizer import load_tokenizer
 from pallas_kernels.expert_ffn import BACKENDS

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
-from jmoe.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
+from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
+from jmoe.decoding.sampling import SamplingOptions
 from jmoe.errors import InputError
-from jmoe.sampling import SamplingOptions
-from jmoe.stats import RequestClock
+from jmoe.runtime.stats import RequestClock
 from jmoe.tokenizer import StreamDetokenizer, encode, is_chat, is_ids
 
-log = logging.getLogger("jmoe.generation")
+log = logging.getLogger("jmoe.decoding.generation")
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def stop_strings(stop: Any) -> list[str]:
 def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
              seed=0, stop: str | Sequence[str] | None = None, stream_output=False):
     """Every argument is checked here, before any work, so a streaming call fails at once."""
-    from jmoe.runtime import JmoeModel
+    from jmoe.runtime.loader import JmoeModel
 
     if not isinstance(model, JmoeModel):
         raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")

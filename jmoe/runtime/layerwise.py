@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmoe.engine import attention_meta
-from jmoe.expert_path import LayerExperts, routed_experts
-from jmoe.layers import KVCache
+from jmoe.decoding.engine import attention_meta
+from jmoe.layers.attention import KVCache
+from jmoe.layers.experts import LayerExperts, routed_experts
 from jmoe.policies import LayerRouting
-from jmoe.predictor import predict_next, rank_predictions, recall
+from jmoe.runtime.predictor import predict_next, rank_predictions, recall
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("want_importance",), donate_argnums=(3, 4))

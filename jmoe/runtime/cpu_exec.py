@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe.host_store import HostStore
+from jmoe.runtime.host_store import HostStore
 from pallas_kernels import expert_ffn_reference
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jmoe.store import ExpertStore
+from jmoe.runtime.store import ExpertStore
 
 
 def host_sharding(device):

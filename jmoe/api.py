@@ -1,0 +1,48 @@
+"""The public surface: load a converted model, generate, score, and read its statistics."""
+
+from __future__ import annotations
+
+from jmoe.decoding.evaluate import check_model, forward, perplexity
+from jmoe.runtime.loader import JmoeModel, load, memory_plan
+
+
+def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0, stop=None, stream: bool = False):
+    """Generate a continuation of `prompt` (greedy unless temperature > 0).
+
+    Args:
+      model: what jmoe.load returned.
+      prompt: a string, chat messages ([{"role": ..., "content": ...}], through the model's chat
+        template), token ids, or a list of any one of these kinds for a batch.
+      max_new_tokens: stop after this many new tokens (earlier at EOS or a stop string).
+      temperature, top_k, top_p, repetition_penalty: sampling controls (0 / 0 / 1 / 1 = off), with
+        transformers' semantics and order (penalty, temperature, top-k, top-p; ties kept as it does).
+      seed: any integer in [0, 2**64): the sampling stream (all 64 bits count).
+      stop: a string or strings that end generation (not included in the output).
+      stream: yield pieces as they are produced instead of returning the whole output.
+
+    Every argument is checked before any work (a bad one raises InputError naming it, also with
+    stream=True). A model may be shared between threads: calls interleave step by step.
+
+    Returns:
+      Text for text prompts, token ids for id prompts; a list of those for a batch. With
+      stream=True, an iterator of text deltas (or ids); for a batch, a list per step with one
+      piece per prompt (None once that prompt is done).
+    """
+    from jmoe.decoding.generation import generate as _generate
+
+    return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream)
+
+
+def stats(model: JmoeModel) -> dict:
+    """Offload counters since load: hit rate, bytes moved host->device, prefetch accuracy and
+    predictor recall, stalls, replays, CPU-run experts, TTFT and TPOT (seconds)."""
+    check_model(model)
+    with model.lock:  # a consistent snapshot while other threads generate
+        pools = getattr(model.experts, "pools", None)
+        slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
+        return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
+
+
+__all__ = ["load", "generate", "forward", "perplexity", "stats", "memory_plan", "JmoeModel"]

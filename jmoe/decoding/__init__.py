@@ -1,0 +1,1 @@
+"""The step and what runs on it: engine, sampling, generation, evaluation."""

@@ -1,0 +1,36 @@
+"""Numerics shared by every layer: matmul precision, RMSNorm, linear layers (Hugging Face numerics)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def matmul_precision(dtype) -> jax.lax.Precision:
+    # float32 compute means "match the reference": no TF32 shortcuts on GPU.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+def linear(in_features: int, out_features: int, *, bias: bool, dtype, param_dtype, rngs) -> nnx.Linear:
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=matmul_precision(dtype),
+        rngs=rngs,
+    )

@@ -1,0 +1,1 @@
+"""Where experts live and how they move: host store, device pools, handle tables, budget, cache, execution paths."""
