@@ -24,7 +24,7 @@ import numpy as np
 
 from bench.common import timed, write_result
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, PREFILL_BLOCK_ROWS, block_layout
-from jmoe.quant import tier_format
+from jmoe.tiers import tier_format
 from pallas_kernels import expert_ffn_pallas, expert_ffn_reference, supports
 from pallas_kernels.qarray import QArray, QuantFormat
 

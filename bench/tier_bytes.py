@@ -14,8 +14,7 @@ from bench.common import TINY_HF, write_result
 from jmoe.config import ModelConfig
 from jmoe.format import RecordLayout
 from jmoe.models import config_from_hf
-from jmoe.quant import expert_template, tier_format
-from jmoe.tiers import TIER_NAMES
+from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 
 SHAPES = {
     "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=48),

@@ -31,7 +31,6 @@ from convert.hf_source import (
     resolve_source,
     trusted_root,
 )
-from convert.name_maps import dense_tensor, expert_tensor_names, fused_expert_names
 from convert.output import Partial, absolute, check_output, clean_stale, output_error
 from convert.quantizers.expert import METHODS, LayerQuantizer, rtn_expert
 from jmoe import validate
@@ -41,8 +40,9 @@ from jmoe.format import DENSE_DIR, TOKENIZER_DIR, RecordLayout, expert_file
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import MANIFEST, PARTIAL_MARKER, seal, sha256_file
 from jmoe.models import config_from_hf
-from jmoe.quant import ExpertWeights, bf16_expert, expert_template, hf_to_kmajor, tier_format
-from jmoe.tiers import TIER_NAMES
+from jmoe.models.checkpoint import dense_tensor, expert_tensor_names, fused_expert_names
+from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
+from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 from jmoe.tokenizer import first_line, load_tokenizer
 
 log = logging.getLogger("jmoe.convert")

@@ -1,31 +1,19 @@
-"""Expert weight formats per tier.
+"""One expert's weights as a pytree, and the conversions between layouts.
 
 Every expert version is an ExpertWeights pytree in the K-major layout the kernels read: plain
 bf16 arrays for the bf16 tier, QArrays (pallas_kernels/qarray.py: packed codes + scales +
-offsets, group-wise along K) for int8/int4/int2. The tier's format fixes the record layout in the
-expert store and the slab layout of the device pools.
+offsets, group-wise along K) for int8/int4/int2. What each tier is lives in jmoe/tiers.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jmoe.config import ModelConfig
-from jmoe.errors import InputError
-from pallas_kernels.qarray import QArray, QuantFormat, dequantize, template
-
-# Defaults per tier: int8 symmetric in groups of 128; int4 and int2 asymmetric in groups of 64.
-DEFAULT_FORMATS = {
-    "int8": QuantFormat(bits=8, group_size=128, symmetric=True),
-    "int4": QuantFormat(bits=4, group_size=64, symmetric=False),
-    "int2": QuantFormat(bits=2, group_size=64, symmetric=False),
-}
+from pallas_kernels.qarray import QArray, QuantFormat, dequantize
 
 
 class ExpertWeights(NamedTuple):
@@ -36,36 +24,6 @@ class ExpertWeights(NamedTuple):
 
     gate_up: Any
     down: Any
-
-
-def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None,
-                w8a8: bool = False, smooth: bool = False) -> QuantFormat | None:
-    """The format of a tier (None for bf16), with optional overrides of the defaults."""
-    if tier == "bf16":
-        return None
-    if tier not in DEFAULT_FORMATS:
-        raise InputError(f"unknown tier {tier!r}")
-    base = DEFAULT_FORMATS[tier]
-    act_bits = 8 if (w8a8 and tier == "int8") else None
-    sym = True if act_bits else (base.symmetric if symmetric is None else symmetric)
-    try:
-        return QuantFormat(base.bits, group_size or base.group_size, sym, act_bits, smooth)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-
-
-def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None) -> ExpertWeights:
-    """Shapes and dtypes of one expert version at `tier` (quantized tiers need their format)."""
-    D, F = cfg.hidden_size, cfg.moe_intermediate_size
-    if tier == "bf16":
-        return ExpertWeights(
-            gate_up=jax.ShapeDtypeStruct((D, 2 * F), jnp.bfloat16),
-            down=jax.ShapeDtypeStruct((F, D), jnp.bfloat16),
-        )
-    if fmt is None:
-        raise InputError(f"tier {tier!r} needs a quantization format")
-    # Smoothing (HAQ) scales gate_up's input at run time; down's is folded into up's columns.
-    return ExpertWeights(gate_up=template(fmt, D, 2 * F), down=template(dataclasses.replace(fmt, smooth=False), F, D))
 
 
 def hf_to_kmajor(gate, up, down) -> tuple[np.ndarray, np.ndarray]:
@@ -85,5 +43,4 @@ def dequantize_expert(weights: ExpertWeights, dtype=jnp.float32) -> ExpertWeight
     return ExpertWeights(deq(weights.gate_up), deq(weights.down))
 
 
-__all__ = ["ExpertWeights", "QArray", "QuantFormat", "DEFAULT_FORMATS", "tier_format", "expert_template",
-           "hf_to_kmajor", "bf16_expert", "dequantize_expert"]
+__all__ = ["ExpertWeights", "QArray", "QuantFormat", "hf_to_kmajor", "bf16_expert", "dequantize_expert"]

@@ -1,12 +1,21 @@
-"""Expert precision tiers and their handle-table codes.
+"""Expert precision tiers: the one place that knows them.
 
-Codes grow with precision so "best resident tier" is a max; code 0 means the expert has no
-resident version for this step (it is skipped: DyMoE's "0-bit").
+Names, handle-table codes, bits, each tier's default quantization format and the shapes of one
+expert version at a tier. Codes grow with precision so "best resident tier" is a max; code 0
+means the expert has no resident version for this step (it is skipped: DyMoE's "0-bit").
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.config import ModelConfig
 from jmoe.errors import InputError
+from jmoe.quant import ExpertWeights
+from pallas_kernels.qarray import QuantFormat, template
 
 TIER_NAMES = ("int2", "int4", "int8", "bf16")  # ascending precision
 SKIP = 0
@@ -22,3 +31,41 @@ def tier_code(name: str) -> int:
 
 def tier_name(code: int) -> str | None:
     return None if code == SKIP else TIER_NAMES[code - 1]
+
+
+# Defaults per tier: int8 symmetric in groups of 128; int4 and int2 asymmetric in groups of 64.
+DEFAULT_FORMATS = {
+    "int8": QuantFormat(bits=8, group_size=128, symmetric=True),
+    "int4": QuantFormat(bits=4, group_size=64, symmetric=False),
+    "int2": QuantFormat(bits=2, group_size=64, symmetric=False),
+}
+
+
+def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None,
+                w8a8: bool = False, smooth: bool = False) -> QuantFormat | None:
+    """The format of a tier (None for bf16), with optional overrides of the defaults."""
+    if tier == "bf16":
+        return None
+    if tier not in DEFAULT_FORMATS:
+        raise InputError(f"unknown tier {tier!r}")
+    base = DEFAULT_FORMATS[tier]
+    act_bits = 8 if (w8a8 and tier == "int8") else None
+    sym = True if act_bits else (base.symmetric if symmetric is None else symmetric)
+    try:
+        return QuantFormat(base.bits, group_size or base.group_size, sym, act_bits, smooth)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None) -> ExpertWeights:
+    """Shapes and dtypes of one expert version at `tier` (quantized tiers need their format)."""
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    if tier == "bf16":
+        return ExpertWeights(
+            gate_up=jax.ShapeDtypeStruct((D, 2 * F), jnp.bfloat16),
+            down=jax.ShapeDtypeStruct((F, D), jnp.bfloat16),
+        )
+    if fmt is None:
+        raise InputError(f"tier {tier!r} needs a quantization format")
+    # Smoothing (HAQ) scales gate_up's input at run time; down's is folded into up's columns.
+    return ExpertWeights(gate_up=template(fmt, D, 2 * F), down=template(dataclasses.replace(fmt, smooth=False), F, D))

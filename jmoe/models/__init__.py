@@ -1,7 +1,9 @@
-"""Model families: each module maps one Hugging Face `model_type` onto the shared ModelConfig.
+"""Model families: the one registry. Each family module maps Hugging Face `model_type`s onto the
+shared ModelConfig and names its checkpoint tensors.
 
-A family module exposes MODEL_TYPES and config_from_hf(hf_config_dict) -> ModelConfig; the layers
-in jmoe/layers/ read only the resulting feature flags.
+A family module exposes FAMILY, MODEL_TYPES, config_from_hf(hf_config_dict) -> ModelConfig and
+CHECKPOINT_NAMES (jmoe/models/checkpoint.py); the layers in jmoe/layers/ read only the resulting
+feature flags, and the converter reads tensor names through this registry.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError
 from jmoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 
-_FAMILIES: dict[str, ModuleType] = {
-    model_type: module for module in (qwen3_moe, qwen2_moe, mixtral, olmoe) for model_type in module.MODEL_TYPES
-}
+FAMILIES: tuple[ModuleType, ...] = (qwen3_moe, qwen2_moe, mixtral, olmoe)
+_FAMILIES: dict[str, ModuleType] = {model_type: module for module in FAMILIES for model_type in module.MODEL_TYPES}
+_BY_NAME: dict[str, ModuleType] = {module.FAMILY: module for module in FAMILIES}
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -28,6 +30,13 @@ def family_for(model_type: str | None) -> ModuleType:
             f"unsupported model_type {model_type!r}; jmoe supports {', '.join(supported_model_types())}"
         )
     return _FAMILIES[model_type]
+
+
+def family_named(family: str) -> ModuleType:
+    """The family module behind a ModelConfig.family."""
+    if family not in _BY_NAME:
+        raise ConfigError(f"unknown model family {family!r}; jmoe knows {', '.join(sorted(_BY_NAME))}")
+    return _BY_NAME[family]
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

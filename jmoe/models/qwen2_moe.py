@@ -2,8 +2,11 @@
 
 from jmoe.config import ModelConfig, common_fields, hf_bool, hf_int, sparse_layer_pattern
 from jmoe.errors import ConfigError
+from jmoe.models.checkpoint import CheckpointNames
 
+FAMILY = "qwen2_moe"
 MODEL_TYPES = ("qwen2_moe",)
+CHECKPOINT_NAMES = CheckpointNames()
 
 
 def _layer_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -25,7 +28,7 @@ def _layer_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
 def config_from_hf(hf: dict) -> ModelConfig:
     base = common_fields(hf)
     return ModelConfig(
-        family="qwen2_moe",
+        family=FAMILY,
         **base,
         moe_intermediate_size=hf_int(hf, "moe_intermediate_size"),
         dense_intermediate_size=hf_int(hf, "intermediate_size", default=0, minimum=0),

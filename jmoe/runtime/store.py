@@ -15,7 +15,8 @@ import numpy as np
 from jmoe.config import ModelConfig
 from jmoe.errors import FormatError
 from jmoe.format import RecordLayout, expert_file
-from jmoe.quant import ExpertWeights, QuantFormat, expert_template
+from jmoe.quant import ExpertWeights, QuantFormat
+from jmoe.tiers import expert_template
 
 
 class ExpertStore:

@@ -1,7 +1,8 @@
-"""Hugging Face tensor names of each family, mapped onto jmoe's parameter tree with shape checks.
+"""Hugging Face tensor names, mapped onto jmoe's parameter tree.
 
-jmoe's NNX module names follow the HF ones, so one rule set covers every family; a family only
-says where its sparse block lives and what its expert projections are called.
+jmoe's NNX module names follow the HF ones, so one rule set covers every family; a family module
+only declares (as CHECKPOINT_NAMES) where its sparse block lives and what its expert projections
+are called.
 """
 
 from __future__ import annotations
@@ -12,17 +13,15 @@ from jmoe.config import ModelConfig
 
 
 @dataclass(frozen=True)
-class FamilyNames:
+class CheckpointNames:
     moe_prefix: str = "mlp"  # Mixtral: "block_sparse_moe"
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
 
 
-FAMILY_NAMES = {
-    "qwen3_moe": FamilyNames(),
-    "qwen2_moe": FamilyNames(),
-    "olmoe": FamilyNames(),
-    "mixtral": FamilyNames(moe_prefix="block_sparse_moe", expert_projs=("w1", "w3", "w2")),
-}
+def _names(cfg: ModelConfig) -> CheckpointNames:
+    from jmoe.models import family_named  # the registry imports this module's CheckpointNames
+
+    return family_named(cfg.family).CHECKPOINT_NAMES
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class DenseTensor:
 
 def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
     """The HF tensor for a dense parameter path such as ('layers', 3, 'self_attn', 'q_proj', 'kernel')."""
-    names = FAMILY_NAMES[cfg.family]
+    names = _names(cfg)
     parts = [str(p) for p in path]
     leaf = parts[-1]
     transpose = leaf == "kernel"
@@ -54,14 +53,14 @@ def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
 
 def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
     """Per-expert (hub) layout: gate [F, D], up [F, D], down [D, F]."""
-    names = FAMILY_NAMES[cfg.family]
+    names = _names(cfg)
     base = f"model.layers.{layer}.{names.moe_prefix}.experts.{expert}"
     return tuple(f"{base}.{proj}.weight" for proj in names.expert_projs)
 
 
 def fused_expert_names(cfg: ModelConfig, layer: int) -> list[tuple[str, str]]:
     """Fused 3-D layout written by newer transformers: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
-    prefixes = dict.fromkeys([FAMILY_NAMES[cfg.family].moe_prefix, "mlp"])
+    prefixes = dict.fromkeys([_names(cfg).moe_prefix, "mlp"])
     return [
         (f"model.layers.{layer}.{p}.experts.gate_up_proj", f"model.layers.{layer}.{p}.experts.down_proj")
         for p in prefixes
