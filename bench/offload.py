@@ -58,18 +58,18 @@ def run_case(path: Path, tier: str, mode: str, fraction: float, items, new_token
                       max_seq_len=MAX_SEQ_LEN, cpu_critical_tokens=int(forced) if forced else None)
     load_s = time.perf_counter() - t
     jmoe.generate(model, items[0][:8], max_new_tokens=4)  # compile the step shapes
-    model.experts.reset_stats()
+    model.residency.reset_stats()
     outputs = generate_all(model, items, new_tokens)
     stats = jmoe.stats(model)
-    totals = np.sort(model.experts.counters.total, axis=1)[:, ::-1]
+    totals = np.sort(model.residency.counters.total, axis=1)[:, ::-1]
     quarter = max(1, totals.shape[1] // 4)
     concentration = (totals[:, :quarter].sum(1) / np.maximum(totals.sum(1), 1)).round(3).tolist()
     return {
         "mode": mode,
         "budget_fraction": fraction,
         "budget_bytes": budget,
-        "pool_slots": model.experts.slots,
-        "critical_tokens": getattr(model.experts, "critical_tokens", None),
+        "pool_slots": model.residency.slots,
+        "critical_tokens": getattr(model.residency, "critical_tokens", None),
         "exact": outputs == reference,
         "load_s": load_s,
         "top_quarter_share_per_layer": concentration,  # routing skew: share of uses on the busiest 25% of experts
@@ -82,7 +82,7 @@ def run_case(path: Path, tier: str, mode: str, fraction: float, items, new_token
 def h2d_bandwidth(path: Path, tier: str, count: int = 32) -> dict:
     """Copy `count` expert records host -> device at once; GB/s over the whole batch."""
     model = jmoe.load(path, tier=tier, policy="lru", compute_dtype="float32", max_seq_len=MAX_SEQ_LEN)
-    host = model.experts.host
+    host = model.residency.host
     records = [host.record(tier, i % host.store.num_layers, i // host.store.num_layers % host.store.num_experts)
                for i in range(count)]
     target = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")

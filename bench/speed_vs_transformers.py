@@ -34,7 +34,7 @@ def jmoe_speed(model, ids: list[int], new_tokens: int) -> dict:
     P = len(ids)
     tokens = jnp.asarray([ids], jnp.int32)
     key_start = jnp.zeros((1,), jnp.int32)
-    experts = model.experts.expert_state()
+    experts = model.residency.expert_state()
 
     def prefill(cache):
         return engine.forward(model.dense, experts, tokens, cache, 0, key_start, last_only=True, want_importance=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +19,10 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.layers.attention import AttentionMeta
-from jmoe.layers.experts import ExpertState
+from jmoe.layers.experts import ExpertState, Selection
 from jmoe.layers.rope import rope_tables
-from jmoe.layers.transformer import abstract_model
+from jmoe.layers.transformer import abstract_model, run_layers
 from jmoe.quant import ExpertWeights
-from jmoe.tiers import TIER_CODES
 
 
 def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: int, seq_len: int,
@@ -72,74 +71,83 @@ class LayerInputs:
 
 
 class LayerwiseCalibration:
-    """Advances calibration hidden states through the model one decoder layer at a time."""
+    """Runs the calibration sequences through the model with run_layers, one decoder layer at a
+    time over every sequence (hidden states stay on the host between layers). At each MoE layer
+    `on_moe_layer(moe_index, inputs)` gets the layer's inputs and routing and returns the layer's
+    full-precision experts, which then compute the layer's output; it is where the converter
+    quantizes and writes that layer, so only one layer's experts are ever held."""
 
     def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16):
         self.cfg = cfg
         self.batch = batch
         model = abstract_model(cfg, jnp.float32)
-        self._layers = []
+        self.layers = []
         for i, layer in enumerate(model.layers):
             graphdef, state = nnx.split(layer)
             nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dense["layers"][i]))
-            self._layers.append((graphdef, state))
+            self.layers.append((graphdef, state))
         table = np.asarray(dense["embed_tokens"]["embedding"], np.float32)
         self.hidden = table[tokens]  # [n_seq, L, D]
         L = tokens.shape[1]
-        cos, sin = rope_tables(jnp.arange(L, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_theta)
-        self._rope = (cos, sin)
-        self._normed = None  # MoE/MLP input of the layer entered last, [n_seq, L, D]
+        self._rope = rope_tables(jnp.arange(L, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_theta)
 
-    def _meta(self, batch: int) -> AttentionMeta:
+    def run(self, on_moe_layer: Callable[[int, LayerInputs], Sequence[ExpertWeights]]) -> None:
+        runner = _CalibrationRunner(self, on_moe_layer)
+        self.hidden, *_ = run_layers(runner, self.hidden, None, None, want_importance=False)
+
+    def meta(self, batch: int) -> AttentionMeta:
         cos, sin = self._rope
-        B = batch
-        return AttentionMeta(jnp.int32(0), jnp.zeros((B,), jnp.int32), jnp.broadcast_to(cos, (B, *cos.shape[1:])),
-                             jnp.broadcast_to(sin, (B, *sin.shape[1:])))
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return AttentionMeta(zeros, zeros, jnp.broadcast_to(cos, (batch, *cos.shape[1:])),
+                             jnp.broadcast_to(sin, (batch, *sin.shape[1:])))
 
-    def _batches(self):
+    def batches(self):
         for start in range(0, self.hidden.shape[0], self.batch):
             yield slice(start, start + self.batch)
 
-    def enter(self, layer: int) -> LayerInputs | None:
-        """Run attention of `layer`; for a MoE layer return its inputs and routing."""
-        graphdef, state = self._layers[layer]
-        normed = np.empty_like(self.hidden)
-        for sl in self._batches():
-            x, h = _layer_fn("attention", graphdef)(state, jnp.asarray(self.hidden[sl]), self._meta(self.hidden[sl].shape[0]))
-            self.hidden[sl], normed[sl] = np.asarray(x), np.asarray(h)
-        self._normed = normed
-        if not self.cfg.moe_layers[layer]:
-            return None
-        flat = normed.reshape(-1, normed.shape[-1])
-        route = _layer_fn("route", graphdef)
-        ids = np.concatenate([np.asarray(route(state, jnp.asarray(flat[i : i + 8192])))
-                              for i in range(0, len(flat), 8192)])
-        return LayerInputs(flat, ids)
 
-    def leave(self, layer: int, experts: Sequence[ExpertWeights] | None = None) -> None:
-        """Add `layer`'s MLP output (full-precision experts for a MoE layer) to the hidden states."""
-        graphdef, state = self._layers[layer]
-        expert_state = None
-        if experts is not None:
-            pool = ExpertWeights(*(jnp.asarray(np.stack(w), jnp.float32) for w in zip(*experts)))
-            E = len(experts)
-            expert_state = ExpertState(
-                tier=jnp.full((1, E), TIER_CODES["bf16"], jnp.int32),
-                slot=jnp.arange(E, dtype=jnp.int32)[None],
-                pools={"bf16": pool},
-            )
-        for sl in self._batches():
-            h = jnp.asarray(self._normed[sl])
-            out = _layer_fn("mlp", graphdef)(state, h, expert_state)
-            self.hidden[sl] = self.hidden[sl] + np.asarray(out)
-        self._normed = None
+class _CalibrationRunner:
+    """run_layers' runner over host-resident calibration hidden states, in batches of sequences."""
+
+    def __init__(self, calib: LayerwiseCalibration, on_moe_layer):
+        self.calib, self.on_moe_layer = calib, on_moe_layer
+        self.num_layers = len(calib.layers)
+        self.moe_index = {i: n for n, i in enumerate(calib.cfg.moe_layer_indices)}
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_index
+
+    def attend(self, i, x, k_cache, v_cache, meta, want_importance):
+        graphdef, state = self.calib.layers[i]
+        normed = np.empty_like(x)
+        for sl in self.calib.batches():
+            out, h = _layer_fn("attention", graphdef)(state, jnp.asarray(x[sl]), self.calib.meta(x[sl].shape[0]))
+            x[sl], normed[sl] = np.asarray(out), np.asarray(h)
+        return x, normed, None, None, None
+
+    def feed_forward(self, i, x, h, meta, importance):
+        graphdef, state = self.calib.layers[i]
+        experts = None
+        if self.is_moe(i):
+            flat = h.reshape(-1, h.shape[-1])
+            route = _layer_fn("route", graphdef)
+            ids = np.concatenate([np.asarray(route(state, jnp.asarray(flat[j : j + 8192])))
+                                  for j in range(0, len(flat), 8192)])
+            weights = self.on_moe_layer(self.moe_index[i], LayerInputs(flat, ids))
+            pool = ExpertWeights(*(jnp.asarray(np.stack(w), jnp.float32) for w in zip(*weights)))
+            E = len(weights)
+            experts = ExpertState({"bf16": jnp.arange(E, dtype=jnp.int32)[None]}, {"bf16": pool},
+                                  Selection.uniform(1, E, "bf16"))
+        for sl in self.calib.batches():
+            x[sl] = np.asarray(_layer_fn("mlp", graphdef)(state, jnp.asarray(x[sl]), jnp.asarray(h[sl]), experts))
+        return x, None
 
 
 _JITTED: dict = {}
 
 
 def _layer_fn(kind: str, graphdef):
-    """Jitted per-layer pieces, compiled once per layer structure (identical layers share them)."""
+    """Jitted pieces of a decoder layer, compiled once per layer structure (identical layers share them)."""
     key = (kind, graphdef)
     if key in _JITTED:
         return _JITTED[key]
@@ -148,20 +156,16 @@ def _layer_fn(kind: str, graphdef):
         layer = nnx.merge(graphdef, state)
         B, L, _ = x.shape
         shape = (B, layer.self_attn.num_kv_heads, L, layer.self_attn.head_dim)
-        x, h, *_ = layer.attention_block(x, jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype), meta)
+        x, h, *_ = layer.attend(x, jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype), meta)
         return x, h
 
     def route(state, h):
         return nnx.merge(graphdef, state).mlp.route(h).ids
 
-    def mlp(state, h, experts):
+    def mlp(state, x, h, experts):
         layer = nnx.merge(graphdef, state)
-        B, L, D = h.shape
-        flat = h.reshape(B * L, D)
-        if experts is None:
-            return layer.mlp(flat).reshape(B, L, D)
-        routing = layer.mlp.route(flat)
-        return layer.mlp.combine(flat, routing, jnp.ones((B * L,), bool), experts.layer(0)).reshape(B, L, D)
+        valid = jnp.ones((h.shape[0] * h.shape[1],), bool)
+        return layer.feed_forward(x, h, valid, None, None if experts is None else experts.layer(0))[0]
 
     _JITTED[key] = jax.jit({"attention": attention, "route": route, "mlp": mlp}[kind])
     return _JITTED[key]

@@ -287,33 +287,35 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: di
     checksums, alphas = {}, {}
     E = cfg.num_experts
     with tqdm(total=cfg.num_moe_layers * E, desc="experts", unit="expert", disable=not progress) as bar:
-        moe_index = 0
-        for layer in range(cfg.num_layers):
-            inputs = calibration.enter(layer) if calibration else None
-            if not cfg.moe_layers[layer]:
-                if calibration:
-                    calibration.leave(layer)
-                continue
+
+        def write_layer(moe_index: int, inputs=None):
+            """Every expert of one MoE layer at every tier; returns the layer's float32 experts."""
+            layer = cfg.moe_layer_indices[moe_index]
             files = LayerFiles(tmp, moe_index, layouts)
             try:
-                if calibration is None:
+                if inputs is None:
                     for expert in range(E):
                         weights = hf_to_kmajor(*reader(layer, expert))
                         write_versions(files, formats, weights, lambda tier: rtn_expert(*weights, formats[tier]))
                         bar.update(1)
-                else:
-                    experts = [hf_to_kmajor(*reader(layer, e)) for e in range(E)]
-                    plan = LayerQuantizer(method, formats, experts, inputs)
-                    if plan.alphas:
-                        alphas[moe_index] = plan.alphas
-                    for expert in range(E):
-                        write_versions(files, formats, experts[expert], lambda tier: plan.quantize(expert, tier))
-                        bar.update(1)
-                    calibration.leave(layer, [ExpertWeights(*w) for w in experts])
+                    return None
+                experts = [hf_to_kmajor(*reader(layer, e)) for e in range(E)]
+                plan = LayerQuantizer(method, formats, experts, inputs)
+                if plan.alphas:
+                    alphas[moe_index] = plan.alphas
+                for expert in range(E):
+                    write_versions(files, formats, experts[expert], lambda tier: plan.quantize(expert, tier))
+                    bar.update(1)
+                return [ExpertWeights(*w) for w in experts]
             finally:
                 checksums.update(files.close(E))
-            release()  # unmap the checkpoint pages of the layer just written
-            moe_index += 1
+                release()  # unmap the checkpoint pages of the layer just written
+
+        if calibration is None:
+            for moe_index in range(cfg.num_moe_layers):
+                write_layer(moe_index)
+        else:
+            calibration.run(write_layer)
     return layouts, checksums, alphas
 
 

@@ -2,7 +2,15 @@
 
 from jmoe.api import JmoeModel, forward, generate, load, memory_plan, perplexity, stats
 from jmoe.config import ModelConfig
-from jmoe.errors import BudgetError, CheckpointError, ConfigError, FormatError, InputError, JmoeError, OutputError
+from jmoe.errors import (
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    FormatError,
+    InputError,
+    JmoeError,
+    OutputError,
+)
 
 __version__ = "0.1.0"
 

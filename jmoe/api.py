@@ -40,7 +40,7 @@ def stats(model: JmoeModel) -> dict:
     predictor recall, stalls, replays, CPU-run experts, TTFT and TPOT (seconds)."""
     check_model(model)
     with model.lock:  # a consistent snapshot while other threads generate
-        pools = getattr(model.experts, "pools", None)
+        pools = getattr(model.residency, "pools", None)
         slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
         return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
 

@@ -21,7 +21,9 @@ _LOCK = threading.Lock()
 def load_tokenizer(path: Path | None, error: type[JmoeError] = FormatError):
     if path is None or not Path(path).is_dir():
         return None
-    from transformers import AutoTokenizer  # deferred: importing transformers takes seconds
+    from transformers import (
+        AutoTokenizer,  # deferred: importing transformers takes seconds
+    )
 
     try:
         return AutoTokenizer.from_pretrained(str(path))

@@ -21,7 +21,13 @@ from safetensors.torch import load_file, save_file
 import jmoe
 from convert import convert_checkpoint
 from jmoe.cli import main
-from jmoe.errors import BudgetError, CheckpointError, ConfigError, FormatError, InputError
+from jmoe.errors import (
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    FormatError,
+    InputError,
+)
 from jmoe.manifest import PARTIAL_MARKER
 from tests.conftest import CALIB_FILES
 from tests.hf_models import make_checkpoint

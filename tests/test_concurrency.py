@@ -27,7 +27,7 @@ def offloading_budget(resident_model, fraction: float = 0.3) -> int:
 
 
 def assert_consistent(model) -> None:
-    rt = model.experts
+    rt = model.residency
     rt.cache.settle()
     rt.cache.check()
     assert rt.cache.pinned == set()
@@ -60,7 +60,7 @@ def test_eight_threads_share_one_offloading_model(tiny_converted, reference, pol
     resident_model, expected = reference
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
                       policy=policy, execution=execution)
-    assert model.experts.slots < 8 * 32  # really offloading
+    assert model.residency.slots < 8 * 32  # really offloading
     results: dict[int, list] = {i: [] for i in range(THREADS)}
 
     def worker(index):
@@ -89,23 +89,23 @@ def test_eight_threads_share_one_offloading_model(tiny_converted, reference, pol
 
 
 class FailingPolicy(Policy):
-    """LRU that raises in the middle of a chosen call: a step that fails half-way through."""
+    """LRU whose eviction choice raises at a chosen call: a step that fails half-way through."""
 
     def __init__(self, fail_at: int):
         super().__init__(name="failing", tier="bf16")
         self.calls, self.fail_at = 0, fail_at
 
-    def wanted_tiers(self, routing, counters):
+    def victim(self, tier, candidates):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("policy failed")
-        return super().wanted_tiers(routing, counters)
+        return super().victim(tier, candidates)
 
 
 @pytest.mark.parametrize("execution", ["layerwise", "resident"])
 def test_a_call_that_fails_half_way_leaves_the_model_usable(tiny_converted, reference, execution):
     resident_model, expected = reference
-    policy = FailingPolicy(fail_at=8 * 3 + 5)  # in the third step, at its sixth MoE layer
+    policy = FailingPolicy(fail_at=5)  # the fifth eviction, in the middle of fetching a step's experts
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
                       policy=policy, execution=execution)
     with pytest.raises(RuntimeError, match="policy failed"):

@@ -9,8 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jmoe.layers.experts import LayerExperts, block_layout, padded_rows, routed_experts
-from jmoe.layers.moe import Routing
+from jmoe.layers.experts import (
+    ExpertState,
+    Routing,
+    block_layout,
+    padded_rows,
+    run_experts,
+)
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 
@@ -78,6 +83,6 @@ def test_routed_experts_follow_the_handle_table(tokens):
     ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weights = rng.random(size=(tokens, k)).astype(np.float32)
     valid = rng.random(tokens) > 0.2
-    layer = LayerExperts(jnp.asarray(tier), jnp.asarray(slot), jax.tree.map(jnp.asarray, pools))
-    ours = routed_experts(jnp.asarray(h), Routing(jnp.asarray(ids), jnp.asarray(weights)), jnp.asarray(valid), layer)
+    layer = ExpertState.from_codes(tier[None], slot[None], jax.tree.map(jnp.asarray, pools)).layer(0)
+    ours = run_experts(jnp.asarray(h), Routing(jnp.asarray(ids), jnp.asarray(weights)), jnp.asarray(valid), layer)
     np.testing.assert_allclose(np.asarray(ours), naive_moe(h, ids, weights, valid, tier, slot, pools), rtol=1e-5, atol=1e-5)

@@ -7,7 +7,13 @@ import pytest
 
 import jmoe
 from convert import convert_checkpoint
-from tests.hf_models import FAMILIES, hf_greedy, hf_logits, make_checkpoint, rewrite_config_as_v4
+from tests.hf_models import (
+    FAMILIES,
+    hf_greedy,
+    hf_logits,
+    make_checkpoint,
+    rewrite_config_as_v4,
+)
 
 PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 128, 9, 77, 31, 200, 14, 88, 2, 190, 45]
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from convert.quantizers.rtn import quantize_rtn
-from jmoe.layers.experts import ExpertState, routed_experts
-from jmoe.layers.moe import Routing
+from jmoe.layers.experts import ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn, expert_ffn_pallas, expert_ffn_reference, supports
@@ -177,7 +176,7 @@ def small_expert_state(backend: str | None) -> tuple[ExpertState, int]:
     }
     tier = np.array([TIER_CODES["bf16"]] * 3 + [TIER_CODES["int4"]] * 2 + [0], np.int32)
     slot = np.array([4, 0, 6, 1, 3, 0], np.int32)
-    state = ExpertState(jnp.asarray(tier)[None], jnp.asarray(slot)[None], pools, backend)
+    state = ExpertState.from_codes(tier[None], slot[None], pools, backend)
     return state, D
 
 
@@ -192,7 +191,7 @@ def test_routed_experts_run_the_kernel(tokens):
     for backend in ("interpret", "xla"):
         state, D = small_expert_state(backend)
         h = jnp.asarray(np.random.default_rng(9).normal(size=(tokens, D)), jnp.float32)
-        run = jax.jit(lambda h, r, v, s: routed_experts(h, r, v, s.layer(0)))
+        run = jax.jit(lambda h, r, v, s: run_experts(h, r, v, s.layer(0)))
         outputs[backend] = run(h, routing, valid, state)
         if backend == "interpret":
             assert "pallas_call" in str(jax.make_jaxpr(run)(h, routing, valid, state))
@@ -246,7 +245,7 @@ def test_model_path_lowers_for_cuda(tokens):
     h = jax.ShapeDtypeStruct((tokens, D), jnp.bfloat16)
     routing = Routing(jax.ShapeDtypeStruct((tokens, 2), jnp.int32), jax.ShapeDtypeStruct((tokens, 2), jnp.float32))
     valid = jax.ShapeDtypeStruct((tokens,), jnp.bool_)
-    run = jax.jit(lambda h, r, v, s: routed_experts(h, r, v, s.layer(0)))
+    run = jax.jit(lambda h, r, v, s: run_experts(h, r, v, s.layer(0)))
     lowered = run.trace(h, routing, valid, state).lower(lowering_platforms=("cuda",))
     assert triton_calls(lowered) == 4  # two tiers, two kernels each
 

@@ -13,13 +13,12 @@ import jmoe.runtime.loader
 from convert import convert_checkpoint
 from jmoe.errors import BudgetError, InputError
 from jmoe.manifest import read_manifest
-from jmoe.policies import Policy
+from jmoe.policies import Plan, Policy
 from jmoe.runtime.budget import BudgetTracker
 from jmoe.runtime.cache import CacheManager
 from jmoe.runtime.handles import HandleTable
 from jmoe.runtime.host_store import HostStore
-from jmoe.runtime.offload import plan_pools
-from jmoe.runtime.pools import TierPool
+from jmoe.runtime.pools import TierPool, plan_pools
 from jmoe.runtime.stats import Stats
 from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import TIER_CODES
@@ -54,7 +53,7 @@ def test_every_policy_and_path_gives_the_resident_tokens(tiny_converted, residen
     reference_model, reference = resident_reference
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
                       policy=policy, execution=execution, cpu_critical_tokens=2)
-    assert model.experts.slots < 8 * 32  # really offloading
+    assert model.residency.slots < 8 * 32  # really offloading
     assert [jmoe.generate(model, p, max_new_tokens=16) for p in PROMPTS] == reference
     stats = jmoe.stats(model)
     assert stats["degraded"] == 0 and stats["skipped"] == 0  # baselines never degrade or skip
@@ -62,7 +61,7 @@ def test_every_policy_and_path_gives_the_resident_tokens(tiny_converted, residen
     assert stats["transfers"] > 0 and stats["bytes_h2d"] > 0
     if "cpu" in policy:
         assert stats["cpu_expert_runs"] > 0
-    model.experts.cache.check()
+    model.residency.cache.check()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -78,7 +77,7 @@ def test_random_model_of_each_family_is_exact_when_offloaded(tmp_path, family):
         for execution in ("layerwise", "resident"):
             model = jmoe.load(out, compute_dtype="float32", device_budget=budget, policy=policy, execution=execution,
                               cpu_critical_tokens=1)
-            assert model.experts.slots < model.config.num_moe_layers * model.config.num_experts
+            assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts
             assert jmoe.generate(model, ids, max_new_tokens=16) == reference, (policy, execution)
 
 
@@ -89,7 +88,7 @@ def test_budget_too_small_for_one_layer_names_the_minimum(tiny_converted, reside
         jmoe.load(tiny_converted, device_budget=fixed + 1000, policy="lru")
     minimum = float(err.value.args[0].split("needs at least ")[1].split(" MiB")[0])
     model = jmoe.load(tiny_converted, device_budget=f"{minimum + 0.01}MiB", policy="lru", compute_dtype="float32")
-    assert model.experts.slots == model.config.top_k
+    assert model.residency.slots == model.config.top_k
     assert jmoe.generate(model, "x = ", max_new_tokens=4)
     with pytest.raises(BudgetError, match="before any expert"):
         jmoe.load(tiny_converted, device_budget="1MiB", policy="lru")
@@ -101,7 +100,7 @@ def test_bytes_moved_are_the_fetched_versions(tiny_converted, resident_reference
                       policy="lru+prefetch")
     moved = []
     real_put = jax.device_put
-    host_kind = model.experts.host.memory_kind
+    host_kind = model.residency.host.memory_kind
 
     def counting_put(x, *args, **kwargs):  # count transfers whose source is an expert's host record
         if getattr(getattr(x, "sharding", None), "memory_kind", None) == host_kind:
@@ -131,9 +130,9 @@ def test_cpu_cost_model_is_calibrated(tiny_converted, resident_reference):
     reference_model, _ = resident_reference
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
                       policy="lru+cpu")
-    cost = model.experts.cpu.cost
+    cost = model.residency.cpu.cost
     assert cost.transfer_s > 0 and cost.cpu_per_token_s >= 0
-    assert model.experts.critical_tokens == cost.critical_tokens
+    assert model.residency.critical_tokens == cost.critical_tokens
 
 
 # ---------------------------------------------------------------- the cache manager on its own
@@ -160,7 +159,7 @@ def make_cache(store, host, slots: dict[str, int], staging_transfers: int):
     device = jax.devices()[0]
     pools = {tier: TierPool(store, tier, n, device) for tier, n in slots.items()}
     staging = BudgetTracker(staging_transfers * store.record_nbytes("int4"))
-    handles = HandleTable(store.num_layers, store.num_experts, device)
+    handles = HandleTable(store.num_layers, store.num_experts, tuple(pools), device)
     return CacheManager(host, pools, handles, staging, Stats(), device)
 
 
@@ -177,7 +176,7 @@ def test_promotion_replaces_and_lower_requests_reuse(two_tier_store, two_tier_ho
     assert cache.request(key, "int2") == "hit"  # a lower tier reuses the higher version
     cache.check()
     # the slot really holds the int4 record
-    slot = cache.resident[key][1]
+    slot = cache.resident[key]["int4"]
     written = np.concatenate([np.asarray(a[slot]).view(np.uint8).ravel()
                               for a in jax.tree.leaves(cache.pools["int4"].arrays)])
     expected = np.concatenate([np.asarray(a).view(np.uint8).ravel()
@@ -253,10 +252,10 @@ class RecordingPolicy(Policy):
         super().__init__(name="recording", tier="bf16", wants_importance=True)
         self.seen: list = []
 
-    def wanted_tiers(self, routing, counters):
-        self.seen.append((routing.phase, routing.layer, routing.num_layers, routing.ids.shape, routing.importance,
-                          counters.total.sum()))
-        return super().wanted_tiers(routing, counters)
+    def observe(self, routings, counters):
+        for routing in routings:
+            self.seen.append((routing.phase, routing.layer, routing.num_layers, routing.ids.shape, routing.importance,
+                              counters.total.sum()))
 
 
 @pytest.mark.parametrize("execution", ["layerwise", "resident"])
@@ -281,9 +280,9 @@ def test_reset_stats_keeps_the_cache_and_starts_counting_afresh(tiny_converted, 
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.5),
                       policy="lru+prefetch")
     jmoe.generate(model, PROMPTS[0], max_new_tokens=8)
-    resident = dict(model.experts.cache.resident)
-    model.experts.reset_stats()
-    assert jmoe.stats(model)["expert_uses"] == 0 and model.experts.cache.resident == resident
+    resident = dict(model.residency.cache.resident)
+    model.residency.reset_stats()
+    assert jmoe.stats(model)["expert_uses"] == 0 and model.residency.cache.resident == resident
     jmoe.generate(model, PROMPTS[1], max_new_tokens=8)
     stats = jmoe.stats(model)
     assert stats["prefetch_issued"] > 0 and stats["prefetch_accuracy"] <= 1.0
@@ -299,8 +298,9 @@ class TwoTierPolicy(Policy):
     def __init__(self, shares=None):
         super().__init__(name="two-tier", tier="int4", pool_shares=shares or {"int4": 0.6, "int2": 0.4})
 
-    def wanted_tiers(self, routing, counters):
-        return {int(e): TIER_CODES["int4" if e % 2 == 0 else "int2"] for e in routing.experts()}
+    def plan(self, view):
+        codes = np.where(np.arange(view.num_experts) % 2 == 0, TIER_CODES["int4"], TIER_CODES["int2"])
+        return Plan.wanting(np.broadcast_to(codes, (view.num_layers, view.num_experts)))
 
 
 @pytest.mark.parametrize("execution", ["layerwise", "resident"])
@@ -312,7 +312,7 @@ def test_a_pool_per_tier_under_a_budget_matches_the_unbudgeted_run(two_tier_mode
     model = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy(), execution=execution,
                       device_budget=budget)
     assert jmoe.generate(model, ids, max_new_tokens=12) == reference
-    rt = model.experts
+    rt = model.residency
     assert set(rt.pools) == {"int4", "int2"} and all(p.slots < 128 for p in rt.pools.values())
     assert sum(p.nbytes for p in rt.pools.values()) + rt.tracker.reserved["staging"] <= model.device_budget - fixed
     stats = jmoe.stats(model)
@@ -320,7 +320,7 @@ def test_a_pool_per_tier_under_a_budget_matches_the_unbudgeted_run(two_tier_mode
     assert set(by_tier) == {"int4", "int2"} and sum(by_tier.values()) == stats["bytes_h2d"]
     for tier, nbytes in by_tier.items():
         assert nbytes % model.store.record_nbytes(tier) == 0
-    assert all(tier == ("int4" if e % 2 == 0 else "int2") for (_, e), (tier, _) in rt.cache.resident.items())
+    assert all(set(versions) == {"int4" if e % 2 == 0 else "int2"} for (_, e), versions in rt.cache.resident.items())
     rt.cache.check()
     # int2 experts really ran: the logits differ from the same model with every expert at int4
     int4_only = jmoe.load(two_tier_model, compute_dtype="float32", tier="int4")
@@ -344,9 +344,8 @@ class PromoteInDecode(Policy):
     """int2 for the prompt, int4 once decoding: every expert kept from prefill is below its wanted
     tier in decode, which the resident path may then run degraded."""
 
-    def wanted_tiers(self, routing, counters):
-        tier = "int2" if routing.phase == "prefill" else "int4"
-        return {int(e): TIER_CODES[tier] for e in routing.experts()}
+    def plan(self, view):
+        return Plan.uniform(view.num_layers, view.num_experts, "int2" if view.phase == "prefill" else "int4")
 
 
 def test_resident_path_runs_misses_degraded_or_skipped_when_the_policy_allows(two_tier_model):
@@ -359,7 +358,7 @@ def test_resident_path_runs_misses_degraded_or_skipped_when_the_policy_allows(tw
         model = jmoe.load(two_tier_model, compute_dtype="float32", policy=policy, execution="resident",
                           device_budget=budget)
         runs[degrade] = (jmoe.generate(model, ids, max_new_tokens=12), jmoe.stats(model))
-        model.experts.cache.check()
+        model.residency.cache.check()
     (exact, exact_stats), (kept, kept_stats) = runs[()], runs[("decode",)]
     assert kept[0] == exact[0]  # the prompt is never degraded: the first token is the exact one
     assert exact_stats["degraded"] == exact_stats["skipped"] == 0 and exact_stats["replays"] > 0

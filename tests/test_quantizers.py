@@ -8,7 +8,13 @@ import pytest
 
 from convert.quantizers import grid
 from convert.quantizers.gptq import gptq_quantize
-from convert.quantizers.haq import S_MAX, S_MIN, haq_quantize, search_alpha, smoothing_scales
+from convert.quantizers.haq import (
+    S_MAX,
+    S_MIN,
+    haq_quantize,
+    search_alpha,
+    smoothing_scales,
+)
 from convert.quantizers.rtn import rtn_dequantized as _rtn_dequantized
 from pallas_kernels.qarray import QuantFormat, prepare_input, unpack_codes
 from pallas_kernels.qarray import dequantize as _dequantize

@@ -39,17 +39,22 @@ def cache_nbytes(cfg: ModelConfig, batch: int, length: int, dtype) -> int:
     return 2 * cfg.num_layers * batch * length * cfg.kv_dim * jnp.dtype(dtype).itemsize
 
 
-def attention_meta(cfg: ModelConfig, num_tokens: int, write_start, key_start) -> AttentionMeta:
-    """Cache placement and RoPE tables of `num_tokens` tokens written from slot `write_start`."""
-    slots = write_start + jnp.arange(num_tokens, dtype=jnp.int32)
-    positions = jnp.maximum(slots[None, :] - key_start[:, None], 0)
+def attention_meta(cfg: ModelConfig, num_tokens: int, start, key_start) -> AttentionMeta:
+    """Cache placement and RoPE tables of `num_tokens` tokens per row, row b written from slot start[b]."""
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), key_start.shape)
+    slots = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    positions = jnp.maximum(slots - key_start[:, None], 0)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    return AttentionMeta(jnp.asarray(write_start, jnp.int32), key_start, cos, sin)
+    return AttentionMeta(start, key_start, cos, sin)
 
 
-def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, write_start, key_start, *, last_only, want_importance):
+attention_meta_jit = jax.jit(attention_meta, static_argnums=(0, 1))
+
+
+def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, start, key_start, *, last_only,
+             want_importance):
     model = nnx.merge(graphdef, dense)
-    meta = attention_meta(model.config, tokens.shape[1], write_start, key_start)
+    meta = attention_meta(model.config, tokens.shape[1], start, key_start)
     x, cache, signals = model(tokens, cache, meta, experts, want_importance=want_importance)
     if last_only:
         x = x[:, -1:]
@@ -67,7 +72,7 @@ def _sample(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, *, 
 # share compiled steps.
 _forward_jit = jax.jit(_forward, static_argnums=0, static_argnames=("last_only", "want_importance"),
                        donate_argnames=("cache",))
-_sample_jit = jax.jit(_sample, static_argnames=("greedy",), donate_argnames=("seen",))
+_sample_jit = jax.jit(_sample, static_argnames=("greedy",))
 
 
 class Engine:

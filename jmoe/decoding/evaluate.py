@@ -39,8 +39,8 @@ def forward(model, token_ids) -> jnp.ndarray:
     tokens = np.zeros((1, P), np.int32)
     tokens[0, P - T :] = ids
     cache = new_cache(model.config, 1, P, model.compute_dtype)
-    key_start = jnp.asarray([P - T], jnp.int32)
-    logits, _ = model.step(jnp.asarray(tokens), cache, 0, key_start, last_only=False, phase="prefill")
+    logits, _ = model.step(jnp.asarray(tokens), cache, np.zeros(1, np.int32), np.asarray([P - T], np.int32),
+                           last_only=False, phase="prefill")
     return logits[0, P - T :]
 
 
@@ -68,7 +68,8 @@ def window_nll(model, token_ids, window: int) -> tuple[float, int]:
             padded = chunk
         tokens = jnp.asarray(padded[None])
         cache = new_cache(model.config, 1, window, model.compute_dtype)
-        logits, _ = model.step(tokens, cache, 0, jnp.zeros((1,), jnp.int32), last_only=False, phase="prefill")
+        logits, _ = model.step(tokens, cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=False,
+                               phase="prefill")
         nll = np.asarray(_token_nll(logits, tokens))[: len(chunk) - 1]
         total += float(nll.sum(dtype=np.float64))
         count += len(chunk) - 1

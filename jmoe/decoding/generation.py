@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
-from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
+from jmoe.decoding.decoder import Decoder
+from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jmoe.decoding.sampling import SamplingOptions
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -69,44 +70,31 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
 def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: SamplingOptions) -> Iterator[np.ndarray]:
     """Yield the next token of every row, one step at a time ([B] int32 numpy).
 
-    The prompt is prefilled in chunks of at most PREFILL_CHUNK tokens (bounding attention
-    workspace). Each decode step is dispatched before the previous token is read back, so
+    The prompt is prefilled in chunks (Decoder.prefill). Each decode step is dispatched before the previous token is read back, so
     host-side work (detokenizing, stop checks) overlaps device compute. Each step takes the
     model's lock, so requests sharing a model interleave step by step.
     """
     cfg, engine = model.config, model.engine
     B = len(prompts)
-    P, S, steps = lengths.prompt, lengths.cache, lengths.new_tokens
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    tokens = np.full((B, P), pad, np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, P - len(p) :] = p
-    key_start = jnp.asarray([P - len(p) for p in prompts], jnp.int32)
+    decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
     seen = np.zeros((B, cfg.vocab_size), bool)
     if sampling.repetition_penalty != 1.0:
         for b, p in enumerate(prompts):
             seen[b, p] = True
     params = sampling.device_params()
-    state = {"cache": new_cache(cfg, B, S, model.compute_dtype), "seen": jnp.asarray(seen), "rng": sampling.rng()}
-
-    def run(block, write_start, phase):
-        logits, state["cache"] = model.step(block, state["cache"], write_start, key_start, last_only=True, phase=phase)
-        return logits
+    state = {"seen": jnp.asarray(seen), "rng": sampling.rng()}
 
     def sample(logits):
         state["rng"], sub = jax.random.split(state["rng"])
-        nxt, state["seen"] = engine.sample(logits[:, -1], state["seen"], sub, *params, greedy=sampling.greedy)
+        nxt, state["seen"] = engine.sample(logits, state["seen"], sub, *params, greedy=sampling.greedy)
         return nxt
 
     clock = RequestClock()
-    chunk = min(P, PREFILL_CHUNK)  # P is a power of two (or, near the context limit, the prompt length)
-    for start in range(0, P, chunk):
-        logits = run(jnp.asarray(tokens[:, start : start + chunk]), start, "prefill")
-    nxt = sample(logits)
-    for i in range(1, steps + 1):
+    nxt = sample(decoder.prefill())
+    for i in range(1, lengths.new_tokens + 1):
         current = nxt
-        if i < steps:
-            nxt = sample(run(current[:, None], P + i - 1, "decode"))
+        if i < lengths.new_tokens:
+            nxt = sample(decoder.decode(current))
         out = np.asarray(current)
         with model.lock:
             clock.tick(model.stats, B)

@@ -21,14 +21,14 @@ class KVCache(NamedTuple):
 
 
 class AttentionMeta(NamedTuple):
-    """Where the current tokens sit in the cache.
+    """Where the current tokens sit in the cache; rows may sit at different positions.
 
-    write_start: scalar int32, cache slot of the first current token (same for every row).
-    key_start:   [B] int32, first slot holding a real token of each row (rows are left-padded).
-    cos, sin:    [B, T, hd] float32 RoPE tables for the current tokens.
+    start:     [B] int32, cache slot of each row's first current token (its T tokens follow it).
+    key_start: [B] int32, first slot holding a real token of each row (prompts are left-padded).
+    cos, sin:  [B, T, hd] float32 RoPE tables for the current tokens.
     """
 
-    write_start: jax.Array
+    start: jax.Array
     key_start: jax.Array
     cos: jax.Array
     sin: jax.Array
@@ -37,11 +37,17 @@ class AttentionMeta(NamedTuple):
     def num_tokens(self) -> int:
         return self.cos.shape[1]
 
-    def query_slots(self) -> jax.Array:  # [T]
-        return self.write_start + jnp.arange(self.num_tokens, dtype=jnp.int32)
+    def query_slots(self) -> jax.Array:  # [B, T]
+        return self.start[:, None] + jnp.arange(self.num_tokens, dtype=jnp.int32)[None, :]
 
     def token_valid(self) -> jax.Array:  # [B, T]: False on left padding
-        return self.query_slots()[None, :] >= self.key_start[:, None]
+        return self.query_slots() >= self.key_start[:, None]
+
+
+def write_rows(cache, new, start):
+    """cache [B, KV, S, hd] with new [B, KV, T, hd] written from slot start[b] in each row b."""
+    put = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0))  # noqa: E731
+    return jax.vmap(put)(cache, new.astype(cache.dtype), start)
 
 
 class Attention(nnx.Module):
@@ -87,18 +93,18 @@ class Attention(nnx.Module):
         q = apply_rope(q, meta.cos, meta.sin)
         k = apply_rope(k, meta.cos, meta.sin)
         # Heads-major cache [B, KV, S, hd]: attention is a plain batched matmul per (row, kv head).
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), (0, 0, meta.write_start, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, meta.write_start, 0))
+        k_cache = write_rows(k_cache, k.transpose(0, 2, 1, 3), meta.start)
+        v_cache = write_rows(v_cache, v.transpose(0, 2, 1, 3), meta.start)
         S = k_cache.shape[2]
         prec = matmul_precision(self.dtype)
         qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
         scores = jnp.einsum("bkmd,bksd->bkms", qh, k_cache, precision=prec).reshape(B, KV, G, T, S)
         scores = scores.astype(jnp.float32) * (hd**-0.5)
-        q_slot = meta.query_slots()[:, None]  # [T, 1]
-        k_slot = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
-        allowed = (k_slot <= q_slot)[None] & (k_slot[None] >= meta.key_start[:, None, None])  # [B, T, S]
+        q_slot = meta.query_slots()[:, :, None]  # [B, T, 1]
+        k_slot = jnp.arange(S, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+        allowed = (k_slot <= q_slot) & (k_slot >= meta.key_start[:, None, None])  # [B, T, S]
         if self.window is not None:
-            allowed &= (q_slot - k_slot < self.window)[None]
+            allowed &= q_slot - k_slot < self.window
         scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)  # [B, KV, G, T, S]
         out = jnp.einsum("bkms,bksd->bkmd", probs.astype(self.dtype).reshape(B, KV, G * T, S), v_cache, precision=prec)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.layers.attention import Attention, AttentionMeta
+from jmoe.layers.experts import LayerExperts
 from jmoe.layers.mlp import DenseMLP
 from jmoe.layers.moe import MoEBlock
 from jmoe.layers.norms import RMSNorm
@@ -23,10 +24,21 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, rngs=rngs, **kw)
 
-    def attention_block(self, x, k_cache, v_cache, meta: AttentionMeta, *, want_importance=False):
-        """Pre-norm attention with residual: returns (x, h = normed input of the MLP, caches, importance)."""
+    def attend(self, x, k_cache, v_cache, meta: AttentionMeta, *, want_importance=False):
+        """Pre-norm attention with residual: (x, h = normed input of the MLP, caches, importance [B, S] or None)."""
         attn, k_cache, v_cache, importance = self.self_attn(
             self.input_layernorm(x), k_cache, v_cache, meta, want_importance=want_importance
         )
         x = x + attn
         return x, self.post_attention_layernorm(x), k_cache, v_cache, importance
+
+    def feed_forward(self, x, h, token_valid, token_importance=None, experts: LayerExperts | None = None):
+        """The MLP (dense) or the sparse block with its residual: x, h [B, T, D] -> (x, LayerSignals or None).
+
+        token_valid [B*T], token_importance [B*T] or None (used by the sparse block only)."""
+        B, T, D = h.shape
+        flat = h.reshape(B * T, D)
+        if not self.is_moe:
+            return x + self.mlp(flat).reshape(B, T, D), None
+        out, signals = self.mlp(flat, token_valid, token_importance, experts)
+        return x + out.reshape(B, T, D), signals

@@ -1,9 +1,13 @@
-"""Routed experts through the handle table.
+"""Routed experts through per-tier handle tables, with the precision chosen inside the step.
 
-Experts are not model parameters: each tier has one device pool [slots, ...] and the handle table
-[L, E] -> (tier code, slot) says which version the forward pass reads. This module turns a layer's
-routing (top-k ids and weights) into per-tier grouped expert FFN calls and combines the results.
-Changing residency changes pool contents and the table, never shapes: nothing recompiles.
+Experts are not model parameters: each tier has one device pool [slots, ...] and a handle table
+[L, E] -> slot (-1: that tier's version is not resident) says where each expert's version of the
+tier sits. Per step the host passes a Selection (arrays, so changing it never recompiles): for
+each layer, the routed experts are ranked by importance and the top `ratio` of them are critical;
+a critical expert wants its `hi` tier code, the others their `lo` code (0 = skip). Each wanted
+tier then resolves against what is resident: the cheapest resident version at least as precise,
+else the best lower one (degraded), else nothing (missing, contribution left out). The host reads
+wanted and chosen codes back to account hits, degradations and misses, and to fetch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
@@ -22,30 +27,78 @@ from pallas_kernels import expert_ffn
 # read (decode); above it, assignments are sorted by slot into row blocks (prefill).
 GATHER_MAX_ASSIGNMENTS = 64
 PREFILL_BLOCK_ROWS = 32
+NO_SLOT = -1
+
+
+class Routing(NamedTuple):
+    """Router output for N tokens: top-k expert ids [N, k] and their combine weights [N, k] (float32)."""
+
+    ids: jax.Array
+    weights: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Selection:
+    """Per-step precision of routed experts (see the module docstring).
+
+    hi, lo: [L, E] int32 tier codes; ratio: [L] float32 in [0, 1]; heavy_hitters: scalar float32,
+    the fraction of tokens (by attention received) whose routing decides importance in prefill.
+    """
+
+    hi: jax.Array
+    lo: jax.Array
+    ratio: jax.Array
+    heavy_hitters: jax.Array
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_experts: int, tier: str) -> "Selection":
+        """Every routed expert at one tier (the baselines)."""
+        codes = np.full((num_layers, num_experts), TIER_CODES[tier], np.int32)
+        return cls.of(codes, codes)
+
+    @classmethod
+    def of(cls, hi, lo, ratio=None, heavy_hitters: float = 0.1) -> "Selection":
+        hi = np.asarray(hi, np.int32)
+        ratio = np.ones(hi.shape[0], np.float32) if ratio is None else np.asarray(ratio, np.float32)
+        return cls(jnp.asarray(hi), jnp.asarray(lo, jnp.int32), jnp.asarray(ratio), jnp.float32(heavy_hitters))
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LayerExperts:
-    tier: jax.Array  # [E] int32 tier code per expert (0 = skipped)
-    slot: jax.Array  # [E] int32 slot in that tier's pool
+    slots: dict[str, jax.Array]  # tier -> [E] int32 slot in that tier's pool (NO_SLOT: not resident)
     pools: dict[str, ExpertWeights]
+    hi: jax.Array  # [E]
+    lo: jax.Array  # [E]
+    ratio: jax.Array  # scalar
+    heavy_hitters: jax.Array  # scalar
     backend: str | None = field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class ExpertState:
-    """What the jitted forward reads to reach experts: the handle table, the pools, and (static)
-    which kernel backend multiplies them (None = the platform default)."""
+    """What a step reads to reach experts: per-tier handle tables and pools, this step's Selection,
+    and (static) which kernel backend multiplies them (None = the platform default)."""
 
-    tier: jax.Array  # [L_moe, E] int32
-    slot: jax.Array  # [L_moe, E] int32
+    slots: dict[str, jax.Array]  # tier -> [L_moe, E] int32
     pools: dict[str, ExpertWeights]
+    selection: Selection
     backend: str | None = field(default=None, metadata=dict(static=True))
 
+    @classmethod
+    def from_codes(cls, codes, slots, pools: dict[str, ExpertWeights], backend: str | None = None) -> "ExpertState":
+        """One version per expert: codes [L, E] tier code (0: none), slots [L, E] its slot; every
+        routed expert wants the version it has (a fixed residency, as tests and benchmarks build)."""
+        codes, slots = np.asarray(codes, np.int32), np.asarray(slots, np.int32)
+        tables = {t: jnp.asarray(np.where(codes == TIER_CODES[t], slots, NO_SLOT)) for t in pools}
+        return cls(tables, pools, Selection.of(codes, codes), backend)
+
     def layer(self, moe_index: int) -> LayerExperts:
-        return LayerExperts(self.tier[moe_index], self.slot[moe_index], self.pools, self.backend)
+        sel = self.selection
+        return LayerExperts({t: s[moe_index] for t, s in self.slots.items()}, self.pools, sel.hi[moe_index],
+                            sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend)
 
 
 class BlockLayout(NamedTuple):
@@ -120,18 +173,77 @@ def grouped_expert_ffn(
     return y_rows[layout.dest].reshape(N, k, -1)
 
 
-def routed_experts(h: jax.Array, routing, token_valid: jax.Array, layer: LayerExperts) -> jax.Array:
-    """Weighted sum of each token's top-k experts at whatever tier the handle table points to.
+def expert_importance(routing: Routing, token_valid, token_importance, heavy_hitters, num_experts: int):
+    """Importance of each expert this step [E] float32, and which experts real tokens routed to [E] bool.
 
-    h [N, D], routing.ids/weights [N, k], token_valid [N] -> [N, D] in h's dtype.
+    Without token importance (decode): the gate scores each expert received, summed over tokens.
+    With it (prefill): the number of heavy-hitter tokens (the top `heavy_hitters` fraction of real
+    tokens by attention received) routed to the expert, ties broken by all tokens routed to it.
     """
-    num_experts = layer.tier.shape[0]
-    tiers = layer.tier[routing.ids]  # [N, k]
-    slots = layer.slot[routing.ids]
+    ids, valid = routing.ids, token_valid[:, None]
+    one_hot = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32) * valid[..., None]  # [N, k, E]
+    count = one_hot.sum(axis=(0, 1))
+    routed = count > 0
+    if token_importance is None:
+        score = (one_hot * routing.weights[..., None]).sum(axis=(0, 1))
+    else:
+        s = jnp.where(token_valid, token_importance, -jnp.inf)
+        n_valid = token_valid.sum()
+        keep = jnp.ceil(heavy_hitters * n_valid).astype(jnp.int32).clip(1, s.shape[0])
+        threshold = jnp.sort(s)[::-1][keep - 1]
+        heavy = (s >= threshold) & token_valid
+        score = (one_hot * heavy[:, None, None]).sum(axis=(0, 1)) * (ids.shape[0] + 1) + count
+    return score, routed
+
+
+def wanted_tiers(routing: Routing, token_valid, token_importance, layer: LayerExperts):
+    """The tier code this step wants for each routed assignment [N, k] (see the module docstring)."""
+    E = layer.hi.shape[0]
+    score, routed = expert_importance(routing, token_valid, token_importance, layer.heavy_hitters, E)
+    # rank routed experts by importance (ties: lower id first); unrouted ones sort last
+    order = jnp.lexsort((jnp.arange(E), -jnp.where(routed, score, -jnp.inf)))
+    rank = jnp.zeros((E,), jnp.int32).at[order].set(jnp.arange(E, dtype=jnp.int32))
+    critical = rank < jnp.ceil(layer.ratio * routed.sum()).astype(jnp.int32)
+    return jnp.where(critical, layer.hi, layer.lo)[routing.ids]
+
+
+def resolve_tiers(wanted, ids, slots: dict[str, jax.Array]):
+    """The tier code each assignment runs at [N, k]: the cheapest resident version at least as
+    precise as wanted, else the best lower one, else 0 (also 0 where wanted is 0)."""
+    big = len(TIER_CODES) + 1
+    adequate = jnp.full(wanted.shape, big, jnp.int32)
+    lower = jnp.zeros(wanted.shape, jnp.int32)
+    for tier, table in slots.items():
+        code = TIER_CODES[tier]
+        resident = table[ids] != NO_SLOT
+        adequate = jnp.minimum(adequate, jnp.where(resident & (code >= wanted), code, big))
+        lower = jnp.maximum(lower, jnp.where(resident & (code < wanted), code, 0))
+    return jnp.where(wanted == 0, 0, jnp.where(adequate < big, adequate, lower))
+
+
+def missing_uses(wanted, chosen, token_valid):
+    """Assignments of real tokens that ran below their wanted tier or not at all (scalar int32)."""
+    return ((chosen < wanted) & token_valid[:, None]).sum().astype(jnp.int32)
+
+
+def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_valid: jax.Array,
+                   layer: LayerExperts) -> jax.Array:
+    """Weighted sum of each token's top-k experts, each at its chosen tier (0: left out).
+
+    h [N, D], routing.ids/weights and chosen [N, k], token_valid [N] -> [N, D] in h's dtype.
+    """
+    num_experts = layer.hi.shape[0]
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
-        active = (tiers == TIER_CODES[name]) & token_valid[:, None]
+        active = (chosen == TIER_CODES[name]) & token_valid[:, None]
+        slots = layer.slots[name][routing.ids]
         y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend)  # [N, k, D]
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
     return out.astype(h.dtype)
+
+
+def run_experts(h, routing: Routing, token_valid, layer: LayerExperts, token_importance=None):
+    """Select each routed expert's tier and run them: h [N, D] -> [N, D] (no router, no shared expert)."""
+    wanted = wanted_tiers(routing, token_valid, token_importance, layer)
+    return routed_experts(h, routing, resolve_tiers(wanted, routing.ids, layer.slots), token_valid, layer)

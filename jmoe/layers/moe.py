@@ -9,16 +9,28 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.layers.experts import LayerExperts, routed_experts
+from jmoe.layers.experts import (
+    LayerExperts,
+    Routing,
+    missing_uses,
+    resolve_tiers,
+    routed_experts,
+    wanted_tiers,
+)
 from jmoe.layers.mlp import DenseMLP
 from jmoe.layers.norms import linear
 
 
-class Routing(NamedTuple):
-    """Router output for N tokens: top-k expert ids [N, k] and their combine weights [N, k] (float32)."""
+class LayerSignals(NamedTuple):
+    """What one MoE layer tells the host, per assignment [N, k]: routed expert ids, combine weights,
+    the tier code the selection wanted and the one that ran (0 = none), and the count of real
+    assignments that ran below their wanted tier (scalar)."""
 
     ids: jax.Array
     weights: jax.Array
+    wanted: jax.Array
+    chosen: jax.Array
+    missing: jax.Array
 
 
 class MoEBlock(nnx.Module):
@@ -48,8 +60,23 @@ class MoEBlock(nnx.Module):
             return None
         return jax.nn.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
 
-    def combine(self, h, routing: Routing, token_valid, experts: LayerExperts):
-        """Routed experts (through the handle table) plus the shared expert, h [N, D] -> [N, D]."""
-        out = routed_experts(h, routing, token_valid, experts)
-        shared = self.shared_out(h)
-        return out if shared is None else out + shared
+    def select(self, routing: Routing, token_valid, token_importance, experts: LayerExperts) -> LayerSignals:
+        """This step's wanted tier for each routed assignment, and the resident tier it runs at."""
+        wanted = wanted_tiers(routing, token_valid, token_importance, experts)
+        return self.resolve(routing, wanted, token_valid, experts)
+
+    @staticmethod
+    def resolve(routing: Routing, wanted, token_valid, experts: LayerExperts) -> LayerSignals:
+        chosen = resolve_tiers(wanted, routing.ids, experts.slots)
+        return LayerSignals(routing.ids, routing.weights, wanted, chosen, missing_uses(wanted, chosen, token_valid))
+
+    def experts_out(self, h, signals: LayerSignals, token_valid, experts: LayerExperts, *, shared: bool = True):
+        """Routed experts at their chosen tiers plus (when `shared`) the shared expert, h [N, D] -> [N, D]."""
+        out = routed_experts(h, Routing(signals.ids, signals.weights), signals.chosen, token_valid, experts)
+        extra = self.shared_out(h) if shared else None
+        return out if extra is None else out + extra
+
+    def __call__(self, h, token_valid, token_importance, experts: LayerExperts):
+        """Route, select tiers, run: h [N, D] -> ([N, D], LayerSignals)."""
+        signals = self.select(self.route(h), token_valid, token_importance, experts)
+        return self.experts_out(h, signals, token_valid, experts), signals

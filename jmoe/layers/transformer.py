@@ -1,12 +1,14 @@
-"""The decoder-only MoE transformer (Flax NNX), built from a ModelConfig.
+"""The decoder-only MoE transformer (Flax NNX) and the one layer loop every path runs.
 
-The full step runs every layer in one jitted call; the same per-layer methods serve the
-layer-wise path, which stops between attention/routing and the experts.
+`run_layers` is the only loop over decoder layers. What runs each layer's two halves (attention,
+then the MLP or sparse block) is a LayerRunner: traced inside the one-jit step (`TracedLayers`),
+one jitted piece at a time with the host in between (the layer-wise path,
+jmoe/runtime/layerwise.py), or over batches of calibration sequences (convert/calibration.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -16,20 +18,87 @@ from jmoe.config import ModelConfig
 from jmoe.layers.attention import AttentionMeta, KVCache
 from jmoe.layers.decoder_layer import DecoderLayer
 from jmoe.layers.experts import ExpertState
-from jmoe.layers.moe import Routing
+from jmoe.layers.moe import LayerSignals
 from jmoe.layers.norms import RMSNorm, linear, matmul_precision
 
 
 class StepSignals(NamedTuple):
-    """What one step tells the host about routing (per MoE layer, in handle-table row order).
+    """What one step tells the host, per MoE layer (handle-table row order).
 
-    ids/weights: [L_moe, B, T, k]; importance: [L_moe, B, S] mean attention each cached token
-    received (only when asked for), else None.
+    ids, weights, wanted, chosen: [L_moe, B, T, k]; missing: [L_moe] assignments of real tokens that
+    ran below their wanted tier; importance: [L_moe, B, T] attention each current token received
+    (only when asked for), else None.
     """
 
     ids: jax.Array
     weights: jax.Array
+    wanted: jax.Array
+    chosen: jax.Array
+    missing: jax.Array
     importance: jax.Array | None
+
+
+class LayerRunner(Protocol):
+    num_layers: int
+
+    def is_moe(self, i: int) -> bool: ...
+
+    def attend(self, i: int, x, k_cache, v_cache, meta: AttentionMeta, want_importance: bool): ...
+
+    def feed_forward(self, i: int, x, h, meta: AttentionMeta, importance): ...
+
+
+def current_importance(received, meta: AttentionMeta):
+    """Attention received per cache slot [B, S] -> per current token [B, T]."""
+    return jnp.take_along_axis(received, jnp.clip(meta.query_slots(), 0, received.shape[1] - 1), axis=1)
+
+
+def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMeta, *, want_importance: bool):
+    """Every decoder layer in order: (x, cache, [LayerSignals per MoE layer], [importance [B, T] or None])."""
+    ks, vs, signals, importance = [], [], [], []
+    for i in range(runner.num_layers):
+        moe = runner.is_moe(i)
+        k_i, v_i = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
+        x, h, k_i, v_i, received = runner.attend(i, x, k_i, v_i, meta, want_importance and moe)
+        imp = None if received is None else current_importance(received, meta)
+        x, layer_signals = runner.feed_forward(i, x, h, meta, imp)
+        ks.append(k_i)
+        vs.append(v_i)
+        if moe:
+            signals.append(layer_signals)
+            importance.append(imp)
+    return x, (KVCache(tuple(ks), tuple(vs)) if cache is not None else None), signals, importance
+
+
+def stack_signals(signals: list[LayerSignals], importance: list, batch: int, tokens: int) -> StepSignals:
+    shape = lambda a: a.reshape(batch, tokens, -1)  # noqa: E731
+    return StepSignals(
+        jnp.stack([shape(s.ids) for s in signals]), jnp.stack([shape(s.weights) for s in signals]),
+        jnp.stack([shape(s.wanted) for s in signals]), jnp.stack([shape(s.chosen) for s in signals]),
+        jnp.stack([s.missing for s in signals]),
+        None if importance[0] is None else jnp.stack(importance),
+    )
+
+
+class TracedLayers:
+    """run_layers inside one trace: every layer of `model`, experts through `experts`."""
+
+    def __init__(self, model: "Transformer", experts: ExpertState):
+        self.model, self.experts = model, experts
+        self.num_layers = len(model.layers)
+        self.moe_index = {i: n for n, i in enumerate(model.config.moe_layer_indices)}
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_index
+
+    def attend(self, i, x, k_cache, v_cache, meta, want_importance):
+        return self.model.layers[i].attend(x, k_cache, v_cache, meta, want_importance=want_importance)
+
+    def feed_forward(self, i, x, h, meta, importance):
+        B, T, _ = h.shape
+        experts = self.experts.layer(self.moe_index[i]) if i in self.moe_index else None
+        imp = None if importance is None else importance.reshape(B * T)
+        return self.model.layers[i].feed_forward(x, h, meta.token_valid().reshape(B * T), imp, experts)
 
 
 class Transformer(nnx.Module):
@@ -60,34 +129,11 @@ class Transformer(nnx.Module):
         return out.astype(jnp.float32)
 
     def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False):
-        """tokens [B, T] -> (hidden [B, T, D], cache, StepSignals). Every layer, experts via the handle table."""
+        """tokens [B, T] -> (hidden [B, T, D], cache, StepSignals): every layer, experts through the handle tables."""
         B, T = tokens.shape
-        x = self.embed(tokens)
-        valid = meta.token_valid().reshape(B * T)
-        ks, vs, ids, weights, importance = [], [], [], [], []
-        moe_index = 0
-        for i, layer in enumerate(self.layers):
-            x, h, k_i, v_i, imp = layer.attention_block(
-                x, cache.k[i], cache.v[i], meta, want_importance=want_importance and layer.is_moe
-            )
-            ks.append(k_i)
-            vs.append(v_i)
-            h = h.reshape(B * T, -1)
-            if layer.is_moe:
-                routing = layer.mlp.route(h)
-                out = layer.mlp.combine(h, routing, valid, experts.layer(moe_index))
-                ids.append(routing.ids.reshape(B, T, -1))
-                weights.append(routing.weights.reshape(B, T, -1))
-                if imp is not None:
-                    importance.append(imp)
-                moe_index += 1
-            else:
-                out = layer.mlp(h)
-            x = x + out.reshape(B, T, -1)
-        signals = StepSignals(
-            jnp.stack(ids), jnp.stack(weights), jnp.stack(importance) if importance else None
-        )
-        return x, KVCache(tuple(ks), tuple(vs)), signals
+        x, cache, signals, importance = run_layers(TracedLayers(self, experts), self.embed(tokens), cache, meta,
+                                                   want_importance=want_importance)
+        return x, cache, stack_signals(signals, importance, B, T)
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> Transformer:
@@ -95,4 +141,4 @@ def abstract_model(cfg: ModelConfig, dtype) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-__all__ = ["Transformer", "StepSignals", "abstract_model", "Routing"]
+__all__ = ["Transformer", "StepSignals", "abstract_model", "run_layers", "TracedLayers"]

@@ -19,7 +19,9 @@ class CheckpointNames:
 
 
 def _names(cfg: ModelConfig) -> CheckpointNames:
-    from jmoe.models import family_named  # the registry imports this module's CheckpointNames
+    from jmoe.models import (
+        family_named,  # the registry imports this module's CheckpointNames
+    )
 
     return family_named(cfg.family).CHECKPOINT_NAMES
 

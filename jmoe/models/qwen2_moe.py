@@ -1,6 +1,12 @@
 """Qwen2-MoE / Qwen1.5-MoE: q/k/v bias, shared expert behind a sigmoid gate, top-k usually not renormalised."""
 
-from jmoe.config import ModelConfig, common_fields, hf_bool, hf_int, sparse_layer_pattern
+from jmoe.config import (
+    ModelConfig,
+    common_fields,
+    hf_bool,
+    hf_int,
+    sparse_layer_pattern,
+)
 from jmoe.errors import ConfigError
 from jmoe.models.checkpoint import CheckpointNames
 

@@ -1,6 +1,12 @@
 """Qwen3-MoE: per-head q/k RMSNorm, softmax top-k with optional renormalisation, no shared expert."""
 
-from jmoe.config import ModelConfig, common_fields, hf_bool, hf_int, sparse_layer_pattern
+from jmoe.config import (
+    ModelConfig,
+    common_fields,
+    hf_bool,
+    hf_int,
+    sparse_layer_pattern,
+)
 from jmoe.models.checkpoint import CheckpointNames
 
 FAMILY = "qwen3_moe"

@@ -1,25 +1,31 @@
-"""Expert residency policies.
+"""The Policy interface: before each step a plan, after it the step's routing, and its eviction choice.
 
-A policy sees, per step and MoE layer, the router's top-k ids and scores (and in prefill a
-per-token importance from attention), the layer's depth and long-horizon per-expert counters; it
-answers with the tier it wants for each routed expert this step (0 = skip it). Whether experts
-stay cached, whether the next layer is prefetched and whether cold experts may run on the CPU
-are properties of the policy too. The cache manager turns its answers into fetches and evictions.
+Before a step the runtime asks `plan(view)`. A Plan says, for every (MoE layer, expert), the tier
+a routed expert should run at this step: the top `ratio` of a layer's routed experts by importance
+(gate scores in decode, heavy-hitter tokens in prefill) want `hi`, the others `lo` (0 = skip it).
+That choice is made inside the jitted step from these arrays, so it changes per step without
+recompiling. A plan also lists experts to fetch now (prefetch, as (key, tier)) and background
+transitions (load a version of an expert while the current one keeps serving; a lower target is
+a demotion, which frees the higher version once the lower one is published). After the step the
+runtime hands the policy every layer's routing (`observe`), and when a pool is full it asks the
+policy which expert to evict (`victim`, least recently used first by default).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from jmoe.errors import InputError
-from jmoe.tiers import TIER_CODES
+from jmoe.tiers import SKIP, TIER_CODES
+
+Key = tuple[int, int]  # (MoE layer, expert)
 
 
 @dataclass
 class LayerRouting:
-    """What one MoE layer's router decided for this step's tokens."""
+    """What one MoE layer's router decided for a step's tokens, and which tiers ran."""
 
     step: int
     phase: str  # "prefill" | "decode"
@@ -29,6 +35,8 @@ class LayerRouting:
     scores: np.ndarray  # [N, k] their combine weights
     valid: np.ndarray  # [N] False on padding
     importance: np.ndarray | None = None  # [N] prefill: mean attention each token received
+    wanted: np.ndarray | None = None  # [N, k] tier code the plan wanted (0 = skip)
+    chosen: np.ndarray | None = None  # [N, k] tier code that ran (0 = none)
 
     def experts(self) -> np.ndarray:
         """Distinct experts routed to by real tokens."""
@@ -36,6 +44,11 @@ class LayerRouting:
 
     def token_counts(self, num_experts: int) -> np.ndarray:
         return np.bincount(self.ids[self.valid].ravel(), minlength=num_experts)
+
+    def wanted_by_expert(self) -> dict[int, int]:
+        """Wanted tier code of each routed expert (all of an expert's assignments agree)."""
+        ids, wanted = self.ids[self.valid].ravel(), self.wanted[self.valid].ravel()
+        return dict(zip(ids.tolist(), wanted.tolist()))
 
 
 class ExpertCounters:
@@ -52,23 +65,67 @@ class ExpertCounters:
         self.ema[routing.layer] = self.decay * self.ema[routing.layer] + (1 - self.decay) * counts
 
 
+@dataclass(frozen=True)
+class StepView:
+    """What a policy sees when planning a step."""
+
+    step: int
+    phase: str
+    num_layers: int
+    num_experts: int
+    counters: ExpertCounters
+
+
+@dataclass
+class Plan:
+    """A policy's answer for one step (see the module docstring). hi, lo: [L, E] tier codes; ratio: [L]."""
+
+    hi: np.ndarray
+    lo: np.ndarray
+    ratio: np.ndarray
+    heavy_hitters: float = 0.1
+    prefetch: list[tuple[Key, str]] = field(default_factory=list)
+    transitions: list[tuple[Key, str]] = field(default_factory=list)
+
+    @classmethod
+    def wanting(cls, codes: np.ndarray, **kw) -> "Plan":
+        """Each routed expert at its own tier code ([L, E]; 0 = skip), whatever its importance."""
+        codes = np.asarray(codes, np.int32)
+        return cls(codes, codes, np.ones(codes.shape[0], np.float32), **kw)
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_experts: int, tier: str, **kw) -> "Plan":
+        return cls.wanting(np.full((num_layers, num_experts), TIER_CODES[tier], np.int32), **kw)
+
+    def layer_tiers(self, layer: int, ranked: list[int]) -> list[tuple[int, int]]:
+        """(expert, wanted code) for experts ranked by expected importance, as the step would choose."""
+        critical = int(np.ceil(float(self.ratio[layer]) * len(ranked)))
+        return [(e, int(self.hi[layer, e] if i < critical else self.lo[layer, e])) for i, e in enumerate(ranked)]
+
+    def codes(self) -> set[int]:
+        return set(np.unique(self.hi).tolist()) | set(np.unique(self.lo).tolist())
+
+
 @dataclass
 class Policy:
     name: str
-    tier: str  # the tier experts run at (and are prefetched and calibrated at)
+    tier: str  # the tier experts run at by default (and are prefetched and calibrated at)
     cache: bool = True  # keep fetched experts resident (False: evict after use)
     prefetch: bool = False  # fetch the next layer's predicted experts while this layer computes
     cpu_execution: bool = False  # run cold experts with few tokens on the host CPU
     everything_resident: bool = False  # all experts preloaded; nothing is ever fetched
     wants_importance: bool = False  # prefill routing carries each token's received attention
-    # Resident path: a step in which a routed expert was not resident at its wanted tier is
-    # re-run after fetching it (exact), except in these phases ("prefill", "decode"), where the
-    # step is kept (the expert ran at its best resident tier, or was left out: counted as degraded
-    # or skipped) and the expert is fetched for later steps.
+    # A step in which a routed expert ran below its wanted tier (or not at all) is re-run after
+    # fetching it (exact), except in these phases ("prefill", "decode"), where the step is kept and
+    # the expert is fetched for later steps (counted as degraded or skipped).
     degrade_phases: tuple[str, ...] = ()
     # Device pools, tier -> share of the expert budget. None: one pool, of the run tier. A policy
-    # that asks for several tiers in wanted_tiers needs a pool for each of them.
+    # whose plans ask for several tiers needs a pool for each of them.
     pool_shares: dict[str, float] | None = None
+    # Keep an expert's lower versions resident when a higher one lands (True), or let the higher
+    # version replace them (False: DyMoE's no-duplication cache).
+    keep_lower: bool = False
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def pools(self) -> dict[str, float]:
         return dict(self.pool_shares) if self.pool_shares else {self.tier: 1.0}
@@ -89,10 +146,34 @@ class Policy:
         if sum(shares.values()) > 1 + 1e-9:
             raise InputError(f"policy {self.name!r}: pool shares add up to {sum(shares.values()):g}, more than 1")
 
-    def wanted_tiers(self, routing: LayerRouting, counters: ExpertCounters) -> dict[int, int]:
-        """Tier code wanted for each routed expert this step (0 = skip). Baselines never degrade."""
-        code = TIER_CODES[self.tier]
-        return {int(e): code for e in routing.experts()}
+    def plan(self, view: StepView) -> Plan:
+        """This step's plan. Baselines: every routed expert at the policy's tier, nothing else."""
+        key = (view.num_layers, view.num_experts)
+        if key not in self._plans:  # the same object every step: the runtime reuses its device copy
+            self._plans[key] = Plan.uniform(view.num_layers, view.num_experts, self.tier)
+        return self._plans[key]
+
+    def observe(self, routings: list[LayerRouting], counters: ExpertCounters) -> None:
+        """Every MoE layer's routing of the step just kept (counters already include it)."""
+
+    def victim(self, tier: str, candidates: list[Key]) -> Key:
+        """Which of `candidates` (resident in `tier`'s pool, least recently used first) to evict."""
+        return candidates[0]
+
+
+def check_plan(plan: Plan, pools, num_layers: int, num_experts: int, name: str) -> None:
+    """A plan's arrays have the right shapes and ask only for tiers that have a pool."""
+    for label, arr, shape in (("hi", plan.hi, (num_layers, num_experts)), ("lo", plan.lo, (num_layers, num_experts)),
+                              ("ratio", plan.ratio, (num_layers,))):
+        if np.shape(arr) != shape:
+            raise InputError(f"policy {name!r}: plan.{label} has shape {np.shape(arr)}, expected {shape}")
+    codes = {c for c in plan.codes() if c != SKIP}
+    names = {code: tier for tier, code in TIER_CODES.items()}
+    for code in sorted(codes):
+        if names.get(code) not in pools:
+            tier = names.get(code, f"code {code}")
+            raise InputError(f"policy {name!r} asked for {tier} (in its plan) but has no {tier} pool; add it to the policy's "
+                             f"pool_shares")
 
 
 POLICY_NAMES = ("resident", "ondemand", "lru", "lru+prefetch", "lru+cpu", "lru+prefetch+cpu")

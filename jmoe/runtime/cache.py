@@ -1,14 +1,17 @@
-"""Mixed-precision expert cache: which expert version sits in which pool slot, and the transfers.
+"""Mixed-precision expert cache: which expert versions sit in which pool slots, and the transfers.
 
 Rules (DyMoE's mixed-precision cache, DynaExq's publish-after-copy):
-- an expert is resident in one tier only; a request for a higher tier than the resident one is a
-  miss that fetches the higher version and replaces the lower one when it lands (promotion);
-  a request for a lower tier reuses the higher resident version;
+- a request for a higher tier than the resident one is a miss that fetches the higher version;
+  when it lands it replaces the lower ones (promotion), unless the policy keeps lower versions
+  (keep_lower: an expert may then be resident in several tiers); a request for a lower tier reuses
+  a higher resident version, except an exact request (a demotion), which loads that version and,
+  once it is published, frees the higher ones, so an expert is never left without a version;
 - a fetch is an asynchronous `jax.device_put` of the expert's host record into a staging buffer
   whose bytes are reserved first; only once the copy is complete is it written into its slot and
   the handle published, so the forward pass never reads a partial expert and never waits on a
   transfer it does not need;
-- a full pool evicts its least recently used expert that the current step does not need (pinned).
+- a full pool evicts the version the policy chooses (least recently used by default) among those
+  the current step does not need (pinned).
 """
 
 from __future__ import annotations
@@ -16,17 +19,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 
+from jmoe.layers.experts import NO_SLOT
+from jmoe.policies.base import Key
 from jmoe.runtime.budget import BudgetTracker
 from jmoe.runtime.handles import HandleTable
 from jmoe.runtime.host_store import HostStore
 from jmoe.runtime.pools import TierPool
 from jmoe.runtime.stats import Stats
 from jmoe.tiers import SKIP, TIER_CODES
-
-Key = tuple[int, int]  # (MoE layer, expert)
 
 
 @dataclass
@@ -36,20 +40,28 @@ class Transfer:
     slot: int
     staged: jax.Array  # device copy of the record, being written
     nbytes: int
-    kind: str  # "demand" | "prefetch"
+    kind: str  # "demand" | "prefetch" | "transition"
     started: float
+    exact: bool = False  # a demotion: once published, the higher versions go
+
+
+def least_recent(tier: str, candidates: list[Key]) -> Key:
+    return candidates[0]
 
 
 class CacheManager:
     def __init__(self, host: HostStore, pools: dict[str, TierPool], handles: HandleTable, staging: BudgetTracker,
-                 stats: Stats, device):
+                 stats: Stats, device, *, victim: Callable[[str, list[Key]], Key] = least_recent,
+                 keep_lower: bool = False):
         self.host = host
         self.pools = pools
         self.handles = handles
         self.staging = staging  # its budget is the staging bytes reserved on the device at load
         self.stats = stats
+        self.victim = victim
+        self.keep_lower = keep_lower
         self.target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")  # from pinned host memory
-        self.resident: dict[Key, tuple[str, int]] = {}
+        self.resident: dict[Key, dict[str, int]] = {}  # key -> {tier: slot}
         self.lru: dict[str, OrderedDict[Key, None]] = {t: OrderedDict() for t in pools}
         self.free: dict[str, list[int]] = {t: list(range(p.slots - 1, -1, -1)) for t, p in pools.items()}
         self.inflight: dict[Key, Transfer] = {}
@@ -60,33 +72,40 @@ class CacheManager:
     # -- queries
 
     def code_of(self, key: Key) -> int:
-        """Tier code of the published version (0 if none)."""
-        tier = self.resident.get(key)
-        return TIER_CODES[tier[0]] if tier else SKIP
+        """Tier code of the best published version (0 if none)."""
+        versions = self.resident.get(key)
+        return max(TIER_CODES[t] for t in versions) if versions else SKIP
 
     def code_in_flight(self, key: Key) -> int:
         """Tier code of the version being copied in (0 if none)."""
         moving = self.inflight.get(key)
         return TIER_CODES[moving.tier] if moving else SKIP
 
+    def serves(self, key: Key, code: int) -> bool:
+        """Whether a published version at `code` or better can run `key` now."""
+        return self.code_of(key) >= code
+
     # -- requests
 
-    def request(self, key: Key, tier: str, kind: str = "demand") -> str:
-        """Make sure `key` is (or will be) resident at `tier` or higher.
+    def request(self, key: Key, tier: str, kind: str = "demand", *, exact: bool = False) -> str:
+        """Make sure `key` is (or will be) resident at `tier` or higher (exactly `tier` when `exact`).
 
         Returns "hit" (already published), "pending" (a transfer is in flight), "started" (a new
         transfer began) or "full" (no slot can be freed now, or a prefetch found no staging room).
         """
         code = TIER_CODES[tier]
-        if self.code_of(key) >= code:
+        if self._has(key, tier, exact):
             self.touch(key)
             return "hit"
-        if self.code_in_flight(key) >= code:
+        moving = self.inflight.get(key)
+        if moving is not None and (moving.tier == tier or (not exact and TIER_CODES[moving.tier] >= code)):
             if kind == "demand":
-                self.inflight[key].kind = "demand"
+                moving.kind = "demand"
             return "pending"
-        if key in self.inflight:
-            self.wait([key])  # a lower version is landing: let it, then promote
+        if moving is not None:
+            self.wait([key])  # another version is landing: let it, then load this one
+            if self._has(key, tier, exact):
+                return "hit"
         slot = self._claim_slot(tier)
         if slot is None:
             return "full"
@@ -94,7 +113,7 @@ class CacheManager:
         reserved = False
         try:
             while not self.staging.try_reserve("transfer", nbytes):
-                if kind == "prefetch" or not (self.inflight or self.retiring):
+                if kind != "demand" or not (self.inflight or self.retiring):
                     self.free[tier].append(slot)
                     return "full"
                 self._drain_oldest()
@@ -105,7 +124,7 @@ class CacheManager:
             if reserved:
                 self.staging.release("transfer", nbytes)
             raise
-        self.inflight[key] = Transfer(key, tier, slot, staged, nbytes, kind, time.perf_counter())
+        self.inflight[key] = Transfer(key, tier, slot, staged, nbytes, kind, time.perf_counter(), exact)
         self.stats.transfers += 1
         self.stats.bytes_h2d += nbytes
         self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
@@ -113,11 +132,13 @@ class CacheManager:
             self.stats.prefetch_issued += 1
         return "started"
 
+    def _has(self, key: Key, tier: str, exact: bool) -> bool:
+        return tier in self.resident.get(key, {}) if exact else self.serves(key, TIER_CODES[tier])
+
     def touch(self, key: Key) -> None:
         """Mark a resident expert as just used (LRU order, prefetch accounting)."""
-        tier = self.resident.get(key)
-        if tier is not None:
-            self.lru[tier[0]].move_to_end(key)
+        for tier in self.resident.get(key, ()):
+            self.lru[tier].move_to_end(key)
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.stats.prefetch_used += 1
@@ -151,10 +172,10 @@ class CacheManager:
         return waited
 
     def drop(self, key: Key) -> None:
-        """Evict `key` now (on-demand policies keep nothing between uses)."""
-        if key in self.resident and key not in self.pinned:
-            tier, slot = self._evict(key)
-            self.free[tier].append(slot)
+        """Evict every version of `key` now (on-demand policies keep nothing between uses)."""
+        if key not in self.pinned:
+            for tier in list(self.resident.get(key, ())):
+                self.free[tier].append(self._evict(key, tier))
 
     def settle(self) -> None:
         """Wait for every transfer and slot write (used between requests and in tests)."""
@@ -168,34 +189,46 @@ class CacheManager:
     def _publish(self, t: Transfer) -> None:
         done = self.pools[t.tier].write(t.slot, t.staged)
         self.retiring.append((done, t.nbytes))
-        old = self.resident.get(t.key)
-        if old is not None:  # promotion: the lower version gives its slot back
-            self.lru[old[0]].pop(t.key)
-            self.free[old[0]].append(old[1])
-        self.resident[t.key] = (t.tier, t.slot)
+        versions = self.resident.setdefault(t.key, {})
+        versions[t.tier] = t.slot
         self.lru[t.tier][t.key] = None
-        self.handles.publish(*t.key, TIER_CODES[t.tier], t.slot)
+        self.handles.publish(*t.key, t.tier, t.slot)
         del self.inflight[t.key]
+        code = TIER_CODES[t.tier]
+        for other in [o for o in versions if o != t.tier]:
+            lower = TIER_CODES[other] < code
+            if (lower and not self.keep_lower) or (not lower and t.exact):  # promotion / demotion done
+                self.free[other].append(self._remove(t.key, other))
         if t.kind == "prefetch":
             self.prefetched.add(t.key)
 
     def _claim_slot(self, tier: str) -> int | None:
         if self.free[tier]:
             return self.free[tier].pop()
-        for key in self.lru[tier]:  # least recently used first
-            if key not in self.pinned:
-                return self._evict(key)[1]
-        return None
+        candidates = [k for k in self.lru[tier] if k not in self.pinned]  # least recently used first
+        if not candidates:
+            return None
+        key = self.victim(tier, candidates)
+        if key not in candidates:
+            raise RuntimeError(f"the policy's victim {key} is not one of the {tier} pool's evictable experts")
+        return self._evict(key, tier)
 
-    def _evict(self, key: Key) -> tuple[str, int]:
-        tier, slot = self.resident.pop(key)
+    def _remove(self, key: Key, tier: str) -> int:
+        versions = self.resident[key]
+        slot = versions.pop(tier)
+        if not versions:
+            del self.resident[key]
         self.lru[tier].pop(key)
-        self.handles.retract(*key)
+        self.handles.retract(*key, tier)
+        return slot
+
+    def _evict(self, key: Key, tier: str) -> int:
+        slot = self._remove(key, tier)
         self.stats.evictions += 1
-        if key in self.prefetched:
+        if key in self.prefetched and key not in self.resident:
             self.prefetched.discard(key)
             self.stats.prefetch_evicted_unused += 1
-        return tier, slot
+        return slot
 
     def _drain_oldest(self) -> None:
         """Make staging room: finish the oldest in-flight transfer, or wait for a pending slot write."""
@@ -210,15 +243,16 @@ class CacheManager:
     def check(self) -> None:
         """Assert the bookkeeping invariants; raises AssertionError."""
         for tier, pool in self.pools.items():
-            used = [s for k, (t, s) in self.resident.items() if t == tier]
+            used = [v[tier] for v in self.resident.values() if tier in v]
             moving = [t.slot for t in self.inflight.values() if t.tier == tier]
             slots = used + moving + self.free[tier]
             assert sorted(slots) == list(range(pool.slots)), f"{tier} slots leaked or doubled"
-            assert list(self.lru[tier]) == [k for k in self.lru[tier] if self.resident[k][0] == tier]
-        for key, (tier, slot) in self.resident.items():
-            assert self.handles.tier[key] == TIER_CODES[tier] and self.handles.slot[key] == slot
-        assert (self.handles.tier > 0).sum() == len(self.resident), "a handle points at no resident version"
-        assert not set(self.resident) & set(self.inflight) or all(
-            self.inflight[k].tier != self.resident[k][0] for k in set(self.resident) & set(self.inflight)
-        ), "an expert is both resident and in flight at the same tier"
+            assert set(self.lru[tier]) == {k for k, v in self.resident.items() if tier in v}, f"{tier} LRU is stale"
+            table = self.handles.slot[tier]
+            assert (table >= 0).sum() == len(used), f"a {tier} handle points at no resident version"
+            for key, versions in self.resident.items():
+                assert table[key] == versions.get(tier, NO_SLOT), f"{tier} handle of {key} is stale"
+        assert all(v for v in self.resident.values()), "an expert is listed with no version"
+        for key, t in self.inflight.items():
+            assert t.tier not in self.resident.get(key, {}), f"{key} is both resident and in flight at {t.tier}"
         assert self.staging.budget is None or self.staging.total <= self.staging.budget

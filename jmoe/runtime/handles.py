@@ -1,7 +1,8 @@
-"""The handle table: for every (MoE layer, expert), the tier code and pool slot the forward reads.
+"""Per-tier handle tables: for every (MoE layer, expert) and tier, the pool slot of that version.
 
-The host owns the table and changes it only when a copy into a slot has completed (publish) or
-a slot is taken away (retract); the device copy is refreshed before the next forward reads it.
+The host owns the tables and changes them only when a copy into a slot has completed (publish)
+or a slot is taken away (retract); the device copies are refreshed before the next step reads
+them. NO_SLOT (-1) means the tier's version is not resident.
 """
 
 from __future__ import annotations
@@ -9,26 +10,29 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jmoe.tiers import SKIP
+from jmoe.layers.experts import NO_SLOT
 
 
 class HandleTable:
-    def __init__(self, num_layers: int, num_experts: int, device):
-        self.tier = np.zeros((num_layers, num_experts), np.int32)  # SKIP: no resident version
-        self.slot = np.zeros((num_layers, num_experts), np.int32)
+    def __init__(self, num_layers: int, num_experts: int, tiers, device):
+        self.slot = {tier: np.full((num_layers, num_experts), NO_SLOT, np.int32) for tier in tiers}
         self.device = device
         self._on_device = None
 
-    def publish(self, layer: int, expert: int, code: int, slot: int) -> None:
-        self.tier[layer, expert], self.slot[layer, expert] = code, slot
+    def publish(self, layer: int, expert: int, tier: str, slot: int) -> None:
+        self.slot[tier][layer, expert] = slot
         self._on_device = None
 
-    def retract(self, layer: int, expert: int) -> None:
-        self.tier[layer, expert] = SKIP
+    def retract(self, layer: int, expert: int, tier: str) -> None:
+        self.slot[tier][layer, expert] = NO_SLOT
         self._on_device = None
 
-    def on_device(self) -> tuple[jax.Array, jax.Array]:
-        """(tier [L, E], slot [L, E]) device arrays matching the host table."""
+    def resident(self, tier: str) -> np.ndarray:
+        """[L, E] bool: which experts have a published version of `tier`."""
+        return self.slot[tier] != NO_SLOT
+
+    def on_device(self) -> dict[str, jax.Array]:
+        """tier -> [L, E] device slot tables matching the host tables."""
         if self._on_device is None:
-            self._on_device = (jax.device_put(self.tier, self.device), jax.device_put(self.slot, self.device))
+            self._on_device = {tier: jax.device_put(s, self.device) for tier, s in self.slot.items()}
         return self._on_device

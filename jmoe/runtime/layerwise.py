@@ -1,10 +1,10 @@
-"""The layer-wise step: jitted per-layer pieces with the host between them.
+"""The layer-wise path: run_layers one jitted piece at a time, with the host between the pieces.
 
-After each layer's attention and router the host reads the routing, asks the policy which tier
-each routed expert should run at, fetches what is missing (the next layer's predicted experts are
-already in flight), or runs cold experts on the CPU, then dispatches the experts. A layer whose
-experts do not all fit in the pools at once runs in several passes. Exact: the same layer code as
-the one-jit step, every expert at the tier the policy asked for.
+Each layer's attention runs, then its router and tier selection; the host reads the routing (one
+sync per MoE layer), fetches what is missing at the wanted tiers (the next layer's predicted
+experts are already in flight), or runs cold experts on the CPU, then the experts run. A layer
+whose experts do not all fit the pools at once runs in several passes. The pieces are the decoder
+layer's own methods, so the result is the one-jit step's with every expert at its wanted tier.
 """
 
 from __future__ import annotations
@@ -16,140 +16,139 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmoe.decoding.engine import attention_meta
-from jmoe.layers.attention import KVCache
-from jmoe.layers.experts import LayerExperts, routed_experts
-from jmoe.policies import LayerRouting
-from jmoe.runtime.predictor import predict_next, rank_predictions, recall
+from jmoe.layers.experts import LayerExperts, Routing
+from jmoe.layers.transformer import run_layers
+from jmoe.policies.base import LayerRouting
+from jmoe.runtime.predictor import predict_next, recall
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("want_importance",), donate_argnums=(3, 4))
-def _attention_piece(graphdef, state, x, k_cache, v_cache, meta, *, want_importance):
-    layer = nnx.merge(graphdef, state)
-    x, h, k_cache, v_cache, importance = layer.attention_block(x, k_cache, v_cache, meta, want_importance=want_importance)
-    B, T, D = h.shape
-    h = h.reshape(B * T, D)
-    routing = layer.mlp.route(h) if layer.is_moe else None
-    return x, h, k_cache, v_cache, routing, importance
+def _attend(graphdef, state, x, k_cache, v_cache, meta, *, want_importance):
+    return nnx.merge(graphdef, state).attend(x, k_cache, v_cache, meta, want_importance=want_importance)
+
+
+@partial(jax.jit, static_argnums=0)
+def _dense(graphdef, state, x, h):
+    return nnx.merge(graphdef, state).feed_forward(x, h, None)[0]
+
+
+@partial(jax.jit, static_argnums=0)
+def _route(graphdef, state, h, valid, importance, experts: LayerExperts):
+    """Routing and wanted tiers of a MoE layer's tokens (h [B, T, D])."""
+    block = nnx.merge(graphdef, state).mlp
+    return block.select(block.route(h.reshape(-1, h.shape[-1])), valid, importance, experts)
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("shared",))
-def _experts_piece(graphdef, state, h, routing, valid, experts: LayerExperts, *, shared: bool):
-    layer = nnx.merge(graphdef, state)
-    out = routed_experts(h, routing, valid, experts)
-    extra = layer.mlp.shared_out(h) if shared else None
-    return out if extra is None else out + extra
-
-
-@partial(jax.jit, static_argnums=0)
-def _dense_piece(graphdef, state, h):
-    return nnx.merge(graphdef, state).mlp(h)
+def _experts(graphdef, state, x, h, ids, weights, wanted, valid, experts: LayerExperts, *, shared: bool):
+    """x + the routed experts visible in `experts` (at their wanted tiers) and, if `shared`, the shared expert."""
+    block = nnx.merge(graphdef, state).mlp
+    flat = h.reshape(-1, h.shape[-1])
+    signals = block.resolve(Routing(ids, weights), wanted, valid, experts)
+    return x + block.experts_out(flat, signals, valid, experts, shared=shared).reshape(x.shape)
 
 
 @jax.jit
-def _residual(x, out):
-    return x + out.reshape(x.shape).astype(x.dtype)
-
-
-@jax.jit
-def _scatter_add(out, rows, weights, y):
-    """out [N, D] += weights[:, None] * y at token rows (CPU-run expert contributions)."""
-    return out.at[rows].add((weights[:, None] * y.astype(jnp.float32)).astype(out.dtype))
+def _scatter_add(x, rows, weights, y):
+    """x [B, T, D] += weights[:, None] * y at flat token rows (CPU-run expert contributions)."""
+    flat = x.reshape(-1, x.shape[-1])
+    flat = flat.at[rows].add((weights[:, None] * y.astype(jnp.float32)).astype(x.dtype))
+    return flat.reshape(x.shape)
 
 
 @partial(jax.jit, static_argnums=0)
-def _embed_piece(graphdef, dense, tokens):
+def _embed(graphdef, dense, tokens):
     return nnx.merge(graphdef, dense).embed(tokens)
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("last_only",))
-def _head_piece(graphdef, dense, x, *, last_only):
+def _head(graphdef, dense, x, *, last_only):
     model = nnx.merge(graphdef, dense)
     return model.logits(x[:, -1:] if last_only else x)
 
 
-def token_importance(received, write_start: int, num_tokens: int) -> np.ndarray | None:
-    """Attention received per cache slot [B, S] -> per current token [B * T] (None if not computed)."""
-    if received is None:
-        return None
-    return np.asarray(received)[:, write_start : write_start + num_tokens].reshape(-1)
+class LayerPieces:
+    """A model's layers split for per-layer jits, and what the look-ahead predictor needs."""
 
-
-class LayerwiseStep:
-    def __init__(self, runtime, graphdef, dense):
-        self.rt = runtime
+    def __init__(self, graphdef, dense):
         self.graphdef, self.dense = graphdef, dense
         model = nnx.merge(graphdef, dense)
         self.cfg = model.config
         self.layers = [nnx.split(layer) for layer in model.layers]
         self.moe_index = {layer: i for i, layer in enumerate(self.cfg.moe_layer_indices)}
-        # What the look-ahead predictor needs of each MoE layer: its router and the norm before it.
+        # the look-ahead predictor applies a MoE layer's norm and router to the previous layer's state
         self.router_inputs = [
             (model.layers[i].post_attention_layernorm.weight[...], model.layers[i].mlp.router.kernel[...])
             for i in self.cfg.moe_layer_indices
         ]
 
-    def run(self, tokens, cache: KVCache, write_start: int, key_start, *, last_only: bool, phase: str):
-        rt, cfg = self.rt, self.cfg
-        B, T = tokens.shape
-        meta = attention_meta(cfg, T, write_start, key_start)
-        slots = write_start + np.arange(T)
-        valid = (slots[None, :] >= np.asarray(key_start)[:, None]).reshape(-1)  # [B*T] real tokens
-        valid_dev = jax.device_put(valid, rt.device)
-        x = _embed_piece(self.graphdef, self.dense, tokens)
-        ks, vs = list(cache.k), list(cache.v)
-        predicted: set[int] | None = None  # experts predicted for the MoE layer about to run
-        want_importance = phase == "prefill" and rt.policy.wants_importance
-        for i, (graphdef, state) in enumerate(self.layers):
-            x, h, ks[i], vs[i], routing, importance = _attention_piece(
-                graphdef, state, x, ks[i], vs[i], meta, want_importance=want_importance and i in self.moe_index)
-            if routing is None:
-                x = _residual(x, _dense_piece(graphdef, state, h))
-                continue
-            mi = self.moe_index[i]
-            lookahead = None
-            if rt.policy.prefetch and mi + 1 < len(self.router_inputs):
-                norm_w, router_k = self.router_inputs[mi + 1]
-                lookahead = predict_next(norm_w, router_k, x.reshape(B * T, -1), valid_dev, top_k=cfg.top_k,
-                                         eps=cfg.rms_norm_eps)
-            r = LayerRouting(rt.step_index, phase, mi, len(self.router_inputs), np.asarray(routing.ids),
-                             np.asarray(routing.weights), valid, token_importance(importance, write_start, T))
-            if predicted is not None:
-                hit, total = recall(predicted, set(int(e) for e in r.experts()))
-                rt.stats.predicted += hit
-                rt.stats.actual += total
-            predicted = None
-            if lookahead is not None:
-                counts = np.asarray(lookahead)
-                predicted = set(int(e) for e in np.flatnonzero(counts))
-                next_prefetch = (mi + 1, rank_predictions(counts, rt.prefetch_limit()))
-            else:
-                next_prefetch = None
-            out = self._experts(graphdef, state, h, routing, valid_dev, r, next_prefetch)
-            x = _residual(x, out)
-        logits = _head_piece(self.graphdef, self.dense, x, last_only=last_only)
-        return logits, KVCache(tuple(ks), tuple(vs))
 
-    def _experts(self, graphdef, state, h, routing, valid_dev, r: LayerRouting, next_prefetch):
-        """Every routed expert of one layer at its wanted tier: fetched, resident, or on the CPU."""
-        rt = self.rt
-        device_wanted, cpu_experts = rt.plan_layer(r)
-        passes = rt.split_passes(r.layer, device_wanted)
-        out = None
-        for p, group in enumerate(passes or [{}]):
-            keys = rt.fetch_group(r.layer, group)
-            if p == 0 and next_prefetch is not None:
-                rt.prefetch(*next_prefetch)
-            rt.cache.wait(keys)
-            tier_row, slot_row = rt.handle_rows(r.layer, group)
-            experts = LayerExperts(tier_row, slot_row, rt.pool_arrays(), rt.backend)
-            part = _experts_piece(graphdef, state, h, routing, valid_dev, experts, shared=p == 0)
-            out = part if out is None else out + part
-            rt.finish_group(keys)
+class LayerwiseRunner:
+    """run_layers' runner for the layer-wise path (see the module docstring)."""
+
+    def __init__(self, pieces: LayerPieces, res, valid: np.ndarray, phase: str):
+        self.pieces, self.res, self.valid, self.phase = pieces, res, valid, phase
+        self.valid_dev = jax.device_put(valid, res.device)
+        self.num_layers = len(pieces.layers)
+        self.routings: list[LayerRouting] = []
+        self.predicted: set[int] | None = None  # experts predicted for the MoE layer about to run
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.pieces.moe_index
+
+    def attend(self, i, x, k_cache, v_cache, meta, want_importance):
+        graphdef, state = self.pieces.layers[i]
+        return _attend(graphdef, state, x, k_cache, v_cache, meta, want_importance=want_importance)
+
+    def feed_forward(self, i, x, h, meta, importance):
+        graphdef, state = self.pieces.layers[i]
+        if not self.is_moe(i):
+            return _dense(graphdef, state, x, h), None
+        res, cfg, mi = self.res, self.pieces.cfg, self.pieces.moe_index[i]
+        flat_importance = None if importance is None else importance.reshape(-1)
+        signals = _route(graphdef, state, h, self.valid_dev, flat_importance, res.expert_state().layer(mi))
+        lookahead = None
+        if res.policy.prefetch and mi + 1 < len(self.pieces.router_inputs):
+            norm_w, router_k = self.pieces.router_inputs[mi + 1]
+            lookahead = predict_next(norm_w, router_k, x.reshape(-1, x.shape[-1]), self.valid_dev, top_k=cfg.top_k,
+                                     eps=cfg.rms_norm_eps)
+        ids, weights, wanted, imp = jax.device_get((signals.ids, signals.weights, signals.wanted, flat_importance))
+        res.stats.host_syncs += 1
+        r = LayerRouting(res.step_index, self.phase, mi, len(self.pieces.router_inputs), ids, weights, self.valid, imp,
+                         wanted, wanted)
+        self.routings.append(r)
+        if self.predicted is not None:
+            hit, total = recall(self.predicted, set(int(e) for e in r.experts()))
+            res.stats.predicted += hit
+            res.stats.actual += total
+        self.predicted = None
+        if lookahead is not None:
+            counts = np.asarray(lookahead)
+            self.predicted = set(int(e) for e in np.flatnonzero(counts))
+        device_wanted, cpu_experts = res.plan_layer(r)
+        for p, group in enumerate(res.split_passes(mi, device_wanted) or [{}]):
+            keys = res.fetch_pass(mi, group)
+            if p == 0 and lookahead is not None:
+                res.prefetch_predicted(mi + 1, counts)
+            res.cache.wait(keys)
+            x = _experts(graphdef, state, x, h, signals.ids, signals.weights, signals.wanted, self.valid_dev,
+                         res.pass_experts(mi, group), shared=p == 0)
+            res.finish_pass(keys)
+        flat_h = h.reshape(-1, h.shape[-1])
         for expert, tier in cpu_experts:
             tokens, position = np.nonzero(r.ids == expert)
             keep = r.valid[tokens]
             tokens, position = tokens[keep], position[keep]
-            y = rt.cpu.run(h[tokens], tier, r.layer, expert)
-            out = _scatter_add(out, jnp.asarray(tokens), jnp.asarray(r.scores[tokens, position]), y)
-        return out
+            y = res.cpu.run(flat_h[tokens], tier, mi, expert)
+            x = _scatter_add(x, jnp.asarray(tokens), jnp.asarray(r.scores[tokens, position]), y)
+        return x, None
+
+
+def run_layerwise(pieces: LayerPieces, res, tokens, cache, meta, valid: np.ndarray, *, last_only: bool, phase: str):
+    """One step through the layer-wise path: (logits, cache)."""
+    runner = LayerwiseRunner(pieces, res, valid, phase)
+    want_importance = phase == "prefill" and res.policy.wants_importance
+    x, cache, _, _ = run_layers(runner, _embed(pieces.graphdef, pieces.dense, tokens), cache, meta,
+                                want_importance=want_importance)
+    res.finish_layerwise(runner.routings)
+    return _head(pieces.graphdef, pieces.dense, x, last_only=last_only), cache

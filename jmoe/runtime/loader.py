@@ -20,8 +20,9 @@ from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, inside, read_manifest
 from jmoe.policies import POLICY_NAMES, Policy, make_policy
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
-from jmoe.runtime.offload import PATHS, OffloadRuntime, plan_pools
-from jmoe.runtime.pools import ResidentExperts
+from jmoe.runtime.execution import PATHS, Executor
+from jmoe.runtime.pools import plan_pools
+from jmoe.runtime.residency import AllResident, Offloaded
 from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import TIER_NAMES
 from jmoe.tokenizer import load_tokenizer
@@ -42,8 +43,8 @@ class JmoeModel:
     graphdef: Any
     dense: Any
     store: ExpertStore
-    experts: Any
-    engine: Engine
+    residency: Any  # AllResident or Offloaded (jmoe/runtime/residency.py)
+    executor: Executor
     compute_dtype: Any
     max_seq_len: int
     device_budget: int | None
@@ -53,15 +54,21 @@ class JmoeModel:
     # (the cache, pools and handle table change only under it).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
-    def step(self, tokens, cache, write_start, key_start, *, last_only: bool, phase: str):
-        """One forward step over `tokens` [B, T] written at cache slot `write_start`: (logits, cache)."""
+    def step(self, tokens, cache, start, key_start, *, last_only: bool, phase: str, residency=None):
+        """One forward step over tokens [B, T], row b written from cache slot start[b]: (logits, cache).
+
+        `residency` runs the step over other experts (a draft sharing the dense weights and cache)."""
         with self.lock:
-            return self.experts.step(self.engine, self.dense, tokens, cache, write_start, key_start,
-                                     last_only=last_only, phase=phase)
+            return self.executor.step(tokens, cache, start, key_start, last_only=last_only, phase=phase,
+                                      residency=residency)
+
+    @property
+    def engine(self) -> Engine:
+        return self.executor.engine
 
     @property
     def stats(self):
-        return self.experts.stats
+        return self.residency.stats
 
     def check_batch_fits(self, batch: int, cache_len: int) -> None:
         """Under a budget, the KV cache of a request must fit what load() reserved for it."""
@@ -84,7 +91,7 @@ class JmoeModel:
     def __repr__(self) -> str:
         return (
             f"JmoeModel({self.config.family}, {self.config.num_layers} layers, {self.config.num_experts} experts, "
-            f"compute {jnp.dtype(self.compute_dtype).name}, experts {self.experts.tier}, policy {self.policy.name})"
+            f"compute {jnp.dtype(self.compute_dtype).name}, experts {self.residency.tier}, policy {self.policy.name})"
         )
 
 
@@ -256,12 +263,11 @@ def load(
                 f"raise the budget, lower max_seq_len / max_batch, or pick an offloading policy such as 'lru+prefetch'"
             )
         tracker.reserve("experts", all_experts)
-        experts = ResidentExperts(store, tier, device, backend=kernel_backend)
+        residency = AllResident(store, tier, device, backend=kernel_backend)
     else:
         plan = plan_pools(store, chosen.pools(), fixed, budget, staging_transfers=2 * cfg.top_k)
-        experts = OffloadRuntime(cfg, store, chosen, tracker, plan, graphdef, dense, device, dtype,
-                                 path=execution, backend=kernel_backend, cpu_critical_tokens=cpu_critical_tokens,
-                                 progress=progress)
+        residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
+                              cpu_critical_tokens=cpu_critical_tokens, progress=progress)
     memory = dict(tracker.reserved)
     tokenizer = None
     if manifest["tokenizer"] is not None:
@@ -277,8 +283,8 @@ def load(
         graphdef=graphdef,
         dense=dense,
         store=store,
-        experts=experts,
-        engine=Engine(graphdef),
+        residency=residency,
+        executor=Executor(Engine(graphdef), graphdef, dense, residency, execution),
         compute_dtype=dtype,
         max_seq_len=max_seq_len,
         device_budget=budget,

@@ -7,19 +7,18 @@ donated update that reinterprets the record's byte ranges as the slab's arrays, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.errors import BudgetError
 from jmoe.format import RecordLayout, np_dtype
-from jmoe.layers.experts import ExpertState
 from jmoe.quant import ExpertWeights
-from jmoe.runtime.budget import tree_nbytes
-from jmoe.runtime.stats import Stats
+from jmoe.runtime.budget import format_size, tree_nbytes
 from jmoe.runtime.store import ExpertStore
-from jmoe.tiers import TIER_CODES
 
 
 def pool_template(store: ExpertStore, tier: str, slots: int) -> ExpertWeights:
@@ -75,40 +74,51 @@ class TierPool:
         return done
 
 
-class ResidentExperts:
-    """Every expert resident on the device at one tier: no transfers after load."""
+def resident_pool(store: ExpertStore, tier: str, device) -> ExpertWeights:
+    """A pool holding every expert at `tier`, expert (layer, e) in slot layer * E + e."""
+    L, E = store.num_layers, store.num_experts
+    host = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), pool_template(store, tier, L * E))
+    for layer in range(L):
+        for expert in range(E):
+            record = store.record(tier, layer, expert)
+            for dst, src in zip(jax.tree.leaves(host), jax.tree.leaves(record), strict=True):
+                dst[layer * E + expert] = src
+    return jax.device_put(host, device)
 
-    def __init__(self, store: ExpertStore, tier: str, device=None, backend: str | None = None):
-        L, E = store.num_layers, store.num_experts
-        host = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), pool_template(store, tier, L * E))
-        for layer in range(L):
-            for expert in range(E):
-                record = store.record(tier, layer, expert)
-                for dst, src in zip(jax.tree.leaves(host), jax.tree.leaves(record), strict=True):
-                    dst[layer * E + expert] = src
-        device = device or jax.devices()[0]
-        self.tier = tier
-        self.stats = Stats()
-        self.pool = jax.device_put(host, device)
-        self._state = ExpertState(
-            tier=jax.device_put(np.full((L, E), TIER_CODES[tier], np.int32), device),
-            slot=jax.device_put(np.arange(L * E, dtype=np.int32).reshape(L, E), device),
-            pools={tier: self.pool},
-            backend=backend,
+
+@dataclass(frozen=True)
+class PoolPlan:
+    slots: dict[str, int]  # tier -> slots of its pool
+    slot_nbytes: dict[str, int]
+    staging_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.slots[t] * self.slot_nbytes[t] for t in self.slots)
+
+
+def plan_pools(store: ExpertStore, shares: dict[str, float], fixed: int, budget: int | None,
+               staging_transfers: int) -> PoolPlan:
+    """Size one pool per tier from what the budget leaves after the fixed reservations.
+
+    Each tier gets its share of that remainder. A pool must hold at least one token's experts of
+    one layer (top_k slots); staging is sized for `staging_transfers` of the largest record. With
+    no budget every pool can hold every expert.
+    """
+    cfg = store.config
+    per_slot = {t: slot_nbytes(store, t) for t in shares}
+    staging = staging_transfers * max(store.record_nbytes(t) for t in shares)
+    total_experts = cfg.num_moe_layers * cfg.num_experts
+    if budget is None:
+        return PoolPlan({t: total_experts for t in shares}, per_slot, staging)
+    left = budget - fixed - staging
+    slots = {t: int(min(total_experts, max(0, left) * share // per_slot[t])) for t, share in shares.items()}
+    if any(n < cfg.top_k for n in slots.values()):
+        need = max(-(-cfg.top_k * per_slot[t] // share) for t, share in shares.items())
+        pools = ", ".join(f"{cfg.top_k} experts x {format_size(per_slot[t])} at {t}" for t in shares)
+        raise BudgetError(
+            f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and one layer's "
+            f"working set: needs at least {format_size(fixed + staging + int(need))} ({format_size(fixed)} fixed + "
+            f"{format_size(staging)} transfer staging + {pools})"
         )
-
-    def step(self, engine, dense, tokens, cache, write_start, key_start, *, last_only: bool, phase: str):
-        """Everything is resident: one jitted forward, nothing to fetch."""
-        self.stats.steps += 1
-        logits, cache, _ = engine.forward(dense, self._state, tokens, cache, write_start, key_start,
-                                          last_only=last_only, want_importance=False)
-        return logits, cache
-
-    def expert_state(self) -> ExpertState:
-        return self._state
-
-    def reset_stats(self) -> None:
-        self.stats = Stats()
-
-    def device_nbytes(self) -> int:
-        return int(sum(x.nbytes for x in jax.tree.leaves(self.pool)))
+    return PoolPlan(slots, per_slot, staging)

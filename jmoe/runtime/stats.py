@@ -46,6 +46,7 @@ class Stats:
     stalls: int = 0  # times a step waited for a transfer
     stall_seconds: float = 0.0
     replays: int = 0  # resident-path steps re-run after fetching their misses
+    host_syncs: int = 0  # times the host waited to read routing back from the device
     evictions: int = 0
     # prefetch and prediction
     prefetch_issued: int = 0
@@ -79,6 +80,7 @@ class Stats:
             "stalls": self.stalls,
             "stall_seconds": self.stall_seconds,
             "replays": self.replays,
+            "host_syncs": self.host_syncs,
             "prefetch_issued": self.prefetch_issued,
             "prefetch_accuracy": self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None,
             "predictor_recall": self.predicted / self.actual if self.actual else None,

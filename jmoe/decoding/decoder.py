@@ -1,0 +1,66 @@
+"""A batch's KV cache and per-row cache positions, over a model's step: prefill, decode, verify.
+
+Prompts are left-padded to a common length, so every row starts real tokens at its own slot
+(`key_start`). After prefill each row has its own position: `decode` writes one token per row at
+it and advances, `verify` writes T tokens per row in one pass and returns the logits of each
+without advancing, and `advance(n)` moves rows by different amounts (a row that accepted fewer
+speculative tokens simply advances less; what verify wrote beyond a row's position is masked
+out of attention and overwritten by the next step). `residency` runs a step over other experts,
+e.g. a low-precision draft sharing the dense weights and this cache.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.decoding.engine import PREFILL_CHUNK, new_cache
+from jmoe.errors import InputError
+
+
+class Decoder:
+    def __init__(self, model, prompts: list[list[int]], prompt_len: int, cache_len: int):
+        cfg = model.config
+        self.model = model
+        self.batch = len(prompts)
+        self.prompt_len, self.cache_len = prompt_len, cache_len
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.prompt = np.full((self.batch, prompt_len), pad, np.int32)
+        for b, p in enumerate(prompts):
+            self.prompt[b, prompt_len - len(p):] = p
+        self.key_start = np.asarray([prompt_len - len(p) for p in prompts], np.int32)
+        self.pos = np.zeros(self.batch, np.int32)  # cache slot the next token of each row goes to
+        self.cache = new_cache(cfg, self.batch, cache_len, model.compute_dtype)
+
+    def step(self, tokens, *, last_only: bool = False, phase: str = "decode", residency=None):
+        """Run tokens [B, T] from each row's position (not advancing): logits [B, T or 1, V]."""
+        T = tokens.shape[1]
+        if int(self.pos.max()) + T > self.cache_len:
+            raise InputError(f"{T} more tokens do not fit the {self.cache_len}-slot cache (rows at {self.pos.tolist()})")
+        logits, self.cache = self.model.step(tokens, self.cache, self.pos, self.key_start, last_only=last_only,
+                                             phase=phase, residency=residency)
+        return logits
+
+    def advance(self, n) -> None:
+        """Move every row by n tokens (an int, or one count per row; negative rewinds)."""
+        self.pos = self.pos + np.broadcast_to(np.asarray(n, np.int32), self.pos.shape)
+        if (self.pos < self.key_start).any():
+            raise InputError("a row cannot move back into its prompt padding")
+
+    def prefill(self) -> jnp.ndarray:
+        """The prompts, in chunks of at most PREFILL_CHUNK tokens: logits of each row's last token [B, V]."""
+        chunk = min(self.prompt_len, PREFILL_CHUNK)
+        for start in range(0, self.prompt_len, chunk):
+            logits = self.step(jnp.asarray(self.prompt[:, start:start + chunk]), last_only=True, phase="prefill")
+            self.advance(min(chunk, self.prompt_len - start))
+        return logits[:, -1]
+
+    def decode(self, tokens, *, residency=None) -> jnp.ndarray:
+        """One token per row [B] at each row's position, then advance: logits [B, V]."""
+        logits = self.step(tokens[:, None], last_only=True, residency=residency)
+        self.advance(1)
+        return logits[:, -1]
+
+    def verify(self, tokens, *, residency=None) -> jnp.ndarray:
+        """T tokens per row [B, T] in one pass, not advancing: the logits after each [B, T, V]."""
+        return self.step(tokens, last_only=False, residency=residency)

@@ -1,0 +1,315 @@
+"""Residency objects: where experts live, handed to a step as an ExpertState, told what it routed.
+
+A residency object does not run steps (jmoe/runtime/execution.py does). Before a step it plans
+(`begin_step`) and hands out an ExpertState: per-tier handle tables, the pools and this step's
+Selection. After the step it takes the step's routing back and keeps its books.
+
+- AllResident: every expert on the device at one tier. Nothing moves; the step's signals stay on
+  the device (`signals`) until someone reads them, so a step costs no host sync.
+- Offloaded: experts on the host, budget-sized pools per tier caching them, a policy planning each
+  step, and the cache manager moving versions in and out.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jmoe.config import ModelConfig
+from jmoe.layers.experts import NO_SLOT, ExpertState, LayerExperts, Selection
+from jmoe.layers.transformer import StepSignals
+from jmoe.policies.base import (
+    ExpertCounters,
+    Key,
+    LayerRouting,
+    Plan,
+    Policy,
+    StepView,
+    check_plan,
+)
+from jmoe.runtime.budget import BudgetTracker
+from jmoe.runtime.cache import CacheManager
+from jmoe.runtime.cpu_exec import CpuExecutor
+from jmoe.runtime.handles import HandleTable
+from jmoe.runtime.host_store import HostStore
+from jmoe.runtime.pools import PoolPlan, TierPool, resident_pool
+from jmoe.runtime.predictor import rank_predictions
+from jmoe.runtime.stats import Stats
+from jmoe.runtime.store import ExpertStore
+from jmoe.tiers import SKIP, TIER_CODES, tier_name
+
+
+class AllResident:
+    """Every expert resident on the device at one tier: no transfers after load."""
+
+    offloading = False
+
+    def __init__(self, store: ExpertStore, tier: str, device, backend: str | None = None):
+        L, E = store.num_layers, store.num_experts
+        self.tier = tier
+        self.stats = Stats()
+        self.pool = resident_pool(store, tier, device)
+        slots = jax.device_put(np.arange(L * E, dtype=np.int32).reshape(L, E), device)
+        self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend)
+        self.signals: StepSignals | None = None  # the last step's, on the device
+
+    def begin_step(self, phase: str) -> None:
+        self.stats.steps += 1
+
+    def expert_state(self) -> ExpertState:
+        return self.state
+
+    def observe(self, signals: StepSignals) -> None:
+        self.signals = signals
+
+    def end_step(self) -> None:
+        pass
+
+    def reset_stats(self) -> None:
+        self.stats = Stats()
+
+    def device_nbytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.pool)))
+
+
+class Offloaded:
+    offloading = True
+
+    def __init__(self, cfg: ModelConfig, store: ExpertStore, policy: Policy, tracker: BudgetTracker, plan: PoolPlan,
+                 device, compute_dtype, *, backend: str | None = None, cpu_critical_tokens: int | None = None,
+                 progress: bool | None = None):
+        self.cfg, self.policy, self.backend, self.device = cfg, policy, backend, device
+        self.tier = policy.tier
+        self.stats = Stats()
+        self.counters = ExpertCounters(cfg.num_moe_layers, cfg.num_experts)
+        self.step_index = 0
+        tracker.reserve("experts", plan.nbytes)
+        tracker.reserve("staging", plan.staging_nbytes)
+        self.tracker = tracker
+        self.host = HostStore(store, tuple(plan.slots), device, progress=progress)
+        self.pools = {tier: TierPool(store, tier, slots, device) for tier, slots in plan.slots.items()}
+        self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, tuple(self.pools), device)
+        self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
+                                  device, victim=policy.victim, keep_lower=policy.keep_lower)
+        self.plan: Plan | None = None
+        self._selection: tuple[Plan, Selection] | None = None
+        self.cpu = None
+        self.critical_tokens = 0
+        if policy.cpu_execution:
+            self.cpu = CpuExecutor(self.host, device, compute_dtype)
+            cost = self.cpu.calibrate(self.tier)
+            self.critical_tokens = cost.critical_tokens if cpu_critical_tokens is None else cpu_critical_tokens
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (the cache keeps its contents; earlier prefetches are not credited)."""
+        self.stats = self.cache.stats = Stats()
+        self.cache.prefetched.clear()
+
+    @property
+    def slots(self) -> int:
+        """Slots of the run tier's pool."""
+        return self.pools[self.tier].slots
+
+    # -- before and after a step
+
+    def begin_step(self, phase: str) -> None:
+        """Publish finished transfers, ask the policy for this step's plan, start what it asks for."""
+        self.cache.poll()
+        self.stats.steps += 1
+        self.step_index += 1
+        view = StepView(self.step_index, phase, self.cfg.num_moe_layers, self.cfg.num_experts, self.counters)
+        plan = self.policy.plan(view)
+        if plan is not self.plan:
+            check_plan(plan, self.pools, self.cfg.num_moe_layers, self.cfg.num_experts, self.policy.name)
+            self.plan = plan
+        for key, tier in plan.prefetch:
+            if self.cache.request(key, tier, "prefetch") == "full":
+                break
+        for key, tier in plan.transitions:
+            self.cache.request(key, tier, "transition", exact=True)  # "full": deferred to a later plan
+
+    def end_step(self) -> None:
+        """Whatever happened inside the step, its pins go."""
+        self.cache.pinned = set()
+
+    def selection(self) -> Selection:
+        if self._selection is None or self._selection[0] is not self.plan:
+            p = self.plan
+            self._selection = (p, jax.device_put(Selection.of(p.hi, p.lo, p.ratio, p.heavy_hitters), self.device))
+        return self._selection[1]
+
+    def expert_state(self) -> ExpertState:
+        return ExpertState(self.handles.on_device(), self.pool_arrays(), self.selection(), self.backend)
+
+    def pool_arrays(self) -> dict:
+        return {tier: pool.arrays for tier, pool in self.pools.items()}
+
+    # -- the one-jit path: read the step's signals, fetch what it lacked, keep the books
+
+    def read(self, signals: StepSignals, valid: np.ndarray, phase: str) -> list[LayerRouting]:
+        """Every MoE layer's routing of a step (one device-to-host read)."""
+        ids, weights, wanted, chosen, importance = jax.device_get(
+            (signals.ids, signals.weights, signals.wanted, signals.chosen, signals.importance))
+        self.stats.host_syncs += 1
+        L, N = ids.shape[0], valid.shape[0]
+        flat = lambda a, layer: a[layer].reshape(N, -1)  # noqa: E731
+        return [LayerRouting(self.step_index, phase, layer, L, flat(ids, layer), flat(weights, layer), valid,
+                             None if importance is None else importance[layer].reshape(N),
+                             flat(wanted, layer), flat(chosen, layer)) for layer in range(L)]
+
+    @staticmethod
+    def per_expert(routings: list[LayerRouting], field: str) -> dict[Key, int]:
+        """(layer, expert) -> tier code of `field` ("wanted" or "chosen") for every routed expert."""
+        out = {}
+        for r in routings:
+            ids, codes = r.ids[r.valid].ravel(), getattr(r, field)[r.valid].ravel()
+            out.update({(r.layer, int(e)): int(c) for e, c in zip(ids, codes)})
+        return out
+
+    def shortfall(self, routings: list[LayerRouting]) -> tuple[dict[Key, int], dict[Key, int]]:
+        """(wanted code of every routed expert, those of them that ran below it)."""
+        wanted, chosen = self.per_expert(routings, "wanted"), self.per_expert(routings, "chosen")
+        return wanted, {key: code for key, code in wanted.items() if chosen[key] < code}
+
+    def fits(self, wanted: dict[Key, int]) -> bool:
+        """Whether every expert of `wanted` can be resident at its wanted tier at once."""
+        need: dict[str, int] = {}
+        for key, code in wanted.items():
+            if code != SKIP:
+                tier = self.landing_tier(key, code)
+                need[tier] = need.get(tier, 0) + 1
+        return all(n <= self.pools[tier].slots for tier, n in need.items())
+
+    def fetch(self, wanted: dict[Key, int], missing: dict[Key, int]) -> None:
+        """Make `missing` resident at their wanted tiers (blocking), never evicting any of `wanted`."""
+        self.cache.pinned = set(wanted)
+        for key, code in missing.items():
+            self.cache.request(key, tier_name(code), "demand")
+        self.cache.wait(list(missing))
+        self.cache.pinned = set()
+
+    def accept(self, routings: list[LayerRouting], fetched: set, missing: dict[Key, int] | None = None) -> None:
+        """Books of a step that is kept: uses, hits, misses (fetched for it and replayed), degraded
+        and skipped uses (`missing`, fetched now for the steps to come), counters, LRU order."""
+        wanted = self.per_expert(routings, "wanted")
+        chosen = self.per_expert(routings, "chosen")
+        missing = missing or {}
+        for key, code in wanted.items():
+            self.stats.uses += 1
+            if code == SKIP or (key in missing and chosen[key] == SKIP):
+                self.stats.skipped += 1
+            elif key in missing:
+                self.stats.degraded += 1
+            elif key in fetched:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+        self._observe(routings)
+        for key in wanted:
+            self.cache.touch(key)
+        if missing:
+            self.cache.pinned = set(wanted)
+            for key, code in missing.items():
+                self.cache.request(key, tier_name(code), "demand")
+            self.cache.pinned = set()
+        if not self.policy.cache:
+            for key in wanted:
+                self.cache.drop(key)
+
+    def _observe(self, routings: list[LayerRouting]) -> None:
+        for r in routings:
+            self.counters.update(r)
+        self.policy.observe(routings, self.counters)
+
+    # -- the layer-wise path: one layer at a time
+
+    def landing_tier(self, key: Key, code: int) -> str:
+        """The pool an expert runs from at `code`: the version the step would choose, or the one landing."""
+        if self.cache.code_in_flight(key) >= code:
+            return self.cache.inflight[key].tier
+        adequate = [TIER_CODES[t] for t in self.cache.resident.get(key, ()) if TIER_CODES[t] >= code]
+        return tier_name(min(adequate) if adequate else code)
+
+    def plan_layer(self, r: LayerRouting) -> tuple[dict[int, str], list[tuple[int, str]]]:
+        """Count uses and sort a layer's routed experts into (expert -> tier to run on the device,
+        [(expert, tier)] to run on the CPU)."""
+        self.cache.poll()  # publish prefetches that landed while earlier layers computed
+        self.counters.update(r)
+        counts = r.token_counts(self.cfg.num_experts)
+        device, cpu = {}, []
+        for expert, code in r.wanted_by_expert().items():
+            key = (r.layer, expert)
+            self.stats.uses += 1
+            if code == SKIP:
+                self.stats.skipped += 1
+                continue
+            if self.cache.serves(key, code):
+                self.stats.hits += 1
+                self.cache.touch(key)
+            elif self.cache.code_in_flight(key) >= code:
+                self.stats.late += 1
+            elif self.cpu is not None and counts[expert] <= self.critical_tokens:
+                self.stats.cpu_runs += 1
+                self.stats.cpu_tokens += int(counts[expert])
+                cpu.append((expert, tier_name(code)))
+                continue
+            else:
+                self.stats.misses += 1
+            device[expert] = tier_name(code)
+        return device, cpu
+
+    def split_passes(self, layer: int, wanted: dict[int, str]) -> list[dict[int, str]]:
+        """Groups whose experts fit the pools together (each pool counted apart); resident experts
+        first so they run before anything is evicted."""
+        ordered = sorted(wanted, key=lambda e: self.cache.code_of((layer, e)) == SKIP)
+        passes: list[dict[int, str]] = []
+        used: dict[str, int] = {}
+        for expert in ordered:
+            pool = self.landing_tier((layer, expert), TIER_CODES[wanted[expert]])
+            if not passes or used.get(pool, 0) == self.pools[pool].slots:
+                passes.append({})
+                used = {}
+            passes[-1][expert] = wanted[expert]
+            used[pool] = used.get(pool, 0) + 1
+        return passes
+
+    def fetch_pass(self, layer: int, group: dict[int, str]) -> list[Key]:
+        keys = [(layer, e) for e in group]
+        self.cache.pinned = set(keys)
+        for key in keys:
+            if self.cache.request(key, group[key[1]], "demand") == "full":
+                raise RuntimeError(f"no slot for expert {key} although the pass fits the pools")
+        return keys
+
+    def pass_experts(self, layer: int, group: dict[int, str]) -> LayerExperts:
+        """The layer's experts with only `group` visible (a pass of the layer-wise path)."""
+        chosen = np.asarray(list(group), np.int64)
+        slots = {}
+        for tier, table in self.handles.slot.items():
+            row = np.full(self.cfg.num_experts, NO_SLOT, np.int32)
+            row[chosen] = table[layer, chosen]
+            slots[tier] = row
+        sel = self.selection()
+        return LayerExperts(jax.device_put(slots, self.device), self.pool_arrays(), sel.hi[layer], sel.lo[layer],
+                            sel.ratio[layer], sel.heavy_hitters, self.backend)
+
+    def finish_pass(self, keys: list[Key]) -> None:
+        self.cache.pinned = set()
+        if not self.policy.cache:
+            for key in keys:
+                self.cache.drop(key)
+
+    def prefetch_limit(self) -> int:
+        return max(1, self.slots // max(1, self.cfg.num_moe_layers))
+
+    def prefetch_predicted(self, layer: int, counts: np.ndarray) -> None:
+        """Start fetching the experts predicted for `layer`, most tokens first, each at the tier this
+        step's plan would give it, until the pool is full."""
+        ranked = rank_predictions(counts, self.prefetch_limit())
+        for expert, code in self.plan.layer_tiers(layer, ranked):
+            if code != SKIP and self.cache.request((layer, expert), tier_name(code), "prefetch") == "full":
+                break
+
+    def finish_layerwise(self, routings: list[LayerRouting]) -> None:
+        """A layer-wise step is kept as run (its counters were updated layer by layer)."""
+        self.policy.observe(routings, self.counters)
