@@ -20,7 +20,7 @@ import numpy as np
 import jmoe
 from bench.common import CORPUS, TINY_HF, timed, write_result
 from convert import convert_checkpoint
-from jmoe.decoding.engine import _forward_jit, new_cache
+from jmoe.decoding.engine import new_cache
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -42,12 +42,12 @@ def jmoe_speed(model, ids: list[int], new_tokens: int) -> dict:
     S = P + new_tokens
     cache_shape = new_cache(cfg, 1, S, model.compute_dtype)
     t = time.perf_counter()
-    _forward_jit.lower(model.graphdef, model.dense, experts, tokens, cache_shape, 0, key_start, last_only=True,
+    engine.forward.lower(model.dense, experts, tokens, cache_shape, 0, key_start, last_only=True,
                        want_importance=False).compile()
     compile_prefill = time.perf_counter() - t
     step_tokens = jnp.zeros((1, 1), jnp.int32)
     t = time.perf_counter()
-    _forward_jit.lower(model.graphdef, model.dense, experts, step_tokens, cache_shape, P, key_start, last_only=True,
+    engine.forward.lower(model.dense, experts, step_tokens, cache_shape, P, key_start, last_only=True,
                        want_importance=False).compile()
     compile_decode = time.perf_counter() - t
 

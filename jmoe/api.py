@@ -40,6 +40,8 @@ def stats(model: JmoeModel) -> dict:
     predictor recall, stalls, replays, CPU-run experts, TTFT and TPOT (seconds)."""
     check_model(model)
     with model.lock:  # a consistent snapshot while other threads generate
+        if hasattr(model.residency, "catch_up"):
+            model.residency.catch_up()
         pools = getattr(model.residency, "pools", None)
         slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
         return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}

@@ -55,7 +55,8 @@ def run_threads(worker, count: int) -> list[BaseException]:
     return errors
 
 
-@pytest.mark.parametrize("policy,execution", [("lru+prefetch", "layerwise"), ("lru", "resident")])
+@pytest.mark.parametrize("policy,execution",
+                         [("lru+prefetch", "auto"), ("lru+prefetch", "layerwise"), ("lru", "resident")])
 def test_eight_threads_share_one_offloading_model(tiny_converted, reference, policy, execution):
     resident_model, expected = reference
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
@@ -102,7 +103,7 @@ class FailingPolicy(Policy):
         return super().victim(tier, candidates)
 
 
-@pytest.mark.parametrize("execution", ["layerwise", "resident"])
+@pytest.mark.parametrize("execution", ["auto", "layerwise", "resident"])
 def test_a_call_that_fails_half_way_leaves_the_model_usable(tiny_converted, reference, execution):
     resident_model, expected = reference
     policy = FailingPolicy(fail_at=5)  # the fifth eviction, in the middle of fetching a step's experts

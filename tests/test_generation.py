@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import jmoe
-from jmoe.decoding import engine
 from jmoe.errors import InputError
 
 
 def test_prompt_lengths_in_one_bucket_compile_once(tiny_model, tiny_tokenizer):
     jmoe.generate(tiny_model, "x = 1", max_new_tokens=4)
-    forward, sample = engine._forward_jit, engine._sample_jit
+    forward, sample = tiny_model.engine.forward, tiny_model.engine.sample
     compiled = (forward._cache_size(), sample._cache_size())
     for prompt in ["def f(x):", "The quick brown fox", "import os\nimport sys\nimport re\n"]:
         assert len(tiny_tokenizer.encode(prompt)) <= 16  # all in the first prompt bucket

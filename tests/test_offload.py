@@ -26,6 +26,7 @@ from tests.hf_models import FAMILIES, make_checkpoint
 
 PROMPTS = ["def fibonacci(n):", "261 + 120 = "]
 POLICIES = ["ondemand", "lru", "lru+prefetch", "lru+cpu", "lru+prefetch+cpu"]
+PATHS = ["auto", "layerwise", "resident"]
 
 
 def budget_for(model, fraction: float) -> int:
@@ -47,7 +48,7 @@ def resident_reference(tiny_converted):
     return model, [jmoe.generate(model, p, max_new_tokens=16) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("execution", ["layerwise", "resident"])
+@pytest.mark.parametrize("execution", PATHS)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_and_path_gives_the_resident_tokens(tiny_converted, resident_reference, policy, execution):
     reference_model, reference = resident_reference
@@ -74,7 +75,7 @@ def test_random_model_of_each_family_is_exact_when_offloaded(tmp_path, family):
     reference = jmoe.generate(reference_model, ids, max_new_tokens=16)
     budget = budget_for(reference_model, 0.4)
     for policy in POLICIES:
-        for execution in ("layerwise", "resident"):
+        for execution in PATHS:
             model = jmoe.load(out, compute_dtype="float32", device_budget=budget, policy=policy, execution=execution,
                               cpu_critical_tokens=1)
             assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts
@@ -303,7 +304,7 @@ class TwoTierPolicy(Policy):
         return Plan.wanting(np.broadcast_to(codes, (view.num_layers, view.num_experts)))
 
 
-@pytest.mark.parametrize("execution", ["layerwise", "resident"])
+@pytest.mark.parametrize("execution", PATHS)
 def test_a_pool_per_tier_under_a_budget_matches_the_unbudgeted_run(two_tier_model, execution):
     ids = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
     unbudgeted = jmoe.load(two_tier_model, compute_dtype="float32", policy=TwoTierPolicy())

@@ -31,15 +31,42 @@ class Decoder:
         self.key_start = np.asarray([prompt_len - len(p) for p in prompts], np.int32)
         self.pos = np.zeros(self.batch, np.int32)  # cache slot the next token of each row goes to
         self.cache = new_cache(cfg, self.batch, cache_len, model.compute_dtype)
+        self.unsettled: list = []  # deferred steps, oldest first (None: a step that needs no settling)
 
-    def step(self, tokens, *, last_only: bool = False, phase: str = "decode", residency=None):
-        """Run tokens [B, T] from each row's position (not advancing): logits [B, T or 1, V]."""
-        T = tokens.shape[1]
+    def step(self, tokens, *, last_only: bool = False, phase: str = "decode", residency=None, defer: bool = False):
+        """Run tokens [B, T] from each row's position (not advancing): logits [B, T or 1, V]. Tokens [B]
+        (one per row) give logits [B, V].
+
+        With `defer` the step is left unsettled (see jmoe/runtime/execution.py): settle() it, or
+        take it back with rewind_last(), before relying on what it produced."""
+        if not defer and self.unsettled:
+            raise RuntimeError("settle() the deferred steps first")
+        T = 1 if tokens.ndim == 1 else tokens.shape[1]
         if int(self.pos.max()) + T > self.cache_len:
             raise InputError(f"{T} more tokens do not fit the {self.cache_len}-slot cache (rows at {self.pos.tolist()})")
-        logits, self.cache = self.model.step(tokens, self.cache, self.pos, self.key_start, last_only=last_only,
-                                             phase=phase, residency=residency)
+        logits, self.cache, pending = self.model.step(tokens, self.cache, self.pos, self.key_start,
+                                                      last_only=last_only, phase=phase, residency=residency,
+                                                      defer=True)
+        if not defer:
+            return self._settled(pending, logits)
+        self.unsettled.append(pending)
         return logits
+
+    def _settled(self, pending, logits):
+        if pending is None:
+            return logits
+        corrected, self.cache = self.model.settle(pending, self.cache)
+        return logits if corrected is None else corrected
+
+    def settle(self):
+        """Settle the oldest deferred step: None if its logits stand, else the corrected ones."""
+        pending = self.unsettled.pop(0)
+        return None if pending is None else self._settled(pending, None)
+
+    def rewind_last(self, tokens: int = 1) -> None:
+        """Take back the newest deferred step (its output is not to be used) and its advance."""
+        self.unsettled.pop()
+        self.advance(-tokens)
 
     def advance(self, n) -> None:
         """Move every row by n tokens (an int, or one count per row; negative rewinds)."""
@@ -55,11 +82,11 @@ class Decoder:
             self.advance(min(chunk, self.prompt_len - start))
         return logits[:, -1]
 
-    def decode(self, tokens, *, residency=None) -> jnp.ndarray:
+    def decode(self, tokens, *, residency=None, defer: bool = False) -> jnp.ndarray:
         """One token per row [B] at each row's position, then advance: logits [B, V]."""
-        logits = self.step(tokens[:, None], last_only=True, residency=residency)
+        logits = self.step(tokens, last_only=True, residency=residency, defer=defer)
         self.advance(1)
-        return logits[:, -1]
+        return logits
 
     def verify(self, tokens, *, residency=None) -> jnp.ndarray:
         """T tokens per row [B, T] in one pass, not advancing: the logits after each [B, T, V]."""

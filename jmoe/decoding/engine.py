@@ -53,25 +53,38 @@ attention_meta_jit = jax.jit(attention_meta, static_argnums=(0, 1))
 
 def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, start, key_start, *, last_only,
              want_importance):
-    model = nnx.merge(graphdef, dense)
+    """tokens [B, T] -> logits [B, T or 1 (last_only), V]; tokens [B] (one per row) -> logits [B, V]."""
+    model = nnx.merge(graphdef, dense if isinstance(dense, nnx.State) else nnx.State(dense))
+    one = tokens.ndim == 1
+    tokens = tokens[:, None] if one else tokens
     meta = attention_meta(model.config, tokens.shape[1], start, key_start)
     x, cache, signals = model(tokens, cache, meta, experts, want_importance=want_importance)
     if last_only:
         x = x[:, -1:]
-    return model.logits(x), cache, signals
+    logits = model.logits(x)
+    return (logits[:, 0] if one else logits), cache, signals
 
 
-def _sample(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, *, greedy):
-    """logits [B, V] -> (next tokens [B], seen with them marked)."""
+def _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, *, greedy):
+    """logits [B, V] -> (next tokens [B], seen with them marked, the key for the next draw)."""
+    rng, key = jax.random.split(rng)
     tokens = sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, greedy=greedy)
     seen = seen.at[jnp.arange(tokens.shape[0]), tokens].set(True)
-    return tokens, seen
+    return tokens, seen, rng
 
 
-# Module-level jits keyed on the (hashable) graphdef: loads of models with the same structure
-# share compiled steps.
-_forward_jit = jax.jit(_forward, static_argnums=0, static_argnames=("last_only", "want_importance"),
-                       donate_argnames=("cache",))
+_JITS: dict = {}
+
+
+def jit_for(fn, graphdef, **jit_kwargs):
+    """jax.jit of fn(graphdef, ...) with graphdef bound, one per (fn, graphdef): loads of models of
+    the same structure share compiled steps, and no call pays for hashing the graphdef again."""
+    key = (fn, graphdef)
+    if key not in _JITS:
+        _JITS[key] = jax.jit(partial(fn, graphdef), **jit_kwargs)
+    return _JITS[key]
+
+
 _sample_jit = jax.jit(_sample, static_argnames=("greedy",))
 
 
@@ -79,5 +92,6 @@ class Engine:
     """Compiled step functions for one loaded model; each compiles once per shape bucket."""
 
     def __init__(self, graphdef):
-        self.forward = partial(_forward_jit, graphdef)
+        self.forward = jit_for(_forward, graphdef, static_argnames=("last_only", "want_importance"),
+                               donate_argnames=("cache",))
         self.sample = _sample_jit

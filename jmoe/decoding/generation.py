@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,34 +66,61 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
     return Lengths(P, S, min(fit, max_new_tokens))
 
 
+class Sampler:
+    """Draws next tokens with the request's key and history, and can draw a recent one again from
+    corrected logits (same key, same history), so a corrected step samples what an exact one would."""
+
+    def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
+        self.engine, self.greedy = engine, sampling.greedy
+        self.params = sampling.device_params()
+        self.rng, self.seen = sampling.rng(), jnp.asarray(seen)
+        self.history: list = []  # (rng, seen) before each recent draw, oldest first
+
+    def __call__(self, logits):
+        """Next tokens [B] from logits [B, V]."""
+        self.history = self.history[-1:] + [(self.rng, self.seen)]
+        tokens, self.seen, self.rng = self.engine.sample(logits, self.seen, self.rng, *self.params, greedy=self.greedy)
+        return tokens
+
+    def redo(self, logits, back: int):
+        """Draw the `back`-th most recent draw (1: the last) again from `logits`, forgetting the later ones."""
+        self.rng, self.seen = self.history[-back]
+        del self.history[-back:]
+        return self(logits)
+
+
 def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: SamplingOptions) -> Iterator[np.ndarray]:
     """Yield the next token of every row, one step at a time ([B] int32 numpy).
 
-    The prompt is prefilled in chunks (Decoder.prefill). Each decode step is dispatched before the previous token is read back, so
-    host-side work (detokenizing, stop checks) overlaps device compute. Each step takes the
-    model's lock, so requests sharing a model interleave step by step.
+    The prompt is prefilled in chunks (Decoder.prefill). Each decode step is dispatched before the
+    previous token is read back, so host-side work (detokenizing, stop checks) overlaps device
+    compute. An offloaded step is settled (its routing read back; run again if it lacked an expert)
+    one step later, after its successor is dispatched, and always before its token is handed out;
+    if it was corrected, its token is drawn again and the successor is taken back and re-run. Each
+    step takes the model's lock, so requests sharing a model interleave step by step.
     """
-    cfg, engine = model.config, model.engine
+    cfg = model.config
     B = len(prompts)
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
     seen = np.zeros((B, cfg.vocab_size), bool)
     if sampling.repetition_penalty != 1.0:
         for b, p in enumerate(prompts):
             seen[b, p] = True
-    params = sampling.device_params()
-    state = {"seen": jnp.asarray(seen), "rng": sampling.rng()}
-
-    def sample(logits):
-        state["rng"], sub = jax.random.split(state["rng"])
-        nxt, state["seen"] = engine.sample(logits, state["seen"], sub, *params, greedy=sampling.greedy)
-        return nxt
-
+    sample = Sampler(model.engine, sampling, seen)
     clock = RequestClock()
     nxt = sample(decoder.prefill())
     for i in range(1, lengths.new_tokens + 1):
-        current = nxt
-        if i < lengths.new_tokens:
-            nxt = sample(decoder.decode(current))
+        current = nxt  # token i, drawn from step i - 1's logits
+        last = i == lengths.new_tokens
+        if not last:
+            nxt = sample(decoder.decode(current, defer=True))  # step i
+        if i > 1:
+            corrected = decoder.settle()  # step i - 1
+            if corrected is not None:
+                current = sample.redo(corrected, back=1 if last else 2)
+                if not last:
+                    decoder.rewind_last()
+                    nxt = sample(decoder.decode(current, defer=True))
         out = np.asarray(current)
         with model.lock:
             clock.tick(model.stats, B)

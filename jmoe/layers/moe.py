@@ -23,14 +23,16 @@ from jmoe.layers.norms import linear
 
 class LayerSignals(NamedTuple):
     """What one MoE layer tells the host, per assignment [N, k]: routed expert ids, combine weights,
-    the tier code the selection wanted and the one that ran (0 = none), and the count of real
-    assignments that ran below their wanted tier (scalar)."""
+    the tier code the selection wanted and the one that ran (0 = none); the count of real
+    assignments that ran below their wanted tier (scalar); and per expert [3, E] the tokens routed
+    to it, its wanted and its chosen code (what the host's books need, in one small array)."""
 
     ids: jax.Array
     weights: jax.Array
     wanted: jax.Array
     chosen: jax.Array
     missing: jax.Array
+    per_expert: jax.Array
 
 
 class MoEBlock(nnx.Module):
@@ -68,7 +70,11 @@ class MoEBlock(nnx.Module):
     @staticmethod
     def resolve(routing: Routing, wanted, token_valid, experts: LayerExperts) -> LayerSignals:
         chosen = resolve_tiers(wanted, routing.ids, experts.slots)
-        return LayerSignals(routing.ids, routing.weights, wanted, chosen, missing_uses(wanted, chosen, token_valid))
+        one_hot = jax.nn.one_hot(routing.ids, experts.hi.shape[0], dtype=jnp.int32) * token_valid[:, None, None]
+        per_expert = jnp.stack([one_hot.sum((0, 1)), (one_hot * wanted[..., None]).max((0, 1)),
+                                (one_hot * chosen[..., None]).max((0, 1))])  # an expert's assignments agree
+        return LayerSignals(routing.ids, routing.weights, wanted, chosen, missing_uses(wanted, chosen, token_valid),
+                            per_expert)
 
     def experts_out(self, h, signals: LayerSignals, token_valid, experts: LayerExperts, *, shared: bool = True):
         """Routed experts at their chosen tiers plus (when `shared`) the shared expert, h [N, D] -> [N, D]."""

@@ -25,17 +25,30 @@ from jmoe.layers.norms import RMSNorm, linear, matmul_precision
 class StepSignals(NamedTuple):
     """What one step tells the host, per MoE layer (handle-table row order).
 
-    ids, weights, wanted, chosen: [L_moe, B, T, k]; missing: [L_moe] assignments of real tokens that
-    ran below their wanted tier; importance: [L_moe, B, T] attention each current token received
-    (only when asked for), else None.
+    codes: [3, L_moe, B, T, k] int32: routed expert ids, the tier code the selection wanted and the
+    one that ran (packed, so reading them back is one transfer); weights: [L_moe, B, T, k] combine
+    weights; missing: [L_moe] assignments of real tokens that ran below their wanted tier;
+    importance: [L_moe, B, T] attention each current token received (only when asked for), else None;
+    per_expert: [3, L_moe, E] int32 tokens routed to each expert, its wanted and its chosen code.
     """
 
-    ids: jax.Array
+    codes: jax.Array
     weights: jax.Array
-    wanted: jax.Array
-    chosen: jax.Array
     missing: jax.Array
     importance: jax.Array | None
+    per_expert: jax.Array
+
+    @property
+    def ids(self):
+        return self.codes[0]
+
+    @property
+    def wanted(self):
+        return self.codes[1]
+
+    @property
+    def chosen(self):
+        return self.codes[2]
 
 
 class LayerRunner(Protocol):
@@ -72,12 +85,10 @@ def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMet
 
 def stack_signals(signals: list[LayerSignals], importance: list, batch: int, tokens: int) -> StepSignals:
     shape = lambda a: a.reshape(batch, tokens, -1)  # noqa: E731
-    return StepSignals(
-        jnp.stack([shape(s.ids) for s in signals]), jnp.stack([shape(s.weights) for s in signals]),
-        jnp.stack([shape(s.wanted) for s in signals]), jnp.stack([shape(s.chosen) for s in signals]),
-        jnp.stack([s.missing for s in signals]),
-        None if importance[0] is None else jnp.stack(importance),
-    )
+    codes = jnp.stack([jnp.stack([shape(s.ids), shape(s.wanted), shape(s.chosen)]) for s in signals], axis=1)
+    return StepSignals(codes.astype(jnp.int32), jnp.stack([shape(s.weights) for s in signals]),
+                       jnp.stack([s.missing for s in signals]), None if importance[0] is None else jnp.stack(importance),
+                       jnp.stack([s.per_expert for s in signals], axis=1))
 
 
 class TracedLayers:

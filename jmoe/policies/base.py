@@ -64,6 +64,14 @@ class ExpertCounters:
         self.total[routing.layer] += counts
         self.ema[routing.layer] = self.decay * self.ema[routing.layer] + (1 - self.decay) * counts
 
+    def add(self, counts: np.ndarray) -> None:
+        """One step's token counts of every layer [L, E], or several steps' [n, L, E] in order."""
+        counts = counts.reshape(-1, *self.total.shape)
+        n = counts.shape[0]
+        self.total += counts.sum(axis=0)
+        weights = (1 - self.decay) * self.decay ** np.arange(n - 1, -1, -1)  # the newest step weighs most
+        self.ema = self.decay**n * self.ema + np.tensordot(weights, counts, axes=1)
+
 
 @dataclass(frozen=True)
 class StepView:

@@ -17,11 +17,11 @@ Rules (DyMoE's mixed-precision cache, DynaExq's publish-after-copy):
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jmoe.layers.experts import NO_SLOT
 from jmoe.policies.base import Key
@@ -62,7 +62,10 @@ class CacheManager:
         self.keep_lower = keep_lower
         self.target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")  # from pinned host memory
         self.resident: dict[Key, dict[str, int]] = {}  # key -> {tier: slot}
-        self.lru: dict[str, OrderedDict[Key, None]] = {t: OrderedDict() for t in pools}
+        self.in_tier: dict[str, set[Key]] = {t: set() for t in pools}  # keys with a version in each pool
+        # LRU clock: when each (layer, expert) was last used; a landing version counts as a use
+        self.clock = 0
+        self.last_used = np.zeros(next(iter(handles.slot.values())).shape, np.int64)
         self.free: dict[str, list[int]] = {t: list(range(p.slots - 1, -1, -1)) for t, p in pools.items()}
         self.inflight: dict[Key, Transfer] = {}
         self.retiring: list[tuple[jax.Array, int]] = []  # (write-complete marker, staging bytes)
@@ -137,9 +140,24 @@ class CacheManager:
 
     def touch(self, key: Key) -> None:
         """Mark a resident expert as just used (LRU order, prefetch accounting)."""
-        for tier in self.resident.get(key, ()):
-            self.lru[tier].move_to_end(key)
+        self.clock += 1
+        self.last_used[key] = self.clock
         if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.prefetch_used += 1
+
+    def touch_all(self, used: np.ndarray) -> None:
+        """Mark every expert of the [L, E] mask `used` as just used (one step's worth, at once)."""
+        self.touch_steps(used[None])
+
+    def touch_steps(self, used: np.ndarray) -> None:
+        """Mark the experts of several steps' masks `used` [n, L, E] as used, in step order."""
+        n = used.shape[0]
+        last = n - 1 - np.argmax(used[::-1], axis=0)  # the last step that used each expert
+        any_use = used.any(axis=0)
+        self.last_used[any_use] = self.clock + 1 + last[any_use]
+        self.clock += n
+        for key in [k for k in self.prefetched if any_use[k]]:
             self.prefetched.discard(key)
             self.stats.prefetch_used += 1
 
@@ -191,7 +209,9 @@ class CacheManager:
         self.retiring.append((done, t.nbytes))
         versions = self.resident.setdefault(t.key, {})
         versions[t.tier] = t.slot
-        self.lru[t.tier][t.key] = None
+        self.in_tier[t.tier].add(t.key)
+        self.clock += 1
+        self.last_used[t.key] = self.clock
         self.handles.publish(*t.key, t.tier, t.slot)
         del self.inflight[t.key]
         code = TIER_CODES[t.tier]
@@ -205,7 +225,8 @@ class CacheManager:
     def _claim_slot(self, tier: str) -> int | None:
         if self.free[tier]:
             return self.free[tier].pop()
-        candidates = [k for k in self.lru[tier] if k not in self.pinned]  # least recently used first
+        candidates = sorted((k for k in self.in_tier[tier] if k not in self.pinned),
+                            key=lambda k: (self.last_used[k], k))  # least recently used first
         if not candidates:
             return None
         key = self.victim(tier, candidates)
@@ -218,7 +239,7 @@ class CacheManager:
         slot = versions.pop(tier)
         if not versions:
             del self.resident[key]
-        self.lru[tier].pop(key)
+        self.in_tier[tier].discard(key)
         self.handles.retract(*key, tier)
         return slot
 
@@ -247,7 +268,7 @@ class CacheManager:
             moving = [t.slot for t in self.inflight.values() if t.tier == tier]
             slots = used + moving + self.free[tier]
             assert sorted(slots) == list(range(pool.slots)), f"{tier} slots leaked or doubled"
-            assert set(self.lru[tier]) == {k for k, v in self.resident.items() if tier in v}, f"{tier} LRU is stale"
+            assert self.in_tier[tier] == {k for k, v in self.resident.items() if tier in v}, f"{tier} key set is stale"
             table = self.handles.slot[tier]
             assert (table >= 0).sum() == len(used), f"a {tier} handle points at no resident version"
             for key, versions in self.resident.items():

@@ -9,37 +9,32 @@ layer's own methods, so the result is the one-jit step's with every expert at it
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmoe.decoding.engine import jit_for
 from jmoe.layers.experts import LayerExperts, Routing
 from jmoe.layers.transformer import run_layers
 from jmoe.policies.base import LayerRouting
 from jmoe.runtime.predictor import predict_next, recall
 
 
-@partial(jax.jit, static_argnums=0, static_argnames=("want_importance",), donate_argnums=(3, 4))
 def _attend(graphdef, state, x, k_cache, v_cache, meta, *, want_importance):
     return nnx.merge(graphdef, state).attend(x, k_cache, v_cache, meta, want_importance=want_importance)
 
 
-@partial(jax.jit, static_argnums=0)
 def _dense(graphdef, state, x, h):
     return nnx.merge(graphdef, state).feed_forward(x, h, None)[0]
 
 
-@partial(jax.jit, static_argnums=0)
 def _route(graphdef, state, h, valid, importance, experts: LayerExperts):
     """Routing and wanted tiers of a MoE layer's tokens (h [B, T, D])."""
     block = nnx.merge(graphdef, state).mlp
     return block.select(block.route(h.reshape(-1, h.shape[-1])), valid, importance, experts)
 
 
-@partial(jax.jit, static_argnums=0, static_argnames=("shared",))
 def _experts(graphdef, state, x, h, ids, weights, wanted, valid, experts: LayerExperts, *, shared: bool):
     """x + the routed experts visible in `experts` (at their wanted tiers) and, if `shared`, the shared expert."""
     block = nnx.merge(graphdef, state).mlp
@@ -56,19 +51,17 @@ def _scatter_add(x, rows, weights, y):
     return flat.reshape(x.shape)
 
 
-@partial(jax.jit, static_argnums=0)
 def _embed(graphdef, dense, tokens):
     return nnx.merge(graphdef, dense).embed(tokens)
 
 
-@partial(jax.jit, static_argnums=0, static_argnames=("last_only",))
 def _head(graphdef, dense, x, *, last_only):
     model = nnx.merge(graphdef, dense)
     return model.logits(x[:, -1:] if last_only else x)
 
 
 class LayerPieces:
-    """A model's layers split for per-layer jits, and what the look-ahead predictor needs."""
+    """A model's decoder layers as per-layer jitted pieces, and what the look-ahead predictor needs."""
 
     def __init__(self, graphdef, dense):
         self.graphdef, self.dense = graphdef, dense
@@ -76,6 +69,13 @@ class LayerPieces:
         self.cfg = model.config
         self.layers = [nnx.split(layer) for layer in model.layers]
         self.moe_index = {layer: i for i, layer in enumerate(self.cfg.moe_layer_indices)}
+        self.embed = jit_for(_embed, graphdef)
+        self.head = jit_for(_head, graphdef, static_argnames=("last_only",))
+        self.attend = [jit_for(_attend, g, static_argnames=("want_importance",), donate_argnums=(2, 3))
+                       for g, _ in self.layers]
+        self.dense_mlp = [jit_for(_dense, g) for g, _ in self.layers]
+        self.route = [jit_for(_route, g) for g, _ in self.layers]
+        self.experts = [jit_for(_experts, g, static_argnames=("shared",)) for g, _ in self.layers]
         # the look-ahead predictor applies a MoE layer's norm and router to the previous layer's state
         self.router_inputs = [
             (model.layers[i].post_attention_layernorm.weight[...], model.layers[i].mlp.router.kernel[...])
@@ -97,21 +97,20 @@ class LayerwiseRunner:
         return i in self.pieces.moe_index
 
     def attend(self, i, x, k_cache, v_cache, meta, want_importance):
-        graphdef, state = self.pieces.layers[i]
-        return _attend(graphdef, state, x, k_cache, v_cache, meta, want_importance=want_importance)
+        state = self.pieces.layers[i][1]
+        return self.pieces.attend[i](state, x, k_cache, v_cache, meta, want_importance=want_importance)
 
     def feed_forward(self, i, x, h, meta, importance):
-        graphdef, state = self.pieces.layers[i]
+        state = self.pieces.layers[i][1]
         if not self.is_moe(i):
-            return _dense(graphdef, state, x, h), None
+            return self.pieces.dense_mlp[i](state, x, h), None
         res, cfg, mi = self.res, self.pieces.cfg, self.pieces.moe_index[i]
         flat_importance = None if importance is None else importance.reshape(-1)
-        signals = _route(graphdef, state, h, self.valid_dev, flat_importance, res.expert_state().layer(mi))
+        signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, res.expert_state().layer(mi))
         lookahead = None
         if res.policy.prefetch and mi + 1 < len(self.pieces.router_inputs):
             norm_w, router_k = self.pieces.router_inputs[mi + 1]
-            lookahead = predict_next(norm_w, router_k, x.reshape(-1, x.shape[-1]), self.valid_dev, top_k=cfg.top_k,
-                                     eps=cfg.rms_norm_eps)
+            lookahead = predict_next(norm_w, router_k, x, self.valid_dev, top_k=cfg.top_k, eps=cfg.rms_norm_eps)
         ids, weights, wanted, imp = jax.device_get((signals.ids, signals.weights, signals.wanted, flat_importance))
         res.stats.host_syncs += 1
         r = LayerRouting(res.step_index, self.phase, mi, len(self.pieces.router_inputs), ids, weights, self.valid, imp,
@@ -126,13 +125,18 @@ class LayerwiseRunner:
             counts = np.asarray(lookahead)
             self.predicted = set(int(e) for e in np.flatnonzero(counts))
         device_wanted, cpu_experts = res.plan_layer(r)
-        for p, group in enumerate(res.split_passes(mi, device_wanted) or [{}]):
+        passes = res.split_passes(mi, device_wanted) or [{}]
+        for p, group in enumerate(passes):
             keys = res.fetch_pass(mi, group)
             if p == 0 and lookahead is not None:
                 res.prefetch_predicted(mi + 1, counts)
             res.cache.wait(keys)
-            x = _experts(graphdef, state, x, h, signals.ids, signals.weights, signals.wanted, self.valid_dev,
-                         res.pass_experts(mi, group), shared=p == 0)
+            # one pass and nothing on the CPU: the whole layer's tables (no other routed expert is
+            # resident to run twice); otherwise only this pass's experts are visible
+            visible = res.expert_state().layer(mi) if len(passes) == 1 and not cpu_experts else \
+                res.pass_experts(mi, group)
+            x = self.pieces.experts[i](state, x, h, signals.ids, signals.weights, signals.wanted, self.valid_dev,
+                                       visible, shared=p == 0)
             res.finish_pass(keys)
         flat_h = h.reshape(-1, h.shape[-1])
         for expert, tier in cpu_experts:
@@ -148,7 +152,7 @@ def run_layerwise(pieces: LayerPieces, res, tokens, cache, meta, valid: np.ndarr
     """One step through the layer-wise path: (logits, cache)."""
     runner = LayerwiseRunner(pieces, res, valid, phase)
     want_importance = phase == "prefill" and res.policy.wants_importance
-    x, cache, _, _ = run_layers(runner, _embed(pieces.graphdef, pieces.dense, tokens), cache, meta,
+    x, cache, _, _ = run_layers(runner, pieces.embed(pieces.dense, tokens), cache, meta,
                                 want_importance=want_importance)
     res.finish_layerwise(runner.routings)
-    return _head(pieces.graphdef, pieces.dense, x, last_only=last_only), cache
+    return pieces.head(pieces.dense, x, last_only=last_only), cache

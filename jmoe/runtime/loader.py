@@ -54,13 +54,22 @@ class JmoeModel:
     # (the cache, pools and handle table change only under it).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
-    def step(self, tokens, cache, start, key_start, *, last_only: bool, phase: str, residency=None):
+    def step(self, tokens, cache, start, key_start, *, last_only: bool, phase: str, residency=None,
+             defer: bool = False):
         """One forward step over tokens [B, T], row b written from cache slot start[b]: (logits, cache).
 
-        `residency` runs the step over other experts (a draft sharing the dense weights and cache)."""
+        `residency` runs the step over other experts (a draft sharing the dense weights and cache).
+        With `defer`, returns (logits, cache, pending): pass a non-None pending to settle() before
+        the next step of the same cache."""
         with self.lock:
-            return self.executor.step(tokens, cache, start, key_start, last_only=last_only, phase=phase,
-                                      residency=residency)
+            logits, cache, pending = self.executor.step(tokens, cache, start, key_start, last_only=last_only,
+                                                        phase=phase, residency=residency, defer=defer)
+        return (logits, cache, pending) if defer else (logits, cache)
+
+    def settle(self, pending, cache):
+        """Finish a deferred step: (None, cache) if its logits stand, else (corrected logits, cache)."""
+        with self.lock:
+            return self.executor.settle(pending, cache)
 
     @property
     def engine(self) -> Engine:
@@ -177,7 +186,7 @@ def load(
     compute_dtype: Any = None,
     max_seq_len: int | None = None,
     max_batch: int = 1,
-    execution: str = "layerwise",
+    execution: str = "auto",
     kernel_backend: str | None = None,
     cpu_critical_tokens: int | None = None,
     verify: bool = False,
@@ -200,8 +209,10 @@ def load(
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
       max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
-      execution: "layerwise" (exact, the host between layers) or "resident" (one jit per step,
-        replayed after fetching a missing expert); used by the offloading policies.
+      execution: how an offloaded step runs: "auto" (one jit per step while every expert it needs
+        is resident; a step that lacked one runs again layer-wise), "layerwise" (the host between
+        layers, fetching as it goes) or "resident" (one jit per step, replayed after fetching what
+        it lacked). All three give the same tokens.
       kernel_backend: expert kernels: "pallas", "interpret" or "xla"; default Pallas on GPU, XLA on CPU.
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).

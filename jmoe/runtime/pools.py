@@ -61,8 +61,10 @@ class TierPool:
         self.layout = store.layouts[tier]
         self.slot_nbytes = slot_nbytes(store, tier)
         template = pool_template(store, tier, slots)
-        with jax.default_device(device):
-            self.arrays = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+        # zeros made on the device and committed to it, as every later slot write leaves them: a
+        # step compiled before the first write is then reused after it
+        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)  # noqa: E731
+        self.arrays = jax.jit(zeros, out_shardings=jax.sharding.SingleDeviceSharding(device))()
 
     @property
     def nbytes(self) -> int:

@@ -16,12 +16,12 @@ import numpy as np
 
 @partial(jax.jit, static_argnames=("top_k", "eps"))
 def predict_next(norm_weight, router_kernel, x, valid, *, top_k: int, eps: float):
-    """x [N, D] residual stream after layer l's attention -> per-expert predicted token counts [E].
+    """x [..., D] residual stream after layer l's attention (N tokens) -> per-expert predicted token counts [E].
 
     The next layer's post-attention RMSNorm and router are applied to x (no renormalisation is
     needed: top-k of the softmax equals top-k of the logits).
     """
-    x32 = x.astype(jnp.float32)
+    x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * norm_weight.astype(jnp.float32)
     logits = normed @ router_kernel.astype(jnp.float32)  # [N, E]
     _, ids = jax.lax.top_k(logits, top_k)

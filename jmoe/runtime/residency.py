@@ -38,6 +38,8 @@ from jmoe.runtime.stats import Stats
 from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import SKIP, TIER_CODES, tier_name
 
+BOOK_BATCH = 32  # deferred steps whose books are kept together (LRU order and counters lag at most this)
+
 
 class AllResident:
     """Every expert resident on the device at one tier: no transfers after load."""
@@ -92,6 +94,8 @@ class Offloaded:
         self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
                                   device, victim=policy.victim, keep_lower=policy.keep_lower)
         self.plan: Plan | None = None
+        self._unbooked: list = []  # settled steps whose books are not kept yet
+        self._state = None  # (its parts, the ExpertState): reused while nothing changed
         self._selection: tuple[Plan, Selection] | None = None
         self.cpu = None
         self.critical_tokens = 0
@@ -104,6 +108,7 @@ class Offloaded:
         """Start counting afresh (the cache keeps its contents; earlier prefetches are not credited)."""
         self.stats = self.cache.stats = Stats()
         self.cache.prefetched.clear()
+        self._unbooked = []
 
     @property
     def slots(self) -> int:
@@ -115,6 +120,8 @@ class Offloaded:
     def begin_step(self, phase: str) -> None:
         """Publish finished transfers, ask the policy for this step's plan, start what it asks for."""
         self.cache.poll()
+        if type(self.policy).plan is not Policy.plan:
+            self.catch_up()  # a policy that plans sees every kept step in its counters
         self.stats.steps += 1
         self.step_index += 1
         view = StepView(self.step_index, phase, self.cfg.num_moe_layers, self.cfg.num_experts, self.counters)
@@ -139,37 +146,29 @@ class Offloaded:
         return self._selection[1]
 
     def expert_state(self) -> ExpertState:
-        return ExpertState(self.handles.on_device(), self.pool_arrays(), self.selection(), self.backend)
+        tables, pools, selection = self.handles.on_device(), self.pool_arrays(), self.selection()
+        # the cached state keeps these objects alive, so their ids cannot be reused meanwhile
+        key = (id(tables), id(selection), *(id(a) for a in pools.values()))
+        if self._state is None or self._state[0] != key:
+            self._state = (key, ExpertState(tables, pools, selection, self.backend))
+        return self._state[1]
 
     def pool_arrays(self) -> dict:
         return {tier: pool.arrays for tier, pool in self.pools.items()}
 
     # -- the one-jit path: read the step's signals, fetch what it lacked, keep the books
 
-    def read(self, signals: StepSignals, valid: np.ndarray, phase: str) -> list[LayerRouting]:
-        """Every MoE layer's routing of a step (one device-to-host read)."""
-        ids, weights, wanted, chosen, importance = jax.device_get(
-            (signals.ids, signals.weights, signals.wanted, signals.chosen, signals.importance))
-        self.stats.host_syncs += 1
-        L, N = ids.shape[0], valid.shape[0]
-        flat = lambda a, layer: a[layer].reshape(N, -1)  # noqa: E731
-        return [LayerRouting(self.step_index, phase, layer, L, flat(ids, layer), flat(weights, layer), valid,
-                             None if importance is None else importance[layer].reshape(N),
-                             flat(wanted, layer), flat(chosen, layer)) for layer in range(L)]
+    def read(self, signals: StepSignals, valid: np.ndarray, phase: str, *, sync: bool = True) -> "StepRouting":
+        """A step's routing on the host: its per-expert summary now (one small read; `sync`: counted
+        as a wait), the per-assignment arrays only if something asks for them."""
+        self.stats.host_syncs += sync
+        return StepRouting(self.step_index, phase, valid, signals, np.asarray(signals.per_expert))
 
-    @staticmethod
-    def per_expert(routings: list[LayerRouting], field: str) -> dict[Key, int]:
-        """(layer, expert) -> tier code of `field` ("wanted" or "chosen") for every routed expert."""
-        out = {}
-        for r in routings:
-            ids, codes = r.ids[r.valid].ravel(), getattr(r, field)[r.valid].ravel()
-            out.update({(r.layer, int(e)): int(c) for e, c in zip(ids, codes)})
-        return out
-
-    def shortfall(self, routings: list[LayerRouting]) -> tuple[dict[Key, int], dict[Key, int]]:
+    def shortfall(self, step: "StepRouting") -> tuple[dict[Key, int], dict[Key, int]]:
         """(wanted code of every routed expert, those of them that ran below it)."""
-        wanted, chosen = self.per_expert(routings, "wanted"), self.per_expert(routings, "chosen")
-        return wanted, {key: code for key, code in wanted.items() if chosen[key] < code}
+        routed, wanted, chosen, _ = step.per_expert()
+        keys = [tuple(k) for k in np.argwhere(routed).tolist()]
+        return ({k: int(wanted[k]) for k in keys}, {k: int(wanted[k]) for k in keys if chosen[k] < wanted[k]})
 
     def fits(self, wanted: dict[Key, int]) -> bool:
         """Whether every expert of `wanted` can be resident at its wanted tier at once."""
@@ -188,38 +187,64 @@ class Offloaded:
         self.cache.wait(list(missing))
         self.cache.pinned = set()
 
-    def accept(self, routings: list[LayerRouting], fetched: set, missing: dict[Key, int] | None = None) -> None:
+    def accept(self, step: "StepRouting", fetched: set, missing: dict[Key, int] | None = None) -> None:
         """Books of a step that is kept: uses, hits, misses (fetched for it and replayed), degraded
         and skipped uses (`missing`, fetched now for the steps to come), counters, LRU order."""
-        wanted = self.per_expert(routings, "wanted")
-        chosen = self.per_expert(routings, "chosen")
-        missing = missing or {}
-        for key, code in wanted.items():
-            self.stats.uses += 1
-            if code == SKIP or (key in missing and chosen[key] == SKIP):
-                self.stats.skipped += 1
-            elif key in missing:
-                self.stats.degraded += 1
-            elif key in fetched:
-                self.stats.misses += 1
-            else:
-                self.stats.hits += 1
-        self._observe(routings)
-        for key in wanted:
-            self.cache.touch(key)
+        routed, wanted, chosen, counts = step.per_expert()
+        short = routed & (chosen < wanted) if missing else np.zeros_like(routed)
+        by_policy = routed & (wanted == SKIP)
+        was_fetched = np.zeros_like(routed)
+        for key in fetched:
+            was_fetched[key] = True
+        stats = self.stats
+        stats.uses += int(routed.sum())
+        stats.skipped += int((by_policy | (short & (chosen == SKIP))).sum())
+        stats.degraded += int((short & (chosen != SKIP)).sum())
+        stats.misses += int((routed & ~by_policy & ~short & was_fetched).sum())
+        stats.hits += int((routed & ~by_policy & ~short & ~was_fetched).sum())
+        self.counters.add(counts)
+        if self._observing:  # building per-layer views costs; only if wanted
+            self.policy.observe(step.layers(), self.counters)
+        self.cache.touch_all(routed)
+        keys = [tuple(k) for k in np.argwhere(routed).tolist()] if missing or not self.policy.cache else []
         if missing:
-            self.cache.pinned = set(wanted)
+            self.cache.pinned = set(keys)
             for key, code in missing.items():
                 self.cache.request(key, tier_name(code), "demand")
             self.cache.pinned = set()
         if not self.policy.cache:
-            for key in wanted:
+            for key in keys:
                 self.cache.drop(key)
 
-    def _observe(self, routings: list[LayerRouting]) -> None:
-        for r in routings:
-            self.counters.update(r)
-        self.policy.observe(routings, self.counters)
+    def defer_books(self, signals: StepSignals, summary: np.ndarray, valid: np.ndarray, phase: str) -> None:
+        """Keep the books of a settled step that lacked nothing later, with others in one batch
+        (catch_up), off the critical path. A policy that observes routing gets each step's at once."""
+        self._unbooked.append((self.step_index, phase, valid, signals, summary))
+        if len(self._unbooked) >= (1 if self._observing else BOOK_BATCH):
+            self.catch_up()
+
+    def catch_up(self) -> None:
+        """Keep the books of the deferred steps: uses and hits, counters, LRU order."""
+        steps, self._unbooked = self._unbooked, []
+        if not steps:
+            return
+        if self._observing:
+            for index, phase, valid, signals, summary in steps:
+                self.accept(StepRouting(index, phase, valid, signals, summary), set())
+            return
+        summary = np.stack([step[-1] for step in steps])  # [n, 3, L, E]
+        counts, wanted = summary[:, 0], summary[:, 1]
+        routed = counts > 0
+        by_policy = int((routed & (wanted == SKIP)).sum())
+        self.stats.uses += int(routed.sum())
+        self.stats.skipped += by_policy
+        self.stats.hits += int(routed.sum()) - by_policy
+        self.counters.add(counts)
+        self.cache.touch_steps(routed)
+
+    @property
+    def _observing(self) -> bool:
+        return type(self.policy).observe is not Policy.observe
 
     # -- the layer-wise path: one layer at a time
 
@@ -312,4 +337,28 @@ class Offloaded:
 
     def finish_layerwise(self, routings: list[LayerRouting]) -> None:
         """A layer-wise step is kept as run (its counters were updated layer by layer)."""
-        self.policy.observe(routings, self.counters)
+        if self._observing:
+            self.policy.observe(routings, self.counters)
+
+
+class StepRouting:
+    """A step's routing on the host: the per-expert summary [3, L, E] (tokens routed, wanted and
+    chosen tier code) at once; per-layer LayerRouting views (read from the device on first use)."""
+
+    def __init__(self, step: int, phase: str, valid: np.ndarray, signals: StepSignals, summary: np.ndarray):
+        self.step, self.phase, self.valid, self.signals = step, phase, valid, signals
+        counts, wanted, chosen = summary
+        self._per_expert = (counts > 0, wanted, chosen, counts)
+
+    def per_expert(self):
+        """[L, E] arrays: routed by a real token, wanted code, chosen code, token count."""
+        return self._per_expert
+
+    def layers(self) -> list[LayerRouting]:
+        s = self.signals
+        (ids, wanted, chosen), weights, importance = jax.device_get((s.codes, s.weights, s.importance))
+        L, n = ids.shape[0], self.valid.shape[0]
+        flat = lambda a, layer: a[layer].reshape(n, -1)  # noqa: E731
+        return [LayerRouting(self.step, self.phase, layer, L, flat(ids, layer), flat(weights, layer), self.valid,
+                             None if importance is None else importance[layer].reshape(n), flat(wanted, layer),
+                             flat(chosen, layer)) for layer in range(L)]
