@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.convert_memory
 	$(BIN)/python -m bench.quality
 	$(BIN)/python -m bench.offload
+	$(BIN)/python -m bench.overhead
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
