@@ -109,7 +109,3 @@ class StreamDetokenizer:
             return text[len(prefix) :]
         return ""
 
-
-def decode_all(tokenizer, ids: Sequence[int]) -> str:
-    with _LOCK:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)

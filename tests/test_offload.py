@@ -370,3 +370,19 @@ def test_resident_path_runs_misses_degraded_or_skipped_when_the_policy_allows(tw
     assert counted == pytest.approx(1.0)
     with pytest.raises(InputError, match="degrade_phases"):
         jmoe.load(two_tier_model, policy=PromoteInDecode(name="p", tier="int4", degrade_phases=("always",)))
+
+
+@pytest.mark.parametrize("execution", PATHS)
+def test_sampled_output_under_offloading_is_the_all_resident_one(tiny_converted, resident_reference, execution):
+    """A step found lacking an expert is run again and its token drawn again with the same key and
+    history (and its successor taken back), so sampling is exact too."""
+    reference_model, _ = resident_reference
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=7)
+    expected = jmoe.generate(reference_model, PROMPTS[0], **kw)
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy="lru", execution=execution)
+    assert jmoe.generate(model, PROMPTS[0], **kw) == expected
+    stats = jmoe.stats(model)
+    assert stats["miss_rate"] > 0
+    if execution != "layerwise":
+        assert stats["replays"] > 0  # steps were found lacking and run again

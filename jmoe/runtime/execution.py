@@ -125,6 +125,7 @@ class Executor:
             return None, cache
         if self.path == "auto":
             self.careful = True
+            res.stats.replays += 1
             return self._layerwise(res, p.tokens, cache, p.start, p.key_start, p.valid, p.last_only, p.phase)
         return self._replay(p, cache, routings, wanted, missing)
 
@@ -160,4 +161,4 @@ class Executor:
         return (logits[:, 0] if one else logits), cache
 
 
-__all__ = ["PATHS", "Executor", "Pending", "AllResident", "Offloaded", "valid_tokens"]
+__all__ = ["PATHS", "Executor", "Pending", "valid_tokens"]

@@ -70,9 +70,6 @@ class AllResident:
     def reset_stats(self) -> None:
         self.stats = Stats()
 
-    def device_nbytes(self) -> int:
-        return int(sum(x.nbytes for x in jax.tree.leaves(self.pool)))
-
 
 class Offloaded:
     offloading = True

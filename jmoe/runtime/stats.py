@@ -45,7 +45,7 @@ class Stats:
     transfer_seconds: float = 0.0  # their time from device_put to ready
     stalls: int = 0  # times a step waited for a transfer
     stall_seconds: float = 0.0
-    replays: int = 0  # resident-path steps re-run after fetching their misses
+    replays: int = 0  # one-jit steps run again because they lacked an expert
     host_syncs: int = 0  # times the host waited to read routing back from the device
     evictions: int = 0
     # prefetch and prediction
