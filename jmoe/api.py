@@ -44,7 +44,10 @@ def stats(model: JmoeModel) -> dict:
             model.residency.catch_up()
         pools = getattr(model.residency, "pools", None)
         slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
-        return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary()}
+        cache = getattr(model.residency, "cache", None)
+        state = model.policy.report(cache) if cache is not None else {}
+        return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary(),
+                **({"policy_state": state} if state else {})}
 
 
 __all__ = ["load", "generate", "forward", "perplexity", "stats", "memory_plan", "JmoeModel"]

@@ -49,10 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--device-budget", default=None, help="device memory cap, e.g. 12GiB")
     gen.add_argument("--policy", default=None,
-                     help="expert residency: resident, ondemand, lru, lru+prefetch, lru+cpu, lru+prefetch+cpu "
-                          "(default: resident if every expert fits the budget, else lru+prefetch)")
-    gen.add_argument("--execution", default="layerwise", choices=["layerwise", "resident"],
-                     help="offloaded step: layer-wise (host between layers) or one jit per step with replay")
+                     help="expert residency: resident, ondemand, lru, lru+prefetch, lru+cpu, lru+prefetch+cpu, "
+                          "dymoe, dynaexq (default: resident if every expert fits the budget, else lru+prefetch)")
+    gen.add_argument("--hi", default=None, help="dymoe/dynaexq: the high tier (default: --tier, else int4)")
+    gen.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips)")
+    gen.add_argument("--r", type=float, default=None, help="dymoe: mean share of routed experts at --hi (0.5-1)")
+    gen.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer (default: budget)")
+    gen.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
+                     help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
+                          "layer-wise (host between layers), or one jit with replay (resident)")
     gen.add_argument("--stats", action="store_true", help="print offload statistics (JSON) to stderr at the end")
     gen.add_argument("--tier", default=None, help="expert precision tier")
     gen.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -83,7 +88,7 @@ def cmd_generate(args) -> None:
     SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
     validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
     stop_strings(args.stop)
-    model = jmoe.load(args.model, device_budget=args.device_budget, policy=args.policy, tier=args.tier,
+    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
                       compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution)
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
@@ -95,6 +100,29 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
     if args.stats:
         print(json.dumps(jmoe.stats(model), indent=1), file=sys.stderr)
+
+
+def cli_policy(args):
+    """The policy the flags describe: a name, or DyMoE / DynaExq built from their options."""
+    from jmoe.errors import InputError
+    from jmoe.policies import make_policy
+
+    dynamic = {"hi": args.hi, "lo": args.lo, "r": args.r, "hi_per_layer": args.hi_per_layer}
+    given = {k: v for k, v in dynamic.items() if v is not None}
+    if args.policy not in ("dymoe", "dynaexq"):
+        if given:
+            raise InputError(f"--{'/--'.join(k.replace('_', '-') for k in given)} only apply to --policy dymoe/dynaexq")
+        return args.policy
+    allowed = {"dymoe": ("hi", "lo", "r"), "dynaexq": ("hi", "lo", "hi_per_layer")}[args.policy]
+    wrong = [k for k in given if k not in allowed]
+    if wrong:
+        raise InputError(f"--{wrong[0].replace('_', '-')} does not apply to --policy {args.policy}")
+    if given.get("lo") == "none" and args.policy == "dymoe":
+        given["lo"] = None
+    hi = given.pop("hi", args.tier)
+    if args.tier is not None and hi != args.tier:
+        raise InputError(f"--tier {args.tier} differs from --hi {hi}")
+    return make_policy(args.policy, hi, **given)
 
 
 def cmd_info(args) -> None:

@@ -199,35 +199,71 @@ def test_pinned_experts_are_not_evicted(two_tier_store, two_tier_host):
     cache.check()
 
 
+KEYS = (st.integers(0, 7), st.integers(0, 31))
 operation = st.one_of(
-    st.tuples(st.just("request"), st.integers(0, 7), st.integers(0, 31), st.sampled_from(["int4", "int2"]),
-              st.sampled_from(["demand", "prefetch"])),
+    st.tuples(st.just("request"), *KEYS, st.sampled_from(["int4", "int2"]), st.sampled_from(["demand", "prefetch"])),
+    st.tuples(st.just("transition"), *KEYS, st.sampled_from(["int4", "int2"])),  # background promotion/demotion
     st.tuples(st.just("poll")),
-    st.tuples(st.just("wait"), st.integers(0, 7), st.integers(0, 31)),
-    st.tuples(st.just("pin"), st.integers(0, 7), st.integers(0, 31)),
+    st.tuples(st.just("wait"), *KEYS),
+    st.tuples(st.just("pin"), *KEYS),
     st.tuples(st.just("unpin")),
-    st.tuples(st.just("drop"), st.integers(0, 7), st.integers(0, 31)),
+    st.tuples(st.just("drop"), *KEYS),
 )
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget_mib=st.floats(0.02, 1.5), keep_lower=st.booleans(), refuse=st.integers(0, 3),
+       trace=st.lists(operation, min_size=1, max_size=120))
+def test_budget_is_never_exceeded(two_tier_store, two_tier_host, budget_mib, keep_lower, refuse, trace):
+    """Random budgets and traces of demand fetches, prefetches, background promotions and demotions,
+    a cache that keeps lower versions or replaces them, and a victim rule that sometimes refuses:
+    every reservation stays within the budget and the books stay consistent after every operation."""
+    run_trace(two_tier_store, two_tier_host, int(budget_mib * 2**20), keep_lower, refuse, trace)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(budget_mib=st.floats(0.02, 1.2), trace=st.lists(operation, min_size=1, max_size=40))
-def test_budget_is_never_exceeded(two_tier_store, two_tier_host, budget_mib, trace):
-    """Random budgets and routing traces: every reservation stays within the budget after every step."""
-    budget = int(budget_mib * 2**20)
+def test_ten_thousand_random_operations_keep_the_budget(two_tier_store, two_tier_host):
+    """The same invariants over 10,000 operations drawn at random (several budgets, both cache rules)."""
+    rng = np.random.default_rng(0)
+    done = 0
+    while done < 10_000:
+        trace = []
+        for _ in range(500):
+            kind = rng.choice(["request", "transition", "poll", "wait", "pin", "unpin", "drop"],
+                              p=[0.35, 0.2, 0.15, 0.1, 0.08, 0.04, 0.08])
+            key = (int(rng.integers(8)), int(rng.integers(32)))
+            tier = str(rng.choice(["int4", "int2"]))
+            trace.append({"request": ("request", *key, tier, str(rng.choice(["demand", "prefetch"]))),
+                          "transition": ("transition", *key, tier), "poll": ("poll",), "wait": ("wait", *key),
+                          "pin": ("pin", *key), "unpin": ("unpin",), "drop": ("drop", *key)}[kind])
+        budget = int(rng.uniform(0.45, 1.5) * 2**20)
+        done += run_trace(two_tier_store, two_tier_host, budget, bool(rng.integers(2)), int(rng.integers(4)), trace)
+
+
+def run_trace(two_tier_store, two_tier_host, budget, keep_lower, refuse, trace) -> int:
+    """Apply `trace` to a cache under `budget`, checking the invariants after every operation;
+    returns how many operations ran (0 when the budget cannot hold the pools)."""
     tracker = BudgetTracker(budget)
     try:  # half of the budget per tier, as a two-tier policy might split it
-        plan = plan_pools(two_tier_store, {"int4": 0.5, "int2": 0.5}, 0, budget, staging_transfers=1)
+        plan = plan_pools(two_tier_store, Policy("split", "int4", pool_shares={"int4": 0.5, "int2": 0.5}), 0, budget,
+                          staging_transfers=1)
     except BudgetError:
-        return
+        return 0
     tracker.reserve("pools", plan.nbytes)
     tracker.reserve("staging", plan.staging_nbytes)  # one staging area, sized for the larger record
     cache = make_cache(two_tier_store, two_tier_host, plan.slots, 1)
+    cache.keep_lower = keep_lower
+    calls = [0]
+
+    def victim(tier, candidates):  # every `refuse`-th choice refuses to evict (0: never)
+        calls[0] += 1
+        return None if refuse and calls[0] % (refuse + 1) == 0 else candidates[-1]
+
+    cache.victim = victim
     assert tracker.total <= budget
     for op in trace:
         kind = op[0]
         if kind == "request":
             cache.request((op[1], op[2]), op[3], op[4])
+        elif kind == "transition":
+            cache.request((op[1], op[2]), op[3], "transition", exact=True)
         elif kind == "poll":
             cache.poll()
         elif kind == "wait":
@@ -240,10 +276,14 @@ def test_budget_is_never_exceeded(two_tier_store, two_tier_host, budget_mib, tra
             cache.drop((op[1], op[2]))
         assert tracker.total <= budget
         assert cache.staging.total <= cache.staging.budget
+        assert cache.stats.resident_bytes <= plan.nbytes
         cache.check()
+        if not keep_lower:  # without keep_lower an expert has one published version at most
+            assert all(len(v) == 1 for v in cache.resident.values())
     cache.settle()
     assert cache.staging.total == 0  # every staging reservation came back
     cache.check()
+    return len(trace)
 
 
 class RecordingPolicy(Policy):

@@ -51,31 +51,79 @@ def _token_nll(logits, tokens):
     return -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
 
 
-def window_nll(model, token_ids, window: int) -> tuple[float, int]:
-    """Sum of NLL (nats) and number of predicted tokens over non-overlapping windows of `window` tokens."""
+def window_nll(model, token_ids, window: int, mode: str = "prefill") -> tuple[float, int]:
+    """Sum of NLL (nats) and number of predicted tokens over non-overlapping windows of `window` tokens.
+
+    mode "prefill" scores a window in one step; "decode" feeds it one token at a time (teacher
+    forced) through decode steps, so policies that decide per decode step decide for every token.
+    """
     check_model(model)
     window = validate.integer("window", window, minimum=2, maximum=model.max_seq_len)
+    validate.choice("mode", mode, ("prefill", "decode"))
     ids = token_array(model, token_ids, 2)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window]
         if len(chunk) < 2:
             break
-        if len(chunk) < window:  # last partial window: pad on the right, count only real tokens
-            padded = np.zeros((window,), np.int32)
-            padded[: len(chunk)] = chunk
-        else:
-            padded = chunk
-        tokens = jnp.asarray(padded[None])
-        cache = new_cache(model.config, 1, window, model.compute_dtype)
-        logits, _ = model.step(tokens, cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=False,
-                               phase="prefill")
-        nll = np.asarray(_token_nll(logits, tokens))[: len(chunk) - 1]
+        nll = _decode_nll(model, chunk) if mode == "decode" else _prefill_nll(model, chunk, window)
         total += float(nll.sum(dtype=np.float64))
         count += len(chunk) - 1
     return total, count
 
 
-def perplexity(model, token_ids, window: int = 512) -> float:
-    total, count = window_nll(model, token_ids, window)
+def _prefill_nll(model, chunk: np.ndarray, window: int) -> np.ndarray:
+    if len(chunk) < window:  # last partial window: pad on the right, count only real tokens
+        padded = np.zeros((window,), np.int32)
+        padded[: len(chunk)] = chunk
+    else:
+        padded = chunk
+    tokens = jnp.asarray(padded[None])
+    cache = new_cache(model.config, 1, window, model.compute_dtype)
+    logits, _ = model.step(tokens, cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=False,
+                           phase="prefill")
+    return np.asarray(_token_nll(logits, tokens))[: len(chunk) - 1]
+
+
+@jax.jit
+def _next_nll(logits, target):
+    """logits [1, V], target [1] -> NLL [1]."""
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), target[:, None], axis=-1)[:, 0]
+
+
+def _decode_nll(model, chunk: np.ndarray) -> np.ndarray:
+    from jmoe.decoding.decoder import Decoder
+
+    decoder = Decoder(model, [chunk[:1].tolist()], 1, bucket(len(chunk), MIN_PROMPT_BUCKET, model.max_seq_len))
+    logits = decoder.prefill()
+    nll = []
+    for i in range(1, len(chunk)):
+        nll.append(_next_nll(logits, jnp.asarray(chunk[i : i + 1])))
+        if i + 1 < len(chunk):
+            logits = decoder.decode(jnp.asarray(chunk[i : i + 1]))
+    return np.asarray(jnp.concatenate(nll))
+
+
+def perplexity(model, token_ids, window: int = 512, mode: str = "prefill") -> float:
+    """exp(mean NLL) of token_ids over non-overlapping windows; mode "decode" scores token by token."""
+    total, count = window_nll(model, token_ids, window, mode)
     return math.exp(total / count)
+
+
+def window_routing(model, token_ids, window: int = 256) -> np.ndarray:
+    """[T, L, k] the experts each token of token_ids was routed to, running prefill windows through a
+    model whose experts are all resident (its steps keep their routing on the device)."""
+    check_model(model)
+    if model.residency.offloading:
+        raise InputError("routing traces need a model with every expert resident (load it without a budget, "
+                         "or at a smaller tier)")
+    window = validate.integer("window", window, minimum=2, maximum=model.max_seq_len)
+    ids = token_array(model, token_ids, 1)
+    out = []
+    for start in range(0, len(ids), window):
+        chunk = ids[start : start + window]
+        cache = new_cache(model.config, 1, len(chunk), model.compute_dtype)
+        model.step(jnp.asarray(chunk[None]), cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=True,
+                   phase="prefill")
+        out.append(np.asarray(model.residency.signals.ids)[:, 0].transpose(1, 0, 2))  # [T, L, k]
+    return np.concatenate(out)

@@ -75,13 +75,27 @@ class ExpertCounters:
 
 @dataclass(frozen=True)
 class StepView:
-    """What a policy sees when planning a step."""
+    """What a policy sees when planning a step (the cache is there to be read, not changed)."""
 
     step: int
     phase: str
     num_layers: int
     num_experts: int
     counters: ExpertCounters
+    cache: object = None
+
+    def resident(self, tier: str) -> np.ndarray:
+        """[L, E] bool: which experts have a published version of `tier`."""
+        if self.cache is None or tier not in self.cache.handles.slot:
+            return np.zeros((self.num_layers, self.num_experts), bool)
+        return self.cache.handles.resident(tier)
+
+    def in_flight(self, tier: str) -> np.ndarray:
+        """[L, E] bool: which experts have a version of `tier` being copied in."""
+        out = np.zeros((self.num_layers, self.num_experts), bool)
+        for key, t in (self.cache.inflight.items() if self.cache is not None else ()):
+            out[key] |= t.tier == tier
+        return out
 
 
 @dataclass
@@ -164,9 +178,27 @@ class Policy:
     def observe(self, routings: list[LayerRouting], counters: ExpertCounters) -> None:
         """Every MoE layer's routing of the step just kept (counters already include it)."""
 
-    def victim(self, tier: str, candidates: list[Key]) -> Key:
-        """Which of `candidates` (resident in `tier`'s pool, least recently used first) to evict."""
+    def evictable(self, tier: str, key: Key) -> bool:
+        """Whether `key`'s version in `tier`'s pool may be evicted at all (pinned ones never are)."""
+        return True
+
+    def victim(self, tier: str, candidates: list[Key]) -> Key | None:
+        """Which of `candidates` (evictable, resident in `tier`'s pool, least recently used first) to
+        evict; None refuses (the request that needed the slot is then deferred or fails)."""
         return candidates[0]
+
+    def size_pools(self, left: int | None, slot_nbytes: dict[str, int], num_layers: int,
+                   num_experts: int) -> dict[str, int] | None:
+        """Slots per pool for `left` expert bytes (None: no budget); None splits by pool_shares."""
+        return None
+
+    def report(self, cache) -> dict:
+        """Policy-specific state for jmoe.stats (e.g. how many experts are in each state)."""
+        return {}
+
+    def preload(self, num_layers: int, num_experts: int) -> list[tuple[Key, str]]:
+        """Expert versions to make resident at load, before the first step."""
+        return []
 
 
 def check_plan(plan: Plan, pools, num_layers: int, num_experts: int, name: str) -> None:
@@ -182,20 +214,3 @@ def check_plan(plan: Plan, pools, num_layers: int, num_experts: int, name: str) 
             tier = names.get(code, f"code {code}")
             raise InputError(f"policy {name!r} asked for {tier} (in its plan) but has no {tier} pool; add it to the policy's "
                              f"pool_shares")
-
-
-POLICY_NAMES = ("resident", "ondemand", "lru", "lru+prefetch", "lru+cpu", "lru+prefetch+cpu")
-
-
-def make_policy(name: str, tier: str) -> Policy:
-    if name not in POLICY_NAMES:
-        raise InputError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")
-    parts = set(name.split("+"))
-    return Policy(
-        name=name,
-        tier=tier,
-        cache="ondemand" not in parts,
-        prefetch="prefetch" in parts,
-        cpu_execution="cpu" in parts,
-        everything_resident=name == "resident",
-    )

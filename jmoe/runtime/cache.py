@@ -52,13 +52,13 @@ def least_recent(tier: str, candidates: list[Key]) -> Key:
 class CacheManager:
     def __init__(self, host: HostStore, pools: dict[str, TierPool], handles: HandleTable, staging: BudgetTracker,
                  stats: Stats, device, *, victim: Callable[[str, list[Key]], Key] = least_recent,
-                 keep_lower: bool = False):
+                 evictable: Callable[[str, Key], bool] = lambda tier, key: True, keep_lower: bool = False):
         self.host = host
         self.pools = pools
         self.handles = handles
         self.staging = staging  # its budget is the staging bytes reserved on the device at load
         self.stats = stats
-        self.victim = victim
+        self.victim, self.evictable = victim, evictable
         self.keep_lower = keep_lower
         self.target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")  # from pinned host memory
         self.resident: dict[Key, dict[str, int]] = {}  # key -> {tier: slot}
@@ -90,14 +90,19 @@ class CacheManager:
 
     # -- requests
 
-    def request(self, key: Key, tier: str, kind: str = "demand", *, exact: bool = False) -> str:
+    def request(self, key: Key, tier: str, kind: str = "demand", *, exact: bool = False,
+                block: bool | None = None) -> str:
         """Make sure `key` is (or will be) resident at `tier` or higher (exactly `tier` when `exact`).
 
         Returns "hit" (already published), "pending" (a transfer is in flight), "started" (a new
-        transfer began) or "full" (no slot can be freed now, or a prefetch found no staging room).
+        transfer began) or "full" (no slot can be freed now, or no staging room without waiting).
+        Only a blocking request (by default: a demand) waits for earlier transfers to make room.
         """
+        block = kind == "demand" if block is None else block
         code = TIER_CODES[tier]
         if self._has(key, tier, exact):
+            if exact:  # a demotion to a version already resident: the higher ones go now
+                self._drop_above(key, code)
             self.touch(key)
             return "hit"
         moving = self.inflight.get(key)
@@ -116,7 +121,7 @@ class CacheManager:
         reserved = False
         try:
             while not self.staging.try_reserve("transfer", nbytes):
-                if kind != "demand" or not (self.inflight or self.retiring):
+                if not block or not (self.inflight or self.retiring):
                     self.free[tier].append(slot)
                     return "full"
                 self._drain_oldest()
@@ -209,12 +214,18 @@ class CacheManager:
         self.retiring.append((done, t.nbytes))
         versions = self.resident.setdefault(t.key, {})
         versions[t.tier] = t.slot
+        self._count_bytes(t.tier, +1)
         self.in_tier[t.tier].add(t.key)
         self.clock += 1
         self.last_used[t.key] = self.clock
         self.handles.publish(*t.key, t.tier, t.slot)
         del self.inflight[t.key]
         code = TIER_CODES[t.tier]
+        if t.kind == "transition":
+            if any(TIER_CODES[o] > code for o in versions):
+                self.stats.demotions += 1
+            else:
+                self.stats.promotions += 1
         for other in [o for o in versions if o != t.tier]:
             lower = TIER_CODES[other] < code
             if (lower and not self.keep_lower) or (not lower and t.exact):  # promotion / demotion done
@@ -222,21 +233,38 @@ class CacheManager:
         if t.kind == "prefetch":
             self.prefetched.add(t.key)
 
+    def movable(self, tier: str, keep=()) -> list[Key]:
+        """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in `keep`)."""
+        return [k for k in self.in_tier[tier] if k not in self.pinned and k not in keep and self.evictable(tier, k)]
+
+    def _drop_above(self, key: Key, code: int) -> None:
+        if key in self.pinned:
+            return  # the current step may run it; a later plan asks again
+        for other in [t for t in self.resident.get(key, ()) if TIER_CODES[t] > code]:
+            self.free[other].append(self._remove(key, other))
+            self.stats.demotions += 1
+
     def _claim_slot(self, tier: str) -> int | None:
         if self.free[tier]:
             return self.free[tier].pop()
-        candidates = sorted((k for k in self.in_tier[tier] if k not in self.pinned),
-                            key=lambda k: (self.last_used[k], k))  # least recently used first
+        candidates = sorted(self.movable(tier), key=lambda k: (self.last_used[k], k))  # least recently used first
         if not candidates:
             return None
         key = self.victim(tier, candidates)
+        if key is None:  # the policy keeps every one of them
+            return None
         if key not in candidates:
             raise RuntimeError(f"the policy's victim {key} is not one of the {tier} pool's evictable experts")
         return self._evict(key, tier)
 
+    def _count_bytes(self, tier: str, sign: int) -> None:
+        self.stats.resident_bytes += sign * self.pools[tier].slot_nbytes
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
+
     def _remove(self, key: Key, tier: str) -> int:
         versions = self.resident[key]
         slot = versions.pop(tier)
+        self._count_bytes(tier, -1)
         if not versions:
             del self.resident[key]
         self.in_tier[tier].discard(key)

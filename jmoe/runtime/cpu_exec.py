@@ -1,9 +1,14 @@
 """Running cold experts on the host CPU (HAQ's CPU–GPU collaboration, Fiddler).
 
 When an expert is not resident and only a few tokens need it, moving those tokens' activations to
-the host and running the expert there on its host copy can beat moving the expert's weights to
-the device. A cost model measured once at load (one expert's transfer time against the CPU's time
-per token) gives the critical token count below which the CPU runs it.
+the host and running the expert there can beat moving the expert's weights to the device. A cost
+model measured once at load compares the two per token: fetching costs one transfer, T_transfer,
+then the device's time per token; the CPU costs its own (larger) time per token. The CPU wins for
+up to n_crit = T_transfer / (lat_cpu - lat_device) tokens (per-token latencies; unbounded, capped,
+when the CPU is no slower per token, as on a machine whose "device" is the CPU itself).
+
+CPU-side experts are dequantized once, into the compute dtype, and kept (`prepare` does it at load
+for a known set; others on first use), so a call multiplies plain arrays.
 """
 
 from __future__ import annotations
@@ -15,22 +20,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.quant import dequantize_expert
 from jmoe.runtime.host_store import HostStore
 from pallas_kernels import expert_ffn_reference
+
+MAX_CRITICAL_TOKENS = 1 << 16
 
 
 @dataclass(frozen=True)
 class CostModel:
     transfer_s: float  # one expert version host -> device, until ready
-    cpu_fixed_s: float  # CPU call overhead, including moving activations both ways
-    cpu_per_token_s: float
+    cpu_per_token_s: float  # the CPU's time per token of one expert (activations moved both ways)
+    device_per_token_s: float  # the device's
 
     @property
     def critical_tokens(self) -> int:
-        """Largest token count for which the CPU is expected to finish before the transfer would."""
-        if self.cpu_per_token_s <= 0:
-            return 0
-        return max(0, int((self.transfer_s - self.cpu_fixed_s) / self.cpu_per_token_s))
+        """Most tokens for which the CPU is expected to beat fetching the expert: T_transfer / (cpu - device)."""
+        gap = self.cpu_per_token_s - self.device_per_token_s
+        if gap <= 0:
+            return MAX_CRITICAL_TOKENS
+        return int(min(MAX_CRITICAL_TOKENS, self.transfer_s / gap))
 
 
 def _bucket(n: int) -> int:
@@ -52,10 +61,20 @@ class CpuExecutor:
         self.cpu = jax.devices("cpu")[0]
         self.dtype = dtype
         self.cost: CostModel | None = None
+        self._weights: dict = {}  # (tier, layer, expert) -> dequantized weights on the CPU
+
+    def prepare(self, keys) -> None:
+        """Dequantize these experts' (tier, layer, expert) versions now, so their calls never do."""
+        for key in keys:
+            self._weights_on_cpu(*key)
 
     def _weights_on_cpu(self, tier: str, layer: int, expert: int):
-        record = self.host.store.record(tier, layer, expert)  # numpy views of the mapped file
-        return jax.device_put(record, self.cpu)
+        key = (tier, layer, expert)
+        if key not in self._weights:
+            record = self.host.store.record(tier, layer, expert)  # numpy views of the mapped file
+            with jax.default_device(self.cpu):
+                self._weights[key] = jax.device_put(dequantize_expert(record, self.dtype), self.cpu)
+        return self._weights[key]
 
     def run(self, rows: jax.Array, tier: str, layer: int, expert: int) -> jax.Array:
         """rows [n, D] on the device -> expert output [n, D] on the device, computed on the CPU."""
@@ -67,7 +86,7 @@ class CpuExecutor:
         return jax.device_put(np.asarray(y)[:n], self.device).astype(rows.dtype)
 
     def calibrate(self, tier: str, samples: int = 3) -> CostModel:
-        """Measure one transfer and the CPU's time for 1 and 8 tokens on layer 0's experts."""
+        """Measure one transfer, and the CPU's and the device's time per token on layer 0's experts."""
         transfers = []
         target = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
         for e in range(samples):
@@ -75,16 +94,21 @@ class CpuExecutor:
             jax.device_put(self.host.record(tier, 0, e), target).block_until_ready()
             transfers.append(time.perf_counter() - t)
         D = self.host.store.config.hidden_size
-        times = {}
-        for n in (1, 8):
-            rows = jax.device_put(jnp.ones((n, D), self.dtype), self.device)
-            self.run(rows, tier, 0, 0)  # compile
-            runs = []
-            for e in range(samples):
-                t = time.perf_counter()
-                self.run(rows, tier, 0, e).block_until_ready()
-                runs.append(time.perf_counter() - t)
-            times[n] = float(np.median(runs))
-        per_token = max((times[8] - times[1]) / 7, 0.0)
-        self.cost = CostModel(float(np.median(transfers)), max(times[1] - per_token, 0.0), per_token)
+        on_device = jax.device_put(self._weights_on_cpu(tier, 0, 0), self.device)
+
+        def per_token(run) -> float:
+            times = {}
+            for n in (1, 16):
+                run(n)  # compile
+                runs = []
+                for _ in range(samples):
+                    t = time.perf_counter()
+                    run(n).block_until_ready()
+                    runs.append(time.perf_counter() - t)
+                times[n] = float(np.median(runs))
+            return max((times[16] - times[1]) / 15, 0.0)
+
+        cpu = per_token(lambda n: self.run(jax.device_put(jnp.ones((n, D), self.dtype), self.device), tier, 0, 0))
+        device = per_token(lambda n: _one_expert(jax.device_put(jnp.ones((n, D), self.dtype), self.device), on_device))
+        self.cost = CostModel(float(np.median(transfers)), cpu, device)
         return self.cost

@@ -29,7 +29,7 @@ from flax import nnx
 from jmoe.decoding.engine import Engine, attention_meta_jit
 from jmoe.layers.transformer import StepSignals
 from jmoe.runtime.layerwise import LayerPieces, run_layerwise
-from jmoe.runtime.residency import AllResident, Offloaded
+from jmoe.runtime.residency import Offloaded
 
 PATHS = ("auto", "layerwise", "resident")
 

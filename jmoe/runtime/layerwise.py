@@ -122,14 +122,15 @@ class LayerwiseRunner:
             res.stats.actual += total
         self.predicted = None
         if lookahead is not None:
-            counts = np.asarray(lookahead)
+            counts, gate = (np.asarray(a) for a in lookahead)
             self.predicted = set(int(e) for e in np.flatnonzero(counts))
+            rank_by = counts if self.phase == "prefill" else gate
         device_wanted, cpu_experts = res.plan_layer(r)
         passes = res.split_passes(mi, device_wanted) or [{}]
         for p, group in enumerate(passes):
             keys = res.fetch_pass(mi, group)
             if p == 0 and lookahead is not None:
-                res.prefetch_predicted(mi + 1, counts)
+                res.prefetch_predicted(mi + 1, rank_by)
             res.cache.wait(keys)
             # one pass and nothing on the CPU: the whole layer's tables (no other routed expert is
             # resident to run twice); otherwise only this pass's experts are visible

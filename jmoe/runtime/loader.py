@@ -18,7 +18,7 @@ from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, inside, read_manifest
-from jmoe.policies import POLICY_NAMES, Policy, make_policy
+from jmoe.policies import BASELINES, POLICY_NAMES, Policy, make_policy
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
 from jmoe.runtime.pools import plan_pools
@@ -201,9 +201,9 @@ def load(
       path: directory written by `jmoe convert`.
       device_budget: hard cap on device memory ("12GiB", bytes); None = no cap.
       policy: expert residency policy: "resident" (every expert on the device), "ondemand", "lru",
-        "lru+prefetch", "lru+cpu", "lru+prefetch+cpu", or a `jmoe.policies.Policy` (whose
-        `pool_shares` may ask for a device pool per tier). Default: "resident" when every expert
-        fits the budget, else "lru+prefetch".
+        "lru+prefetch", "lru+cpu", "lru+prefetch+cpu", "dymoe", "dynaexq" (with their defaults; hi =
+        `tier` when given), or a `jmoe.policies.Policy` such as DyMoE(hi="int4", lo="int2", r=0.75).
+        Default: "resident" when every expert fits the budget, else "lru+prefetch".
       tier: expert precision to run ("bf16", "int8", ...); default the policy's tier, else the most
         precise tier converted.
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
@@ -232,6 +232,8 @@ def load(
     if progress is not None:
         validate.boolean("progress", progress)
     dtype = resolve_compute_dtype(compute_dtype)
+    if isinstance(policy, str) and policy not in BASELINES:  # a named dynamic-precision policy: hi = tier
+        policy = make_policy(policy, tier)
     if isinstance(policy, Policy):
         policy.check()
         if tier is not None and tier != policy.tier:
@@ -276,7 +278,7 @@ def load(
         tracker.reserve("experts", all_experts)
         residency = AllResident(store, tier, device, backend=kernel_backend)
     else:
-        plan = plan_pools(store, chosen.pools(), fixed, budget, staging_transfers=2 * cfg.top_k)
+        plan = plan_pools(store, chosen, fixed, budget, staging_transfers=2 * cfg.top_k)
         residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
                               cpu_critical_tokens=cpu_critical_tokens, progress=progress)
     memory = dict(tracker.reserved)

@@ -99,22 +99,26 @@ class PoolPlan:
         return sum(self.slots[t] * self.slot_nbytes[t] for t in self.slots)
 
 
-def plan_pools(store: ExpertStore, shares: dict[str, float], fixed: int, budget: int | None,
-               staging_transfers: int) -> PoolPlan:
+def plan_pools(store: ExpertStore, policy, fixed: int, budget: int | None, staging_transfers: int) -> PoolPlan:
     """Size one pool per tier from what the budget leaves after the fixed reservations.
 
-    Each tier gets its share of that remainder. A pool must hold at least one token's experts of
-    one layer (top_k slots); staging is sized for `staging_transfers` of the largest record. With
-    no budget every pool can hold every expert.
+    The policy may size its pools itself (Policy.size_pools); otherwise each tier gets its share of
+    that remainder. A pool must hold at least one token's experts of one layer (top_k slots);
+    staging is sized for `staging_transfers` of the largest record. With no budget every pool can
+    hold every expert unless the policy says otherwise.
     """
     cfg = store.config
+    shares = policy.pools()
     per_slot = {t: slot_nbytes(store, t) for t in shares}
     staging = staging_transfers * max(store.record_nbytes(t) for t in shares)
     total_experts = cfg.num_moe_layers * cfg.num_experts
-    if budget is None:
-        return PoolPlan({t: total_experts for t in shares}, per_slot, staging)
-    left = budget - fixed - staging
-    slots = {t: int(min(total_experts, max(0, left) * share // per_slot[t])) for t, share in shares.items()}
+    left = None if budget is None else max(0, budget - fixed - staging)
+    slots = policy.size_pools(left, per_slot, cfg.num_moe_layers, cfg.num_experts)
+    if slots is None:
+        slots = {t: total_experts if left is None else int(left * share // per_slot[t]) for t, share in shares.items()}
+    slots = {t: min(total_experts, n) for t, n in slots.items()}
+    if budget is not None and sum(n * per_slot[t] for t, n in slots.items()) > left:
+        raise BudgetError(f"policy {policy.name!r} sized its pools beyond the device budget")
     if any(n < cfg.top_k for n in slots.values()):
         need = max(-(-cfg.top_k * per_slot[t] // share) for t, share in shares.items())
         pools = ", ".join(f"{cfg.top_k} experts x {format_size(per_slot[t])} at {t}" for t in shares)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jmoe.config import ModelConfig
+from jmoe.errors import BudgetError
 from jmoe.layers.experts import NO_SLOT, ExpertState, LayerExperts, Selection
 from jmoe.layers.transformer import StepSignals
 from jmoe.policies.base import (
@@ -89,8 +90,13 @@ class Offloaded:
         self.pools = {tier: TierPool(store, tier, slots, device) for tier, slots in plan.slots.items()}
         self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, tuple(self.pools), device)
         self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
-                                  device, victim=policy.victim, keep_lower=policy.keep_lower)
+                                  device, victim=policy.victim, evictable=policy.evictable,
+                                  keep_lower=policy.keep_lower)
         self.plan: Plan | None = None
+        for key, tier in policy.preload(cfg.num_moe_layers, cfg.num_experts):  # e.g. every expert at a low tier
+            if self.cache.request(key, tier, "demand") == "full":
+                break
+        self.cache.settle()
         self._unbooked: list = []  # settled steps whose books are not kept yet
         self._state = None  # (its parts, the ExpertState): reused while nothing changed
         self._selection: tuple[Plan, Selection] | None = None
@@ -121,11 +127,11 @@ class Offloaded:
             self.catch_up()  # a policy that plans sees every kept step in its counters
         self.stats.steps += 1
         self.step_index += 1
-        view = StepView(self.step_index, phase, self.cfg.num_moe_layers, self.cfg.num_experts, self.counters)
+        view = StepView(self.step_index, phase, self.cfg.num_moe_layers, self.cfg.num_experts, self.counters, self.cache)
         plan = self.policy.plan(view)
-        if plan is not self.plan:
+        if self.plan is None or plan.hi is not self.plan.hi or plan.lo is not self.plan.lo:
             check_plan(plan, self.pools, self.cfg.num_moe_layers, self.cfg.num_experts, self.policy.name)
-            self.plan = plan
+        self.plan = plan
         for key, tier in plan.prefetch:
             if self.cache.request(key, tier, "prefetch") == "full":
                 break
@@ -137,9 +143,11 @@ class Offloaded:
         self.cache.pinned = set()
 
     def selection(self) -> Selection:
-        if self._selection is None or self._selection[0] is not self.plan:
-            p = self.plan
-            self._selection = (p, jax.device_put(Selection.of(p.hi, p.lo, p.ratio, p.heavy_hitters), self.device))
+        """The plan's tier arrays on the device; reused while the plan keeps the same arrays."""
+        p = self.plan
+        key = (p.hi, p.lo, p.ratio, p.heavy_hitters)
+        if self._selection is None or any(a is not b for a, b in zip(self._selection[0], key)):
+            self._selection = (key, jax.device_put(Selection.of(*key), self.device))
         return self._selection[1]
 
     def expert_state(self) -> ExpertState:
@@ -199,15 +207,16 @@ class Offloaded:
         stats.degraded += int((short & (chosen != SKIP)).sum())
         stats.misses += int((routed & ~by_policy & ~short & was_fetched).sum())
         stats.hits += int((routed & ~by_policy & ~short & ~was_fetched).sum())
+        stats.count_uses_of(chosen[routed])
         self.counters.add(counts)
         if self._observing:  # building per-layer views costs; only if wanted
             self.policy.observe(step.layers(), self.counters)
         self.cache.touch_all(routed)
         keys = [tuple(k) for k in np.argwhere(routed).tolist()] if missing or not self.policy.cache else []
-        if missing:
+        if missing:  # fetched for the steps to come, never waited for now
             self.cache.pinned = set(keys)
             for key, code in missing.items():
-                self.cache.request(key, tier_name(code), "demand")
+                self.cache.request(key, tier_name(code), "demand", block=False)
             self.cache.pinned = set()
         if not self.policy.cache:
             for key in keys:
@@ -232,6 +241,7 @@ class Offloaded:
         summary = np.stack([step[-1] for step in steps])  # [n, 3, L, E]
         counts, wanted = summary[:, 0], summary[:, 1]
         routed = counts > 0
+        self.stats.count_uses_of(summary[:, 2][routed])
         by_policy = int((routed & (wanted == SKIP)).sum())
         self.stats.uses += int(routed.sum())
         self.stats.skipped += by_policy
@@ -258,6 +268,14 @@ class Offloaded:
         self.cache.poll()  # publish prefetches that landed while earlier layers computed
         self.counters.update(r)
         counts = r.token_counts(self.cfg.num_experts)
+        device, cpu = self._sort_layer(r, counts)
+        for expert, tier in device.items():
+            self.stats.count_uses(self.landing_tier((r.layer, expert), TIER_CODES[tier]))
+        for _, tier in cpu:
+            self.stats.count_uses(tier)
+        return device, cpu
+
+    def _sort_layer(self, r: LayerRouting, counts) -> tuple[dict[int, str], list[tuple[int, str]]]:
         device, cpu = {}, []
         for expert, code in r.wanted_by_expert().items():
             key = (r.layer, expert)
@@ -268,6 +286,12 @@ class Offloaded:
             if self.cache.serves(key, code):
                 self.stats.hits += 1
                 self.cache.touch(key)
+            elif r.phase in self.policy.degrade_phases and self.cache.code_of(key) > SKIP:
+                self.stats.degraded += 1  # the resident lower version serves; the wanted one comes later
+                self.cache.touch(key)
+                self.cache.request(key, tier_name(code), "demand", block=False)
+                device[expert] = tier_name(self.cache.code_of(key))
+                continue
             elif self.cache.code_in_flight(key) >= code:
                 self.stats.late += 1
             elif self.cpu is not None and counts[expert] <= self.critical_tokens:
@@ -281,14 +305,19 @@ class Offloaded:
         return device, cpu
 
     def split_passes(self, layer: int, wanted: dict[int, str]) -> list[dict[int, str]]:
-        """Groups whose experts fit the pools together (each pool counted apart); resident experts
-        first so they run before anything is evicted."""
-        ordered = sorted(wanted, key=lambda e: self.cache.code_of((layer, e)) == SKIP)
-        passes: list[dict[int, str]] = []
+        """Groups of the layer's experts that fit the pools together: resident ones first (they need
+        no slot, so they run before anything is evicted), then as many to fetch per pass as each
+        pool can free (free slots and versions the policy lets go)."""
+        resident = [e for e in wanted if self.cache.serves((layer, e), TIER_CODES[wanted[e]])]
+        keys = {(layer, e) for e in wanted}
+        room = {tier: len(self.cache.free[tier]) + len(self.cache.movable(tier, keep=keys)) for tier in self.pools}
+        passes: list[dict[int, str]] = [{e: wanted[e] for e in resident}] if resident else []
         used: dict[str, int] = {}
-        for expert in ordered:
+        for expert in (e for e in wanted if e not in resident):
             pool = self.landing_tier((layer, expert), TIER_CODES[wanted[expert]])
-            if not passes or used.get(pool, 0) == self.pools[pool].slots:
+            if room[pool] == 0:
+                raise BudgetError(f"the {pool} pool has no slot the policy lets go for expert {(layer, expert)}")
+            if not passes or used.get(pool, 0) == room[pool]:
                 passes.append({})
                 used = {}
             passes[-1][expert] = wanted[expert]
@@ -324,10 +353,10 @@ class Offloaded:
     def prefetch_limit(self) -> int:
         return max(1, self.slots // max(1, self.cfg.num_moe_layers))
 
-    def prefetch_predicted(self, layer: int, counts: np.ndarray) -> None:
-        """Start fetching the experts predicted for `layer`, most tokens first, each at the tier this
-        step's plan would give it, until the pool is full."""
-        ranked = rank_predictions(counts, self.prefetch_limit())
+    def prefetch_predicted(self, layer: int, score: np.ndarray) -> None:
+        """Start fetching the experts predicted for `layer`, highest score first, each at the tier
+        this step's plan would give it, until the pool is full."""
+        ranked = rank_predictions(score, self.prefetch_limit())
         for expert, code in self.plan.layer_tiers(layer, ranked):
             if code != SKIP and self.cache.request((layer, expert), tier_name(code), "prefetch") == "full":
                 break

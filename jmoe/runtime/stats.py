@@ -36,6 +36,7 @@ class Stats:
     degraded: int = 0  # ran at a lower resident tier than wanted
     skipped: int = 0  # wanted tier 0 or nothing resident, and the policy allowed skipping
     cpu_runs: int = 0  # ran on the host CPU instead of being fetched
+    uses_by_tier: dict[str, int] = field(default_factory=dict)  # uses that ran, by the tier that ran
     cpu_tokens: int = 0
     # transfers
     transfers: int = 0
@@ -48,6 +49,10 @@ class Stats:
     replays: int = 0  # one-jit steps run again because they lacked an expert
     host_syncs: int = 0  # times the host waited to read routing back from the device
     evictions: int = 0
+    resident_bytes: int = 0  # expert bytes published in the pools now
+    peak_resident_bytes: int = 0
+    promotions: int = 0  # background transitions to a higher version, completed
+    demotions: int = 0  # background transitions to a lower version, completed
     # prefetch and prediction
     prefetch_issued: int = 0
     prefetch_used: int = 0
@@ -60,6 +65,17 @@ class Stats:
     ttft_seconds: list[float] = field(default_factory=list)
     tpot_seconds: list[float] = field(default_factory=list)
 
+    def count_uses(self, tier: str, n: int = 1) -> None:
+        self.uses_by_tier[tier] = self.uses_by_tier.get(tier, 0) + n
+
+    def count_uses_of(self, chosen: np.ndarray) -> None:
+        """Uses by the tier code that ran (an array of codes; 0 = none ran)."""
+        from jmoe.tiers import TIER_NAMES
+
+        for code, n in enumerate(np.bincount(np.asarray(chosen).ravel(), minlength=len(TIER_NAMES) + 1)[1:], 1):
+            if n:
+                self.count_uses(TIER_NAMES[code - 1], int(n))
+
     def summary(self) -> dict:
         uses = max(self.uses, 1)
         return {
@@ -69,6 +85,7 @@ class Stats:
             "miss_rate": self.misses / uses,
             "degraded": self.degraded,
             "skipped": self.skipped,
+            "uses_by_tier": dict(self.uses_by_tier),
             "cpu_expert_runs": self.cpu_runs,
             "cpu_tokens": self.cpu_tokens,
             "transfers": self.transfers,
@@ -77,6 +94,9 @@ class Stats:
             "bytes_h2d_per_token": self.bytes_h2d / max(self.tokens, 1),
             "waited_transfer_gb_per_s": self.waited_bytes / 1e9 / self.transfer_seconds if self.transfer_seconds else None,
             "evictions": self.evictions,
+            "peak_resident_expert_bytes": self.peak_resident_bytes,
+            "promotions": self.promotions,
+            "demotions": self.demotions,
             "stalls": self.stalls,
             "stall_seconds": self.stall_seconds,
             "replays": self.replays,

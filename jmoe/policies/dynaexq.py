@@ -1,0 +1,144 @@
+"""DynaExq: long-horizon hotness decides which experts run at a high tier; the rest stay low.
+
+Every expert is resident at `lo` (loaded at start: the lo pool is sized for all of them first,
+when the budget allows). What the budget leaves holds `hi` copies: n_l per layer (the hi pool's
+slots over the layers, or `hi_per_layer`). Hotness is router counts per (layer, expert) over an
+interval of `interval` tokens, as a share of the layer's routed assignments, folded into an EMA
+(hot = alpha * hot + (1 - alpha) * share) when the interval ends. Each layer's hi set is its top
+n_l experts by hotness, with hysteresis: an outsider enters only when it beats the weakest member
+by `margin`, and a member leaves only when an outsider beats it by `margin`.
+
+Promotions and demotions run in the background as plan transitions: an expert entering the set is
+copied in at `hi` while its `lo` version keeps serving (steps never wait for it: the policy
+degrades in both phases, so a step whose wanted hi copy is still in flight runs the lo one); the
+hi copy is published only when complete. An expert leaving the set just drops its hi copy (its lo
+version is resident all along). A promotion needs a free hi slot: the policy evicts only hi copies
+of experts outside the set, and otherwise the promotion waits for a later step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jmoe import validate
+from jmoe.errors import InputError
+from jmoe.policies.base import Key, LayerRouting, Plan, Policy, StepView
+from jmoe.tiers import TIER_CODES, TIER_NAMES
+
+
+class DynaExq(Policy):
+    def __init__(self, hi: str = "int4", lo: str = "int2", interval: int = 32, alpha: float = 0.7,
+                 margin: float = 0.01, hi_per_layer: int | None = None, name: str = "dynaexq"):
+        validate.choice("hi", hi, TIER_NAMES)
+        validate.choice("lo", lo, TIER_NAMES)
+        if TIER_CODES[lo] >= TIER_CODES[hi]:
+            raise InputError(f"lo ({lo}) must be a lower tier than hi ({hi})")
+        self.hi, self.lo = hi, lo
+        self.interval = validate.integer("interval", interval, minimum=1)
+        self.alpha = validate.real("alpha", alpha, minimum=0.0, maximum=1.0)
+        self.margin = validate.real("margin", margin, minimum=0.0)
+        self.hi_per_layer = None if hi_per_layer is None else validate.integer("hi_per_layer", hi_per_layer, minimum=0)
+        super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode"),
+                         pool_shares={hi: 0.5, lo: 0.5})
+        self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
+        self.window: np.ndarray | None = None  # [L, E] counts of the current interval
+        self.tokens = 0
+        self.members: np.ndarray | None = None  # [L, E] bool: the hi set
+        self.n_hi = 0  # hi copies per layer
+        self._codes: np.ndarray | None = None
+
+    # -- sizing and start
+
+    def size_pools(self, left, slot_nbytes, num_layers, num_experts):
+        total = num_layers * num_experts
+        hi_bytes, lo_bytes = slot_nbytes[self.hi], slot_nbytes[self.lo]
+        if left is None:
+            per_layer = num_experts
+        elif total * lo_bytes > left:
+            raise InputError(f"policy {self.name!r} keeps every expert at {self.lo} ({total} x {lo_bytes} bytes), "
+                             f"which needs more than the {left} bytes the budget leaves for experts")
+        else:
+            per_layer = (left - total * lo_bytes) // hi_bytes // num_layers
+        if self.hi_per_layer is not None:
+            per_layer = min(per_layer, self.hi_per_layer)
+        self._start(num_layers, num_experts, int(min(per_layer, num_experts)))
+        return {self.lo: total, self.hi: max(self.n_hi, 1) * num_layers}
+
+    def _start(self, num_layers: int, num_experts: int, n_hi: int) -> None:
+        shape = (num_layers, num_experts)
+        self.hot, self.window = np.zeros(shape), np.zeros(shape, np.int64)
+        self.members = np.full(shape, n_hi >= num_experts)  # room for every expert: all of them from the start
+        self.n_hi, self.tokens, self._codes = n_hi, 0, None
+
+    def preload(self, num_layers: int, num_experts: int) -> list[tuple[Key, str]]:
+        keys = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
+        return [(key, self.lo) for key in keys] + [(key, self.hi) for key in keys if self.members[key]]
+
+    # -- learning hotness
+
+    def observe(self, routings: list[LayerRouting], counters) -> None:
+        if self.hot is None:
+            return
+        for r in routings:
+            self.window[r.layer] += r.token_counts(self.window.shape[1])
+        self.tokens += int(routings[0].valid.sum())
+        if self.tokens >= self.interval:
+            share = self.window / np.maximum(self.window.sum(axis=1, keepdims=True), 1)
+            self.hot = self.alpha * self.hot + (1 - self.alpha) * share
+            self.window[:] = 0
+            self.tokens = 0
+            self._update_members()
+
+    def _update_members(self) -> None:
+        """Each layer's top n by hotness, with hysteresis (see the module docstring)."""
+        changed = False
+        for layer in range(self.hot.shape[0]):
+            hot, members = self.hot[layer], self.members[layer]
+            while members.sum() < self.n_hi and (~members).any():  # fill free places with the hottest
+                best = np.flatnonzero(~members)[np.argmax(hot[~members])]
+                if hot[best] <= 0:
+                    break
+                members[best] = changed = True
+            while members.any() and (~members).any():
+                weakest = np.flatnonzero(members)[np.argmin(hot[members])]
+                strongest = np.flatnonzero(~members)[np.argmax(hot[~members])]
+                if hot[strongest] <= hot[weakest] + self.margin:
+                    break
+                members[weakest], members[strongest] = False, True
+                changed = True
+        if changed:
+            self._codes = None
+
+    # -- planning
+
+    def plan(self, view: StepView) -> Plan:
+        if self.hot is None:  # not sized by a load (a plain call): every layer's experts all at lo
+            self._start(view.num_layers, view.num_experts, 0)
+        if self._codes is None:
+            self._codes = np.where(self.members, TIER_CODES[self.hi], TIER_CODES[self.lo]).astype(np.int32)
+        hi_resident, hi_moving = view.resident(self.hi), view.in_flight(self.hi)
+        promote = np.argwhere(self.members & ~hi_resident & ~hi_moving)
+        demote = np.argwhere(~self.members & hi_resident)
+        transitions = [((int(layer), int(e)), self.lo) for layer, e in demote]  # free hi slots first
+        transitions += [((int(layer), int(e)), self.hi) for layer, e in promote]
+        return Plan.wanting(self._codes, transitions=transitions)
+
+    def evictable(self, tier: str, key: Key) -> bool:
+        # never a member's hi copy (a promotion that finds no other slot waits for a later step),
+        # never a lo copy (every expert keeps its lo version)
+        return tier == self.hi and (self.members is None or not self.members[key])
+
+    def report(self, view_cache) -> dict[str, int]:
+        """How many experts are Resident-Lo, Promoting, Resident-Hi and Demoting now."""
+        if self.members is None:
+            return {}
+        hi = view_cache.handles.resident(self.hi)
+        moving = np.zeros_like(hi)
+        for key, t in view_cache.inflight.items():
+            moving[key] |= t.tier == self.hi
+        return {"resident_lo": int((~hi & ~moving).sum()), "promoting": int(moving.sum()),
+                "resident_hi": int((hi & self.members).sum()), "demoting": int((hi & ~self.members).sum())}
+
+    def __repr__(self) -> str:
+        return (f"DynaExq(hi={self.hi!r}, lo={self.lo!r}, interval={self.interval}, alpha={self.alpha:g}, "
+                f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer})")

@@ -1,0 +1,194 @@
+"""DyMoE and DynaExq: their rules, exactness at the limits, and background transitions that never stall a step."""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+from convert import convert_checkpoint
+from jmoe.layers.experts import ExpertState, Routing, Selection, expert_importance, run_experts
+from jmoe.policies import DyMoE, DynaExq, make_policy
+from jmoe.policies.dymoe import depth_schedule
+from jmoe.quant import ExpertWeights
+from jmoe.runtime.cache import CacheManager
+from jmoe.tiers import TIER_CODES
+
+IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
+PATHS = ["auto", "layerwise", "resident"]
+
+
+@pytest.fixture(scope="module")
+def int4_int2(tmp_path_factory, tiny_hf_dir):
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("policies") / "m", tiers="int4,int2",
+                              progress=False)
+
+
+@pytest.fixture(scope="module")
+def uniform_int4(int4_int2):
+    return jmoe.generate(jmoe.load(int4_int2, compute_dtype="float32", tier="int4"), IDS, max_new_tokens=16)
+
+
+# ---------------------------------------------------------------- DyMoE
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
+def test_depth_schedule_keeps_early_layers_and_has_the_stated_mean(lam):
+    r = depth_schedule(8, lam)
+    assert r[0] == pytest.approx(1.0) and r[-1] == pytest.approx(lam)
+    assert np.all(np.diff(r) <= 1e-7)  # never more critical experts deeper down
+    assert depth_schedule(2001, lam).mean() == pytest.approx((1 + lam) / 2, abs=1e-3)  # the continuous mean
+    assert DyMoE(r=(1 + lam) / 2).lam == pytest.approx(lam)
+
+
+def test_importance_is_gate_score_in_decode_and_heavy_hitters_in_prefill():
+    ids = jnp.asarray([[0, 1], [0, 2], [3, 1], [2, 0]], jnp.int32)
+    weights = jnp.asarray([[0.6, 0.4], [0.5, 0.5], [0.9, 0.1], [0.7, 0.3]], jnp.float32)
+    valid = jnp.asarray([True, True, True, False])
+    score, routed = expert_importance(Routing(ids, weights), valid, None, jnp.float32(0.5), 5)
+    np.testing.assert_allclose(score, [1.1, 0.5, 0.5, 0.9, 0.0])  # padding token 3 does not count
+    np.testing.assert_array_equal(routed, [True, True, True, True, False])
+    # with half the real tokens as heavy hitters (ceil(1.5) = 2: tokens 2 and 0, by attention; the
+    # padding token's 0.9 does not count): expert 1 got both, 0 and 3 one each (0 wins the tie on
+    # tokens routed: 2 against 1), expert 2 none
+    attention = jnp.asarray([0.3, 0.1, 0.6, 0.9], jnp.float32)
+    score, _ = expert_importance(Routing(ids, weights), valid, attention, jnp.float32(0.5), 5)
+    order = np.argsort(-np.asarray(score), kind="stable")
+    assert list(order[:4]) == [1, 0, 3, 2]
+
+
+def test_four_zero_skips_the_unimportant_experts_without_renormalising(tiny_hf_dir):
+    rng = np.random.default_rng(0)
+    D, F, E, N, k = 16, 8, 6, 5, 2
+    pool = ExpertWeights(rng.normal(size=(E, D, 2 * F)).astype(np.float32) * 0.3,
+                         rng.normal(size=(E, F, D)).astype(np.float32) * 0.3)
+    codes = np.full((1, E), TIER_CODES["int4"], np.int32)
+    state = ExpertState.from_codes(codes, np.arange(E)[None], {"int4": jax.tree.map(jnp.asarray, pool)})
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(N)]).astype(np.int32)
+    weights = rng.random(size=(N, k)).astype(np.float32)
+    h = rng.normal(size=(N, D)).astype(np.float32)
+    four_zero = ExpertState(state.slots, state.pools, Selection.of(codes, np.zeros_like(codes), [0.5]))
+    out = run_experts(jnp.asarray(h), Routing(jnp.asarray(ids), jnp.asarray(weights)), jnp.ones(N, bool),
+                      four_zero.layer(0))
+    gate = np.zeros(E)
+    np.add.at(gate, ids.ravel(), weights.ravel())
+    routed = np.unique(ids)
+    keep = set(sorted(routed, key=lambda e: (-gate[e], e))[: math.ceil(0.5 * len(routed))])
+    expected = np.zeros((N, D))
+    for n in range(N):
+        for j in range(k):
+            e = ids[n, j]
+            if e in keep:  # original router weight, no renormalisation over the kept experts
+                g, u = np.split(h[n] @ pool.gate_up[e], 2)
+                expected[n] += weights[n, j] * ((g / (1 + np.exp(-g)) * u) @ pool.down[e])
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("execution", PATHS)
+def test_dymoe_with_r_one_is_uniform_hi(int4_int2, uniform_int4, execution):
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=DyMoE(r=1.0), execution=execution)
+    assert jmoe.generate(model, IDS, max_new_tokens=16) == uniform_int4
+    assert set(jmoe.stats(model)["uses_by_tier"]) == {"int4"}
+
+
+def test_dymoe_runs_a_share_low_and_paths_agree_from_the_same_cache(int4_int2):
+    """A lower tier is served by a higher resident version when there is one (DyMoE's reuse), so
+    what runs depends on what the cache holds; from a cold cache, without look-ahead prefetch,
+    the one-jit and layer-wise paths fetch and run the same versions."""
+    logits = {}
+    for execution in ("auto", "layerwise"):
+        policy = DyMoE()
+        policy.prefetch = False
+        model = jmoe.load(int4_int2, compute_dtype="float32", policy=policy, execution=execution)
+        logits[execution] = np.asarray(jmoe.forward(model, IDS))
+        uses = jmoe.stats(model)["uses_by_tier"]
+        assert uses["int2"] > 0 and uses["int4"] > uses["int2"]
+    np.testing.assert_allclose(logits["auto"], logits["layerwise"], rtol=1e-4, atol=1e-4)
+
+
+def test_named_policies_and_their_options_are_checked():
+    assert isinstance(make_policy("dymoe", "int8"), DyMoE) and make_policy("dymoe", None).hi == "int4"
+    with pytest.raises(jmoe.InputError, match="lower tier"):
+        DyMoE(hi="int2", lo="int4")
+    with pytest.raises(jmoe.InputError, match="r must be"):
+        DyMoE(r=0.2)
+    with pytest.raises(jmoe.InputError, match="interval"):
+        DynaExq(interval=0)
+    with pytest.raises(jmoe.InputError, match="takes no options"):
+        make_policy("lru", "int4", r=0.5)
+
+
+# ---------------------------------------------------------------- DynaExq
+
+
+@pytest.mark.parametrize("execution", PATHS)
+def test_dynaexq_with_room_for_every_expert_at_hi_is_uniform_hi(int4_int2, uniform_int4, execution):
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(), execution=execution)
+    assert jmoe.generate(model, IDS, max_new_tokens=16) == uniform_int4
+    assert jmoe.stats(model)["policy_state"]["resident_hi"] == 8 * 32
+
+
+def test_hot_set_follows_hotness_with_hysteresis():
+    policy = DynaExq(margin=0.05)
+    policy._start(1, 6, 2)
+    policy.hot[0] = [0.30, 0.25, 0.20, 0.15, 0.06, 0.04]
+    policy._update_members()
+    assert set(np.flatnonzero(policy.members[0])) == {0, 1}
+    policy.hot[0] = [0.30, 0.22, 0.26, 0.15, 0.03, 0.04]  # expert 2 now beats 1, but by less than the margin
+    policy._update_members()
+    assert set(np.flatnonzero(policy.members[0])) == {0, 1}
+    policy.hot[0] = [0.30, 0.10, 0.26, 0.15, 0.15, 0.04]  # by more than the margin: they swap
+    policy._update_members()
+    assert set(np.flatnonzero(policy.members[0])) == {0, 2}
+
+
+class SlowCopy:
+    """A staged transfer that is not finished until released; waiting on it is recorded."""
+
+    def __init__(self, real, waits: list):
+        self.real, self.waits, self.done = real, waits, False
+
+    def is_ready(self):
+        return self.done
+
+    def block_until_ready(self):
+        self.waits.append("".join(traceback.format_stack(limit=8)))  # who waited, for the failure message
+        return self.real.block_until_ready()
+
+
+def test_no_step_waits_for_a_promotion(int4_int2, monkeypatch):
+    policy = DynaExq(hi_per_layer=8, interval=4)
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=policy)
+    cache = model.residency.cache
+    slow, waits = [], []
+    real_request, real_publish = CacheManager.request, CacheManager._publish
+
+    def request(self, key, tier, kind="demand", **options):
+        result = real_request(self, key, tier, kind, **options)
+        if result == "started" and kind == "transition" and tier == "int4":
+            moving = self.inflight[key]
+            moving.staged = SlowCopy(moving.staged, waits)
+            slow.append(moving.staged)
+        return result
+
+    def publish(self, t):
+        if isinstance(t.staged, SlowCopy):
+            t.staged = t.staged.real
+        return real_publish(self, t)
+
+    monkeypatch.setattr(CacheManager, "request", request)
+    monkeypatch.setattr(CacheManager, "_publish", publish)
+    out = jmoe.generate(model, IDS, max_new_tokens=24)  # promotions start and stay in flight
+    assert len(out) == 24 and slow and not waits, waits[0] if waits else ''  # every step ran on the lo versions
+    assert jmoe.stats(model)["policy_state"]["promoting"] > 0 and jmoe.stats(model)["degraded"] > 0
+    for copy in slow:
+        copy.done = True
+    jmoe.generate(model, IDS, max_new_tokens=4)
+    cache.settle()
+    cache.check()
+    assert jmoe.stats(model)["promotions"] > 0 and jmoe.stats(model)["policy_state"]["promoting"] == 0
