@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.quality
 	$(BIN)/python -m bench.offload
 	$(BIN)/python -m bench.overhead
+	$(BIN)/python -m bench.policies
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

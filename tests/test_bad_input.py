@@ -29,6 +29,7 @@ from jmoe.errors import (
     InputError,
 )
 from jmoe.manifest import PARTIAL_MARKER
+from jmoe.policies import DyMoE, DynaExq, StaticPlacement
 from tests.conftest import CALIB_FILES
 from tests.hf_models import make_checkpoint
 
@@ -362,6 +363,20 @@ ROWS = [
         "cpu_critical_tokens"),
     Row("load-verify-string", lambda c: jmoe.load(c.tiny, verify="yes"), InputError, "verify"),
     Row("load-progress-int", lambda c: jmoe.load(c.tiny, progress=2), InputError, "progress"),
+    Row("load-trace-string", lambda c: jmoe.load(c.tiny, trace="yes"), InputError, "trace"),
+    Row("load-dymoe-on-a-bf16-only-model", lambda c: jmoe.load(c.tiny, policy="dymoe"), FormatError,
+        "without tier 'int4'"),
+    Row("policy-dymoe-r-out-of-range", lambda c: DyMoE(r=1.5), InputError, "r must be"),
+    Row("policy-dymoe-r-and-lam", lambda c: DyMoE(r=0.75, lam=0.5), InputError, "r or lam"),
+    Row("policy-dymoe-lo-above-hi", lambda c: DyMoE(hi="int2", lo="int8"), InputError, "lower tier"),
+    Row("policy-dymoe-unknown-tier", lambda c: DyMoE(hi="int3"), InputError, "hi must be"),
+    Row("policy-dymoe-heavy-hitters-zero", lambda c: DyMoE(heavy_hitters=0), InputError, "heavy_hitters"),
+    Row("policy-dynaexq-alpha", lambda c: DynaExq(alpha=1.5), InputError, "alpha"),
+    Row("policy-dynaexq-margin-negative", lambda c: DynaExq(margin=-0.1), InputError, "margin"),
+    Row("policy-dynaexq-hi-per-layer-float", lambda c: DynaExq(hi_per_layer=2.5), InputError, "hi_per_layer"),
+    Row("policy-dynaexq-hotness", lambda c: DynaExq(hotness="heat"), InputError, "hotness"),
+    Row("policy-placement-strategy", lambda c: StaticPlacement(np.zeros((4, 2, 2), int), strategy="best"),
+        InputError, "strategy"),
     # ---- generate
     Row("gen-temperature-nan", lambda c: gen(c, temperature=float("nan")), InputError, "temperature"),
     Row("gen-temperature-negative", lambda c: gen(c, temperature=-1.0), InputError, "temperature"),
@@ -411,6 +426,7 @@ ROWS = [
     Row("ppl-id-beyond-vocab", lambda c: jmoe.perplexity(c.model, [1, 99999]), InputError, r"token_ids\[1\]"),
     Row("ppl-float-ids", lambda c: jmoe.perplexity(c.model, np.array([1.0, 2.0])), InputError, "token_ids"),
     Row("ppl-not-a-model", lambda c: jmoe.perplexity(None, [1, 2]), InputError, "model"),
+    Row("ppl-mode-unknown", lambda c: jmoe.perplexity(c.model, [1, 2, 3], mode="beam"), InputError, "mode"),
     Row("forward-empty", lambda c: jmoe.forward(c.model, []), InputError, "at least 1"),
     Row("forward-negative-id", lambda c: jmoe.forward(c.model, [-3]), InputError, r"token_ids\[0\]"),
     # ---- the command line
@@ -441,6 +457,14 @@ ROWS = [
         CLI, "nested too deeply"),
     Row("cli-info-missing", lambda c: ["info", str(c.tmp / "nowhere")], CLI, "nowhere"),
     Row("cli-unknown-command", lambda c: ["serve"], CLI, "invalid choice"),
+    Row("cli-r-without-dymoe", lambda c: ["generate", str(c.tiny), "x", "--r", "0.7"], CLI, "--r only apply"),
+    Row("cli-dymoe-r-out-of-range", lambda c: ["generate", str(c.tiny), "x", "--policy", "dymoe", "--r", "3"], CLI,
+        "r must be"),
+    Row("cli-hi-per-layer-on-dymoe", lambda c: ["generate", str(c.tiny), "x", "--policy", "dymoe",
+                                                "--hi-per-layer", "4"], CLI, "hi-per-layer does not apply"),
+    Row("cli-hi-and-tier-differ", lambda c: ["generate", str(c.tiny), "x", "--policy", "dymoe", "--tier", "int8",
+                                             "--hi", "int4"], CLI, "differs"),
+    Row("cli-execution-unknown", lambda c: ["generate", str(c.tiny), "x", "--execution", "fast"], CLI, "execution"),
 ]
 
 

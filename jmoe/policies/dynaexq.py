@@ -3,8 +3,9 @@
 Every expert is resident at `lo` (loaded at start: the lo pool is sized for all of them first,
 when the budget allows). What the budget leaves holds `hi` copies: n_l per layer (the hi pool's
 slots over the layers, or `hi_per_layer`). Hotness is router counts per (layer, expert) over an
-interval of `interval` tokens, as a share of the layer's routed assignments, folded into an EMA
-(hot = alpha * hot + (1 - alpha) * share) when the interval ends. Each layer's hi set is its top
+interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
+a share of the layer's total, folded into an EMA (hot = alpha * hot + (1 - alpha) * share) when
+the interval ends. Each layer's hi set is its top
 n_l experts by hotness, with hysteresis: an outsider enters only when it beats the weakest member
 by `margin`, and a member leaves only when an outsider beats it by `margin`.
 
@@ -27,8 +28,9 @@ from jmoe.tiers import TIER_CODES, TIER_NAMES
 
 
 class DynaExq(Policy):
-    def __init__(self, hi: str = "int4", lo: str = "int2", interval: int = 32, alpha: float = 0.7,
-                 margin: float = 0.01, hi_per_layer: int | None = None, name: str = "dynaexq"):
+    def __init__(self, hi: str = "int4", lo: str = "int2", interval: int = 16, alpha: float = 0.5,
+                 margin: float = 0.01, hi_per_layer: int | None = None, hotness: str = "count",
+                 name: str = "dynaexq"):
         validate.choice("hi", hi, TIER_NAMES)
         validate.choice("lo", lo, TIER_NAMES)
         if TIER_CODES[lo] >= TIER_CODES[hi]:
@@ -38,6 +40,7 @@ class DynaExq(Policy):
         self.alpha = validate.real("alpha", alpha, minimum=0.0, maximum=1.0)
         self.margin = validate.real("margin", margin, minimum=0.0)
         self.hi_per_layer = None if hi_per_layer is None else validate.integer("hi_per_layer", hi_per_layer, minimum=0)
+        self.hotness = validate.choice("hotness", hotness, ("count", "gate"))
         super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode"),
                          pool_shares={hi: 0.5, lo: 0.5})
         self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
@@ -66,7 +69,7 @@ class DynaExq(Policy):
 
     def _start(self, num_layers: int, num_experts: int, n_hi: int) -> None:
         shape = (num_layers, num_experts)
-        self.hot, self.window = np.zeros(shape), np.zeros(shape, np.int64)
+        self.hot, self.window = np.zeros(shape), np.zeros(shape)
         self.members = np.full(shape, n_hi >= num_experts)  # room for every expert: all of them from the start
         self.n_hi, self.tokens, self._codes = n_hi, 0, None
 
@@ -80,7 +83,9 @@ class DynaExq(Policy):
         if self.hot is None:
             return
         for r in routings:
-            self.window[r.layer] += r.token_counts(self.window.shape[1])
+            ids = r.ids[r.valid].ravel()
+            weights = r.scores[r.valid].ravel() if self.hotness == "gate" else None
+            self.window[r.layer] += np.bincount(ids, weights=weights, minlength=self.window.shape[1])
         self.tokens += int(routings[0].valid.sum())
         if self.tokens >= self.interval:
             share = self.window / np.maximum(self.window.sum(axis=1, keepdims=True), 1)
@@ -141,4 +146,4 @@ class DynaExq(Policy):
 
     def __repr__(self) -> str:
         return (f"DynaExq(hi={self.hi!r}, lo={self.lo!r}, interval={self.interval}, alpha={self.alpha:g}, "
-                f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer})")
+                f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer}, hotness={self.hotness!r})")

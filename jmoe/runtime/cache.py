@@ -71,6 +71,7 @@ class CacheManager:
         self.retiring: list[tuple[jax.Array, int]] = []  # (write-complete marker, staging bytes)
         self.pinned: set[Key] = set()
         self.prefetched: set[Key] = set()  # landed from a prefetch and not used yet
+        self.trace = None  # a jmoe.runtime.trace.Trace when the run is traced
 
     # -- queries
 
@@ -133,6 +134,8 @@ class CacheManager:
                 self.staging.release("transfer", nbytes)
             raise
         self.inflight[key] = Transfer(key, tier, slot, staged, nbytes, kind, time.perf_counter(), exact)
+        if self.trace is not None:
+            self.trace.transfer(nbytes, kind)
         self.stats.transfers += 1
         self.stats.bytes_h2d += nbytes
         self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
@@ -188,6 +191,8 @@ class CacheManager:
             t.staged.block_until_ready()
             self.stats.transfer_seconds += time.perf_counter() - t.started
             self.stats.waited_bytes += t.nbytes
+            if self.trace is not None:
+                self.trace.wait(t.nbytes)
             self._publish(t)
         waited = time.perf_counter() - start
         self.stats.stalls += 1

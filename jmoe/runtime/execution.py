@@ -73,12 +73,12 @@ class Executor:
         running on the same dense weights and cache)."""
         res = residency or self.residency
         start, key_start = np.asarray(start, np.int32), np.asarray(key_start, np.int32)
-        res.begin_step(phase)
+        res.begin_step(phase, tokens.size)
         try:
             if not res.offloading:
                 logits, cache, signals = self.engine.forward(self.dense, res.expert_state(), tokens, cache, start,
                                                              key_start, last_only=last_only, want_importance=False)
-                res.observe(signals)
+                res.observe(signals, valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1]))
                 return logits, cache, None
             valid = valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1])
             if self.path == "layerwise" or (self.path == "auto" and self.careful):
@@ -108,7 +108,7 @@ class Executor:
 
     def _settle(self, p: Pending, cache, *, defer_books: bool = True):
         res = p.res
-        res.stats.host_syncs += 1
+        res.synced()
         summary = np.asarray(p.signals.per_expert)  # [3, L, E]: tokens, wanted, chosen per expert; one small read
         if not ((summary[0] > 0) & (summary[2] < summary[1])).any():  # the common case: nothing ran short
             if defer_books:

@@ -112,7 +112,7 @@ class LayerwiseRunner:
             norm_w, router_k = self.pieces.router_inputs[mi + 1]
             lookahead = predict_next(norm_w, router_k, x, self.valid_dev, top_k=cfg.top_k, eps=cfg.rms_norm_eps)
         ids, weights, wanted, imp = jax.device_get((signals.ids, signals.weights, signals.wanted, flat_importance))
-        res.stats.host_syncs += 1
+        res.synced()
         r = LayerRouting(res.step_index, self.phase, mi, len(self.pieces.router_inputs), ids, weights, self.valid, imp,
                          wanted, wanted)
         self.routings.append(r)

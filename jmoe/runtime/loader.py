@@ -24,6 +24,7 @@ from jmoe.runtime.execution import PATHS, Executor
 from jmoe.runtime.pools import plan_pools
 from jmoe.runtime.residency import AllResident, Offloaded
 from jmoe.runtime.store import ExpertStore
+from jmoe.runtime.trace import Trace
 from jmoe.tiers import TIER_NAMES
 from jmoe.tokenizer import load_tokenizer
 from pallas_kernels.expert_ffn import BACKENDS
@@ -78,6 +79,11 @@ class JmoeModel:
     @property
     def stats(self):
         return self.residency.stats
+
+    @property
+    def trace(self):
+        """What each step did (jmoe.load(..., trace=True)), else None."""
+        return self.residency.trace
 
     def check_batch_fits(self, batch: int, cache_len: int) -> None:
         """Under a budget, the KV cache of a request must fit what load() reserved for it."""
@@ -191,6 +197,7 @@ def load(
     cpu_critical_tokens: int | None = None,
     verify: bool = False,
     progress: bool | None = None,
+    trace: bool = False,
 ) -> JmoeModel:
     """Load a converted model onto the default device.
 
@@ -217,6 +224,8 @@ def load(
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
+      trace: record per step the expert bytes read, transfers and host waits (model.trace), for
+        bench/gpu_model.py to replay with GPU parameters.
     """
     root = validate.path("path", path)
     budget = parse_size(device_budget, "device_budget") if device_budget is not None else None
@@ -229,6 +238,7 @@ def load(
     if cpu_critical_tokens is not None:
         validate.integer("cpu_critical_tokens", cpu_critical_tokens, minimum=0)
     verify = validate.boolean("verify", verify)
+    trace = validate.boolean("trace", trace)
     if progress is not None:
         validate.boolean("progress", progress)
     dtype = resolve_compute_dtype(compute_dtype)
@@ -281,6 +291,10 @@ def load(
         plan = plan_pools(store, chosen, fixed, budget, staging_transfers=2 * cfg.top_k)
         residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
                               cpu_critical_tokens=cpu_critical_tokens, progress=progress)
+    if trace:
+        residency.trace = Trace()
+        if residency.offloading:
+            residency.cache.trace = residency.trace
     memory = dict(tracker.reserved)
     tokenizer = None
     if manifest["tokenizer"] is not None:

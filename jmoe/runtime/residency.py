@@ -28,7 +28,7 @@ from jmoe.policies.base import (
     StepView,
     check_plan,
 )
-from jmoe.runtime.budget import BudgetTracker
+from jmoe.runtime.budget import BudgetTracker, tree_nbytes
 from jmoe.runtime.cache import CacheManager
 from jmoe.runtime.cpu_exec import CpuExecutor
 from jmoe.runtime.handles import HandleTable
@@ -37,6 +37,7 @@ from jmoe.runtime.pools import PoolPlan, TierPool, resident_pool
 from jmoe.runtime.predictor import rank_predictions
 from jmoe.runtime.stats import Stats
 from jmoe.runtime.store import ExpertStore
+from jmoe.runtime.trace import Trace
 from jmoe.tiers import SKIP, TIER_CODES, tier_name
 
 BOOK_BATCH = 32  # deferred steps whose books are kept together (LRU order and counters lag at most this)
@@ -55,15 +56,24 @@ class AllResident:
         slots = jax.device_put(np.arange(L * E, dtype=np.int32).reshape(L, E), device)
         self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend)
         self.signals: StepSignals | None = None  # the last step's, on the device
+        self.trace: Trace | None = None
+        self._slot_bytes = tree_nbytes(store.template(tier))
 
-    def begin_step(self, phase: str) -> None:
+    def begin_step(self, phase: str, tokens: int = 0) -> None:
         self.stats.steps += 1
+        if self.trace is not None:
+            self.trace.begin(self.stats.steps, phase, tokens)
 
     def expert_state(self) -> ExpertState:
         return self.state
 
-    def observe(self, signals: StepSignals) -> None:
+    def observe(self, signals: StepSignals, valid=None) -> None:
         self.signals = signals
+        if self.trace is not None:  # the trace needs the routing on the host: a sync per step
+            counts = np.asarray(signals.per_expert[0])
+            for layer, n in enumerate((counts > 0).sum(axis=1)):
+                self.trace.expert_reads(self.stats.steps, layer, int(n) * self._slot_bytes)
+            self.trace.sync()
 
     def end_step(self) -> None:
         pass
@@ -93,6 +103,7 @@ class Offloaded:
                                   device, victim=policy.victim, evictable=policy.evictable,
                                   keep_lower=policy.keep_lower)
         self.plan: Plan | None = None
+        self.trace: Trace | None = None
         for key, tier in policy.preload(cfg.num_moe_layers, cfg.num_experts):  # e.g. every expert at a low tier
             if self.cache.request(key, tier, "demand") == "full":
                 break
@@ -120,13 +131,15 @@ class Offloaded:
 
     # -- before and after a step
 
-    def begin_step(self, phase: str) -> None:
+    def begin_step(self, phase: str, tokens: int = 0) -> None:
         """Publish finished transfers, ask the policy for this step's plan, start what it asks for."""
         self.cache.poll()
         if type(self.policy).plan is not Policy.plan:
             self.catch_up()  # a policy that plans sees every kept step in its counters
         self.stats.steps += 1
         self.step_index += 1
+        if self.trace is not None:
+            self.trace.begin(self.step_index, phase, tokens)
         view = StepView(self.step_index, phase, self.cfg.num_moe_layers, self.cfg.num_experts, self.counters, self.cache)
         plan = self.policy.plan(view)
         if self.plan is None or plan.hi is not self.plan.hi or plan.lo is not self.plan.lo:
@@ -166,8 +179,25 @@ class Offloaded:
     def read(self, signals: StepSignals, valid: np.ndarray, phase: str, *, sync: bool = True) -> "StepRouting":
         """A step's routing on the host: its per-expert summary now (one small read; `sync`: counted
         as a wait), the per-assignment arrays only if something asks for them."""
-        self.stats.host_syncs += sync
+        if sync:
+            self.synced()
         return StepRouting(self.step_index, phase, valid, signals, np.asarray(signals.per_expert))
+
+    def synced(self) -> None:
+        """The host just waited to read something back from the device."""
+        self.stats.host_syncs += 1
+        if self.trace is not None:
+            self.trace.sync()
+
+    def trace_reads(self, index: int, routed: np.ndarray, chosen: np.ndarray) -> None:
+        """Expert bytes each layer read in step `index` (routed [L, E] at chosen tier codes [L, E])."""
+        if self.trace is None:
+            return
+        code_bytes = np.zeros(len(TIER_CODES) + 1, np.int64)
+        for tier, pool in self.pools.items():
+            code_bytes[TIER_CODES[tier]] = pool.slot_nbytes
+        for layer, nbytes in enumerate((routed * code_bytes[chosen]).sum(axis=1)):
+            self.trace.expert_reads(index, layer, int(nbytes))
 
     def shortfall(self, step: "StepRouting") -> tuple[dict[Key, int], dict[Key, int]]:
         """(wanted code of every routed expert, those of them that ran below it)."""
@@ -208,6 +238,7 @@ class Offloaded:
         stats.misses += int((routed & ~by_policy & ~short & was_fetched).sum())
         stats.hits += int((routed & ~by_policy & ~short & ~was_fetched).sum())
         stats.count_uses_of(chosen[routed])
+        self.trace_reads(step.step, routed, chosen)
         self.counters.add(counts)
         if self._observing:  # building per-layer views costs; only if wanted
             self.policy.observe(step.layers(), self.counters)
@@ -242,6 +273,8 @@ class Offloaded:
         counts, wanted = summary[:, 0], summary[:, 1]
         routed = counts > 0
         self.stats.count_uses_of(summary[:, 2][routed])
+        for (index, *_), step_routed, chosen in zip(steps, routed, summary[:, 2]):
+            self.trace_reads(index, step_routed, chosen)
         by_policy = int((routed & (wanted == SKIP)).sum())
         self.stats.uses += int(routed.sum())
         self.stats.skipped += by_policy
@@ -269,10 +302,17 @@ class Offloaded:
         self.counters.update(r)
         counts = r.token_counts(self.cfg.num_experts)
         device, cpu = self._sort_layer(r, counts)
+        read = 0
         for expert, tier in device.items():
-            self.stats.count_uses(self.landing_tier((r.layer, expert), TIER_CODES[tier]))
-        for _, tier in cpu:
+            landing = self.landing_tier((r.layer, expert), TIER_CODES[tier])
+            self.stats.count_uses(landing)
+            read += self.pools[landing].slot_nbytes
+        for expert, tier in cpu:
             self.stats.count_uses(tier)
+            if self.trace is not None:
+                self.trace.cpu(int(counts[expert]))
+        if self.trace is not None:
+            self.trace.expert_reads(self.step_index, r.layer, read)
         return device, cpu
 
     def _sort_layer(self, r: LayerRouting, counts) -> tuple[dict[int, str], list[tuple[int, str]]]:

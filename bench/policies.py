@@ -1,0 +1,278 @@
+"""Dynamic expert precision judged by quality, bytes and time: DyMoE, DynaExq, static placement.
+
+1. Quality table, bundled model (GPTQ tiers int4 + int2 calibrated on the train splits): perplexity
+   in decode mode (teacher-forced, token by token, so decode-phase policies decide per token) on
+   the first `--tokens` tokens of each dev split, bytes moved per token, peak resident expert
+   bytes, share of uses at int2, measured CPU time per token and modelled GPU time per token
+   (bench/gpu_model.py), for uniform int4, uniform int2, DyMoE 4/2 and 4/0 at several r, a
+   random assignment of DyMoE 4/2's share of int2 uses (does importance beat chance?), DynaExq at
+   several hi copies per layer, and static placement strategies (per-layer hit rates).
+2. Workload shift: prose -> code -> math, `--shift-tokens` each, token by token; DynaExq (8 of 32
+   experts per layer at int4), static placement and LRU at the same device budget, against uniform
+   int4 and int2: perplexity and bytes over time (plot), and how much of the int2-to-int4 gap
+   DynaExq closes.
+3. DyMoE ablation (its Table 3) on a synthetic Qwen3-30B-A3B-shaped model at two budgets:
+   on-demand, cache, +prefetch, +4/2, +4/2+prefetch, +4/0+prefetch.
+
+    python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import jmoe
+from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, write_result
+from bench.gpu_model import GpuParams, dense_bytes_of, replay
+from convert import convert_checkpoint
+from jmoe.decoding.evaluate import window_nll
+from jmoe.policies import DyMoE, DynaExq, Plan, Policy, StaticPlacement, trace_routing
+from jmoe.tiers import TIER_CODES
+
+WINDOW = 256
+
+
+class RandomLow(Policy):
+    """Each step, every expert independently at int2 with probability `p`, else int4: the control
+    for DyMoE's importance (the same share of uses at int2, chosen by chance)."""
+
+    def __init__(self, p: float, seed: int = 0):
+        super().__init__(name=f"random-int2-{p:.2f}", tier="int4", pool_shares=DyMoE().pools())
+        self.p, self.rng = p, np.random.default_rng(seed)
+
+    def plan(self, view):
+        low = self.rng.random((view.num_layers, view.num_experts)) < self.p
+        return Plan.wanting(np.where(low, TIER_CODES["int2"], TIER_CODES["int4"]))
+
+
+def convert_tiny(root: Path, calib_sequences: int) -> Path:
+    return convert_checkpoint(TINY_HF, root / "tiny-gptq", tiers="int4,int2", method="gptq",
+                              calib=[str(p) for p in CALIB_FILES], calib_sequences=calib_sequences, progress=False)
+
+
+def fixed_bytes(path: Path) -> int:
+    plan = jmoe.memory_plan(path, tier="int4", compute_dtype="float32")
+    return plan["dense"] + plan["kv_cache"] + plan["workspace"]
+
+
+def evaluate(path: Path, policy, ids: dict[str, np.ndarray], *, budget: int | None = None, tier: str | None = None,
+             extra: dict | None = None) -> dict:
+    """Decode-mode perplexity per domain and the run's books, for one policy."""
+    model = jmoe.load(path, compute_dtype="float32", policy=policy, tier=tier, device_budget=budget, trace=True,
+                      **(extra or {}))
+    ppl, tokens = {}, 0
+    t = time.perf_counter()
+    for domain, toks in ids.items():
+        ppl[domain] = jmoe.perplexity(model, toks, window=WINDOW, mode="decode")
+        tokens += len(toks) - 1
+    seconds = time.perf_counter() - t
+    stats = jmoe.stats(model)
+    uses = stats["uses_by_tier"]
+    modelled = replay(model.trace.records(), dense_bytes=dense_bytes_of(model), num_layers=model.config.num_layers)
+    return {
+        "policy": repr(policy) if isinstance(policy, Policy) else policy,
+        "perplexity": ppl,
+        "geo_mean_perplexity": math.exp(np.mean([math.log(v) for v in ppl.values()])),
+        "bytes_h2d_per_token": stats["bytes_h2d"] / tokens,
+        "peak_resident_expert_bytes": stats["peak_resident_expert_bytes"],
+        "int2_share_of_uses": uses.get("int2", 0) / max(1, sum(uses.values())),
+        "skipped_uses": stats["skipped"],
+        "uses_by_tier": uses,
+        "hit_rate": stats["hit_rate"],
+        "cpu_expert_runs": stats["cpu_expert_runs"],
+        "cpu_s_per_token_measured": seconds / tokens,
+        "gpu_s_per_token_modelled": modelled["modelled_tpot_s"],
+        "promotions": stats["promotions"],
+        "demotions": stats["demotions"],
+    }
+
+
+def placement_hit_rates(placed: np.ndarray, traces: np.ndarray) -> dict:
+    """Per-layer share of expert uses (in `traces` [T, L, k]) that the placed set [L, E] serves."""
+    T, L, k = traces.shape
+    hits = placed[np.arange(L)[None, :, None], traces]  # [T, L, k]
+    per_layer = hits.mean(axis=(0, 2))
+    return {"per_layer": per_layer.round(4).tolist(), "mean": float(per_layer.mean()), "std": float(per_layer.std()),
+            "max_min_gap": float(per_layer.max() - per_layer.min()), "overall": float(hits.mean())}
+
+
+def quality_table(path: Path, tokens: int, calib_traces: np.ndarray, dev_traces: np.ndarray) -> dict:
+    """Every policy but DynaExq runs under one budget: the fixed reservations plus half of all int4
+    experts (uniform int2 does not fit whole either), so precision trades against transfers and a
+    lower tier is not simply served by a resident higher one. DynaExq keeps every expert at int2
+    and n per layer at int4, unbudgeted: its peak resident bytes say what it used."""
+    ids = {d: dev_tokens(jmoe.load(path, tier="int2").tokenizer, d, tokens) for d in DOMAINS}
+    budget = fixed_bytes(path) + staging_bytes(path) + 128 * model_slot_bytes(path, "int4")
+    rows = {"uniform int4": evaluate(path, "lru", ids, tier="int4", budget=budget),
+            "uniform int2": evaluate(path, "lru", ids, tier="int2", budget=budget)}
+    for lo in ("int2", None):
+        for r in (0.5, 0.75, 0.9, 1.0):
+            label = f"DyMoE 4/{'2' if lo else '0'} r={r}"
+            rows[label] = evaluate(path, DyMoE(lo=lo, r=r), ids, budget=budget)
+            print(label, json.dumps(rows[label]["perplexity"]), flush=True)
+    share = rows["DyMoE 4/2 r=0.75"]["int2_share_of_uses"]
+    rows["random 4/2 (DyMoE r=0.75's int2 share)"] = evaluate(path, RandomLow(share), ids, budget=budget)
+    for n in (4, 8, 16):
+        rows[f"DynaExq {n}/32 at int4 (unbudgeted)"] = evaluate(path, DynaExq(hi_per_layer=n), ids)
+    placements = {}
+    for strategy in ("frequency", "paths", "two-stage"):
+        policy = StaticPlacement(calib_traces, strategy=strategy, tier="int4")
+        rows[f"placement {strategy} (int4, rest on the CPU)"] = evaluate(path, policy, ids, budget=budget)
+        placements[strategy] = placement_hit_rates(policy.placed, dev_traces)
+    return {"rows": rows, "budget_bytes": budget, "placement_hit_rates_on_dev": placements}
+
+
+def staging_bytes(path: Path) -> int:
+    """What load() reserves for transfers in flight: 2 top-k of the largest record."""
+    from jmoe.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    return 2 * manifest["config"]["top_k"] * max(t["record_nbytes"] for t in manifest["tiers"].values())
+
+
+def model_slot_bytes(path: Path, tier: str) -> int:
+    from jmoe.manifest import read_manifest
+
+    return read_manifest(path)["tiers"][tier]["record_nbytes"]
+
+
+def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
+    tokenizer = jmoe.load(path, tier="int2").tokenizer
+    stream = np.concatenate([dev_tokens(tokenizer, d, tokens) for d in ("prose", "code", "math")])
+    int4, int2 = model_slot_bytes(path, "int4"), model_slot_bytes(path, "int2")
+    budget = fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4  # DynaExq 8/32's footprint
+    runs = {"uniform int4": ("lru", {"tier": "int4"}), "uniform int2": ("lru", {"tier": "int2"}),
+            "DynaExq 8/32": (DynaExq(hi_per_layer=8), {"budget": budget}),
+            "DynaExq 8/32, gate-weighted hotness": (DynaExq(hi_per_layer=8, hotness="gate"), {"budget": budget}),
+            "LRU int4 (same budget)": ("lru", {"tier": "int4", "budget": budget}),
+            "placement two-stage int4 (same budget)": (StaticPlacement(calib_traces, tier="int4"), {"budget": budget})}
+    out = {}
+    for name, (policy, kw) in runs.items():
+        model = jmoe.load(path, compute_dtype="float32", policy=policy, tier=kw.get("tier"),
+                          device_budget=kw.get("budget"))
+        windows = []
+        for start in range(0, len(stream) - 1, WINDOW):
+            before = jmoe.stats(model)
+            nll, count = window_nll(model, stream[start : start + WINDOW + 1], WINDOW + 1, mode="decode")
+            after = jmoe.stats(model)
+            windows.append({"start": start, "perplexity": math.exp(nll / count),
+                            "bytes_h2d_per_token": (after["bytes_h2d"] - before["bytes_h2d"]) / count,
+                            "hit_rate": ((after["hit_rate"] * after["expert_uses"] - before["hit_rate"]
+                                          * before["expert_uses"]) / max(1, after["expert_uses"] - before["expert_uses"]))})
+        nll_total = sum(math.log(w["perplexity"]) for w in windows) / len(windows)
+        out[name] = {"windows": windows, "perplexity": math.exp(nll_total), "stats": jmoe.stats(model)}
+        print(name, round(out[name]["perplexity"], 3), flush=True)
+    p4, p2 = out["uniform int4"]["perplexity"], out["uniform int2"]["perplexity"]
+    closed = {k: (p2 - run["perplexity"]) / (p2 - p4) for k, run in out.items() if k.startswith("DynaExq")}
+    return {"tokens_per_domain": tokens, "budget_bytes": budget, "runs": out, "int2_to_int4_gap_closed": closed}
+
+
+def plot_shift(shift: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, run in shift["runs"].items():
+        x = [w["start"] for w in run["windows"]]
+        if "budget" not in name and "LRU" not in name and "placement" not in name or "DynaExq" in name:
+            a.plot(x, [w["perplexity"] for w in run["windows"]], label=name)
+        if "same budget" in name or "DynaExq" in name:
+            b.plot(x, [w["bytes_h2d_per_token"] / 1024 for w in run["windows"]], label=name)
+    n = shift["tokens_per_domain"]
+    for ax in (a, b):
+        for boundary in (n, 2 * n):
+            ax.axvline(boundary, color="grey", lw=0.5)
+    a.set_ylabel("perplexity (256-token window)")
+    b.set_ylabel("KiB moved host->device per token")
+    b.set_xlabel("token of the stream (prose | code | math)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    a.set_title("Workload shift, bundled model, decode mode (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def ablation(root: Path, new_tokens: int) -> dict:
+    from bench.offload import prompts
+    from bench.synthetic import QWEN3_30B_A3B, write_checkpoint
+
+    src = write_checkpoint(root / "synthetic-hf", layers=4, **QWEN3_30B_A3B)
+    path = convert_checkpoint(src, root / "synthetic", tiers="int4,int2", progress=False)
+    plan = jmoe.memory_plan(path, tier="int4", compute_dtype="float32", max_seq_len=512)
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
+    modes = {"load on demand": lambda: "ondemand", "cache": lambda: "lru", "+prefetch": lambda: "lru+prefetch",
+             "+4/2": lambda: no_prefetch(DyMoE()), "+4/2+prefetch": lambda: DyMoE(),
+             "+4/0+prefetch": lambda: DyMoE(lo=None)}
+    items = None
+    out = {}
+    for fraction in (0.25, 0.5):
+        budget = int(fixed + fraction * plan["all_experts"])
+        for name, make in modes.items():
+            model = jmoe.load(path, tier="int4", compute_dtype="float32", policy=make(), device_budget=budget,
+                              max_seq_len=512, trace=True)
+            items = items or prompts(model.tokenizer)
+            jmoe.generate(model, items[0][:8], max_new_tokens=2)  # compile
+            model.residency.reset_stats()
+            model.trace.steps.clear()
+            t = time.perf_counter()
+            for ids in items:
+                jmoe.generate(model, ids, max_new_tokens=new_tokens)
+            seconds = time.perf_counter() - t
+            stats = jmoe.stats(model)
+            modelled = replay(model.trace.records(), dense_bytes=dense_bytes_of(model),
+                              num_layers=model.config.num_layers)
+            out[f"{name} @ {fraction:.0%}"] = {
+                "budget_fraction": fraction, "cpu_s_per_token_measured": seconds / stats["tokens"],
+                "cpu_tpot_s_measured": stats["tpot_s"], "gpu_tpot_s_modelled": modelled["modelled_tpot_s"],
+                "bytes_h2d_per_token": stats["bytes_h2d_per_token"], "hit_rate": stats["hit_rate"],
+                "degraded": stats["degraded"], "skipped": stats["skipped"], "replays": stats["replays"],
+                "uses_by_tier": stats["uses_by_tier"]}
+            print(name, fraction, json.dumps({k: v for k, v in out[f"{name} @ {fraction:.0%}"].items()
+                                              if "tpot" in k or "bytes" in k}), flush=True)
+    return out
+
+
+def no_prefetch(policy: Policy) -> Policy:
+    policy.prefetch = False
+    return policy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=2048, help="dev tokens per domain for the quality table")
+    parser.add_argument("--shift-tokens", type=int, default=2048)
+    parser.add_argument("--calib-sequences", type=int, default=64)
+    parser.add_argument("--ablation-tokens", type=int, default=32)
+    parser.add_argument("--skip-ablation", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = convert_tiny(root, args.calib_sequences)
+        tracer = jmoe.load(path, compute_dtype="float32", tier="int4")
+        calib_text = " ".join(p.read_text()[:60_000] for p in CALIB_FILES)
+        calib_traces = trace_routing(tracer, tracer.tokenizer.encode(calib_text), WINDOW)
+        dev_ids = np.concatenate([dev_tokens(tracer.tokenizer, d, args.tokens) for d in DOMAINS])
+        dev_traces = trace_routing(tracer, dev_ids, WINDOW)
+        del tracer
+        result = {"model": "tiny-qwen3-moe (GPTQ int4 + int2)", "gpu_params_modelled": GpuParams().__dict__,
+                  "quality": quality_table(path, args.tokens, calib_traces, dev_traces)}
+        shift = workload_shift(path, args.shift_tokens, calib_traces)
+        plot = RESULTS / "policies_shift_cpu.png"
+        plot_shift(shift, plot)
+        result["workload_shift"] = shift
+        if not args.skip_ablation:
+            result["dymoe_ablation_synthetic_qwen3_30b_a3b_4L"] = ablation(root, args.ablation_tokens)
+    write_result("policies", result)
+
+
+if __name__ == "__main__":
+    main()

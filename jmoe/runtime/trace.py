@@ -1,0 +1,57 @@
+"""A record of what a run did, step by step, for bench/gpu_model.py to replay with GPU parameters.
+
+On a machine without a GPU, measured times are CPU times; the trace says what a GPU would have
+had to do instead: per step, how many tokens it ran, how many expert bytes each MoE layer's
+computation read (the version that ran), how many bytes each transfer moved and of what kind
+(demand, prefetch, transition), how many of those bytes the host waited for, and how many times
+the host synced. Enabled with jmoe.load(..., trace=True); the model's `trace` is then a Trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    index: int
+    phase: str
+    tokens: int
+    expert_bytes: dict[int, int] = field(default_factory=dict)  # MoE layer -> bytes read by its experts
+    transfers: list[tuple[int, str]] = field(default_factory=list)  # (bytes, kind), in issue order
+    waited_bytes: int = 0  # of the transfers the host blocked on during this step
+    syncs: int = 0
+    cpu_tokens: int = 0  # expert-token products run on the host CPU
+
+
+class Trace:
+    def __init__(self):
+        self.steps: dict[int, StepRecord] = {}
+        self.current: StepRecord | None = None
+
+    def begin(self, index: int, phase: str, tokens: int) -> None:
+        self.current = self.steps[index] = StepRecord(index, phase, tokens)
+
+    def expert_reads(self, index: int, layer: int, nbytes: int) -> None:
+        record = self.steps.get(index)
+        if record is not None:
+            record.expert_bytes[layer] = record.expert_bytes.get(layer, 0) + int(nbytes)
+
+    def transfer(self, nbytes: int, kind: str) -> None:
+        if self.current is not None:
+            self.current.transfers.append((int(nbytes), kind))
+
+    def wait(self, nbytes: int) -> None:
+        if self.current is not None:
+            self.current.waited_bytes += int(nbytes)
+
+    def sync(self) -> None:
+        if self.current is not None:
+            self.current.syncs += 1
+
+    def cpu(self, tokens: int) -> None:
+        if self.current is not None:
+            self.current.cpu_tokens += int(tokens)
+
+    def records(self) -> list[StepRecord]:
+        return [self.steps[i] for i in sorted(self.steps)]
