@@ -426,3 +426,22 @@ def test_sampled_output_under_offloading_is_the_all_resident_one(tiny_converted,
     assert stats["miss_rate"] > 0
     if execution != "layerwise":
         assert stats["replays"] > 0  # steps were found lacking and run again
+
+
+def test_device_handle_tables_do_not_follow_later_host_changes():
+    # On the CPU, device_put may alias an aligned numpy buffer: a step dispatched before a publish
+    # must still read the table it was given.
+    from jmoe.runtime.handles import HandleTable
+
+    table = HandleTable(8, 32, ("bf16", "int4"), jax.devices()[0])
+    for tier, host in table.slot.items():  # 64-byte aligned host tables, as the allocator may give them
+        raw = np.empty(host.nbytes + 64, np.uint8)
+        offset = -raw.ctypes.data % 64
+        table.slot[tier] = raw[offset : offset + host.nbytes].view(np.int32).reshape(host.shape)
+        table.slot[tier][...] = host
+    before = table.on_device()
+    table.publish(0, 0, "bf16", 5)
+    table.retract(0, 0, "bf16")
+    table.publish(3, 7, "int4", 9)
+    assert (np.asarray(before["bf16"]) == -1).all() and (np.asarray(before["int4"]) == -1).all()
+    assert int(table.on_device()["int4"][3, 7]) == 9

@@ -34,5 +34,7 @@ class HandleTable:
     def on_device(self) -> dict[str, jax.Array]:
         """tier -> [L, E] device slot tables matching the host tables."""
         if self._on_device is None:
-            self._on_device = {tier: jax.device_put(s, self.device) for tier, s in self.slot.items()}
+            # A private copy: on the CPU, device_put may alias an aligned numpy buffer instead of
+            # copying it, and the host tables change in place while earlier steps may still run.
+            self._on_device = {tier: jax.device_put(s.copy(), self.device) for tier, s in self.slot.items()}
         return self._on_device
