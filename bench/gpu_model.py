@@ -50,9 +50,19 @@ def replay(records, *, dense_bytes: int, num_layers: int, params: GpuParams = Gp
         seconds = compute + stall + r.syncs * params.sync_us * 1e-6 + r.cpu_tokens * params.cpu_us_per_token * 1e-6
         steps.append({"phase": r.phase, "tokens": r.tokens, "seconds": seconds})
     decode = [s["seconds"] for s in steps if s["phase"] == "decode"]
-    prefill = [s["seconds"] for s in steps if s["phase"] == "prefill"]
-    return {"params": asdict(params), "steps": len(steps), "modelled_prefill_s": sum(prefill),
-            "modelled_tpot_s": sum(decode) / len(decode) if decode else None}
+    by_phase: dict[str, float] = {}
+    for s in steps:
+        by_phase[s["phase"]] = by_phase.get(s["phase"], 0.0) + s["seconds"]
+    return {"params": asdict(params), "steps": len(steps), "modelled_prefill_s": by_phase.get("prefill", 0.0),
+            "modelled_tpot_s": sum(decode) / len(decode) if decode else None,
+            "modelled_seconds_by_phase": by_phase}
+
+
+def modelled_tpot(modelled: dict, decode_tokens: int) -> float:
+    """Modelled seconds per token after the first, from every non-prefill step (plain decode steps,
+    or a speculative run's draft and verification steps) over the tokens they produced."""
+    seconds = sum(v for phase, v in modelled["modelled_seconds_by_phase"].items() if phase != "prefill")
+    return seconds / max(decode_tokens, 1)
 
 
 def dense_bytes_of(model) -> int:

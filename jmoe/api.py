@@ -7,7 +7,8 @@ from jmoe.runtime.loader import JmoeModel, load, memory_plan
 
 
 def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0, stop=None, stream: bool = False):
+             top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0, stop=None, stream: bool = False,
+             speculative=None):
     """Generate a continuation of `prompt` (greedy unless temperature > 0).
 
     Args:
@@ -20,6 +21,10 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
       seed: any integer in [0, 2**64): the sampling stream (all 64 bits count).
       stop: a string or strings that end generation (not included in the output).
       stream: yield pieces as they are produced instead of returning the whole output.
+      speculative: draft with the model's own low-precision copy and verify k + 1 tokens per pass:
+        a draft tier ("int4", "int2"), or dict(draft=..., k=int | "auto", k_max=8, max_cycle_s=None).
+        Greedy output is identical to plain greedy; sampled output follows the same distribution.
+        Under a device budget the draft must be reserved at load (jmoe.load(..., draft="int4")).
 
     Every argument is checked before any work (a bad one raises InputError naming it, also with
     stream=True). A model may be shared between threads: calls interleave step by step.
@@ -32,7 +37,8 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
     from jmoe.decoding.generation import generate as _generate
 
     return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream)
+                     top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream,
+                     speculative=speculative)
 
 
 def stats(model: JmoeModel) -> dict:

@@ -8,7 +8,7 @@ import logging
 import sys
 
 from jmoe import validate
-from jmoe.errors import JmoeError
+from jmoe.errors import InputError, JmoeError
 from jmoe.tokenizer import first_line
 
 
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
                      help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
                           "layer-wise (host between layers), or one jit with replay (resident)")
+    gen.add_argument("--speculative", default=None, metavar="TIER",
+                     help="speculative decoding with the model's own copy at TIER (int4, int2) as the draft")
+    gen.add_argument("--draft-k", type=int, default=None, help="tokens drafted per cycle (default: chosen per cycle)")
     gen.add_argument("--stats", action="store_true", help="print offload statistics (JSON) to stderr at the end")
     gen.add_argument("--tier", default=None, help="expert precision tier")
     gen.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -88,11 +91,14 @@ def cmd_generate(args) -> None:
     SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
     validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
     stop_strings(args.stop)
+    speculative = cli_speculative(args)
     model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution)
+                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
+                      draft=speculative.draft if speculative else None)
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                           seed=args.seed, stop=args.stop or None, stream=True)
+                           seed=args.seed, stop=args.stop or None, stream=True,
+                           speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"))
     sys.stdout.write(args.prompt)
     for piece in pieces:
         sys.stdout.write(piece)
@@ -100,6 +106,16 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
     if args.stats:
         print(json.dumps(jmoe.stats(model), indent=1), file=sys.stderr)
+
+
+def cli_speculative(args):
+    from jmoe.decoding.speculative import SpeculativeOptions
+
+    if args.speculative is None:
+        if args.draft_k is not None:
+            raise InputError("--draft-k needs --speculative TIER")
+        return None
+    return SpeculativeOptions.parse({"draft": args.speculative, "k": "auto" if args.draft_k is None else args.draft_k})
 
 
 def cli_policy(args):

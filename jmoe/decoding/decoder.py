@@ -89,5 +89,6 @@ class Decoder:
         return logits
 
     def verify(self, tokens, *, residency=None) -> jnp.ndarray:
-        """T tokens per row [B, T] in one pass, not advancing: the logits after each [B, T, V]."""
-        return self.step(tokens, last_only=False, residency=residency)
+        """T tokens per row [B, T] in one pass, not advancing: the logits after each [B, T, V]. The
+        step's phase is "verify": its experts are grouped, each read once (jmoe/layers/experts.py)."""
+        return self.step(tokens, last_only=False, phase="verify", residency=residency)

@@ -13,6 +13,7 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jmoe.decoding.sampling import SamplingOptions
+from jmoe.decoding.speculative import SpeculativeOptions, speculative_steps
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 from jmoe.tokenizer import StreamDetokenizer, encode, is_chat, is_ids
@@ -154,16 +155,22 @@ class RowText:
         return delta
 
 
-def stream(model, batch: Batch, lengths: Lengths, sampling: SamplingOptions, stop: Sequence[str]) -> Iterator[list]:
-    """Per step, each row's new piece: text delta (text mode), token id, or None once the row is done."""
+def stream(model, batch: Batch, lengths: Lengths, sampling: SamplingOptions, stop: Sequence[str],
+           speculative: SpeculativeOptions | None = None) -> Iterator[list]:
+    """Per step, each row's new piece: text delta (text mode), token id, or None once the row is done
+    (or when it has nothing new this step: speculative rows advance by different counts)."""
     eos = set(model.eos_token_ids)
     B = len(batch.prompts)
     rows = [RowText(model.tokenizer, stop) for _ in range(B)] if batch.as_text else None
     done = [False] * B
-    for tokens in token_steps(model, batch.prompts, lengths, sampling):
+    if speculative is None:
+        steps = token_steps(model, batch.prompts, lengths, sampling)
+    else:
+        steps = speculative_steps(model, batch.prompts, lengths, sampling, speculative)
+    for tokens in steps:
         pieces: list = [None] * B
         for b, tok in enumerate(tokens.tolist()):
-            if done[b]:
+            if done[b] or tok < 0:
                 continue
             if tok in eos:
                 done[b] = True
@@ -193,7 +200,7 @@ def stop_strings(stop: Any) -> list[str]:
 
 
 def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
-             seed=0, stop: str | Sequence[str] | None = None, stream_output=False):
+             seed=0, stop: str | Sequence[str] | None = None, stream_output=False, speculative=None):
     """Every argument is checked here, before any work, so a streaming call fails at once."""
     from jmoe.runtime.loader import JmoeModel
 
@@ -203,12 +210,15 @@ def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top
     sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
     stops = stop_strings(stop)
     stream_output = validate.boolean("stream", stream_output)
+    speculative = SpeculativeOptions.parse(speculative)
+    if speculative is not None:
+        model.draft(speculative.draft)  # made (or refused) now, before any work
     batch = split_prompts(model.tokenizer, prompt, model.config.vocab_size)
     if stops and not batch.as_text:
         raise InputError("stop strings need text prompts; with token ids use max_new_tokens or EOS")
     lengths = plan_lengths(batch.prompts, max_new_tokens, model.max_seq_len)
     model.check_batch_fits(len(batch.prompts), lengths.cache)
-    steps = stream(model, batch, lengths, sampling, stops)
+    steps = stream(model, batch, lengths, sampling, stops, speculative)
     if stream_output:
         return _unbatch(steps, batch)
     outputs: list[list] = [[] for _ in batch.prompts]

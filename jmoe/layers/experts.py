@@ -12,6 +12,7 @@ wanted and chosen codes back to account hits, degradations and misses, and to fe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,6 +28,9 @@ from pallas_kernels import expert_ffn
 # read (decode); above it, assignments are sorted by slot into row blocks (prefill).
 GATHER_MAX_ASSIGNMENTS = 64
 PREFILL_BLOCK_ROWS = 32
+# Verification (k + 1 tokens per row) always groups, in blocks this small: each expert's weights
+# are read once however few tokens share it (16: the smallest block the Pallas dot path takes).
+VERIFY_BLOCK_ROWS = 16
 NO_SLOT = -1
 
 
@@ -59,9 +63,11 @@ class Selection:
 
     @classmethod
     def of(cls, hi, lo, ratio=None, heavy_hitters: float = 0.1) -> "Selection":
-        hi = np.asarray(hi, np.int32)
-        ratio = np.ones(hi.shape[0], np.float32) if ratio is None else np.asarray(ratio, np.float32)
-        return cls(jnp.asarray(hi), jnp.asarray(lo, jnp.int32), jnp.asarray(ratio), jnp.float32(heavy_hitters))
+        # Copies: on the CPU, jax may alias an aligned numpy buffer instead of copying it, and a
+        # policy may change its arrays in place later.
+        hi = np.array(hi, np.int32)
+        ratio = np.ones(hi.shape[0], np.float32) if ratio is None else np.array(ratio, np.float32)
+        return cls(jnp.asarray(hi), jnp.asarray(np.array(lo, np.int32)), jnp.asarray(ratio), jnp.float32(heavy_hitters))
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +80,7 @@ class LayerExperts:
     ratio: jax.Array  # scalar
     heavy_hitters: jax.Array  # scalar
     backend: str | None = field(default=None, metadata=dict(static=True))
+    group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
 
 
 @jax.tree_util.register_dataclass
@@ -86,6 +93,11 @@ class ExpertState:
     pools: dict[str, ExpertWeights]
     selection: Selection
     backend: str | None = field(default=None, metadata=dict(static=True))
+    group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
+
+    def for_phase(self, phase: str) -> "ExpertState":
+        """Verification steps group every assignment by expert (each expert read once)."""
+        return dataclasses.replace(self, group_rows=VERIFY_BLOCK_ROWS) if phase == "verify" else self
 
     @classmethod
     def from_codes(cls, codes, slots, pools: dict[str, ExpertWeights], backend: str | None = None) -> "ExpertState":
@@ -98,7 +110,7 @@ class ExpertState:
     def layer(self, moe_index: int) -> LayerExperts:
         sel = self.selection
         return LayerExperts({t: s[moe_index] for t, s in self.slots.items()}, self.pools, sel.hi[moe_index],
-                            sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend)
+                            sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend, self.group_rows)
 
 
 class BlockLayout(NamedTuple):
@@ -149,25 +161,28 @@ def block_layout(slots: jax.Array, active: jax.Array, block_rows: int, max_group
 
 
 def grouped_expert_ffn(
-    h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int, backend: str | None = None
+    h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int, backend: str | None = None,
+    group_rows: int = 0,
 ) -> jax.Array:
     """SwiGLU expert FFN of every active (token, expert) assignment, reading weights by slot.
 
     h [N, D], slots/active [N, k] -> [N, k, D] (zeros where inactive). max_groups bounds the
-    number of distinct slots (the layer's expert count).
+    number of distinct slots (the layer's expert count). group_rows > 0 groups whatever the count,
+    in blocks of that many rows.
     """
     N, k = slots.shape
     A = N * k
     token = jnp.arange(A, dtype=jnp.int32) // k
     slots, active = slots.reshape(A), active.reshape(A)
-    if A <= GATHER_MAX_ASSIGNMENTS:
+    if A <= GATHER_MAX_ASSIGNMENTS and not (group_rows and N > 1):
         y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, backend=backend)
         return y.reshape(N, k, -1)
-    layout = block_layout(slots, active, PREFILL_BLOCK_ROWS, max_groups)
+    block_rows = group_rows or PREFILL_BLOCK_ROWS
+    layout = block_layout(slots, active, block_rows, max_groups)
     token_of_row = jnp.concatenate([token, jnp.array([N], jnp.int32)])[layout.row_source]
     rows = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])[token_of_row]
     y_rows = expert_ffn(
-        rows, layout.block_slot, pool.gate_up, pool.down, block_rows=PREFILL_BLOCK_ROWS, backend=backend
+        rows, layout.block_slot, pool.gate_up, pool.down, block_rows=block_rows, backend=backend
     )
     y_rows = jnp.concatenate([y_rows, jnp.zeros((1, y_rows.shape[1]), y_rows.dtype)])
     return y_rows[layout.dest].reshape(N, k, -1)
@@ -237,7 +252,7 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
     for name, pool in layer.pools.items():
         active = (chosen == TIER_CODES[name]) & token_valid[:, None]
         slots = layer.slots[name][routing.ids]
-        y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend)  # [N, k, D]
+        y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows)  # [N, k, D]
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
     return out.astype(h.dtype)

@@ -28,7 +28,7 @@ class LayerRouting:
     """What one MoE layer's router decided for a step's tokens, and which tiers ran."""
 
     step: int
-    phase: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode" | "verify" (k + 1 tokens per row of speculative decoding)
     layer: int  # MoE layer index (handle-table row)
     num_layers: int
     ids: np.ndarray  # [N, k] top-k experts
@@ -138,7 +138,7 @@ class Policy:
     everything_resident: bool = False  # all experts preloaded; nothing is ever fetched
     wants_importance: bool = False  # prefill routing carries each token's received attention
     # A step in which a routed expert ran below its wanted tier (or not at all) is re-run after
-    # fetching it (exact), except in these phases ("prefill", "decode"), where the step is kept and
+    # fetching it (exact), except in these phases ("prefill", "decode", "verify"), where the step is kept and
     # the expert is fetched for later steps (counted as degraded or skipped).
     degrade_phases: tuple[str, ...] = ()
     # Device pools, tier -> share of the expert budget. None: one pool, of the run tier. A policy
@@ -162,8 +162,8 @@ class Policy:
                 raise InputError(f"policy {self.name!r}: the {tier} pool's share must be positive, not {share}")
         if self.tier not in shares:
             raise InputError(f"policy {self.name!r} runs at {self.tier} but has no {self.tier} pool")
-        if not set(self.degrade_phases) <= {"prefill", "decode"}:
-            raise InputError(f"policy {self.name!r}: degrade_phases must name 'prefill' or 'decode', "
+        if not set(self.degrade_phases) <= {"prefill", "decode", "verify"}:
+            raise InputError(f"policy {self.name!r}: degrade_phases must name 'prefill', 'decode' or 'verify', "
                              f"not {self.degrade_phases}")
         if sum(shares.values()) > 1 + 1e-9:
             raise InputError(f"policy {self.name!r}: pool shares add up to {sum(shares.values()):g}, more than 1")

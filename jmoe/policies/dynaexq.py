@@ -41,7 +41,7 @@ class DynaExq(Policy):
         self.margin = validate.real("margin", margin, minimum=0.0)
         self.hi_per_layer = None if hi_per_layer is None else validate.integer("hi_per_layer", hi_per_layer, minimum=0)
         self.hotness = validate.choice("hotness", hotness, ("count", "gate"))
-        super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode"),
+        super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode", "verify"),
                          pool_shares={hi: 0.5, lo: 0.5})
         self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
         self.window: np.ndarray | None = None  # [L, E] counts of the current interval

@@ -28,6 +28,7 @@ from flax import nnx
 
 from jmoe.decoding.engine import Engine, attention_meta_jit
 from jmoe.layers.transformer import StepSignals
+from jmoe.runtime.kernel_fallback import with_kernel_fallback
 from jmoe.runtime.layerwise import LayerPieces, run_layerwise
 from jmoe.runtime.residency import Offloaded
 
@@ -76,8 +77,9 @@ class Executor:
         res.begin_step(phase, tokens.size)
         try:
             if not res.offloading:
-                logits, cache, signals = self.engine.forward(self.dense, res.expert_state(), tokens, cache, start,
-                                                             key_start, last_only=last_only, want_importance=False)
+                logits, cache, signals = with_kernel_fallback(self.kernel_users(res), lambda: self.engine.forward(
+                    self.dense, res.expert_state().for_phase(phase), tokens, cache, start, key_start,
+                    last_only=last_only, want_importance=False))
                 res.observe(signals, valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1]))
                 return logits, cache, None
             valid = valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1])
@@ -103,13 +105,19 @@ class Executor:
 
     def _forward(self, res: Offloaded, tokens, cache, start, key_start, last_only, phase):
         want_importance = phase == "prefill" and res.policy.wants_importance
-        return self.engine.forward(self.dense, res.expert_state(), tokens, cache, start, key_start,
-                                   last_only=last_only, want_importance=want_importance)
+        return with_kernel_fallback(self.kernel_users(res), lambda: self.engine.forward(
+            self.dense, res.expert_state().for_phase(phase), tokens, cache, start, key_start, last_only=last_only,
+            want_importance=want_importance))
+
+    def kernel_users(self, res) -> list:
+        """The residencies whose kernels a failure to compile switches to the XLA path: the step's and the model's."""
+        return [res] if res is self.residency else [res, self.residency]
 
     def _settle(self, p: Pending, cache, *, defer_books: bool = True):
         res = p.res
         res.synced()
         summary = np.asarray(p.signals.per_expert)  # [3, L, E]: tokens, wanted, chosen per expert; one small read
+        res.last_routed = summary[0] > 0
         if not ((summary[0] > 0) & (summary[2] < summary[1])).any():  # the common case: nothing ran short
             if defer_books:
                 res.defer_books(p.signals, summary, p.valid, p.phase)

@@ -18,6 +18,7 @@ from jmoe.decoding.engine import jit_for
 from jmoe.layers.experts import LayerExperts, Routing
 from jmoe.layers.transformer import run_layers
 from jmoe.policies.base import LayerRouting
+from jmoe.runtime.kernel_fallback import with_kernel_fallback
 from jmoe.runtime.predictor import predict_next, recall
 
 
@@ -106,7 +107,7 @@ class LayerwiseRunner:
             return self.pieces.dense_mlp[i](state, x, h), None
         res, cfg, mi = self.res, self.pieces.cfg, self.pieces.moe_index[i]
         flat_importance = None if importance is None else importance.reshape(-1)
-        signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, res.expert_state().layer(mi))
+        signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, res.expert_state().for_phase(self.phase).layer(mi))
         lookahead = None
         if res.policy.prefetch and mi + 1 < len(self.pieces.router_inputs):
             norm_w, router_k = self.pieces.router_inputs[mi + 1]
@@ -132,12 +133,16 @@ class LayerwiseRunner:
             if p == 0 and lookahead is not None:
                 res.prefetch_predicted(mi + 1, rank_by)
             res.cache.wait(keys)
-            # one pass and nothing on the CPU: the whole layer's tables (no other routed expert is
-            # resident to run twice); otherwise only this pass's experts are visible
-            visible = res.expert_state().layer(mi) if len(passes) == 1 and not cpu_experts else \
-                res.pass_experts(mi, group)
-            x = self.pieces.experts[i](state, x, h, signals.ids, signals.weights, signals.wanted, self.valid_dev,
-                                       visible, shared=p == 0)
+
+            def run(group=group, p=p, x=x):
+                # one pass and nothing on the CPU: the whole layer's tables (no other routed expert is
+                # resident to run twice); otherwise only this pass's experts are visible
+                visible = res.expert_state().for_phase(self.phase).layer(mi) \
+                    if len(passes) == 1 and not cpu_experts else res.pass_experts(mi, group)
+                return self.pieces.experts[i](state, x, h, signals.ids, signals.weights, signals.wanted,
+                                              self.valid_dev, visible, shared=p == 0)
+
+            x = with_kernel_fallback([res], run)
             res.finish_pass(keys)
         flat_h = h.reshape(-1, h.shape[-1])
         for expert, tier in cpu_experts:

@@ -51,6 +51,8 @@ class JmoeModel:
     device_budget: int | None
     memory: dict[str, int]
     policy: Policy
+    # Speculative drafts by tier (AllResident, sharing the dense weights and the KV cache)
+    drafts: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # Serialises steps: threads sharing the model interleave step by step, never inside one
     # (the cache, pools and handle table change only under it).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -71,6 +73,24 @@ class JmoeModel:
         """Finish a deferred step: (None, cache) if its logits stand, else (corrected logits, cache)."""
         with self.lock:
             return self.executor.settle(pending, cache)
+
+    def draft(self, tier: str):
+        """The model's own copy at `tier` with every expert resident, for speculative decoding.
+
+        Under a budget it must have been reserved at load (jmoe.load(..., draft=tier)); without
+        one it is made on first use."""
+        with self.lock:
+            if tier in self.drafts:
+                return self.drafts[tier]
+            validate.choice("speculative draft", tier, TIER_NAMES)
+            if tier not in self.store.tiers:
+                raise InputError(f"speculative draft {tier!r} was not converted (this model has "
+                                 f"{', '.join(self.store.tiers)})")
+            if self.device_budget is not None:
+                raise InputError(f"speculative draft {tier!r} needs its experts reserved within the device budget: "
+                                 f"load the model with draft={tier!r}")
+            self.drafts[tier] = make_draft(self.store, tier, self.residency)
+            return self.drafts[tier]
 
     @property
     def engine(self) -> Engine:
@@ -168,10 +188,18 @@ def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_
     }
 
 
+def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None) -> AllResident:
+    """A speculative draft: every expert at `tier` resident; its steps go into the target's trace."""
+    draft = AllResident(store, tier, jax.devices()[0], backend=backend or getattr(target, "backend", None))
+    draft.trace, draft.trace_source = target.trace, "draft"
+    return draft
+
+
 def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
-                max_batch: int = 1) -> dict[str, int]:
+                max_batch: int = 1, draft: str | None = None) -> dict[str, int]:
     """What load() would reserve before experts, and the bytes of every expert at `tier`
-    (key "all_experts"), without loading anything: for choosing a budget."""
+    (key "all_experts"), without loading anything: for choosing a budget. With `draft`, the
+    speculative draft's experts are part of the fixed reservation (key "draft")."""
     manifest = read_manifest(validate.path("path", path))
     cfg = ModelConfig.from_dict(manifest["config"])
     dtype = resolve_compute_dtype(compute_dtype)
@@ -179,6 +207,8 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
     _, abstract_state = nnx.split(abstract_model(cfg, dtype))
     plan = fixed_memory(cfg, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch)
+    if draft is not None:
+        plan["draft"] = all_expert_bytes(cfg, manifest["tiers"][check_draft(manifest, draft)]["record_nbytes"])
     plan["all_experts"] = all_expert_bytes(cfg, manifest["tiers"][tier]["record_nbytes"])
     return plan
 
@@ -198,6 +228,7 @@ def load(
     verify: bool = False,
     progress: bool | None = None,
     trace: bool = False,
+    draft: str | None = None,
 ) -> JmoeModel:
     """Load a converted model onto the default device.
 
@@ -226,6 +257,8 @@ def load(
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
       trace: record per step the expert bytes read, transfers and host waits (model.trace), for
         bench/gpu_model.py to replay with GPU parameters.
+      draft: reserve a speculative draft at this tier ("int4", "int2"): every expert at it resident,
+        taken from the budget before the pools are sized (jmoe.generate(..., speculative=draft)).
     """
     root = validate.path("path", path)
     budget = parse_size(device_budget, "device_budget") if device_budget is not None else None
@@ -239,6 +272,8 @@ def load(
         validate.integer("cpu_critical_tokens", cpu_critical_tokens, minimum=0)
     verify = validate.boolean("verify", verify)
     trace = validate.boolean("trace", trace)
+    if draft is not None:
+        validate.choice("draft", draft, TIER_NAMES)
     if progress is not None:
         validate.boolean("progress", progress)
     dtype = resolve_compute_dtype(compute_dtype)
@@ -259,6 +294,8 @@ def load(
 
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
     memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
+    if draft is not None:
+        memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(check_draft(manifest, draft)))
     all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
     fixed = sum(memory.values())
     if policy is None:
@@ -295,6 +332,7 @@ def load(
         residency.trace = Trace()
         if residency.offloading:
             residency.cache.trace = residency.trace
+    drafts = {draft: make_draft(store, draft, residency, kernel_backend)} if draft is not None else {}
     memory = dict(tracker.reserved)
     tokenizer = None
     if manifest["tokenizer"] is not None:
@@ -317,7 +355,14 @@ def load(
         device_budget=budget,
         memory=memory,
         policy=chosen,
+        drafts=drafts,
     )
+
+
+def check_draft(manifest: dict[str, Any], draft: str) -> str:
+    if draft not in manifest["tiers"]:
+        raise InputError(f"draft {draft!r} was not converted (this model has {', '.join(manifest['tiers'])})")
+    return draft
 
 
 def restore_dense(path: Path, abstract_state, device):

@@ -12,6 +12,8 @@ Selection. After the step it takes the step's routing back and keeps its books.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -54,15 +56,23 @@ class AllResident:
         self.stats = Stats()
         self.pool = resident_pool(store, tier, device)
         slots = jax.device_put(np.arange(L * E, dtype=np.int32).reshape(L, E), device)
+        self.backend = backend
         self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend)
         self.signals: StepSignals | None = None  # the last step's, on the device
         self.trace: Trace | None = None
+        self.trace_source = "target"  # "draft" for a speculative draft writing into the target's trace
         self._slot_bytes = tree_nbytes(store.template(tier))
+
+    def use_backend(self, backend: str) -> None:
+        """Multiply experts with another kernel backend from now on (see kernel_fallback.py)."""
+        self.backend = backend
+        self.state = dataclasses.replace(self.state, backend=backend)
 
     def begin_step(self, phase: str, tokens: int = 0) -> None:
         self.stats.steps += 1
         if self.trace is not None:
-            self.trace.begin(self.stats.steps, phase, tokens)
+            self.trace.begin(self.stats.steps, self.trace_source if self.trace_source == "draft" else phase, tokens,
+                             self.trace_source)
 
     def expert_state(self) -> ExpertState:
         return self.state
@@ -72,8 +82,13 @@ class AllResident:
         if self.trace is not None:  # the trace needs the routing on the host: a sync per step
             counts = np.asarray(signals.per_expert[0])
             for layer, n in enumerate((counts > 0).sum(axis=1)):
-                self.trace.expert_reads(self.stats.steps, layer, int(n) * self._slot_bytes)
+                self.trace.expert_reads(self.stats.steps, layer, int(n) * self._slot_bytes, self.trace_source)
             self.trace.sync()
+
+    @property
+    def last_routed(self) -> np.ndarray | None:
+        """[L, E] bool: the experts the last step's real tokens routed to (reads them back)."""
+        return None if self.signals is None else np.asarray(self.signals.per_expert[0]) > 0
 
     def end_step(self) -> None:
         pass
@@ -104,6 +119,7 @@ class Offloaded:
                                   keep_lower=policy.keep_lower)
         self.plan: Plan | None = None
         self.trace: Trace | None = None
+        self.last_routed = np.zeros((cfg.num_moe_layers, cfg.num_experts), bool)  # by the last step's real tokens
         for key, tier in policy.preload(cfg.num_moe_layers, cfg.num_experts):  # e.g. every expert at a low tier
             if self.cache.request(key, tier, "demand") == "full":
                 break
@@ -117,6 +133,11 @@ class Offloaded:
             self.cpu = CpuExecutor(self.host, device, compute_dtype)
             cost = self.cpu.calibrate(self.tier)
             self.critical_tokens = cost.critical_tokens if cpu_critical_tokens is None else cpu_critical_tokens
+
+    def use_backend(self, backend: str) -> None:
+        """Multiply experts with another kernel backend from now on (see kernel_fallback.py)."""
+        self.backend = backend
+        self._state = None
 
     def reset_stats(self) -> None:
         """Start counting afresh (the cache keeps its contents; earlier prefetches are not credited)."""
@@ -138,6 +159,7 @@ class Offloaded:
             self.catch_up()  # a policy that plans sees every kept step in its counters
         self.stats.steps += 1
         self.step_index += 1
+        self.last_routed = np.zeros_like(self.last_routed)
         if self.trace is not None:
             self.trace.begin(self.step_index, phase, tokens)
         view = StepView(self.step_index, phase, self.cfg.num_moe_layers, self.cfg.num_experts, self.counters, self.cache)
@@ -181,7 +203,9 @@ class Offloaded:
         as a wait), the per-assignment arrays only if something asks for them."""
         if sync:
             self.synced()
-        return StepRouting(self.step_index, phase, valid, signals, np.asarray(signals.per_expert))
+        summary = np.asarray(signals.per_expert)
+        self.last_routed = summary[0] > 0
+        return StepRouting(self.step_index, phase, valid, signals, summary)
 
     def synced(self) -> None:
         """The host just waited to read something back from the device."""
@@ -301,6 +325,7 @@ class Offloaded:
         self.cache.poll()  # publish prefetches that landed while earlier layers computed
         self.counters.update(r)
         counts = r.token_counts(self.cfg.num_experts)
+        self.last_routed[r.layer] = counts > 0
         device, cpu = self._sort_layer(r, counts)
         read = 0
         for expert, tier in device.items():

@@ -59,6 +59,8 @@ class Stats:
     prefetch_evicted_unused: int = 0
     predicted: int = 0  # |predicted set ∩ actual set| summed over (step, layer)
     actual: int = 0  # |actual set| summed over (step, layer)
+    # speculative decoding (jmoe/decoding/speculative.py); draft steps are not counted above
+    spec: "SpeculationStats" = field(default_factory=lambda: SpeculationStats())
     # timing of generation
     steps: int = 0
     tokens: int = 0
@@ -108,4 +110,53 @@ class Stats:
             "tokens": self.tokens,
             "ttft_s": float(np.mean(self.ttft_seconds)) if self.ttft_seconds else None,
             "tpot_s": float(np.mean(self.tpot_seconds)) if self.tpot_seconds else None,
+            **({"speculative": self.spec.summary(self.bytes_h2d)} if self.spec.cycles else {}),
+        }
+
+
+@dataclass
+class SpeculationStats:
+    cycles: int = 0
+    drafted: int = 0  # drafted tokens, summed over rows
+    accepted: int = 0  # of them, kept
+    emitted: int = 0  # tokens the cycles produced (accepted + one of the target's per row)
+    tried_by_position: list[int] = field(default_factory=list)  # drafted position j reached (earlier ones kept)
+    accepted_by_position: list[int] = field(default_factory=list)
+    phase1: int = 0  # lookahead entries already resident when drafted
+    phase2: int = 0  # fetched while the draft still ran
+    phase3: int = 0  # fetched after the draft, before verification
+    verify_uses: int = 0  # expert uses of verification steps
+    verify_hits: int = 0  # of them, resident when verification needed them
+    fidelity_hits: int = 0  # experts verification routed to that the lookahead buffer held
+    fidelity_total: int = 0  # experts verification routed to
+
+    def count(self, k: int, accepted: np.ndarray) -> None:
+        """One cycle: k drafted tokens per row, accepted[b] of them kept by row b."""
+        self.cycles += 1
+        self.drafted += k * len(accepted)
+        self.accepted += int(accepted.sum())
+        self.emitted += int(accepted.sum()) + len(accepted)
+        grow = k - len(self.tried_by_position)
+        if grow > 0:
+            self.tried_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for j in range(k):
+            self.tried_by_position[j] += int((accepted >= j).sum())
+            self.accepted_by_position[j] += int((accepted > j).sum())
+
+    def summary(self, bytes_h2d: int) -> dict:
+        return {
+            "cycles": self.cycles,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "acceptance_by_position": [a / t if t else None for a, t in
+                                       zip(self.accepted_by_position, self.tried_by_position)],
+            "tokens_per_cycle": self.emitted / self.cycles,
+            "lookahead_phase1_resident": self.phase1,
+            "lookahead_phase2_during_draft": self.phase2,
+            "lookahead_phase3_before_verify": self.phase3,
+            "verify_hit_rate": self.verify_hits / self.verify_uses if self.verify_uses else None,
+            "draft_routing_fidelity": self.fidelity_hits / self.fidelity_total if self.fidelity_total else None,
+            "bytes_h2d_per_accepted_token": bytes_h2d / self.emitted if self.emitted else None,
         }

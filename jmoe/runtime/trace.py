@@ -5,6 +5,8 @@ had to do instead: per step, how many tokens it ran, how many expert bytes each 
 computation read (the version that ran), how many bytes each transfer moved and of what kind
 (demand, prefetch, transition), how many of those bytes the host waited for, and how many times
 the host synced. Enabled with jmoe.load(..., trace=True); the model's `trace` is then a Trace.
+A speculative draft writes its steps into the same trace (source "draft", phase "draft"), so the
+records keep the order in which the device would have run them.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ class StepRecord:
 
 class Trace:
     def __init__(self):
-        self.steps: dict[int, StepRecord] = {}
+        self.steps: dict[tuple[str, int], StepRecord] = {}  # (source, its step index) -> record, in run order
         self.current: StepRecord | None = None
 
-    def begin(self, index: int, phase: str, tokens: int) -> None:
-        self.current = self.steps[index] = StepRecord(index, phase, tokens)
+    def begin(self, index: int, phase: str, tokens: int, source: str = "target") -> None:
+        self.steps.pop((source, index), None)  # a reused index (stats reset) goes to the end
+        self.current = self.steps[(source, index)] = StepRecord(index, phase, tokens)
 
-    def expert_reads(self, index: int, layer: int, nbytes: int) -> None:
-        record = self.steps.get(index)
+    def expert_reads(self, index: int, layer: int, nbytes: int, source: str = "target") -> None:
+        record = self.steps.get((source, index))
         if record is not None:
             record.expert_bytes[layer] = record.expert_bytes.get(layer, 0) + int(nbytes)
 
@@ -54,4 +57,8 @@ class Trace:
             self.current.cpu_tokens += int(tokens)
 
     def records(self) -> list[StepRecord]:
-        return [self.steps[i] for i in sorted(self.steps)]
+        return list(self.steps.values())
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.current = None

@@ -1,0 +1,236 @@
+"""Speculative decoding with the model's own low-precision draft: exactness, the sampler's
+distribution, the lookahead buffer's phases, the draft's budget, the governor."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.scipy.special import gammaincc
+
+import jmoe
+from convert import convert_checkpoint
+from jmoe.decoding.sampling import SamplingOptions
+from jmoe.decoding.speculative import Governor, _processed, accept
+from jmoe.layers.experts import VERIFY_BLOCK_ROWS, grouped_expert_ffn
+from jmoe.manifest import read_manifest
+from tests.hf_models import FAMILIES, make_checkpoint
+
+PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def three_tiers(tmp_path_factory, tiny_hf_dir):
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("spec") / "m", tiers="bf16,int4,int2",
+                              progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(three_tiers):
+    return jmoe.generate(jmoe.load(three_tiers, compute_dtype="float32", tier="bf16"), PROMPT, max_new_tokens=NEW)
+
+
+def budgeted(path, fraction: float, draft: str, **kw):
+    plan = jmoe.memory_plan(path, tier="bf16", compute_dtype="float32", draft=draft)
+    manifest = read_manifest(path)
+    staging = 2 * manifest["config"]["top_k"] * max(t["record_nbytes"] for t in manifest["tiers"].values())
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["draft"] + staging
+    return jmoe.load(path, compute_dtype="float32", tier="bf16", draft=draft, policy="lru",
+                     device_budget=fixed + int(fraction * plan["all_experts"]), **kw)
+
+
+# ---------------------------------------------------------------- greedy: identical to plain greedy
+
+
+@pytest.mark.parametrize("draft", ["int4", "int2"])
+def test_greedy_speculative_equals_greedy_all_resident(three_tiers, plain_greedy, draft):
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    out = jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative=draft)
+    assert out == plain_greedy
+    spec = jmoe.stats(model)["speculative"]
+    assert spec["accepted_tokens"] > 0 and spec["drafted_tokens"] >= spec["accepted_tokens"]
+
+
+@pytest.mark.parametrize("execution", ["auto", "layerwise", "resident"])
+@pytest.mark.parametrize("fraction", [0.25, 0.6])
+def test_greedy_speculative_equals_greedy_offloaded(three_tiers, plain_greedy, execution, fraction):
+    model = budgeted(three_tiers, fraction, "int4", execution=execution)
+    assert jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative={"draft": "int4", "k": 3}) == plain_greedy
+    model.residency.cache.check()
+    assert sum(model.memory.values()) <= model.device_budget
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, "auto"])
+def test_greedy_speculative_any_k(three_tiers, plain_greedy, k):
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    assert jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative={"draft": "int2", "k": k}) == plain_greedy
+
+
+def test_rows_of_a_batch_accept_different_counts(three_tiers):
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 4000, size=n).tolist() for n in (4, 11, 7)]
+    expected = jmoe.generate(model, prompts, max_new_tokens=20)
+    assert jmoe.generate(model, prompts, max_new_tokens=20, speculative={"draft": "int2", "k": 4}) == expected
+    spec = jmoe.stats(model)["speculative"]
+    assert 0 < spec["acceptance_rate"] < 1  # rows were rejected at different places
+
+
+def test_text_streaming_and_stop_strings_match(three_tiers):
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    kw = dict(max_new_tokens=30, stop=["\n\n"])
+    expected = jmoe.generate(model, "def main():\n", **kw)
+    streamed = "".join(jmoe.generate(model, "def main():\n", stream=True, speculative="int4", **kw))
+    assert streamed == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_equals_greedy_per_family(tmp_path, family):
+    make_checkpoint(family, tmp_path / "hf")
+    path = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="bf16,int4", progress=False)
+    ids = [3, 14, 15, 92, 65, 35]
+    model = jmoe.load(path, compute_dtype="float32", tier="bf16")
+    expected = jmoe.generate(model, ids, max_new_tokens=16)
+    assert jmoe.generate(model, ids, max_new_tokens=16, speculative="int4") == expected
+    offloaded = budgeted(path, 0.3, "int4")
+    assert jmoe.generate(offloaded, ids, max_new_tokens=16, speculative="int4") == expected
+
+
+# ---------------------------------------------------------------- sampling: the target's distribution
+
+
+def test_speculative_sampling_follows_the_target_distribution():
+    """accept() on many rows of one fixed (p, q) pair: the emitted first token must follow p (the
+    target's distribution after penalty, temperature, top-k and top-p), and the second (drawn from
+    p_1 when both drafts are kept) must too. Chi-square at a false-alarm rate of 1e-3 per test."""
+    V, B, k = 12, 40_000, 2
+    rng = np.random.default_rng(0)
+    sampling = SamplingOptions(temperature=0.8, top_k=8, top_p=0.95, repetition_penalty=1.3, seed=1)
+    params = sampling.device_params()
+    seen = np.zeros((B, V), bool)
+    seen[:, [2, 5]] = True
+    target = rng.normal(size=(k + 1, V)) * 2
+    draft = target + rng.normal(size=(k + 1, V))  # a close but different draft
+    q0 = np.asarray(_processed(jnp.asarray(np.tile(draft[0], (B, 1)), jnp.float32), jnp.asarray(seen), *params)[0])
+    d1 = np.array([rng.choice(V, p=row / row.sum()) for row in q0[:1].astype(np.float64).repeat(B, 0)])
+    seen1 = seen.copy()
+    seen1[np.arange(B), d1] = True
+    q1 = np.asarray(_processed(jnp.asarray(np.tile(draft[1], (B, 1)), jnp.float32), jnp.asarray(seen1), *params)[0])
+    d2 = np.array([rng.choice(V, p=row / row.sum()) for row in q1.astype(np.float64)])
+    block = np.stack([np.zeros(B, int), d1, d2], axis=1)
+    logits = jnp.asarray(np.tile(target[None], (B, 1, 1)), jnp.float32)
+    accepted, nxt = accept(logits, block, [q0, q1], seen, params, False, np.random.default_rng(7))
+    first = np.where(accepted >= 1, d1, nxt)
+    p0 = np.asarray(_processed(logits[:1, 0], jnp.asarray(seen[:1]), *params)[0], np.float64)[0]
+    assert chi_square_p(first, p0) > 1e-3
+    # the second token, among rows whose first token is the most common one (so one history)
+    mode = np.bincount(first).argmax()
+    rows = first == mode
+    second = np.where(accepted[rows] >= 2, d2[rows], nxt[rows])
+    seen_m = seen[:1].copy()
+    seen_m[0, mode] = True
+    p1 = np.asarray(_processed(logits[:1, 1], jnp.asarray(seen_m), *params)[0], np.float64)[0]
+    assert chi_square_p(second, p1) > 1e-3
+    assert 0 < (accepted == 0).mean() < 1  # both branches (accept, residual) were exercised
+    # the test has power: the draft's own distribution is rejected
+    assert chi_square_p(d1, p0) < 1e-6
+
+
+def chi_square_p(samples: np.ndarray, p: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(p))
+    if counts[p == 0].sum():  # a token the target excludes: certainly not drawn from p
+        return 0.0
+    keep = p * len(samples) >= 5
+    expected = p[keep] * len(samples)
+    observed = counts[keep]
+    observed = np.append(observed, counts[~keep].sum())
+    expected = np.append(expected, p[~keep].sum() * len(samples))
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    expected = expected * observed.sum() / expected.sum()
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    return float(gammaincc((len(observed) - 1) / 2, statistic / 2))  # the chi-square survival function
+
+
+def test_sampled_speculative_generation_is_reproducible(three_tiers):
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    kw = dict(max_new_tokens=16, temperature=0.9, top_k=40, seed=11, speculative="int4")
+    a, b = jmoe.generate(model, PROMPT, **kw), jmoe.generate(model, PROMPT, **kw)
+    assert a == b and 1 <= len(a) <= 16 and all(0 <= t < model.config.vocab_size for t in a)
+
+
+# ---------------------------------------------------------------- lookahead buffer, counters, budget
+
+
+def test_lookahead_phases_and_counters(three_tiers):
+    model = budgeted(three_tiers, 0.3, "int4")
+    steps_before = model.stats.steps
+    jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative={"draft": "int4", "k": 4})
+    stats = jmoe.stats(model)
+    spec = stats["speculative"]
+    entries = spec["lookahead_phase1_resident"] + spec["lookahead_phase2_during_draft"]
+    assert entries > 0 and spec["lookahead_phase2_during_draft"] + spec["lookahead_phase3_before_verify"] > 0
+    assert 0 < spec["draft_routing_fidelity"] <= 1 and spec["verify_hit_rate"] is not None
+    assert len(spec["acceptance_by_position"]) == 4
+    # the draft's steps are not the target's: one target step for the prompt, one per cycle
+    assert stats["steps"] - steps_before == 1 + spec["cycles"]
+    assert model.drafts["int4"].stats.steps == spec["drafted_tokens"]
+    model.residency.cache.check()
+
+
+def test_the_draft_is_reserved_within_the_budget(three_tiers):
+    plan = jmoe.memory_plan(three_tiers, tier="bf16", compute_dtype="float32", draft="int2")
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"]
+    budget = fixed + plan["draft"] + plan["all_experts"] // 2
+    with_draft = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", device_budget=budget, draft="int2")
+    without = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", device_budget=budget)
+    assert with_draft.memory["draft"] == plan["draft"] > 0
+    assert sum(with_draft.memory.values()) <= budget
+    assert with_draft.residency.slots < without.residency.slots
+    with pytest.raises(jmoe.BudgetError):  # a budget that holds the draft but not the fixed parts
+        jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", device_budget=fixed + plan["draft"] // 2,
+                  draft="int2")
+
+
+# ---------------------------------------------------------------- governor and grouped verification
+
+
+def test_governor_trades_acceptance_against_cycle_time():
+    g = Governor(k_max=8)
+    assert g.choose() == 4  # nothing measured yet
+    for _ in range(20):  # cheap drafts that are always right: draft long
+        g.update(8, np.array([8]), draft_s=8 * 0.001, verify_s=0.01, missing_bytes=0)
+    assert g.choose() == 8
+    g = Governor(k_max=8)
+    for _ in range(20):  # drafts that are always wrong: the shortest
+        g.update(4, np.array([0]), draft_s=4 * 0.01, verify_s=0.01, missing_bytes=0)
+    assert g.choose() == 1
+    g = Governor(k_max=8, max_cycle_s=0.0155)  # k_max from a latency target: 5 x 1 ms + 10 ms fits
+    for _ in range(20):
+        g.update(8, np.array([8]), draft_s=8 * 0.001, verify_s=0.01, missing_bytes=0)
+    assert g.choose() == 5
+    assert Governor(k_max=8, fixed=3).choose() == 3
+
+
+def test_grouped_verification_reads_each_expert_once_and_matches_the_gather(rng_pool):
+    h, slots, active, pool = rng_pool
+    gathered = grouped_expert_ffn(h, slots, active, pool, 8)
+    grouped = grouped_expert_ffn(h, slots, active, pool, 8, group_rows=VERIFY_BLOCK_ROWS)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(gathered), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def rng_pool():
+    import jax
+
+    from jmoe.quant import ExpertWeights
+
+    rng = np.random.default_rng(0)
+    N, k, D, F, slots_n = 5, 2, 32, 16, 8
+    h = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    slots = jnp.asarray(rng.integers(0, slots_n, size=(N, k)), jnp.int32)
+    active = jnp.asarray(rng.random((N, k)) > 0.2)
+    pool = ExpertWeights(gate_up=jax.device_put(rng.normal(size=(slots_n, D, 2 * F)).astype(np.float32)),
+                         down=jax.device_put(rng.normal(size=(slots_n, F, D)).astype(np.float32)))
+    return h, slots, active, pool
