@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench gpu gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,16 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.offload
 	$(BIN)/python -m bench.overhead
 	$(BIN)/python -m bench.policies
+	$(BIN)/python -m bench.speculative
+
+# On a lent GPU machine (no network, no venv: jax[cuda] and the rest preinstalled), from the tree:
+# pytest -m gpu, kernel and bandwidth benchmarks, resident and offloaded decode; bench/results/gpu_suite_gpu.json.
+gpu:
+	PYTHONPATH=. $(PYTHON) -m bench.gpu_suite
+
+# The same suite at toy sizes on any machine (CPU: kernels in interpret mode), to check the suite itself.
+gpu-dry-run: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m bench.gpu_suite --dry-run
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -1,5 +1,5 @@
 """Grouped expert FFN: the Pallas kernel vs the jnp reference (dequantize, then matmul), every tier,
-decode and prefill shapes of Qwen3-30B-A3B and Mixtral-8x7B.
+decode and prefill shapes of Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE-A2.7B.
 
 On a GPU the kernel is compiled (Triton) and both sides are timed (median after warm-up, blocking
 on the result); the payload has weight bytes read, achieved GB/s and kernel / reference. On a CPU the
@@ -39,6 +39,7 @@ class MoeShape(NamedTuple):
 MODELS = {
     "qwen3-30b-a3b": MoeShape(d=2048, f=768, experts=128, top_k=8),
     "mixtral-8x7b": MoeShape(d=4096, f=14336, experts=8, top_k=2),
+    "qwen1.5-moe-a2.7b": MoeShape(d=2048, f=1408, experts=60, top_k=4),
 }
 TIERS = {
     "bf16": None,
@@ -50,9 +51,9 @@ TIERS = {
 GPU_PREFILL_TOKENS = 512
 # Interpret mode runs the programs of the grid one after another on the host. Prefill needs more
 # than 64 assignments (else the model takes the decode layout): 32 Qwen tokens x 8, 40 Mixtral x 2.
-CPU_PREFILL_TOKENS = {"qwen3-30b-a3b": 32, "mixtral-8x7b": 40}
+CPU_PREFILL_TOKENS = {"qwen3-30b-a3b": 32, "mixtral-8x7b": 40, "qwen1.5-moe-a2.7b": 20}
 # Mixtral prefill takes about a minute per tier in interpret mode: only the default low tier runs.
-CPU_PREFILL_TIERS = {"mixtral-8x7b": ("int4",)}
+CPU_PREFILL_TIERS = {"mixtral-8x7b": ("int4",), "qwen1.5-moe-a2.7b": ("int4",)}
 DTYPE = jnp.bfloat16
 
 

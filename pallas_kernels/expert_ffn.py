@@ -7,13 +7,17 @@ pool slot block_slot[b] (-1: empty block, output zeros). Weights are K-major: ga
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, supports
+from pallas_kernels.expert_ffn_pallas import _pool_arrays, expert_ffn_pallas, offsets_fit, supports
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
 BACKENDS = ("xla", "pallas", "interpret")
+log = logging.getLogger("jmoe.kernels")
+_warned: set = set()
 
 
 def default_backend() -> str:
@@ -61,4 +65,15 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
         return expert_ffn_pallas(
             rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret"
         )
+    if backend != "xla":
+        _warn_offsets(gate_up, down)
     return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows)
+
+
+def _warn_offsets(gate_up, down) -> None:
+    unsafe = [a.shape for w in (gate_up, down) for a in _pool_arrays(w) if not offsets_fit(a)]
+    if unsafe and tuple(unsafe) not in _warned:
+        _warned.add(tuple(unsafe))
+        log.warning("expert pool arrays %s have 2**31 or more 1-byte elements but no more than 2**32 bytes, "
+                    "which the Pallas Triton lowering would index with overflowing 32-bit offsets: these "
+                    "experts run on the XLA path (slower); a pool with fewer or more slots avoids it", unsafe)

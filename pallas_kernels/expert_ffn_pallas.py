@@ -35,6 +35,7 @@ Tile choices (GPU):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -156,11 +157,31 @@ def supports(rows, gate_up, down, block_rows: int) -> bool:
         return False
     if rows.ndim != 2 or rows.shape[0] % block_rows:
         return False
+    if not all(offsets_fit(a) for w in (gate_up, down) for a in _pool_arrays(w)):
+        return False
     D = rows.shape[1]
     F = _weight_k(down)
     if _weight_k(gate_up) != D or gate_up.shape[-1] != 2 * F or down.shape[-1] != D:
         return False
     return _pool_supported(gate_up, block_rows, F) and _pool_supported(down, block_rows, D)
+
+
+def _pool_arrays(w) -> list:
+    return [w] if not isinstance(w, QArray) else [a for a in (w.values, w.scales, w.offsets, w.act_scale)
+                                                  if a is not None]
+
+
+def offsets_fit(a) -> bool:
+    """Whether the Triton lowering indexes array `a` without 32-bit offset overflow.
+
+    Pools are indexed whole (by slot inside the kernel), so element offsets reach the array's size.
+    jax's Pallas Triton lowering switches to 64-bit offsets only above 2**32 bytes, so an array of
+    1-byte elements (int8 and packed int4/int2 codes) between 2**31 elements and 2**32 bytes would
+    be indexed with overflowing int32 offsets: for Qwen3-30B-A3B that is 1,366-2,730 int4 slots,
+    683-1,365 int8 slots. Such pools run the XLA reference instead (tests/test_kernels.py checks the
+    lowered Triton IR at real slot counts)."""
+    elements = math.prod(a.shape)
+    return elements < 2**31 or elements * jnp.dtype(a.dtype).itemsize > 2**32
 
 
 # ----------------------------------------------------------------------------- activations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jmoe.layers.experts import ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn, expert_ffn_pallas, expert_ffn_reference, supports
+from pallas_kernels.expert_ffn_pallas import offsets_fit
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template
 
 SLOTS = 7  # odd on purpose: nothing may assume a power-of-two pool
@@ -270,3 +272,128 @@ def test_compiled_matches_reference_on_gpu(name, block_rows):
     w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
     assert relative_error(ours, ref) < (W8A8_BF16_TOLERANCE if w8a8 else TOLERANCE["bfloat16"])
     assert np.all(np.asarray(ours, np.float32)[np.repeat(np.asarray(block_slot) < 0, block_rows)] == 0)
+
+
+# ----------------------------------------------------------------------------- 32-bit offsets at real sizes
+
+
+def triton_irs(lowered) -> list[str]:
+    """The Triton IR (text) of every Pallas kernel in a lowering for CUDA."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    attrs = inner.attributes
+                    if inner.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in attrs:
+                        config = ir.DictAttr(attrs["mhlo.backend_config"])
+                        if "ir" in config:
+                            found.append(ir.StringAttr(config["ir"]).value_bytes)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    texts = []
+    for bytecode in found:
+        context = ir.Context()
+        tt_dialect.register_dialect(context)
+        context.allow_unregistered_dialects = True
+        with context:
+            texts.append(str(ir.Module.parse(bytecode)))
+    return texts
+
+
+def offset_widths(ttir: str) -> dict[int, set[str]]:
+    """Kernel argument -> the integer widths of the offsets added to pointers derived from it."""
+    import re
+
+    origin: dict[str, int] = {}
+    widths: dict[int, set[str]] = {}
+    for line in ttir.splitlines():
+        splat = re.match(r"\s*(%\S+) = tt\.splat %arg(\d+) ", line)
+        if splat:
+            origin[splat.group(1)] = int(splat.group(2))
+        add = re.match(r"\s*(%\S+) = tt\.addptr (%\S+), %\S+ : .*, (?:tensor<.*x)?(i\d+)>?$", line.strip())
+        if add:
+            base = add.group(2)
+            arg = int(base[4:]) if base.startswith("%arg") else origin.get(base)
+            if arg is not None:
+                origin[add.group(1)] = arg
+                widths.setdefault(arg, set()).add(add.group(3))
+    return widths
+
+
+QWEN3_30B = dict(D=2048, F=768)
+MIXTRAL = dict(D=4096, F=14336)
+
+
+@pytest.mark.parametrize("shape, quant, slots", [
+    (QWEN3_30B, fmt(4, 64), 1000),  # below 2**31 elements
+    (QWEN3_30B, fmt(4, 64), 2000),  # 2**31 elements < values < 2**32 bytes: the 32-bit overflow window
+    (QWEN3_30B, fmt(4, 64), 3000),  # above 2**32 bytes: the lowering switches to 64-bit offsets
+    (QWEN3_30B, fmt(8, 128), 1000),  # int8 window
+    (QWEN3_30B, fmt(2, 64), 4000),  # int2 window
+    (QWEN3_30B, None, 6144),  # every bf16 expert of the model
+    (MIXTRAL, fmt(4, 64), 50),  # Mixtral int4 window
+    (MIXTRAL, fmt(4, 64), 256),
+])
+@pytest.mark.parametrize("block_rows", [1, 32])
+def test_no_kernel_indexes_a_pool_with_overflowing_32bit_offsets(shape, quant, slots, block_rows):
+    D, F = shape["D"], shape["F"]
+    gate_up, down = pool_shapes(quant, D, F, slots)
+    rows = jax.ShapeDtypeStruct((4 * block_rows, D), jnp.bfloat16)
+    block_slot = jax.ShapeDtypeStruct((4,), jnp.int32)
+    f = functools.partial(expert_ffn, block_rows=block_rows, backend="pallas")
+    irs = triton_irs(jax.jit(f).trace(rows, block_slot, gate_up, down).lower(lowering_platforms=("cuda",)))
+    for ttir, pool in zip(irs, (gate_up, down)):
+        arrays = [pool] if quant is None else [a for a in (pool.values, pool.scales, pool.offsets) if a is not None]
+        widths = offset_widths(ttir)
+        for i, array in enumerate(arrays, start=2):  # kernel arguments: block_slot, x, then the pool's arrays
+            if math.prod(array.shape) >= 2**31:
+                assert widths.get(i) == {"i64"}, f"argument {i} {array.shape} {array.dtype}: offsets {widths.get(i)}"
+    window = any(not offsets_fit(a) for p in (gate_up, down) for a in ([p] if quant is None else [p.values]))
+    assert (len(irs) == 0) == window  # the kernels run wherever their offsets are safe
+
+
+# ----------------------------------------------------------------------------- compile failure fallback
+
+
+@pytest.mark.parametrize("budgeted, execution", [(False, "auto"), (True, "auto"), (True, "layerwise")])
+def test_kernels_that_fail_to_compile_fall_back_to_xla_with_one_warning(tiny_converted, caplog, budgeted,
+                                                                         execution):
+    # On the CPU, compiled (non-interpret) Pallas kernels cannot be built: the failure a GPU with an
+    # unsupported Triton would give. The model warns once and runs the XLA reference path.
+    import jmoe
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("the compiled kernels build on a GPU")
+    ids = [5, 17, 99, 3]
+    reference = jmoe.generate(jmoe.load(tiny_converted, compute_dtype="float32"), ids, max_new_tokens=6)
+    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32")
+    budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3 if budgeted else None
+    model = jmoe.load(tiny_converted, compute_dtype="float32", kernel_backend="pallas", device_budget=budget,
+                      execution=execution)
+    with caplog.at_level("WARNING", logger="jmoe.runtime"):
+        assert jmoe.generate(model, ids, max_new_tokens=6) == reference
+        assert jmoe.generate(model, ids, max_new_tokens=6) == reference
+    warnings = [r for r in caplog.records if "failed to compile" in r.getMessage()]
+    assert len(warnings) == 1 and model.residency.backend == "xla"
+
+
+def test_other_errors_are_not_taken_for_kernel_failures():
+    from jmoe.runtime.kernel_fallback import with_kernel_fallback
+
+    class Residency:
+        backend = "pallas"
+
+        def use_backend(self, backend):
+            raise AssertionError("must not fall back")
+
+    def fail():
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes"):
+        with_kernel_fallback([Residency()], fail)

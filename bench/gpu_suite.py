@@ -1,0 +1,186 @@
+"""The GPU suite (`make gpu`): everything a lent GPU should check and measure, in one command.
+
+Needs no network and no ../shared (prompts come from tests/data, models are generated):
+
+1. `pytest -m gpu` (the compiled Pallas kernels against the reference, on the GPU);
+2. bandwidths: device-to-device copy (the roofline the kernels are judged against) and
+   host-to-device from pinned host memory (what offloading pays per byte);
+3. expert kernels at Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE decode and prefill shapes,
+   bf16 / int8 / int4 / int2: achieved bytes/s, also as a fraction of the copy bandwidth;
+4. decode TPOT of a synthetic Qwen3-30B-A3B-shaped model with every expert resident, at int4 and
+   bf16, against its floor (bytes a token reads / copy bandwidth);
+5. offloaded TPOT of that model at 25 / 50 / 75% expert budgets with the policies.
+
+Writes bench/results/gpu_suite_gpu.json with the device name. `--dry-run` runs every part at toy
+sizes on whatever backend there is (CPU: kernels in interpret mode), to check the suite itself;
+its JSON goes to gpu_suite_dry_run_<backend>.json and its numbers mean nothing.
+
+    python -m bench.gpu_suite [--dry-run] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmoe
+from bench.common import RESULTS, ROOT, machine, timed
+from convert import convert_checkpoint
+from jmoe.manifest import read_manifest
+from jmoe.runtime.host_store import host_sharding
+
+PROMPTS = ROOT / "tests" / "data"
+QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128)
+TOY = dict(hidden=256, moe_intermediate=128, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=64)
+POLICIES = ("lru", "lru+prefetch", "dymoe")
+
+
+def run_gpu_tests(dry_run: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+    if dry_run:
+        cmd.append("--collect-only")
+    t = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-1:]
+    return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "summary": tail,
+            "seconds": time.perf_counter() - t}
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device-to-device GB/s: read and write of an nbytes buffer."""
+    x = jnp.zeros(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a + 1)  # not elided: reads and writes every byte
+    seconds = timed(lambda: jax.block_until_ready(copy(x)), repeat=10, warmup=2)
+    return 2 * nbytes / seconds / 1e9
+
+
+def h2d_bandwidth(nbytes: int) -> dict:
+    device = jax.devices()[0]
+    sharding, kind = host_sharding(device)
+    host = jax.device_put(np.ones(nbytes, np.uint8), sharding)
+    target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    seconds = timed(lambda: jax.block_until_ready(jax.device_put(host, target)), repeat=10, warmup=2)
+    return {"gb_per_s": nbytes / seconds / 1e9, "bytes": nbytes, "host_memory_kind": kind}
+
+
+def kernels(dry_run: bool, copy_gbps: float) -> list[dict]:
+    from bench import kernels as kb
+
+    on_gpu = jax.default_backend() == "gpu" and not dry_run
+    models = ["qwen3-30b-a3b"] if dry_run else list(kb.MODELS)
+    tiers = ["bf16", "int4"] if dry_run else ["bf16", "int8", "int4", "int2"]
+    phases = [("decode", 1)] if dry_run else [("decode", 1), ("prefill", kb.GPU_PREFILL_TOKENS)]
+    cases = []
+    for model in models:
+        for phase, tokens in phases:
+            for tier in tiers:
+                r = kb.run_case(model, phase, tier, tokens, on_gpu, repeat=20)
+                if "kernel_unique_GBps" in r:
+                    r["fraction_of_copy_bandwidth"] = r["kernel_unique_GBps"] / copy_gbps
+                print(json.dumps({k: v for k, v in r.items() if not isinstance(v, list)}), flush=True)
+                cases.append(r)
+    return cases
+
+
+def synthetic_model(root: Path, layers: int, shape: dict, tiers: str) -> Path:
+    from bench.synthetic import write_checkpoint
+
+    src = write_checkpoint(root / "hf", layers=layers, **shape)
+    return convert_checkpoint(src, root / "model", tiers=tiers, progress=False)
+
+
+def prompts(tokenizer, n_tokens: int = 32) -> list[list[int]]:
+    return [tokenizer.encode((PROMPTS / f"{d}.dev.txt").read_text()[:4000])[:n_tokens] for d in ("prose", "code")]
+
+
+def decode_tpot(model, items, new_tokens: int) -> float:
+    jmoe.generate(model, items[0][:8], max_new_tokens=4)  # compile
+    model.residency.reset_stats()
+    for ids in items:
+        jmoe.generate(model, ids, max_new_tokens=new_tokens)
+    return jmoe.stats(model)["tpot_s"]
+
+
+def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dict:
+    from jmoe.runtime.budget import tree_nbytes
+
+    out = {}
+    for tier in ("int4", "bf16"):
+        model = jmoe.load(path, tier=tier, compute_dtype=dtype, max_seq_len=512)
+        items = prompts(model.tokenizer)
+        tpot = decode_tpot(model, items, new_tokens)
+        cfg = model.config
+        per_token = tree_nbytes(model.dense) + cfg.num_moe_layers * cfg.top_k * model.store.record_nbytes(tier)
+        floor = per_token / (copy_gbps / 2 * 1e9)  # the copy reads and writes: reading alone runs at half its time
+        out[tier] = {"tpot_s": tpot, "bytes_per_token": per_token, "floor_s": floor, "tpot_over_floor": tpot / floor}
+        print("resident", tier, json.dumps(out[tier]), flush=True)
+    return out
+
+
+def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
+    plan = jmoe.memory_plan(path, tier="int4", compute_dtype=dtype, max_seq_len=512)
+    cfg = read_manifest(path)
+    staging = 2 * cfg["config"]["top_k"] * max(t["record_nbytes"] for t in cfg["tiers"].values())
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + staging
+    rows = []
+    for fraction in (0.25, 0.5, 0.75):
+        for policy in POLICIES:
+            try:
+                model = jmoe.load(path, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy,
+                                  device_budget=int(fixed + fraction * plan["all_experts"]))
+            except jmoe.BudgetError as e:
+                rows.append({"budget_fraction": fraction, "policy": policy, "skipped": str(e)})
+                continue
+            items = prompts(model.tokenizer)
+            tpot = decode_tpot(model, items, new_tokens)
+            stats = jmoe.stats(model)
+            rows.append({"budget_fraction": fraction, "policy": policy, "tpot_s": tpot, "hit_rate": stats["hit_rate"],
+                         "bytes_h2d_per_token": stats["bytes_h2d_per_token"], "host_syncs": stats["host_syncs"],
+                         "tokens": stats["tokens"]})
+            print("offloaded", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes on any backend: checks the suite itself")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the synthetic Qwen3-30B-A3B model")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    dry = args.dry_run
+    backend = jax.default_backend()
+    if backend != "gpu" and not dry:
+        parser.error(f"no GPU here (jax backend {backend!r}); use --dry-run to check the suite on this machine")
+    dtype = "bfloat16" if backend == "gpu" else "float32"
+    started = time.perf_counter()
+    result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "dry_run": dry,
+              "gpu_tests": run_gpu_tests(dry)}
+    copy_gbps = copy_bandwidth(8 << 20 if dry else 1 << 30)
+    result["bandwidth"] = {"device_copy_gb_per_s": copy_gbps, "h2d": h2d_bandwidth(8 << 20 if dry else 1 << 30)}
+    print("bandwidth", json.dumps(result["bandwidth"]), flush=True)
+    result["kernels"] = kernels(dry, copy_gbps)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthetic_model(Path(tmp), 2 if dry else args.layers, TOY if dry else QWEN3_30B_A3B, "bf16,int4,int2")
+        new_tokens = 4 if dry else args.new_tokens
+        result["resident_decode"] = resident_decode(path, copy_gbps, new_tokens, dtype)
+        result["offloaded_decode"] = offloaded_decode(path, new_tokens, dtype)
+    result["seconds"] = time.perf_counter() - started
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / ("gpu_suite_gpu.json" if not dry else f"gpu_suite_dry_run_{backend}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)} in {result['seconds']:.0f} s")
+    if result["gpu_tests"]["returncode"] not in (0, 5):  # 5: no tests collected
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
