@@ -203,9 +203,9 @@ def test_governor_trades_acceptance_against_cycle_time():
         g.update(8, np.array([8]), draft_s=8 * 0.001, verify_s=0.01, missing_bytes=0)
     assert g.choose() == 8
     g = Governor(k_max=8)
-    for _ in range(20):  # drafts that are always wrong: the shortest
+    for _ in range(20):  # drafts that are always wrong: none at all (a plain step)
         g.update(4, np.array([0]), draft_s=4 * 0.01, verify_s=0.01, missing_bytes=0)
-    assert g.choose() == 1
+    assert g.choose() == 0
     g = Governor(k_max=8, max_cycle_s=0.0155)  # k_max from a latency target: 5 x 1 ms + 10 ms fits
     for _ in range(20):
         g.update(8, np.array([8]), draft_s=8 * 0.001, verify_s=0.01, missing_bytes=0)
@@ -234,3 +234,15 @@ def rng_pool():
     pool = ExpertWeights(gate_up=jax.device_put(rng.normal(size=(slots_n, D, 2 * F)).astype(np.float32)),
                          down=jax.device_put(rng.normal(size=(slots_n, F, D)).astype(np.float32)))
     return h, slots, active, pool
+
+
+def test_governor_stops_drafting_when_it_cannot_pay():
+    g = Governor(k_max=8)
+    for _ in range(10):  # a draft step costs as much as verification: drafting never pays
+        g.update(4, np.array([3]), draft_s=4 * 0.01, verify_s=0.01, missing_bytes=0)
+    choices = []
+    for _ in range(2 * 16):
+        k = g.choose()
+        choices.append(k)
+        g.update(k, np.array([min(k, 3)]), draft_s=k * 0.01, verify_s=0.01, missing_bytes=0)
+    assert choices.count(0) >= 28 and max(choices) >= 1  # plain steps, with a look at drafting now and then

@@ -23,7 +23,9 @@ penalty, temperature, top-k and top-p, with the same history.
 The governor picks k each cycle as argmax over k <= k_max of E[tokens(k)] / T_cycle(k):
 E[tokens(k)] = 1 + sum_{i<=k} prod_{j<=i} a_j with per-position acceptance rates a_j tracked by
 EMA, and T_cycle(k) = k * t_draft + t_verify(k) + bytes still to fetch / host-to-device bandwidth,
-t_verify interpolated from the verification times measured so far. k_max comes from the latency
+t_verify interpolated from the verification times measured so far; k = 0 (a plain step) competes
+too, so where drafting cannot pay (a draft step costing as much as a target step) the governor
+stops drafting, trying again every EXPLORE cycles. k_max comes from the latency
 target `max_cycle_s` when given and, with an offloaded target, from the pools: no more drafted
 tokens than the run tier's pool can verify in one pass (auto_k_max).
 """
@@ -46,6 +48,7 @@ from jmoe.runtime.stats import RequestClock
 from jmoe.tiers import TIER_CODES, TIER_NAMES, tier_name
 
 DEFAULT_K_MAX = 8
+EXPLORE = 16  # cycles between looks at speculating again, once plain steps are faster
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Governor:
         self.t_draft: float | None = None  # seconds per draft step
         self.t_verify: dict[int, float] = {}  # k -> seconds per verification
         self.missing_bytes = 0.0  # per drafted position, still to fetch before verification
+        self.plain_cycles = 0
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.accept[:k]).sum())
@@ -103,6 +107,9 @@ class Governor:
         return k * t_draft + t_verify + k * self.missing_bytes / self.bandwidth
 
     def choose(self) -> int:
+        """k for the next cycle; 0 (verify only the committed token: a plain step) when no draft
+        length pays for itself, with a look at the best k >= 1 every EXPLORE cycles to keep its
+        acceptance and timing estimates fresh."""
         if self.fixed is not None:
             return self.fixed
         if self.t_draft is None:
@@ -110,10 +117,20 @@ class Governor:
         ks = range(1, self.k_max + 1)
         if self.max_cycle_s is not None:  # k_max from the latency target
             ks = [k for k in ks if k == 1 or self.cycle_seconds(k) <= self.max_cycle_s]
-        return max(ks, key=lambda k: self.expected_tokens(k) / self.cycle_seconds(k))
+        best = max(ks, key=lambda k: self.expected_tokens(k) / self.cycle_seconds(k))
+        plain_s = self.cycle_seconds(0)  # measured, or estimated from the shortest verification seen
+        if self.expected_tokens(best) / self.cycle_seconds(best) < 1 / plain_s:
+            self.plain_cycles += 1
+            if self.plain_cycles % EXPLORE:
+                return 0
+        return best
 
     def update(self, k: int, accepted: np.ndarray, draft_s: float, verify_s: float, missing_bytes: float) -> None:
         """accepted [B]: how many of the k drafted tokens each row kept."""
+        if k == 0:  # a plain step: only its time is news
+            self.t_verify[0] = verify_s if 0 not in self.t_verify else \
+                (1 - self.alpha) * self.t_verify[0] + self.alpha * verify_s
+            return
         for j in range(k):  # position j was tried by the rows that accepted every earlier one
             tried = accepted >= j
             if tried.any():
@@ -283,8 +300,7 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             if k:
                 count_fidelity(spec, model.residency.last_routed, buffer)
             decoder.advance(accepted + 1)
-            if k:
-                governor.update(k, accepted[active], draft_s, verify_s, missing_bytes)
+            governor.update(k, accepted[active], draft_s, verify_s, missing_bytes)
             spec.count(k, accepted[active])
         for b in np.flatnonzero(active):
             new = [*block[b, 1 : accepted[b] + 1].tolist(), int(nxt[b])][: lengths.new_tokens - produced[b]]
