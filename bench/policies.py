@@ -119,6 +119,7 @@ def quality_table(path: Path, tokens: int, calib_traces: np.ndarray, dev_traces:
             print(label, json.dumps(rows[label]["perplexity"]), flush=True)
     share = rows["DyMoE 4/2 r=0.75"]["int2_share_of_uses"]
     rows["random 4/2 (DyMoE r=0.75's int2 share)"] = evaluate(path, RandomLow(share), ids, budget=budget)
+    rows.update(importance_vs_chance(path, ids))
     for n in (4, 8, 16):
         rows[f"DynaExq {n}/32 at int4 (unbudgeted)"] = evaluate(path, DynaExq(hi_per_layer=n), ids)
     placements = {}
@@ -126,7 +127,27 @@ def quality_table(path: Path, tokens: int, calib_traces: np.ndarray, dev_traces:
         policy = StaticPlacement(calib_traces, strategy=strategy, tier="int4")
         rows[f"placement {strategy} (int4, rest on the CPU)"] = evaluate(path, policy, ids, budget=budget)
         placements[strategy] = placement_hit_rates(policy.placed, dev_traces)
-    return {"rows": rows, "budget_bytes": budget, "placement_hit_rates_on_dev": placements}
+    return {"rows": rows, "budget_bytes": budget, "tokens_per_domain": tokens, "placement_hit_rates_on_dev": placements}
+
+
+def both_tiers_resident(policy: Policy) -> Policy:
+    """Every expert preloaded at int4 and int2 and both kept: a wanted int2 then runs at int2 (the
+    cheapest adequate version), so the policy's own choices run, without DyMoE's reuse of a resident
+    int4 version (which, in decode, soon serves nearly every use at int4)."""
+    policy.keep_lower = True
+    policy.preload = lambda L, E: [((layer, e), tier) for tier in ("int2", "int4") for layer in range(L)
+                                   for e in range(E)]
+    return policy
+
+
+def importance_vs_chance(path: Path, ids: dict) -> dict:
+    """DyMoE 4/2 at r=0.75 against random int2 assignment of the same share of uses, both running
+    exactly what they choose (both tiers resident, unbudgeted)."""
+    rows = {"DyMoE 4/2 r=0.75, both tiers resident": evaluate(path, both_tiers_resident(DyMoE(r=0.75)), ids)}
+    share = rows["DyMoE 4/2 r=0.75, both tiers resident"]["int2_share_of_uses"]
+    rows["random 4/2, same int2 share, both tiers resident"] = evaluate(path, both_tiers_resident(RandomLow(share)),
+                                                                        ids)
+    return rows
 
 
 def staging_bytes(path: Path) -> int:
@@ -253,10 +274,23 @@ def main() -> None:
     parser.add_argument("--calib-sequences", type=int, default=64)
     parser.add_argument("--ablation-tokens", type=int, default=32)
     parser.add_argument("--skip-ablation", action="store_true")
+    parser.add_argument("--only-importance", action="store_true",
+                        help="run DyMoE against its random control only, adding them to an existing policies JSON")
+    parser.add_argument("--only-quality", action="store_true",
+                        help="run the quality table only, replacing it in an existing policies JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = convert_tiny(root, args.calib_sequences)
+        if args.only_importance:
+            previous = json.loads((RESULTS / "policies_cpu.json").read_text())
+            previous.pop("machine", None)
+            ids = {d: dev_tokens(jmoe.load(path, tier="int2").tokenizer, d, args.tokens) for d in DOMAINS}
+            previous["quality"]["rows"] = {k: v for k, v in previous["quality"]["rows"].items() if "unbudgeted" not in
+                                           k or "DynaExq" in k}
+            previous["quality"]["rows"].update(importance_vs_chance(path, ids))
+            write_result("policies", previous)
+            return
         tracer = jmoe.load(path, compute_dtype="float32", tier="int4")
         calib_text = " ".join(p.read_text()[:60_000] for p in CALIB_FILES)
         calib_traces = trace_routing(tracer, tracer.tokenizer.encode(calib_text), WINDOW)
@@ -265,6 +299,11 @@ def main() -> None:
         del tracer
         result = {"model": "tiny-qwen3-moe (GPTQ int4 + int2)", "gpu_params_modelled": GpuParams().__dict__,
                   "quality": quality_table(path, args.tokens, calib_traces, dev_traces)}
+        if args.only_quality:
+            previous = json.loads((RESULTS / "policies_cpu.json").read_text())
+            previous.pop("machine", None)
+            write_result("policies", {**previous, **result})
+            return
         shift = workload_shift(path, args.shift_tokens, calib_traces)
         plot = RESULTS / "policies_shift_cpu.png"
         plot_shift(shift, plot)
