@@ -143,6 +143,19 @@ class Governor:
 
 
 @jax.jit
+def _processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty):
+    """_processed at every position of a verification block in one call: logits [B, T, V], seen
+    [B, V] before the block, drafted [B, T - 1] the tokens after positions 0..T-2 (position j's
+    history is seen plus drafted[:, :j])."""
+    B, T, V = logits.shape
+    later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1) > 0  # [B, T - 1, V]
+    history = seen[:, None, :] | jnp.concatenate([jnp.zeros((B, 1, V), bool), later], axis=1)
+    probs, pick = _processed(logits.reshape(B * T, V), history.reshape(B * T, V), temperature, top_k,
+                             one_minus_top_p, penalty)
+    return probs.reshape(B, T, V), pick.reshape(B, T)
+
+
+@jax.jit
 def _processed(logits, seen, temperature, top_k, one_minus_top_p, penalty):
     """Next-token probabilities [B, V] and greedy choice [B] after the penalty and the warpers."""
     penalized = apply_repetition_penalty(logits, seen, penalty)
@@ -364,20 +377,17 @@ def count_fidelity(spec, routed, buffer) -> None:
 def accept(verify_logits, block: np.ndarray, q_probs: list, seen: np.ndarray, params, greedy: bool, rng):
     """Per row: how many drafted tokens stand, and the target's token after them.
 
-    verify_logits [B, k + 1, V] are the target's after block[:, 0..k]; q_probs[j] [B, V] the
-    draft's processed distribution for drafted token block[:, j + 1]; seen [B, V] the history
-    before the block's first drafted token. The target's distribution at position j goes through
-    the same penalty and warpers with the same history (seen plus the drafts before it)."""
+    verify_logits [B, T' >= k + 1, V] are the target's after block[:, 0..k] (and any padding);
+    q_probs[j] [B, V] the draft's processed distribution for drafted token block[:, j + 1]; seen
+    [B, V] the history before the block's first drafted token. The target's distribution at position
+    j goes through the same penalty and warpers with the same history (seen plus the drafts before it)."""
     B, T = block.shape
     k = T - 1
-    p_probs, p_pick = [], []
-    seen_j = seen.copy()
-    for j in range(T):
-        probs, pick = _processed(verify_logits[:, j], jnp.asarray(seen_j), *params)
-        p_probs.append(None if greedy else np.asarray(probs, np.float64))
-        p_pick.append(np.asarray(pick))
-        if j < k:
-            seen_j[np.arange(B), block[:, j + 1]] = True
+    width = verify_logits.shape[1]
+    drafted = np.concatenate([block[:, 1:], np.repeat(block[:, -1:], width - k, axis=1)], axis=1)  # [B, T']
+    probs, picks = _processed_block(verify_logits, jnp.asarray(seen), jnp.asarray(drafted[:, : width - 1]), *params)
+    p_pick = np.asarray(picks).T  # [T', B]
+    p_probs = None if greedy else np.asarray(probs, np.float64).transpose(1, 0, 2)  # [T', B, V]
     q = [None if greedy else np.asarray(x, np.float64) for x in q_probs]
     accepted = np.zeros(B, int)
     nxt = np.zeros(B, np.int32)
