@@ -2,9 +2,11 @@
 
 Computes what `expert_ffn_reference` computes, in two kernels:
 
-  stage 1  h = silu(x @ gate) * (x @ up)   grid (blocks, F / BN): one program per row block and
+  stage 1  h = silu(x @ gate) * (x @ up)   grid (blocks, F / BN, 1): one program per row block and
                                             N tile of F; gate and up tiles share the x loads
-  stage 2  y = h @ down                     grid (blocks, D / BN)
+  stage 2  y = h @ down                     grid (blocks, D / BN, splits): in decode, K is split
+                                            over programs when blocks x tiles would leave SMs idle
+                                            (float32 partial sums, added after the kernel)
 
 Every program loads its block's slot id from `block_slot` and indexes the whole pool ref with it,
 so no weights are gathered or copied outside the kernel; a block with slot -1 writes zeros.
@@ -34,6 +36,7 @@ Tile choices (GPU):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -50,6 +53,10 @@ PREFILL_BLOCK_N = 128
 PLAIN_BLOCK_K = 64
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
 DECODE_PARAMS = dict(num_warps=4, num_stages=3)
+# Decode's down projection (no nonlinearity after it) splits K over this many programs when the
+# (blocks x N tiles) grid alone would leave an H100's 132 SMs idle: partial sums per split, added
+# outside the kernel. Mixtral-8x7B's down projection otherwise runs 224 K steps in 128 programs.
+TARGET_PROGRAMS = 4 * 132
 PREFILL_PARAMS = dict(num_warps=4, num_stages=3)
 
 
@@ -70,6 +77,7 @@ class _Plan:
     up_offset: int | None  # stage 1: column offset of the up half; stage 2: None
     float32: bool
     plain_dtype: str | None  # 16-bit float dtype of a plain pool passed as its bit pattern
+    splits: int = 1  # programs sharing one output tile's K steps (partial sums added outside)
 
     @property
     def gemv(self) -> bool:
@@ -292,12 +300,13 @@ def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
     return total
 
 
-def _accumulate(x_ref, w_refs, slot, columns, plan: _Plan):
-    """Sum over K of every column tile in `columns`: tuple of [BT, BN] ([BN] for GEMV) float32."""
+def _accumulate(x_ref, w_refs, slot, columns, plan: _Plan, first_step=0):
+    """Sum over this program's K steps of every column tile in `columns`: tuple of [BT, BN] ([BN]
+    for GEMV) float32. Steps [first_step, first_step + plan.num_steps / plan.splits)."""
     acc_shape = (plan.block_n,) if plan.gemv else (plan.block_rows, plan.block_n)
 
     def body(step, accs):
-        r0 = pl.multiple_of(step * plan.step_rows, plan.step_rows)
+        r0 = pl.multiple_of((first_step + step) * plan.step_rows, plan.step_rows)
         if plan.quantized:
             parts = [_step_quantized(x_ref, w_refs, slot, r0, col, plan) for col in columns]
         else:
@@ -305,7 +314,7 @@ def _accumulate(x_ref, w_refs, slot, columns, plan: _Plan):
         return tuple(a + p for a, p in zip(accs, parts))
 
     init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in columns)
-    return jax.lax.fori_loop(0, plan.num_steps, body, init)
+    return jax.lax.fori_loop(0, plan.num_steps // plan.splits, body, init)
 
 
 def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
@@ -319,6 +328,7 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
     block = pl.program_id(0)
     col = pl.multiple_of(pl.program_id(1) * plan.block_n, plan.block_n)
     slot = slot_ref[block]
+    first = pl.program_id(2) * (plan.num_steps // plan.splits) if plan.splits > 1 else 0  # this split's K steps
 
     @pl.when(slot < 0)
     def _empty_block():
@@ -327,7 +337,7 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
     @pl.when(slot >= 0)
     def _expert_block():
         columns = (col,) if plan.up_offset is None else (col, col + plan.up_offset)
-        accs = _accumulate(x_ref, w_refs, slot, columns, plan)
+        accs = _accumulate(x_ref, w_refs, slot, columns, plan, first)
         if step_ref is not None:
             step = step_ref[0] if plan.gemv else step_ref[...][:, None]  # per-row int8 step
             accs = tuple(a * step for a in accs)
@@ -344,7 +354,7 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
 
 def _whole(shape):
     """BlockSpec handing the kernel the whole array (pools are indexed by slot inside)."""
-    return pl.BlockSpec(shape, lambda b, n: (0,) * len(shape))
+    return pl.BlockSpec(shape, lambda b, n, k: (0,) * len(shape))
 
 
 def _weight_operands(w, plan: _Plan):
@@ -362,26 +372,44 @@ def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows
     R = x.shape[0]
     nb = block_slot.shape[0]
     plan = _plan(w, block_rows, n_out, up_offset, x.dtype)
+    plan = dataclasses.replace(plan, splits=_splits(plan, nb, n_out))
     x_planar, step = _prepare_activations(x, block_slot, w, block_rows)  # [R, pack, Kp / pack]
     operands = [block_slot, x_planar] + ([] if step is None else [step]) + _weight_operands(w, plan)
     in_specs = [
         _whole(block_slot.shape),
-        pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n: (b, 0, 0)),
+        pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n, k: (b, 0, 0)),
     ]
     if step is not None:
-        in_specs.append(pl.BlockSpec((block_rows,), lambda b, n: (b,)))
+        in_specs.append(pl.BlockSpec((block_rows,), lambda b, n, k: (b,)))
     in_specs += [_whole(a.shape) for a in operands[len(in_specs):]]
     params = DECODE_PARAMS if plan.gemv else PREFILL_PARAMS
-    return pl.pallas_call(
+    if plan.splits == 1:
+        out_spec = pl.BlockSpec((block_rows, plan.block_n), lambda b, n, k: (b, n))
+        out_shape = jax.ShapeDtypeStruct((R, n_out), out_dtype)
+    else:  # float32 partial sums per split, added below
+        out_spec = pl.BlockSpec((None, block_rows, plan.block_n), lambda b, n, k: (k, b, n))
+        out_shape = jax.ShapeDtypeStruct((plan.splits, R, n_out), jnp.float32)
+    out = pl.pallas_call(
         functools.partial(_kernel, plan=plan),
-        grid=(nb, n_out // plan.block_n),
+        grid=(nb, n_out // plan.block_n, plan.splits),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_rows, plan.block_n), lambda b, n: (b, n)),
-        out_shape=jax.ShapeDtypeStruct((R, n_out), out_dtype),
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret,
         name="expert_gate_up_silu" if up_offset is not None else "expert_down",
     )(*operands)
+    return out if plan.splits == 1 else out.sum(axis=0).astype(out_dtype)
+
+
+def _splits(plan: _Plan, blocks: int, n_out: int) -> int:
+    """Split-K factor: only decode's down projection (a plain sum over K); enough programs to fill
+    the GPU, a divisor of the K steps so every split runs the same number."""
+    if not plan.gemv or plan.up_offset is not None:
+        return 1
+    programs = blocks * (n_out // plan.block_n)
+    want = min(plan.num_steps, -(-TARGET_PROGRAMS // programs))
+    return max(d for d in range(1, want + 1) if plan.num_steps % d == 0)
 
 
 def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, interpret: bool = False):

@@ -397,3 +397,29 @@ def test_other_errors_are_not_taken_for_kernel_failures():
 
     with pytest.raises(ValueError, match="shapes"):
         with_kernel_fallback([Residency()], fail)
+
+
+# ----------------------------------------------------------------------------- split-K in decode
+
+
+def test_decode_down_projection_splits_k_to_fill_the_gpu():
+    from pallas_kernels.expert_ffn_pallas import TARGET_PROGRAMS, _plan, _splits
+
+    for shape, experts, quant in ((MIXTRAL, 2, fmt(4, 64)), (QWEN3_30B, 8, fmt(4, 64)), (MIXTRAL, 2, None)):
+        D, F = shape["D"], shape["F"]
+        _, down = pool_shapes(quant, D, F, 8)
+        plan = _plan(down, 1, D, None, jnp.bfloat16)
+        splits = _splits(plan, experts, D)
+        programs = experts * (D // plan.block_n)
+        assert splits > 1 and plan.num_steps % splits == 0
+        assert programs * splits <= max(TARGET_PROGRAMS, programs) * 2  # not wildly beyond the target
+        gate_up, _ = pool_shapes(quant, D, F, 8)
+        assert _splits(_plan(gate_up, 1, F, F, jnp.bfloat16), experts, F) == 1  # SwiGLU needs the whole sum
+        assert _splits(_plan(down, 32, D, None, jnp.bfloat16), experts, D) == 1  # prefill has programs enough
+    # the lowered Mixtral down kernel runs a third grid axis of that many splits
+    gate_up, down = pool_shapes(fmt(4, 64), MIXTRAL["D"], MIXTRAL["F"], 8)
+    rows = jax.ShapeDtypeStruct((2, MIXTRAL["D"]), jnp.bfloat16)
+    lowered = jax.jit(functools.partial(expert_ffn_pallas, block_rows=1)).trace(
+        rows, jax.ShapeDtypeStruct((2,), jnp.int32), gate_up, down).lower(lowering_platforms=("cuda",))
+    expected = _splits(_plan(down, 1, MIXTRAL["D"], None, jnp.bfloat16), 2, MIXTRAL["D"])
+    assert f"grid_z = {expected} : i32" in lowered.as_text()
