@@ -177,8 +177,9 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
     out = {}
     for name, (policy, kw) in runs.items():
         model = jmoe.load(path, compute_dtype="float32", policy=policy, tier=kw.get("tier"),
-                          device_budget=kw.get("budget"))
+                          device_budget=kw.get("budget"), trace=True)
         windows = []
+        started = time.perf_counter()
         for start in range(0, len(stream) - 1, WINDOW):
             before = jmoe.stats(model)
             nll, count = window_nll(model, stream[start : start + WINDOW + 1], WINDOW + 1, mode="decode")
@@ -187,8 +188,12 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
                             "bytes_h2d_per_token": (after["bytes_h2d"] - before["bytes_h2d"]) / count,
                             "hit_rate": ((after["hit_rate"] * after["expert_uses"] - before["hit_rate"]
                                           * before["expert_uses"]) / max(1, after["expert_uses"] - before["expert_uses"]))})
+        seconds = time.perf_counter() - started
         nll_total = sum(math.log(w["perplexity"]) for w in windows) / len(windows)
-        out[name] = {"windows": windows, "perplexity": math.exp(nll_total), "stats": jmoe.stats(model)}
+        modelled = replay(model.trace.records(), dense_bytes=dense_bytes_of(model), num_layers=model.config.num_layers)
+        out[name] = {"windows": windows, "perplexity": math.exp(nll_total), "stats": jmoe.stats(model),
+                     "cpu_s_per_token_measured": seconds / (len(stream) - 1),
+                     "gpu_s_per_token_modelled": modelled["modelled_tpot_s"]}
         print(name, round(out[name]["perplexity"], 3), flush=True)
     p4, p2 = out["uniform int4"]["perplexity"], out["uniform int2"]["perplexity"]
     closed = {k: (p2 - run["perplexity"]) / (p2 - p4) for k, run in out.items() if k.startswith("DynaExq")}
@@ -276,6 +281,8 @@ def main() -> None:
     parser.add_argument("--skip-ablation", action="store_true")
     parser.add_argument("--only-importance", action="store_true",
                         help="run DyMoE against its random control only, adding them to an existing policies JSON")
+    parser.add_argument("--only-shift", action="store_true",
+                        help="run the workload shift only, replacing it in an existing policies JSON")
     parser.add_argument("--only-quality", action="store_true",
                         help="run the quality table only, replacing it in an existing policies JSON")
     args = parser.parse_args()
@@ -297,6 +304,13 @@ def main() -> None:
         dev_ids = np.concatenate([dev_tokens(tracer.tokenizer, d, args.tokens) for d in DOMAINS])
         dev_traces = trace_routing(tracer, dev_ids, WINDOW)
         del tracer
+        if args.only_shift:
+            previous = json.loads((RESULTS / "policies_cpu.json").read_text())
+            previous.pop("machine", None)
+            previous["workload_shift"] = workload_shift(path, args.shift_tokens, calib_traces)
+            plot_shift(previous["workload_shift"], RESULTS / "policies_shift_cpu.png")
+            write_result("policies", previous)
+            return
         result = {"model": "tiny-qwen3-moe (GPTQ int4 + int2)", "gpu_params_modelled": GpuParams().__dict__,
                   "quality": quality_table(path, args.tokens, calib_traces, dev_traces)}
         if args.only_quality:
