@@ -58,6 +58,14 @@ def timed(fn, *, repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def staging_bytes(path: Path) -> int:
+    """What load() reserves for transfers in flight, at most: 2 top-k of the largest record."""
+    from jmoe.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    return 2 * manifest["config"]["top_k"] * max(t["record_nbytes"] for t in manifest["tiers"].values())
+
+
 def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if jax.default_backend() == "gpu" else "cpu"

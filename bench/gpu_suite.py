@@ -33,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
-from bench.common import RESULTS, ROOT, machine, timed
+from bench.common import RESULTS, ROOT, machine, staging_bytes, timed
 from convert import convert_checkpoint
-from jmoe.manifest import read_manifest
 from jmoe.runtime.host_store import host_sharding
 
 PROMPTS = ROOT / "tests" / "data"
@@ -128,9 +127,7 @@ def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dic
 
 def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
     plan = jmoe.memory_plan(path, tier="int4", compute_dtype=dtype, max_seq_len=512)
-    cfg = read_manifest(path)
-    staging = 2 * cfg["config"]["top_k"] * max(t["record_nbytes"] for t in cfg["tiers"].values())
-    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + staging
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + staging_bytes(path)
     rows = []
     for fraction in (0.25, 0.5, 0.75):
         for policy in POLICIES:

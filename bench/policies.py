@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, write_result
+from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, staging_bytes, write_result
 from bench.gpu_model import GpuParams, dense_bytes_of, replay
 from convert import convert_checkpoint
 from jmoe.decoding.evaluate import window_nll
@@ -148,14 +148,6 @@ def importance_vs_chance(path: Path, ids: dict) -> dict:
     rows["random 4/2, same int2 share, both tiers resident"] = evaluate(path, both_tiers_resident(RandomLow(share)),
                                                                         ids)
     return rows
-
-
-def staging_bytes(path: Path) -> int:
-    """What load() reserves for transfers in flight: 2 top-k of the largest record."""
-    from jmoe.manifest import read_manifest
-
-    manifest = read_manifest(path)
-    return 2 * manifest["config"]["top_k"] * max(t["record_nbytes"] for t in manifest["tiers"].values())
 
 
 def model_slot_bytes(path: Path, tier: str) -> int:

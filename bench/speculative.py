@@ -29,10 +29,9 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, write_result
+from bench.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, staging_bytes, write_result
 from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from convert import convert_checkpoint
-from jmoe.manifest import read_manifest
 
 PROMPT_TOKENS = 32
 
@@ -70,9 +69,7 @@ def run(model, prompts, new_tokens: int, speculative=None) -> dict:
 
 def budget_of(path: Path, tier: str, draft: str | None, fraction: float) -> int:
     plan = jmoe.memory_plan(path, tier=tier, compute_dtype="float32", draft=draft)
-    manifest = read_manifest(path)
-    staging = 2 * manifest["config"]["top_k"] * max(t["record_nbytes"] for t in manifest["tiers"].values())
-    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan.get("draft", 0) + staging
+    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan.get("draft", 0) + staging_bytes(path)
     return int(fixed + fraction * plan["all_experts"])
 
 

@@ -12,7 +12,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.expert_ffn_pallas import _pool_arrays, expert_ffn_pallas, offsets_fit, supports
+from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, offsets_fit, pool_arrays, supports
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
 BACKENDS = ("xla", "pallas", "interpret")
@@ -71,7 +71,7 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
 
 
 def _warn_offsets(gate_up, down) -> None:
-    unsafe = [a.shape for w in (gate_up, down) for a in _pool_arrays(w) if not offsets_fit(a)]
+    unsafe = [a.shape for w in (gate_up, down) for a in pool_arrays(w) if not offsets_fit(a)]
     if unsafe and tuple(unsafe) not in _warned:
         _warned.add(tuple(unsafe))
         log.warning("expert pool arrays %s have 2**31 or more 1-byte elements but no more than 2**32 bytes, "

@@ -165,7 +165,7 @@ def supports(rows, gate_up, down, block_rows: int) -> bool:
         return False
     if rows.ndim != 2 or rows.shape[0] % block_rows:
         return False
-    if not all(offsets_fit(a) for w in (gate_up, down) for a in _pool_arrays(w)):
+    if not all(offsets_fit(a) for w in (gate_up, down) for a in pool_arrays(w)):
         return False
     D = rows.shape[1]
     F = _weight_k(down)
@@ -174,7 +174,8 @@ def supports(rows, gate_up, down, block_rows: int) -> bool:
     return _pool_supported(gate_up, block_rows, F) and _pool_supported(down, block_rows, D)
 
 
-def _pool_arrays(w) -> list:
+def pool_arrays(w) -> list:
+    """Every array of a pool: the plain array, or a QArray's values, scales, offsets and act_scale."""
     return [w] if not isinstance(w, QArray) else [a for a in (w.values, w.scales, w.offsets, w.act_scale)
                                                   if a is not None]
 

@@ -12,7 +12,7 @@ import numpy as np
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket
-from jmoe.decoding.sampling import SamplingOptions
+from jmoe.decoding.sampling import SamplingOptions, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, speculative_steps
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -103,11 +103,7 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
     cfg = model.config
     B = len(prompts)
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
-    seen = np.zeros((B, cfg.vocab_size), bool)
-    if sampling.repetition_penalty != 1.0:
-        for b, p in enumerate(prompts):
-            seen[b, p] = True
-    sample = Sampler(model.engine, sampling, seen)
+    sample = Sampler(model.engine, sampling, prompt_history(prompts, cfg.vocab_size, sampling))
     clock = RequestClock()
     nxt = sample(decoder.prefill())
     for i in range(1, lengths.new_tokens + 1):

@@ -61,6 +61,16 @@ class SamplingOptions:
         return jax.random.fold_in(key, np.uint32(self.seed >> 32)) if self.seed >> 32 else key
 
 
+def prompt_history(prompts: list[list[int]], vocab_size: int, sampling: SamplingOptions) -> np.ndarray:
+    """[B, V] bool: the tokens each row has seen before its first new one (the prompt), which the
+    repetition penalty counts; all False when the penalty is off."""
+    seen = np.zeros((len(prompts), vocab_size), bool)
+    if sampling.repetition_penalty != 1.0:
+        for b, p in enumerate(prompts):
+            seen[b, p] = True
+    return seen
+
+
 def apply_repetition_penalty(logits, seen, penalty):
     """Tokens seen so far: negative logits multiplied by the penalty, the others divided by it."""
     penalized = jnp.where(logits < 0, logits * penalty, logits / penalty)

@@ -42,7 +42,7 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, warp
+from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, prompt_history, warp
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 from jmoe.tiers import TIER_CODES, TIER_NAMES, tier_name
@@ -128,18 +128,19 @@ class Governor:
     def update(self, k: int, accepted: np.ndarray, draft_s: float, verify_s: float, missing_bytes: float) -> None:
         """accepted [B]: how many of the k drafted tokens each row kept."""
         if k == 0:  # a plain step: only its time is news
-            self.t_verify[0] = verify_s if 0 not in self.t_verify else \
-                (1 - self.alpha) * self.t_verify[0] + self.alpha * verify_s
+            self.t_verify[0] = self._ema(self.t_verify.get(0), verify_s)
             return
         for j in range(k):  # position j was tried by the rows that accepted every earlier one
             tried = accepted >= j
             if tried.any():
                 rate = float((accepted[tried] > j).mean())
                 self.accept[j] = (1 - self.alpha) * self.accept[j] + self.alpha * rate
-        ema = lambda old, new: new if old is None else (1 - self.alpha) * old + self.alpha * new  # noqa: E731
-        self.t_draft = ema(self.t_draft, draft_s / k)
-        self.t_verify[k] = ema(self.t_verify.get(k), verify_s)
-        self.missing_bytes = ema(self.missing_bytes, missing_bytes / k)
+        self.t_draft = self._ema(self.t_draft, draft_s / k)
+        self.t_verify[k] = self._ema(self.t_verify.get(k), verify_s)
+        self.missing_bytes = self._ema(self.missing_bytes, missing_bytes / k)
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
 
 @jax.jit
@@ -250,7 +251,7 @@ def auto_k_max(model, k_max: int) -> int:
 
 def h2d_bandwidth(stats) -> float:
     """Host-to-device bytes/s measured by the waited transfers so far (10 GB/s before any)."""
-    return stats.waited_bytes / stats.transfer_seconds if stats.transfer_seconds else 10e9
+    return stats.waited_bytes_per_s or 10e9
 
 
 def speculative_steps(model, prompts: list[list[int]], lengths, sampling: SamplingOptions,
@@ -266,10 +267,7 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
     governor = Governor(k_max, options.k, max_cycle_s=options.max_cycle_s)
     params = sampling.device_params()
     rng = np.random.default_rng(sampling.seed)
-    seen = np.zeros((B, cfg.vocab_size), bool)
-    if sampling.repetition_penalty != 1.0:
-        for b, p in enumerate(prompts):
-            seen[b, p] = True
+    seen = prompt_history(prompts, cfg.vocab_size, sampling)
 
     def draw(probs, pick) -> np.ndarray:
         if sampling.greedy:

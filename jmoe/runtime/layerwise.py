@@ -107,7 +107,8 @@ class LayerwiseRunner:
             return self.pieces.dense_mlp[i](state, x, h), None
         res, cfg, mi = self.res, self.pieces.cfg, self.pieces.moe_index[i]
         flat_importance = None if importance is None else importance.reshape(-1)
-        signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, res.expert_state().for_phase(self.phase).layer(mi))
+        experts = res.expert_state().for_phase(self.phase).layer(mi)
+        signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, experts)
         lookahead = None
         if res.policy.prefetch and mi + 1 < len(self.pieces.router_inputs):
             norm_w, router_k = self.pieces.router_inputs[mi + 1]

@@ -83,9 +83,7 @@ class JmoeModel:
             if tier in self.drafts:
                 return self.drafts[tier]
             validate.choice("speculative draft", tier, TIER_NAMES)
-            if tier not in self.store.tiers:
-                raise InputError(f"speculative draft {tier!r} was not converted (this model has "
-                                 f"{', '.join(self.store.tiers)})")
+            check_draft(self.manifest, tier)
             if self.device_budget is not None:
                 raise InputError(f"speculative draft {tier!r} needs its experts reserved within the device budget: "
                                  f"load the model with draft={tier!r}")
@@ -190,7 +188,7 @@ def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_
 
 def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None) -> AllResident:
     """A speculative draft: every expert at `tier` resident; its steps go into the target's trace."""
-    draft = AllResident(store, tier, jax.devices()[0], backend=backend or getattr(target, "backend", None))
+    draft = AllResident(store, tier, jax.devices()[0], backend=backend or target.backend)
     draft.trace, draft.trace_source = target.trace, "draft"
     return draft
 

@@ -78,6 +78,11 @@ class Stats:
             if n:
                 self.count_uses(TIER_NAMES[code - 1], int(n))
 
+    @property
+    def waited_bytes_per_s(self) -> float | None:
+        """Host-to-device bandwidth the waited transfers achieved (None before any)."""
+        return self.waited_bytes / self.transfer_seconds if self.transfer_seconds else None
+
     def summary(self) -> dict:
         uses = max(self.uses, 1)
         return {
@@ -94,7 +99,7 @@ class Stats:
             "bytes_h2d": self.bytes_h2d,
             "bytes_h2d_by_tier": dict(self.bytes_h2d_by_tier),
             "bytes_h2d_per_token": self.bytes_h2d / max(self.tokens, 1),
-            "waited_transfer_gb_per_s": self.waited_bytes / 1e9 / self.transfer_seconds if self.transfer_seconds else None,
+            "waited_transfer_gb_per_s": None if self.waited_bytes_per_s is None else self.waited_bytes_per_s / 1e9,
             "evictions": self.evictions,
             "peak_resident_expert_bytes": self.peak_resident_bytes,
             "promotions": self.promotions,
