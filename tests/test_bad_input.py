@@ -366,6 +366,7 @@ ROWS = [
     Row("load-trace-string", lambda c: jmoe.load(c.tiny, trace="yes"), InputError, "trace"),
     Row("load-draft-unknown-tier", lambda c: jmoe.load(c.tiny, draft="int3"), InputError, "draft must be"),
     Row("load-draft-not-converted", lambda c: jmoe.load(c.tiny, draft="int4"), InputError, "was not converted"),
+    Row("plan-draft-not-converted", lambda c: jmoe.memory_plan(c.tiny, draft="int4"), InputError, "was not converted"),
     Row("load-dymoe-on-a-bf16-only-model", lambda c: jmoe.load(c.tiny, policy="dymoe"), FormatError,
         "without tier 'int4'"),
     Row("policy-dymoe-r-out-of-range", lambda c: DyMoE(r=1.5), InputError, "r must be"),
