@@ -89,7 +89,7 @@ class LayerwiseCalibration:
         table = np.asarray(dense["embed_tokens"]["embedding"], np.float32)
         self.hidden = table[tokens]  # [n_seq, L, D]
         L = tokens.shape[1]
-        self._rope = rope_tables(jnp.arange(L, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_theta)
+        self._rope = rope_tables(jnp.arange(L, dtype=jnp.int32)[None], cfg)
 
     def run(self, on_moe_layer: Callable[[int, LayerInputs], Sequence[ExpertWeights]]) -> None:
         runner = _CalibrationRunner(self, on_moe_layer)
@@ -117,13 +117,13 @@ class _CalibrationRunner:
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index
 
-    def attend(self, i, x, k_cache, v_cache, meta, want_importance):
+    def attend(self, i, x, cache, meta, want_importance):
         graphdef, state = self.calib.layers[i]
         normed = np.empty_like(x)
         for sl in self.calib.batches():
             out, h = _layer_fn("attention", graphdef)(state, jnp.asarray(x[sl]), self.calib.meta(x[sl].shape[0]))
             x[sl], normed[sl] = np.asarray(out), np.asarray(h)
-        return x, normed, None, None, None
+        return x, normed, None, None
 
     def feed_forward(self, i, x, h, meta, importance):
         graphdef, state = self.calib.layers[i]
@@ -155,8 +155,8 @@ def _layer_fn(kind: str, graphdef):
     def attention(state, x, meta):
         layer = nnx.merge(graphdef, state)
         B, L, _ = x.shape
-        shape = (B, layer.self_attn.num_kv_heads, L, layer.self_attn.head_dim)
-        x, h, *_ = layer.attend(x, jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype), meta)
+        cache = tuple(jnp.zeros((B, heads, L, width), x.dtype) for heads, width in layer.self_attn.cache_layout)
+        x, h, *_ = layer.attend(x, cache, meta)
         return x, h
 
     def route(state, h):

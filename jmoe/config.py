@@ -45,6 +45,17 @@ class ModelConfig:
     o_bias: bool = False
     clip_qkv: float | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    attention_sinks: bool = False  # GPT-OSS: a learned per-head logit in the softmax's normaliser
+    # Which modules the family's layers use (jmoe/layers/modules.py): attention and router kinds.
+    attention: str = "gqa"
+    router: str = "softmax"
+    shared_expert_gated: bool = True  # Qwen2-MoE scales its shared expert by sigmoid(x @ gate)
+    # RoPE: type and its extra parameters as sorted (name, value) pairs (hashable, JSON-friendly);
+    # rope_dim 0 = the whole head; interleaved pairs (DeepSeek) instead of rotate-half.
+    rope_type: str = "default"
+    rope_params: tuple = ()
+    rope_dim: int = 0
+    rope_interleaved: bool = False
     # Special tokens.
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -69,8 +80,8 @@ class ModelConfig:
             raise ConfigError(f"qk_norm must be None, 'head' or 'full', not {self.qk_norm!r}")
         if not all(self.moe_layers) and self.dense_intermediate_size < 1:
             raise ConfigError("the model has dense (non-MoE) layers but intermediate_size is missing or 0")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim % 2:
+            raise ConfigError(f"the rotary dimension must be even, got {self.rotary_dim}")
 
     def _check_fields(self) -> None:
         """Types and ranges of every field (configs come from files a user may have edited)."""
@@ -81,12 +92,15 @@ class ModelConfig:
             validate.integer(name, getattr(self, name), minimum=0, error=ConfigError)
         validate.real("rms_norm_eps", self.rms_norm_eps, above=0, error=ConfigError)
         validate.real("rope_theta", self.rope_theta, above=0, error=ConfigError)
+        validate.integer("rope_dim", self.rope_dim, minimum=0, error=ConfigError)
         if self.clip_qkv is not None:
             validate.real("clip_qkv", self.clip_qkv, above=0, error=ConfigError)
-        for name in ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "o_bias"):
+        for name in ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "o_bias", "attention_sinks",
+                     "shared_expert_gated", "rope_interleaved"):
             validate.boolean(name, getattr(self, name), error=ConfigError)
-        validate.text("family", self.family, error=ConfigError)
-        for name in ("moe_layers", "sliding_windows", "eos_token_ids"):
+        for name in ("family", "attention", "router", "rope_type"):
+            validate.text(name, getattr(self, name), error=ConfigError)
+        for name in ("moe_layers", "sliding_windows", "eos_token_ids", "rope_params"):
             if not isinstance(getattr(self, name), tuple):
                 raise ConfigError(f"{name} must be a list, got {type(getattr(self, name)).__name__}")
         for i, flag in enumerate(self.moe_layers):
@@ -111,8 +125,12 @@ class ModelConfig:
         return sum(self.moe_layers)
 
     @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def rope_param(self) -> dict[str, Any]:
+        return dict(self.rope_params)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -128,8 +146,13 @@ class ModelConfig:
         missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in d]
         if missing:
             raise ConfigError(f"model config is missing {', '.join(missing)}")
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        kwargs = {k: _tuples(v) for k, v in d.items()}
         return cls(**kwargs)
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back into the tuples a frozen (hashable) config holds."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def hf_value(hf: dict[str, Any], *names: str, default: Any = ConfigError) -> Any:

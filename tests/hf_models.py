@@ -22,15 +22,26 @@ FAMILY_CONFIGS = {
 FAMILIES = tuple(FAMILY_CONFIGS)
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
+    """The family's test config; `overrides` replace or add fields (a family's variants)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model(family, **COMMON, **FAMILY_CONFIGS[family])
+    cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIGS.get(family, {}), **overrides})
     cfg._attn_implementation = "eager"
     return cfg
 
 
-def make_checkpoint(family: str, out: Path, *, fused: bool = False, seed: int = 0):
+def randomize_buffers(model, names: tuple[str, ...], scale: float = 0.05) -> None:
+    """Give zero-initialised parameters and buffers (router biases, correction biases, attention
+    sinks, ...) random values, so a test notices when they are dropped."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.rsplit(".", 1)[-1] in names:
+                tensor.copy_(torch.randn_like(tensor) * scale)
+
+
+def make_checkpoint(family: str, out: Path, *, fused: bool = False, seed: int = 0, overrides: dict | None = None,
+                    randomize: tuple[str, ...] = ()):
     """Random model saved in bf16 (hub per-expert layout, or the fused 3-D layout).
 
     Returns the reference: the saved checkpoint loaded back by transformers in float32 (loading,
@@ -40,7 +51,9 @@ def make_checkpoint(family: str, out: Path, *, fused: bool = False, seed: int = 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **(overrides or {})), dtype=torch.float32)
+    randomize_buffers(model, randomize)
+    model = model.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     if fused:
         model.config.to_json_file(out / "config.json")

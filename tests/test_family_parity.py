@@ -18,20 +18,22 @@ from tests.hf_models import (
 PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 128, 9, 77, 31, 200, 14, 88, 2, 190, 45]
 
 
-def converted(tmp_path, family, *, fused=False, v4=False):
+def converted(tmp_path, family, *, fused=False, v4=False, overrides=None, randomize=()):
+    """(jmoe model in float32, transformers reference) of a random checkpoint of `family`."""
     src = tmp_path / "hf"
-    reference = make_checkpoint(family, src, fused=fused)
+    reference = make_checkpoint(family, src, fused=fused, overrides=overrides, randomize=randomize)
     if v4:
         rewrite_config_as_v4(src)
     out = convert_checkpoint(src, tmp_path / "jmoe", progress=False)
     return jmoe.load(out, compute_dtype="float32"), reference
 
 
-def assert_parity(model, reference):
-    ours = np.asarray(jmoe.forward(model, PROMPT))
-    theirs = hf_logits(reference, PROMPT)
+def assert_parity(model, reference, prompt=PROMPT):
+    """Full-sequence logits within float32 tolerance, and 32 identical greedy tokens."""
+    ours = np.asarray(jmoe.forward(model, prompt))
+    theirs = hf_logits(reference, prompt)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
-    assert jmoe.generate(model, PROMPT, max_new_tokens=32) == hf_greedy(reference, PROMPT, 32)
+    assert jmoe.generate(model, prompt, max_new_tokens=32) == hf_greedy(reference, prompt, 32)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,6 +16,7 @@ from jmoe.config import ModelConfig
 from jmoe.decoding.sampling import sample_tokens
 from jmoe.layers.attention import AttentionMeta, KVCache
 from jmoe.layers.experts import ExpertState
+from jmoe.layers.modules import cache_bytes_per_token, cache_spec
 from jmoe.layers.rope import rope_tables
 
 MIN_PROMPT_BUCKET = 16
@@ -30,13 +31,13 @@ def bucket(n: int, minimum: int, limit: int) -> int:
 
 
 def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
-    zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
-    return KVCache(tuple(zeros() for _ in range(cfg.num_layers)), tuple(zeros() for _ in range(cfg.num_layers)))
+    """Zeroed caches in each layer's attention module's own layout (its cache_spec)."""
+    return KVCache(tuple(tuple(jnp.zeros((batch, heads, length, width), dtype) for heads, width in cache_spec(cfg, i))
+                         for i in range(cfg.num_layers)))
 
 
 def cache_nbytes(cfg: ModelConfig, batch: int, length: int, dtype) -> int:
-    return 2 * cfg.num_layers * batch * length * cfg.kv_dim * jnp.dtype(dtype).itemsize
+    return batch * length * cache_bytes_per_token(cfg, dtype)
 
 
 def attention_meta(cfg: ModelConfig, num_tokens: int, start, key_start) -> AttentionMeta:
@@ -44,7 +45,7 @@ def attention_meta(cfg: ModelConfig, num_tokens: int, start, key_start) -> Atten
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), key_start.shape)
     slots = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     positions = jnp.maximum(slots - key_start[:, None], 0)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg)
     return AttentionMeta(start, key_start, cos, sin)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.layers.attention import Attention, AttentionMeta
+from jmoe.layers.attention import AttentionMeta
 from jmoe.layers.experts import LayerExperts
 from jmoe.layers.mlp import DenseMLP
+from jmoe.layers.modules import attention_class
 from jmoe.layers.moe import MoEBlock
 from jmoe.layers.norms import RMSNorm
 
@@ -16,7 +17,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, layer_idx, rngs=rngs, **kw)
+        self.self_attn = attention_class(cfg)(cfg, layer_idx, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.is_moe = cfg.moe_layers[layer_idx]
         if self.is_moe:
@@ -24,13 +25,12 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, rngs=rngs, **kw)
 
-    def attend(self, x, k_cache, v_cache, meta: AttentionMeta, *, want_importance=False):
-        """Pre-norm attention with residual: (x, h = normed input of the MLP, caches, importance [B, S] or None)."""
-        attn, k_cache, v_cache, importance = self.self_attn(
-            self.input_layernorm(x), k_cache, v_cache, meta, want_importance=want_importance
-        )
+    def attend(self, x, cache, meta: AttentionMeta, *, want_importance=False):
+        """Pre-norm attention with residual: (x, h = normed input of the MLP, this layer's cache,
+        importance [B, S] or None)."""
+        attn, cache, importance = self.self_attn(self.input_layernorm(x), cache, meta, want_importance=want_importance)
         x = x + attn
-        return x, self.post_attention_layernorm(x), k_cache, v_cache, importance
+        return x, self.post_attention_layernorm(x), cache, importance
 
     def feed_forward(self, x, h, token_valid, token_importance=None, experts: LayerExperts | None = None):
         """The MLP (dense) or the sparse block with its residual: x, h [B, T, D] -> (x, LayerSignals or None).

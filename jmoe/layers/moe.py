@@ -18,6 +18,7 @@ from jmoe.layers.experts import (
     wanted_tiers,
 )
 from jmoe.layers.mlp import DenseMLP
+from jmoe.layers.modules import router_class
 from jmoe.layers.norms import linear
 
 
@@ -38,29 +39,23 @@ class LayerSignals(NamedTuple):
 class MoEBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.router = linear(cfg.hidden_size, cfg.num_experts, bias=False, **kw)
-        self.top_k = cfg.top_k
-        self.norm_topk_prob = cfg.norm_topk_prob
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, **kw)
-            self.shared_expert_gate = linear(cfg.hidden_size, 1, bias=False, **kw)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        self.router = router_class(cfg)(cfg, **kw)
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = DenseMLP(cfg.hidden_size, shared, **kw) if shared else None
+        gated = shared and cfg.shared_expert_gated
+        self.shared_expert_gate = linear(cfg.hidden_size, 1, bias=False, **kw) if gated else None
         self.dtype = dtype
 
     def route(self, h) -> Routing:
-        """h [N, D] -> softmax top-k routing (renormalised when the family asks for it)."""
-        probs = jax.nn.softmax(self.router(h).astype(jnp.float32), axis=-1)
-        weights, ids = jax.lax.top_k(probs, self.top_k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdims=True)
-        return Routing(ids.astype(jnp.int32), weights.astype(self.dtype).astype(jnp.float32))
+        """h [N, D] -> the family's router's top-k ids and combine weights."""
+        return self.router(h)
 
     def shared_out(self, h):
-        """Qwen2-MoE's shared expert behind its sigmoid gate (None for families without one)."""
+        """The shared expert(s), behind a sigmoid gate where the family has one (None without)."""
         if self.shared_expert is None:
             return None
-        return jax.nn.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        out = self.shared_expert(h)
+        return out if self.shared_expert_gate is None else jax.nn.sigmoid(self.shared_expert_gate(h)) * out
 
     def select(self, routing: Routing, token_valid, token_importance, experts: LayerExperts) -> LayerSignals:
         """This step's wanted tier for each routed assignment, and the resident tier it runs at."""

@@ -56,7 +56,7 @@ class LayerRunner(Protocol):
 
     def is_moe(self, i: int) -> bool: ...
 
-    def attend(self, i: int, x, k_cache, v_cache, meta: AttentionMeta, want_importance: bool): ...
+    def attend(self, i: int, x, cache, meta: AttentionMeta, want_importance: bool): ...
 
     def feed_forward(self, i: int, x, h, meta: AttentionMeta, importance): ...
 
@@ -68,19 +68,18 @@ def current_importance(received, meta: AttentionMeta):
 
 def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMeta, *, want_importance: bool):
     """Every decoder layer in order: (x, cache, [LayerSignals per MoE layer], [importance [B, T] or None])."""
-    ks, vs, signals, importance = [], [], [], []
+    caches, signals, importance = [], [], []
     for i in range(runner.num_layers):
         moe = runner.is_moe(i)
-        k_i, v_i = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
-        x, h, k_i, v_i, received = runner.attend(i, x, k_i, v_i, meta, want_importance and moe)
+        x, h, layer_cache, received = runner.attend(i, x, None if cache is None else cache.layers[i], meta,
+                                                    want_importance and moe)
         imp = None if received is None else current_importance(received, meta)
         x, layer_signals = runner.feed_forward(i, x, h, meta, imp)
-        ks.append(k_i)
-        vs.append(v_i)
+        caches.append(layer_cache)
         if moe:
             signals.append(layer_signals)
             importance.append(imp)
-    return x, (KVCache(tuple(ks), tuple(vs)) if cache is not None else None), signals, importance
+    return x, (KVCache(tuple(caches)) if cache is not None else None), signals, importance
 
 
 def stack_signals(signals: list[LayerSignals], importance: list, batch: int, tokens: int) -> StepSignals:
@@ -102,8 +101,8 @@ class TracedLayers:
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index
 
-    def attend(self, i, x, k_cache, v_cache, meta, want_importance):
-        return self.model.layers[i].attend(x, k_cache, v_cache, meta, want_importance=want_importance)
+    def attend(self, i, x, cache, meta, want_importance):
+        return self.model.layers[i].attend(x, cache, meta, want_importance=want_importance)
 
     def feed_forward(self, i, x, h, meta, importance):
         B, T, _ = h.shape

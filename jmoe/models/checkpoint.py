@@ -16,6 +16,7 @@ from jmoe.config import ModelConfig
 class CheckpointNames:
     moe_prefix: str = "mlp"  # Mixtral: "block_sparse_moe"
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    shared_expert: str = "shared_expert"  # DeepSeek, GLM: "shared_experts"
 
 
 def _names(cfg: ModelConfig) -> CheckpointNames:
@@ -47,6 +48,8 @@ def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
     if parts[0] == "layers" and cfg.moe_layers[int(parts[1])] and parts[2] == "mlp":
         if parts[3] == "router":
             parts[3] = "gate"
+        elif parts[3] == "shared_expert":
+            parts[3] = names.shared_expert
         prefixes = dict.fromkeys([names.moe_prefix, "mlp"])
         candidates = tuple("model." + ".".join([*parts[:2], p, *parts[3:]]) for p in prefixes)
         return DenseTensor(tuple(path), candidates, transpose)

@@ -22,8 +22,8 @@ from jmoe.runtime.kernel_fallback import with_kernel_fallback
 from jmoe.runtime.predictor import predict_next, recall
 
 
-def _attend(graphdef, state, x, k_cache, v_cache, meta, *, want_importance):
-    return nnx.merge(graphdef, state).attend(x, k_cache, v_cache, meta, want_importance=want_importance)
+def _attend(graphdef, state, x, cache, meta, *, want_importance):
+    return nnx.merge(graphdef, state).attend(x, cache, meta, want_importance=want_importance)
 
 
 def _dense(graphdef, state, x, h):
@@ -72,7 +72,7 @@ class LayerPieces:
         self.moe_index = {layer: i for i, layer in enumerate(self.cfg.moe_layer_indices)}
         self.embed = jit_for(_embed, graphdef)
         self.head = jit_for(_head, graphdef, static_argnames=("last_only",))
-        self.attend = [jit_for(_attend, g, static_argnames=("want_importance",), donate_argnums=(2, 3))
+        self.attend = [jit_for(_attend, g, static_argnames=("want_importance",), donate_argnums=(2,))
                        for g, _ in self.layers]
         self.dense_mlp = [jit_for(_dense, g) for g, _ in self.layers]
         self.route = [jit_for(_route, g) for g, _ in self.layers]
@@ -97,9 +97,9 @@ class LayerwiseRunner:
     def is_moe(self, i: int) -> bool:
         return i in self.pieces.moe_index
 
-    def attend(self, i, x, k_cache, v_cache, meta, want_importance):
+    def attend(self, i, x, cache, meta, want_importance):
         state = self.pieces.layers[i][1]
-        return self.pieces.attend[i](state, x, k_cache, v_cache, meta, want_importance=want_importance)
+        return self.pieces.attend[i](state, x, cache, meta, want_importance=want_importance)
 
     def feed_forward(self, i, x, h, meta, importance):
         state = self.pieces.layers[i][1]

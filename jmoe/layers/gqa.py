@@ -1,0 +1,86 @@
+"""Grouped-query attention over a heads-major key/value cache (Qwen, Mixtral, OLMoE, ...)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.layers.attention import (
+    AttentionMeta,
+    CacheSpec,
+    allowed_keys,
+    masked_softmax,
+    received_importance,
+    write_rows,
+)
+from jmoe.layers.norms import RMSNorm, linear, matmul_precision
+from jmoe.layers.rope import apply_rope
+
+
+class GroupedQueryAttention(nnx.Module):
+    @staticmethod
+    def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
+        """Keys and values, each [B, KV, S, head_dim]."""
+        return ((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim))
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
+        H, KV, hd, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = linear(D, H * hd, bias=cfg.qkv_bias, **kw)
+        self.k_proj = linear(D, KV * hd, bias=cfg.qkv_bias, **kw)
+        self.v_proj = linear(D, KV * hd, bias=cfg.qkv_bias, **kw)
+        self.o_proj = linear(H * hd, D, bias=cfg.o_bias, **kw)
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, **norm_kw), RMSNorm(hd, **norm_kw)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * hd, **norm_kw), RMSNorm(KV * hd, **norm_kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.qk_norm = cfg.qk_norm
+        self.clip_qkv = cfg.clip_qkv
+        self.window = cfg.sliding_windows[layer_idx]
+        self.cache_layout = self.cache_spec(cfg, layer_idx)
+        self.num_heads, self.num_kv_heads, self.head_dim = H, KV, hd
+        self.rope_interleaved = cfg.rope_interleaved
+        # GPT-OSS attention sinks: one learned logit per head that joins the softmax's normaliser.
+        self.sinks = nnx.Param(jnp.zeros((H,), param_dtype)) if cfg.attention_sinks else None
+        self.dtype = dtype
+
+    def _project(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def __call__(self, x, cache, meta: AttentionMeta, *, want_importance: bool = False):
+        """x [B, T, D], cache (k, v) -> (out [B, T, D], cache, importance [B, S] or None)."""
+        B, T, _ = x.shape
+        KV, G, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q, k, v = self._project(x)
+        q = apply_rope(q, meta.cos, meta.sin, interleaved=self.rope_interleaved)
+        k = apply_rope(k, meta.cos, meta.sin, interleaved=self.rope_interleaved)
+        # Heads-major cache [B, KV, S, hd]: attention is a plain batched matmul per (row, kv head).
+        k_cache = write_rows(cache[0], k.transpose(0, 2, 1, 3), meta.start)
+        v_cache = write_rows(cache[1], v.transpose(0, 2, 1, 3), meta.start)
+        S = k_cache.shape[2]
+        prec = matmul_precision(self.dtype)
+        qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
+        scores = jnp.einsum("bkmd,bksd->bkms", qh, k_cache, precision=prec).reshape(B, KV, G, T, S)
+        scores = scores.astype(jnp.float32) * (hd**-0.5)
+        sink = None if self.sinks is None else self.sinks[...].reshape(1, KV, G)
+        probs = masked_softmax(scores, allowed_keys(meta, S, self.window), sink)
+        out = jnp.einsum("bkms,bksd->bkmd", probs.astype(self.dtype).reshape(B, KV, G * T, S), v_cache, precision=prec)
+        out = out.reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
+        out = self.o_proj(out)
+        importance = received_importance(probs, meta, self.num_heads) if want_importance else None
+        return out, (k_cache, v_cache), importance

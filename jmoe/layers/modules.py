@@ -1,0 +1,42 @@
+"""Which attention and router module a config's layers use, and the KV-cache layout that follows.
+
+A family module sets ModelConfig.attention / .router; the layers look the kind up here, and the
+engine, the budget and calibration size caches through `cache_spec` (never from head counts).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jmoe.config import ModelConfig
+from jmoe.errors import ConfigError
+from jmoe.layers.attention import CacheSpec
+from jmoe.layers.gqa import GroupedQueryAttention
+from jmoe.layers.routers import SoftmaxRouter
+
+ATTENTIONS = {"gqa": GroupedQueryAttention}
+ROUTERS = {"softmax": SoftmaxRouter}
+
+
+def _lookup(table: dict, kind: str, what: str):
+    if kind not in table:
+        raise ConfigError(f"unknown {what} {kind!r}; jmoe knows {', '.join(sorted(table))}")
+    return table[kind]
+
+
+def attention_class(cfg: ModelConfig):
+    return _lookup(ATTENTIONS, cfg.attention, "attention kind")
+
+
+def router_class(cfg: ModelConfig):
+    return _lookup(ROUTERS, cfg.router, "router kind")
+
+
+def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
+    return attention_class(cfg).cache_spec(cfg, layer_idx)
+
+
+def cache_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """KV-cache bytes one token of one sequence takes over every layer."""
+    width = sum(h * w for i in range(cfg.num_layers) for h, w in cache_spec(cfg, i))
+    return width * jnp.dtype(dtype).itemsize
