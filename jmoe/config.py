@@ -13,6 +13,7 @@ from typing import Any
 
 from jmoe import validate
 from jmoe.errors import ConfigError
+from jmoe.rope_config import check_rope, rope_from_hf
 
 log = logging.getLogger("jmoe.config")
 
@@ -46,10 +47,36 @@ class ModelConfig:
     clip_qkv: float | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
     attention_sinks: bool = False  # GPT-OSS: a learned per-head logit in the softmax's normaliser
+    # Layer norms (decoder layers and the final norm): "rms" (RMSNorm) or "layer" (LayerNorm with weight
+    # and bias, Phi-3.5-MoE); rms_norm_eps is the eps of either. lm_head_bias: the LM head adds a bias.
+    norm: str = "rms"
+    lm_head_bias: bool = False
+    # SparseMixer router (Phi-3.5-MoE): experts scoring more than 2 * eps (relative) below the best
+    # are masked out of each pick's softmax (HF's router_jitter_noise).
+    router_jitter_eps: float = 0.0
     # Which modules the family's layers use (jmoe/layers/modules.py): attention and router kinds.
     attention: str = "gqa"
     router: str = "softmax"
+    # Router options: scores scaled after selection; group-limited top-k (the top `router_topk_groups`
+    # of `router_groups` equal groups of experts are eligible).
+    routed_scaling_factor: float = 1.0
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    # Multi-head latent attention (attention "mla"): ranks of the query and key/value compressions
+    # (q_lora_rank 0 = a full-rank query), and the per-head widths without position (nope) and of
+    # values; the rotary part of each head is rope_dim wide and head_dim = nope + rope.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE scales its shared expert by sigmoid(x @ gate)
+    # Routed-expert FFN variants (GPT-OSS): biases after gate_up and down, carried unquantized (float32)
+    # in every expert version; the gated activation, "silu" (SwiGLU) or "clamped_swiglu" with its
+    # sigmoid gain and clamp (pallas_kernels/glu.py).
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # RoPE: type and its extra parameters as sorted (name, value) pairs (hashable, JSON-friendly);
     # rope_dim 0 = the whole head; interleaved pairs (DeepSeek) instead of rotate-half.
     rope_type: str = "default"
@@ -74,31 +101,52 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.num_experts % self.router_groups:
+            raise ConfigError(f"n_group ({self.router_groups}) must divide the number of experts ({self.num_experts})")
+        if self.top_k > self.router_topk_groups * (self.num_experts // self.router_groups):
+            raise ConfigError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
+                              f"({self.router_topk_groups}) groups a token may use")
         if self.top_k > self.num_experts:
             raise ConfigError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
         if self.qk_norm not in (None, "head", "full"):
             raise ConfigError(f"qk_norm must be None, 'head' or 'full', not {self.qk_norm!r}")
+        if self.expert_activation not in ("silu", "clamped_swiglu"):
+            raise ConfigError(f"expert_activation must be 'silu' or 'clamped_swiglu', not {self.expert_activation!r}")
+        if self.norm not in ("rms", "layer"):
+            raise ConfigError(f"norm must be 'rms' or 'layer', not {self.norm!r}")
+        if self.lm_head_bias and self.tie_word_embeddings:
+            raise ConfigError("lm_head_bias with tie_word_embeddings (an LM head bias on the embedding table) "
+                              "is not supported")
         if not all(self.moe_layers) and self.dense_intermediate_size < 1:
             raise ConfigError("the model has dense (non-MoE) layers but intermediate_size is missing or 0")
         if self.rotary_dim % 2:
             raise ConfigError(f"the rotary dimension must be even, got {self.rotary_dim}")
+        check_rope(self.rope_type, self.rope_params, self.rotary_dim)
 
     def _check_fields(self) -> None:
         """Types and ranges of every field (configs come from files a user may have edited)."""
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings", "num_experts", "top_k", "moe_intermediate_size"):
             validate.integer(name, getattr(self, name), minimum=1, error=ConfigError)
-        for name in ("dense_intermediate_size", "shared_expert_intermediate_size"):
+        for name in ("dense_intermediate_size", "shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                     "qk_nope_head_dim", "v_head_dim"):
             validate.integer(name, getattr(self, name), minimum=0, error=ConfigError)
         validate.real("rms_norm_eps", self.rms_norm_eps, above=0, error=ConfigError)
         validate.real("rope_theta", self.rope_theta, above=0, error=ConfigError)
+        validate.real("routed_scaling_factor", self.routed_scaling_factor, above=0, error=ConfigError)
+        validate.integer("router_groups", self.router_groups, minimum=1, error=ConfigError)
+        validate.integer("router_topk_groups", self.router_topk_groups, minimum=1, maximum=self.router_groups,
+                         error=ConfigError)
         validate.integer("rope_dim", self.rope_dim, minimum=0, error=ConfigError)
         if self.clip_qkv is not None:
             validate.real("clip_qkv", self.clip_qkv, above=0, error=ConfigError)
+        validate.real("router_jitter_eps", self.router_jitter_eps, minimum=0, error=ConfigError)
+        validate.real("swiglu_alpha", self.swiglu_alpha, above=0, error=ConfigError)
+        validate.real("swiglu_limit", self.swiglu_limit, above=0, error=ConfigError)
         for name in ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "o_bias", "attention_sinks",
-                     "shared_expert_gated", "rope_interleaved"):
+                     "shared_expert_gated", "rope_interleaved", "lm_head_bias", "expert_bias"):
             validate.boolean(name, getattr(self, name), error=ConfigError)
-        for name in ("family", "attention", "router", "rope_type"):
+        for name in ("family", "attention", "router", "rope_type", "norm"):
             validate.text(name, getattr(self, name), error=ConfigError)
         for name in ("moe_layers", "sliding_windows", "eos_token_ids", "rope_params"):
             if not isinstance(getattr(self, name), tuple):
@@ -200,24 +248,6 @@ def hf_int_list(hf: dict[str, Any], name: str, *, minimum: int = 0) -> tuple[int
                  for i, v in enumerate(items))
 
 
-def rope_theta_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> float:
-    """rope_theta from transformers 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
-    params = hf.get("rope_parameters")
-    scaling = hf.get("rope_scaling")
-    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"config.json {name!r} must be an object, got {type(value).__name__}")
-    if params:
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        theta = params.get("rope_theta", hf.get("rope_theta"))
-    else:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-        theta = hf.get("rope_theta")
-    if rope_type not in ("default", None):
-        raise ConfigError(f"rope type {rope_type!r} is not supported yet (only the default RoPE)")
-    return hf_float({"rope_theta": theta}, "rope_theta", default=default_theta)
-
-
 def common_fields(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """Fields every supported family spells the same way (or in a known 4.x/5.x variant)."""
     act = hf.get("hidden_act", "silu")
@@ -233,10 +263,10 @@ def common_fields(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[st
         num_kv_heads=hf_int(hf, "num_key_value_heads", default=heads),
         head_dim=hf_int(hf, "head_dim", default=hidden // heads),
         rms_norm_eps=hf_float(hf, "rms_norm_eps", default=1e-6),
-        rope_theta=rope_theta_from_hf(hf, default_theta),
+        **rope_from_hf(hf, default_theta),
         max_position_embeddings=hf_int(hf, "max_position_embeddings", default=4096),
         tie_word_embeddings=hf_bool(hf, "tie_word_embeddings", False),
-        num_experts=hf_int(hf, "num_local_experts", "num_experts"),
+        num_experts=hf_int(hf, "num_local_experts", "num_experts", "n_routed_experts"),
         top_k=hf_int(hf, "num_experts_per_tok"),
         **special_tokens(hf, hf_int(hf, "vocab_size")),
     )
