@@ -134,7 +134,7 @@ class _CalibrationRunner:
             ids = np.concatenate([np.asarray(route(state, jnp.asarray(flat[j : j + 8192])))
                                   for j in range(0, len(flat), 8192)])
             weights = self.on_moe_layer(self.moe_index[i], LayerInputs(flat, ids))
-            pool = ExpertWeights(*(jnp.asarray(np.stack(w), jnp.float32) for w in zip(*weights)))
+            pool = jax.tree.map(lambda *w: jnp.asarray(np.stack(w), jnp.float32), *weights)
             E = len(weights)
             experts = ExpertState({"bf16": jnp.arange(E, dtype=jnp.int32)[None]}, {"bf16": pool},
                                   Selection.uniform(1, E, "bf16"))

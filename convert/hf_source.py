@@ -155,6 +155,22 @@ class TensorSource:
             raise CheckpointError(f"tensor {name}{where} holds {bad} NaN or infinite value(s)")
         return value
 
+    def get_bytes(self, name: str, expected_shape: tuple[int, ...], index: int | None = None) -> np.ndarray:
+        """A uint8 tensor (packed codes such as MXFP4 blocks and scales), or its slice [index], as numpy."""
+        shape = self.shape(name)
+        if shape != tuple(expected_shape):
+            raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(expected_shape)}")
+        handle = self._open(self._where[name])
+        try:
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype != "U8":
+                raise CheckpointError(f"tensor {name} has dtype {dtype}; packed codes must be U8")
+            with jax.default_device(self._cpu):
+                value = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"tensor {name} in {self._where[name].name} cannot be read ({e})") from None
+        return np.asarray(value, dtype=np.uint8)
+
     def layer_indices(self, prefix: str = "model.layers.") -> set[int]:
         """Decoder-layer indices that tensor names mention (model.layers.<i>.)."""
         found = (re.match(re.escape(prefix) + r"(\d+)\.", name) for name in self._where)

@@ -31,16 +31,18 @@ from convert.hf_source import (
     resolve_source,
     trusted_root,
 )
+from convert.mxfp4 import BLOCK, BLOCK_BYTES, dequantize_mxfp4
 from convert.output import Partial, absolute, check_output, clean_stale, output_error
 from convert.quantizers.expert import METHODS, LayerQuantizer, rtn_expert
 from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError, OutputError
 from jmoe.format import DENSE_DIR, TOKENIZER_DIR, RecordLayout, expert_file
+from jmoe.layers.experts import expert_activation
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import MANIFEST, PARTIAL_MARKER, seal, sha256_file
 from jmoe.models import config_from_hf
-from jmoe.models.checkpoint import dense_tensor, expert_tensor_names, fused_expert_names
+from jmoe.models.checkpoint import checkpoint_names, dense_tensor, expert_tensor_names, fused_expert_names
 from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
 from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 from jmoe.tokenizer import first_line, load_tokenizer
@@ -49,8 +51,9 @@ log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # always about the output
 
-# (layer, expert) -> gate [F, D], up [F, D], down [D, F] in float32, HF orientation.
-ExpertReader = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+# (layer, expert) -> gate [F, D], up [F, D], down [D, F] in float32, HF orientation; with expert
+# biases (cfg.expert_bias) followed by gate_bias [F], up_bias [F], down_bias [D].
+ExpertReader = Callable[[int, int], tuple[np.ndarray, ...]]
 
 
 def parse_tiers(tiers: str | Iterable[str]) -> tuple[str, ...]:
@@ -233,20 +236,59 @@ def save_dense(dense: dict, path: Path) -> None:
 
 
 def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> ExpertReader:
-    """Reads one expert at a time from either the per-expert (hub) or the fused 3-D layout."""
+    """Reads one expert at a time from the per-expert (hub) layout or the fused 3-D one: linear or
+    K-major orientation, gate/up concatenated or interleaved, plain floats or MXFP4 blocks and
+    scales (dequantized here), as the family's CheckpointNames say; with its biases where the
+    config has expert biases."""
     D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    layout = checkpoint_names(cfg)
+
+    def fused_matrix(name: str, n_out: int, k_in: int, expert: int) -> np.ndarray:
+        """One expert's slice of a fused tensor in linear orientation [n_out, k_in], float32."""
+        if name + "_blocks" in source:
+            blocks_name, scales_name = name + "_blocks", name + "_scales"
+            if k_in % BLOCK:
+                raise CheckpointError(f"{blocks_name}: MXFP4 needs an input width divisible by {BLOCK}, not {k_in}")
+            blocks = source.get_bytes(blocks_name, (E, n_out, k_in // BLOCK, BLOCK_BYTES), index=expert)
+            scales = source.get_bytes(scales_name, (E, n_out, k_in // BLOCK), index=expert)
+            used.update((blocks_name, scales_name))
+            value = dequantize_mxfp4(blocks, scales)
+            if not np.isfinite(value).all():
+                raise CheckpointError(f"{scales_name} (expert {expert}) holds scales too large for float32 "
+                                      "(e8m0 255 is NaN)")
+            return value
+        used.add(name)
+        if layout.fused_kmajor:
+            return source.get(name, (E, k_in, n_out), index=expert).T
+        return source.get(name, (E, n_out, k_in), index=expert)
+
+    def split_gate_up(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[2F, ...] -> gate [F, ...], up [F, ...] (interleaved rows or two halves)."""
+        return (a[0::2], a[1::2]) if layout.gate_up_interleaved else (a[:F], a[F:])
+
+    def fused_bias(name: str, width: int, expert: int) -> np.ndarray:
+        used.add(name)
+        return source.get(name, (E, width), index=expert)
 
     def read(layer: int, expert: int):
-        fused = [names for names in fused_expert_names(cfg, layer) if names[0] in source]
+        fused = [names for names in fused_expert_names(cfg, layer)
+                 if names[0] in source or names[0] + "_blocks" in source]
         if fused:
             gate_up_name, down_name = fused[0]
-            gate_up = source.get(gate_up_name, (E, 2 * F, D), index=expert)
-            down = source.get(down_name, (E, D, F), index=expert)
-            used.update(fused[0])
-            return gate_up[:F], gate_up[F:], down
+            gate, up = split_gate_up(fused_matrix(gate_up_name, 2 * F, D, expert))
+            down = fused_matrix(down_name, D, F, expert)
+            if not cfg.expert_bias:
+                return gate, up, down
+            gate_bias, up_bias = split_gate_up(fused_bias(gate_up_name + "_bias", 2 * F, expert))
+            return gate, up, down, gate_bias, up_bias, fused_bias(down_name + "_bias", D, expert)
         gate_name, up_name, down_name = expert_tensor_names(cfg, layer, expert)
         used.update((gate_name, up_name, down_name))
-        return source.get(gate_name, (F, D)), source.get(up_name, (F, D)), source.get(down_name, (D, F))
+        weights = source.get(gate_name, (F, D)), source.get(up_name, (F, D)), source.get(down_name, (D, F))
+        if not cfg.expert_bias:
+            return weights
+        bias_names = expert_tensor_names(cfg, layer, expert, "bias")
+        used.update(bias_names)
+        return (*weights, *(source.get(n, (w,)) for n, w in zip(bias_names, (F, F, D))))
 
     return read
 
@@ -296,17 +338,17 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: di
                 if inputs is None:
                     for expert in range(E):
                         weights = hf_to_kmajor(*reader(layer, expert))
-                        write_versions(files, formats, weights, lambda tier: rtn_expert(*weights, formats[tier]))
+                        write_versions(files, formats, weights, lambda tier: rtn_expert(weights, formats[tier]))
                         bar.update(1)
                     return None
                 experts = [hf_to_kmajor(*reader(layer, e)) for e in range(E)]
-                plan = LayerQuantizer(method, formats, experts, inputs)
+                plan = LayerQuantizer(method, formats, experts, inputs, expert_activation(cfg))
                 if plan.alphas:
                     alphas[moe_index] = plan.alphas
                 for expert in range(E):
                     write_versions(files, formats, experts[expert], lambda tier: plan.quantize(expert, tier))
                     bar.update(1)
-                return [ExpertWeights(*w) for w in experts]
+                return experts
             finally:
                 checksums.update(files.close(E))
                 release()  # unmap the checkpoint pages of the layer just written
@@ -319,10 +361,12 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: di
     return layouts, checksums, alphas
 
 
-def write_versions(files: LayerFiles, formats: dict, weights, quantize: Callable[[str], ExpertWeights]) -> None:
-    """Every tier of one expert (K-major float32 gate_up, down): bf16 as is, integer tiers quantized."""
+def write_versions(files: LayerFiles, formats: dict, weights: ExpertWeights,
+                   quantize: Callable[[str], ExpertWeights]) -> None:
+    """Every tier of one expert (K-major float32 weights and biases): bf16 as is, integer tiers
+    quantized (each version carries the expert's float32 biases, if it has them)."""
     for tier, fmt in formats.items():
-        files.write(tier, bf16_expert(*weights) if fmt is None else quantize(tier))
+        files.write(tier, bf16_expert(weights) if fmt is None else quantize(tier))
 
 
 def copy_tokenizer(root: Path, tmp: Path) -> None:

@@ -52,14 +52,22 @@ def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | N
 
 
 def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None) -> ExpertWeights:
-    """Shapes and dtypes of one expert version at `tier` (quantized tiers need their format)."""
+    """Shapes and dtypes of one expert version at `tier` (quantized tiers need their format).
+
+    With expert biases (cfg.expert_bias) every tier's version also holds them, float32."""
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    biases = {}
+    if cfg.expert_bias:
+        biases = dict(gate_up_bias=jax.ShapeDtypeStruct((2 * F,), jnp.float32),
+                      down_bias=jax.ShapeDtypeStruct((D,), jnp.float32))
     if tier == "bf16":
         return ExpertWeights(
             gate_up=jax.ShapeDtypeStruct((D, 2 * F), jnp.bfloat16),
             down=jax.ShapeDtypeStruct((F, D), jnp.bfloat16),
+            **biases,
         )
     if fmt is None:
         raise InputError(f"tier {tier!r} needs a quantization format")
     # Smoothing (HAQ) scales gate_up's input at run time; down's is folded into up's columns.
-    return ExpertWeights(gate_up=template(fmt, D, 2 * F), down=template(dataclasses.replace(fmt, smooth=False), F, D))
+    return ExpertWeights(gate_up=template(fmt, D, 2 * F), down=template(dataclasses.replace(fmt, smooth=False), F, D),
+                         **biases)

@@ -1,8 +1,10 @@
-"""Grouped SwiGLU expert FFN over a pool of expert weights, blocks of rows per expert slot.
+"""Grouped gated expert FFN over a pool of expert weights, blocks of rows per expert slot.
 
 Rows arrive grouped: rows [R, D] split into R / block_rows blocks, block b reading the expert in
 pool slot block_slot[b] (-1: empty block, output zeros). Weights are K-major: gate_up [S, D, 2F]
 (gate columns then up columns), down [S, F, D], each a plain array (bf16 tier) or a QArray pool.
+Optional float32 bias pools gate_up_bias [S, 2F] and down_bias [S, D] are added after each matmul,
+and `activation` (pallas_kernels/glu.py; SwiGLU by default) combines gate and up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, offsets_fit, pool_arrays, supports
+from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
 BACKENDS = ("xla", "pallas", "interpret")
@@ -40,19 +43,28 @@ def _block_matmul(x, w, safe, dtype):
     return jnp.einsum("btk,bkn->btn", x, weights, precision=_precision(dtype))
 
 
-def expert_ffn_reference(rows, block_slot, gate_up, down, *, block_rows: int):
-    """jnp reference: gather each block's weights, dequantize, matmul, SwiGLU, matmul. [R, D] in rows.dtype."""
+def _add_bias(y, bias, safe):
+    """y [nb, BT, N] + each block's bias row (float32 pool [S, N]), in y's dtype; y when bias is None."""
+    return y if bias is None else y + bias[safe][:, None, :].astype(y.dtype)
+
+
+def expert_ffn_reference(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
+                         activation: GatedActivation = SILU):
+    """jnp reference: gather each block's weights, dequantize, matmul (+ bias), gated activation,
+    matmul (+ bias). [R, D] in rows.dtype."""
     R, D = rows.shape
     nb = block_slot.shape[0]
     safe = jnp.maximum(block_slot, 0)
     x = rows.reshape(nb, block_rows, D)
-    gate, up = jnp.split(_block_matmul(x, gate_up, safe, rows.dtype), 2, axis=-1)
-    y = _block_matmul(jax.nn.silu(gate) * up, down, safe, rows.dtype)
+    gate_up_out = _add_bias(_block_matmul(x, gate_up, safe, rows.dtype), gate_up_bias, safe)
+    gate, up = jnp.split(gate_up_out, 2, axis=-1)
+    y = _add_bias(_block_matmul(activation(gate, up), down, safe, rows.dtype), down_bias, safe)
     y = jnp.where((block_slot >= 0)[:, None, None], y, jnp.zeros_like(y))
     return y.reshape(R, -1)
 
 
-def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None):
+def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None, gate_up_bias=None,
+               down_bias=None, activation: GatedActivation = SILU):
     """Entry point the model calls; dispatches to a kernel where one supports the inputs.
 
     "pallas" runs the compiled Pallas kernel, "interpret" the same kernel in interpret mode; either
@@ -61,13 +73,14 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
-    if backend != "xla" and supports(rows, gate_up, down, block_rows):
+    extra = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
+    if backend != "xla" and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
         return expert_ffn_pallas(
-            rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret"
+            rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret", **extra
         )
     if backend != "xla":
         _warn_offsets(gate_up, down)
-    return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows)
+    return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, **extra)
 
 
 def _warn_offsets(gate_up, down) -> None:

@@ -1,12 +1,17 @@
-"""Pallas (Triton) grouped SwiGLU expert FFN reading expert weights straight from a pool by slot.
+"""Pallas (Triton) grouped gated expert FFN reading expert weights straight from a pool by slot.
 
 Computes what `expert_ffn_reference` computes, in two kernels:
 
-  stage 1  h = silu(x @ gate) * (x @ up)   grid (blocks, F / BN, 1): one program per row block and
+  stage 1  h = act(x @ gate, x @ up)        grid (blocks, F / BN, 1): one program per row block and
                                             N tile of F; gate and up tiles share the x loads
   stage 2  y = h @ down                     grid (blocks, D / BN, splits): in decode, K is split
                                             over programs when blocks x tiles would leave SMs idle
                                             (float32 partial sums, added after the kernel)
+
+act is SwiGLU or another gated activation (pallas_kernels/glu.py), a static part of the plan.
+Optional float32 bias pools ([S, 2F] for gate_up, [S, D] for down) are read by slot like the
+weights and added to the float32 accumulators before the activation (stage 1) or the store
+(stage 2; with split K only by the first split).
 
 Every program loads its block's slot id from `block_slot` and indexes the whole pool ref with it,
 so no weights are gathered or copied outside the kernel; a block with slot -1 writes zeros.
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, int8_per_token
 
 DECODE_BLOCK_N = 64
@@ -78,6 +84,8 @@ class _Plan:
     float32: bool
     plain_dtype: str | None  # 16-bit float dtype of a plain pool passed as its bit pattern
     splits: int = 1  # programs sharing one output tile's K steps (partial sums added outside)
+    bias: bool = False  # a float32 bias pool [S, N] follows the weight operands
+    activation: GatedActivation = SILU  # stage 1 only
 
     @property
     def gemv(self) -> bool:
@@ -151,13 +159,14 @@ def _pool_supported(w, block_rows: int, n_out: int) -> bool:
     return _packed_rows(w) % step_rows == 0
 
 
-def supports(rows, gate_up, down, block_rows: int) -> bool:
+def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=None) -> bool:
     """Whether `expert_ffn_pallas` handles these inputs (else use the reference).
 
     Needs float32/bfloat16 rows; block_rows 1 (GEMV) or a power of two >= 16 (tl.dot needs M >= 16);
     output widths F and D with a power-of-two factor >= 16 (unmasked N tiles). On the dot path K
     steps must reach 16 rows: plain weights need a power-of-two factor >= 16 in K, and int2 with
-    groups of 32 (8 packed rows per group, two groups per step) an even number of groups.
+    groups of 32 (8 packed rows per group, two groups per step) an even number of groups. Bias
+    pools, where given, must be float32 [S, 2F] and [S, D] for the pools' S slots.
     """
     if jnp.dtype(rows.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return False
@@ -171,6 +180,10 @@ def supports(rows, gate_up, down, block_rows: int) -> bool:
     F = _weight_k(down)
     if _weight_k(gate_up) != D or gate_up.shape[-1] != 2 * F or down.shape[-1] != D:
         return False
+    slots = gate_up.shape[0]
+    for bias, width in ((gate_up_bias, 2 * F), (down_bias, D)):
+        if bias is not None and (tuple(bias.shape) != (slots, width) or jnp.dtype(bias.dtype) != jnp.float32):
+            return False
     return _pool_supported(gate_up, block_rows, F) and _pool_supported(down, block_rows, D)
 
 
@@ -318,10 +331,17 @@ def _accumulate(x_ref, w_refs, slot, columns, plan: _Plan, first_step=0):
     return jax.lax.fori_loop(0, plan.num_steps // plan.splits, body, init)
 
 
+def _bias_tile(bias_ref, slot, col, plan: _Plan):
+    """One slot's bias for the N tile, float32: [BN] for GEMV, [1, BN] on the dot path."""
+    tile = bias_ref[slot, pl.ds(col, plan.block_n)].astype(jnp.float32)
+    return tile if plan.gemv else tile[None, :]
+
+
 def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
     """One (row block, N tile) program: load the block's slot, multiply, write [BT, BN]."""
     *in_refs, o_ref = refs
     step_ref = in_refs.pop(0) if plan.int8_activations else None
+    bias_ref = in_refs.pop() if plan.bias else None
     if plan.quantized:
         w_refs = (in_refs[0], in_refs[1], None if plan.symmetric else in_refs[2])
     else:
@@ -330,6 +350,8 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
     col = pl.multiple_of(pl.program_id(1) * plan.block_n, plan.block_n)
     slot = slot_ref[block]
     first = pl.program_id(2) * (plan.num_steps // plan.splits) if plan.splits > 1 else 0  # this split's K steps
+    # partial sums over K splits: only the first split adds the bias
+    bias_share = (pl.program_id(2) == 0).astype(jnp.float32) if plan.splits > 1 else None
 
     @pl.when(slot < 0)
     def _empty_block():
@@ -342,11 +364,16 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
         if step_ref is not None:
             step = step_ref[0] if plan.gemv else step_ref[...][:, None]  # per-row int8 step
             accs = tuple(a * step for a in accs)
+        if bias_ref is not None:
+            biases = [_bias_tile(bias_ref, slot, c, plan) for c in columns]
+            if bias_share is not None:
+                biases = [b * bias_share for b in biases]
+            accs = tuple(a + b for a, b in zip(accs, biases))
         if plan.up_offset is None:
             out = accs[0]
         else:
             gate, up = accs
-            out = gate / (1.0 + jnp.exp(-gate)) * up
+            out = plan.activation.in_kernel(gate, up)
         o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
 
 
@@ -368,14 +395,17 @@ def _weight_operands(w, plan: _Plan):
     return [w.values, w.scales] + ([] if plan.symmetric else [w.offsets])
 
 
-def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows, interpret):
-    """Per row block: x [R, K] @ w[block_slot[b]] -> [R, n_out] (stage 1 with up_offset: SwiGLU)."""
+def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows, interpret, bias=None,
+                    activation: GatedActivation = SILU):
+    """Per row block: x [R, K] @ w[block_slot[b]] (+ bias[block_slot[b]]) -> [R, n_out] (stage 1
+    with up_offset: the gated activation of the gate and up halves)."""
     R = x.shape[0]
     nb = block_slot.shape[0]
     plan = _plan(w, block_rows, n_out, up_offset, x.dtype)
-    plan = dataclasses.replace(plan, splits=_splits(plan, nb, n_out))
+    plan = dataclasses.replace(plan, splits=_splits(plan, nb, n_out), bias=bias is not None, activation=activation)
     x_planar, step = _prepare_activations(x, block_slot, w, block_rows)  # [R, pack, Kp / pack]
     operands = [block_slot, x_planar] + ([] if step is None else [step]) + _weight_operands(w, plan)
+    operands += [] if bias is None else [bias]
     in_specs = [
         _whole(block_slot.shape),
         pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n, k: (b, 0, 0)),
@@ -398,7 +428,7 @@ def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret,
-        name="expert_gate_up_silu" if up_offset is not None else "expert_down",
+        name=f"expert_gate_up_{activation.kind}" if up_offset is not None else "expert_down",
     )(*operands)
     return out if plan.splits == 1 else out.sum(axis=0).astype(out_dtype)
 
@@ -413,8 +443,9 @@ def _splits(plan: _Plan, blocks: int, n_out: int) -> int:
     return max(d for d in range(1, want + 1) if plan.num_steps % d == 0)
 
 
-def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, interpret: bool = False):
-    """Grouped SwiGLU expert FFN, weights read from the pools by slot inside the kernels.
+def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, interpret: bool = False,
+                      gate_up_bias=None, down_bias=None, activation: GatedActivation = SILU):
+    """Grouped gated expert FFN, weights (and biases) read from the pools by slot inside the kernels.
 
     Args:
       rows: [R, D] float32 or bfloat16, R a multiple of block_rows.
@@ -423,16 +454,18 @@ def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, inter
       down: pool [S, F, D], plain array or QArray.
       block_rows: rows per block (1: decode GEMV path; a power of two >= 16: dot path).
       interpret: run the kernels in Pallas interpret mode (CPU).
+      gate_up_bias, down_bias: optional float32 pools [S, 2F] and [S, D] added after each matmul.
+      activation: how gate and up combine (SwiGLU by default).
 
     Returns:
       [R, D] in rows.dtype, equal to `expert_ffn_reference` within rounding.
     """
-    if not supports(rows, gate_up, down, block_rows):
+    if not supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
         raise ValueError("expert_ffn_pallas does not support these shapes/formats; see supports()")
     D = rows.shape[1]
     F = _weight_k(down)
     block_slot = block_slot.astype(jnp.int32)
     h = _grouped_matmul(rows, block_slot, gate_up, n_out=F, up_offset=F, out_dtype=rows.dtype,
-                        block_rows=block_rows, interpret=interpret)  # [R, F]
+                        block_rows=block_rows, interpret=interpret, bias=gate_up_bias, activation=activation)  # [R, F]
     return _grouped_matmul(h, block_slot, down, n_out=D, up_offset=None, out_dtype=rows.dtype,
-                           block_rows=block_rows, interpret=interpret)  # [R, D]
+                           block_rows=block_rows, interpret=interpret, bias=down_bias)  # [R, D]

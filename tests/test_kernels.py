@@ -18,6 +18,7 @@ from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn, expert_ffn_pallas, expert_ffn_reference, supports
 from pallas_kernels.expert_ffn_pallas import offsets_fit
+from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template
 
 SLOTS = 7  # odd on purpose: nothing may assume a power-of-two pool
@@ -182,22 +183,27 @@ def small_expert_state(backend: str | None) -> tuple[ExpertState, int]:
     return state, D
 
 
+@pytest.mark.parametrize("variant", ["swiglu", "biased-clamped"])
 @pytest.mark.parametrize("tokens", [3, 40])  # decode (one row per assignment) and prefill (blocks of 32)
-def test_routed_experts_run_the_kernel(tokens):
+def test_routed_experts_run_the_kernel(tokens, variant):
     E, k = 6, 2
     rng = np.random.default_rng(tokens)
     ids = jnp.asarray(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)]), jnp.int32)
     routing = Routing(ids, jnp.asarray(rng.random(size=(tokens, k)), jnp.float32))
     valid = jnp.asarray(rng.random(tokens) > 0.2)
+    make_state, activation = {"swiglu": (small_expert_state, SILU),
+                              "biased-clamped": (biased_expert_state, CLAMPED)}[variant]
     outputs = {}
     for backend in ("interpret", "xla"):
-        state, D = small_expert_state(backend)
+        state, D = make_state(backend)
         h = jnp.asarray(np.random.default_rng(9).normal(size=(tokens, D)), jnp.float32)
-        run = jax.jit(lambda h, r, v, s: run_experts(h, r, v, s.layer(0)))
+        run = jax.jit(lambda h, r, v, s: run_experts(h, r, v, s.layer(0), activation=activation))
         outputs[backend] = run(h, routing, valid, state)
         if backend == "interpret":
             assert "pallas_call" in str(jax.make_jaxpr(run)(h, routing, valid, state))
     np.testing.assert_allclose(outputs["interpret"], outputs["xla"], rtol=1e-5, atol=1e-5)
+    # invalid tokens get nothing (no bias leaks into padding)
+    assert np.all(np.asarray(outputs["xla"])[~np.asarray(valid)] == 0)
 
 
 # ----------------------------------------------------------------------------- lowering for CUDA
@@ -252,6 +258,91 @@ def test_model_path_lowers_for_cuda(tokens):
     assert triton_calls(lowered) == 4  # two tiers, two kernels each
 
 
+# ----------------------------------------------------------------------------- expert biases, gated activations
+
+# GPT-OSS's clamped SwiGLU with a limit these activations cross (gate ~ N(0, 0.8) here)
+CLAMPED = GatedActivation("clamped_swiglu", alpha=1.702, limit=0.3)
+BIAS_CASES = ["bf16-decode-f32", "bf16-prefill-bf16", "int4-g64-asym-decode-bf16-k_pad", "int4-g32-prefill-f32",
+              "int2-g32-asym-prefill-f32-two_groups_per_step", "w8a8-smooth-g64-prefill-bf16",
+              "int8-g128-decode-f32-k_pad"]
+
+
+def bias_pools(rng, gate_up, down, slots: int = SLOTS) -> tuple[jax.Array, jax.Array]:
+    """float32 bias pools gate_up_bias [S, 2F], down_bias [S, D]."""
+    return (jnp.asarray(rng.normal(size=(slots, gate_up.shape[-1])) * 0.3, jnp.float32),
+            jnp.asarray(rng.normal(size=(slots, down.shape[-1])) * 0.3, jnp.float32))
+
+
+@pytest.mark.parametrize("activation", [SILU, CLAMPED], ids=["silu", "clamped_swiglu"])
+@pytest.mark.parametrize("name", BIAS_CASES)
+def test_biases_and_gated_activation_match_reference(name, activation):
+    rows, block_slot, gate_up, down, block_rows = case_inputs(name)
+    gate_up_bias, down_bias = bias_pools(np.random.default_rng(5), gate_up, down)
+    assert supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias)
+    kw = dict(block_rows=block_rows, activation=activation)
+    kernel = jax.jit(functools.partial(expert_ffn_pallas, interpret=True, **kw))
+    reference = jax.jit(functools.partial(expert_ffn_reference, **kw))
+    ours = kernel(rows, block_slot, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    ref = reference(rows, block_slot, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
+    tolerance = W8A8_BF16_TOLERANCE if w8a8 and rows.dtype == jnp.bfloat16 else TOLERANCE[rows.dtype.name]
+    assert relative_error(ours, ref) < tolerance
+    empty = np.repeat(np.asarray(block_slot) < 0, block_rows)
+    assert np.all(np.asarray(ours, np.float32)[empty] == 0)  # empty blocks write zeros, not the bias
+    # the biases and the activation really act (a kernel ignoring them would fail above)
+    plain = expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows)
+    assert relative_error(ref, plain) > 0.02
+
+
+def test_gated_activations_follow_their_formulas():
+    rng = np.random.default_rng(6)
+    gate, up = (rng.normal(size=(4, 64)).astype(np.float32) * 2 for _ in range(2))
+    silu = gate / (1 + np.exp(-gate)) * up
+    g, u = np.minimum(gate, 0.3), np.clip(up, -0.3, 0.3)
+    clamped = (u + 1) * g / (1 + np.exp(-1.702 * g))  # GPT-OSS: (up + 1) * gate * sigmoid(alpha * gate)
+    for activation, expected in ((SILU, silu), (CLAMPED, clamped)):
+        np.testing.assert_allclose(activation(jnp.asarray(gate), jnp.asarray(up)), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(activation.in_kernel(jnp.asarray(gate), jnp.asarray(up)), expected, rtol=1e-5,
+                                   atol=1e-6)
+    assert GatedActivation("silu", alpha=2.0, limit=1.0) == SILU  # silu ignores alpha and limit
+    with pytest.raises(ValueError, match="unknown gated activation"):
+        GatedActivation("gelu")
+
+
+def test_supports_checks_bias_pools():
+    rows, block_slot, gate_up, down, block_rows = case_inputs("int4-g32-prefill-f32")
+    gate_up_bias, down_bias = bias_pools(np.random.default_rng(7), gate_up, down)
+    assert supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias)
+    assert not supports(rows, gate_up, down, block_rows, gate_up_bias[:, :-16], down_bias)  # wrong width
+    assert not supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias[:3])  # wrong slot count
+    assert not supports(rows, gate_up, down, block_rows, gate_up_bias.astype(jnp.bfloat16), down_bias)
+
+
+def biased_expert_state(backend: str | None) -> tuple[ExpertState, int]:
+    """small_expert_state with float32 biases in both pools."""
+    state, D = small_expert_state(backend)
+    rng = np.random.default_rng(8)
+    pools = {t: ExpertWeights(p.gate_up, p.down, *bias_pools(rng, p.gate_up, p.down)) for t, p in state.pools.items()}
+    return dataclasses.replace(state, pools=pools), D
+
+
+@pytest.mark.parametrize("block_rows", [1, 32])  # decode splits the down projection's K: bias on split 0 only
+@pytest.mark.parametrize("name", ["bf16", "int4-g64-asym", "int2-g32", "w8a8-smooth"])
+def test_biased_clamped_variants_lower_for_cuda(name, block_rows):
+    gate_up, down = pool_shapes(LOWERING_FORMATS[name], 128, 192)
+    biases = (jax.ShapeDtypeStruct((SLOTS, 2 * 192), jnp.float32), jax.ShapeDtypeStruct((SLOTS, 128), jnp.float32))
+    rows = jax.ShapeDtypeStruct((4 * block_rows, 128), jnp.bfloat16)
+    block_slot = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert supports(rows, gate_up, down, block_rows, *biases)
+
+    def f(rows, block_slot, gate_up, down, gate_up_bias, down_bias):
+        return expert_ffn_pallas(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
+                                 down_bias=down_bias, activation=CLAMPED)
+
+    lowered = jax.jit(f).trace(rows, block_slot, gate_up, down, *biases).lower(lowering_platforms=("cuda",))
+    assert triton_calls(lowered) == 2
+
+
 # ----------------------------------------------------------------------------- compiled (GPU)
 
 GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32", "int4-smooth", "w8a8-smooth"]
@@ -272,6 +363,25 @@ def test_compiled_matches_reference_on_gpu(name, block_rows):
     w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
     assert relative_error(ours, ref) < (W8A8_BF16_TOLERANCE if w8a8 else TOLERANCE["bfloat16"])
     assert np.all(np.asarray(ours, np.float32)[np.repeat(np.asarray(block_slot) < 0, block_rows)] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_rows", [1, 32])
+@pytest.mark.parametrize("name", ["bf16", "int4-g64-asym", "w8a8-smooth"])
+def test_compiled_biased_clamped_experts_match_reference_on_gpu(name, block_rows):
+    rng = np.random.default_rng(10)
+    D, F = 2880, 2880  # GPT-OSS's widths
+    gate_up, down = make_pools(rng, LOWERING_FORMATS[name], D, F, "random")
+    gate_up_bias, down_bias = bias_pools(rng, gate_up, down)
+    block_slot = jnp.asarray((5, -1, 0, 6, 5, 2, 3, 1), jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(block_slot.shape[0] * block_rows, D)), jnp.bfloat16)
+    kw = dict(block_rows=block_rows, gate_up_bias=gate_up_bias, down_bias=down_bias,
+              activation=GatedActivation("clamped_swiglu", limit=7.0))
+    assert supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias)
+    ours = jax.jit(functools.partial(expert_ffn_pallas, **kw))(rows, block_slot, gate_up, down)
+    ref = expert_ffn_reference(rows, block_slot, gate_up, down, **kw)
+    w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
+    assert relative_error(ours, ref) < (W8A8_BF16_TOLERANCE if w8a8 else TOLERANCE["bfloat16"])
 
 
 # ----------------------------------------------------------------------------- 32-bit offsets at real sizes

@@ -1,13 +1,16 @@
 """Quantizing one MoE layer's experts with RTN, GPTQ or HAQ.
 
 GPTQ and HAQ need, per expert, the inputs of its two matmuls: x (the tokens routed to it) for
-gate_up and mid = silu(x @ gate) * (x @ up) for down. Experts that saw few calibration tokens get
+gate_up and mid = act(x @ gate, x @ up) for down (with the expert's biases, if it has them). Experts that saw few calibration tokens get
 their statistics shrunk toward the layer's: their Hessian adds `prior_tokens` worth of the average
 over a sample of all the layer's tokens, and their activation ranges come from that sample.
 
 HAQ picks one smoothing exponent per layer, matrix and tier by grid search; the down projection's
-smoothing is folded into the up projection's columns (mid / s), gate_up's is kept as an input
-scale applied at run time.
+smoothing is folded into the up projection's columns and bias (mid / s), gate_up's is kept as an
+input scale applied at run time. Folding is exact only for SwiGLU (mid is linear in up); with
+another gated activation (GPT-OSS's clamped SwiGLU) down is not smoothed (HAQ = GPTQ there).
+
+Expert biases are never quantized: every version carries the float32 biases it computes with.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from convert.quantizers.gptq import gptq_quantize
 from convert.quantizers.haq import haq_quantize, search_alpha, smoothing_scales
 from convert.quantizers.rtn import quantize_rtn
 from jmoe.quant import ExpertWeights
+from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QuantFormat
 
 METHODS = ("rtn", "gptq", "haq")
@@ -31,14 +35,13 @@ SEARCH_ROWS = 256  # activation rows per expert used by HAQ's exponent search
 PRIOR_ROWS = 512  # rows of all tokens sampled for the layer-wide statistics
 
 
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def intermediate(x: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
-    """Input of the down projection: silu(x @ gate) * (x @ up); x [n, D], gate_up [D, 2F] -> [n, F]."""
-    g, u = np.split(x @ gate_up, 2, axis=-1)
-    return silu(g) * u
+def intermediate(x: np.ndarray, expert: ExpertWeights, activation: GatedActivation = SILU) -> np.ndarray:
+    """Input of the down projection: act(x @ gate (+ b), x @ up (+ b)); x [n, D] -> [n, F] float32."""
+    gate_up = x @ expert.gate_up
+    if expert.gate_up_bias is not None:
+        gate_up = gate_up + expert.gate_up_bias
+    g, u = np.split(gate_up.astype(np.float32), 2, axis=-1)
+    return np.asarray(activation(g, u), np.float32)
 
 
 @dataclass
@@ -68,49 +71,70 @@ class ExpertInputs:
         return np.abs(self.search_rows(which)).max(axis=0)
 
 
-def rtn_expert(gate_up: np.ndarray, down: np.ndarray, fmt: QuantFormat) -> ExpertWeights:
-    return ExpertWeights(quantize_rtn(gate_up, fmt), quantize_rtn(down, fmt))
+def rtn_expert(expert: ExpertWeights, fmt: QuantFormat) -> ExpertWeights:
+    """RTN of both matrices (K-major float32); the biases ride along unquantized."""
+    return ExpertWeights(quantize_rtn(expert.gate_up, fmt), quantize_rtn(expert.down, fmt)).with_biases_of(expert)
 
 
-def fold_down_smoothing(gate_up: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Divide the up columns by s, so mid comes out already divided by s (exact)."""
+def fold_down_smoothing(expert: ExpertWeights, s: np.ndarray) -> ExpertWeights:
+    """Divide the up columns (and the up bias) by s, so SwiGLU's mid comes out already divided by s (exact)."""
     F = s.shape[0]
-    folded = gate_up.copy()
-    folded[:, F:] /= s[None, :]
-    return folded
+    gate_up = expert.gate_up.copy()
+    gate_up[:, F:] /= s[None, :]
+    bias = expert.gate_up_bias
+    if bias is not None:
+        bias = bias.copy()
+        bias[F:] /= s
+    return expert._replace(gate_up=gate_up, gate_up_bias=bias)
 
 
 class LayerQuantizer:
     """Quantizes every expert of one MoE layer at every integer tier with one method."""
 
-    def __init__(self, method: str, formats: dict[str, QuantFormat | None], experts: list[tuple[np.ndarray, np.ndarray]],
-                 inputs: LayerInputs | None, seed: int = 0):
+    def __init__(self, method: str, formats: dict[str, QuantFormat | None], experts: list[ExpertWeights],
+                 inputs: LayerInputs | None, activation: GatedActivation = SILU, seed: int = 0):
         self.method = method
         self.formats = {t: f for t, f in formats.items() if f is not None}
-        self.experts = experts  # (gate_up [D, 2F], down [F, D]) K-major float32
-        self.alphas: dict[str, tuple[float, float]] = {}
+        self.experts = experts  # gate_up [D, 2F], down [F, D] K-major float32 (+ float32 biases)
+        self.activation = activation
+        # HAQ folds down's smoothing into up, exact only where mid is linear in up (SwiGLU)
+        self.smooth_down = activation.kind == "silu"
+        self.alphas: dict[str, tuple[float, float | None]] = {}
         self._inputs: list[ExpertInputs] = []
         if method == "rtn":
             return
         rng = np.random.default_rng(seed)
         take = min(PRIOR_ROWS, len(inputs.x))
         prior_x = inputs.x[rng.choice(len(inputs.x), size=take, replace=False)]
-        for e, (gate_up, _) in enumerate(experts):
+        for e, expert in enumerate(experts):
             x = inputs.x[inputs.routed_to(e)]
-            self._inputs.append(ExpertInputs(x, intermediate(x, gate_up), prior_x, intermediate(prior_x, gate_up)))
+            self._inputs.append(ExpertInputs(x, intermediate(x, expert, activation), prior_x,
+                                             intermediate(prior_x, expert, activation)))
         if method == "haq":
             self.alphas = {tier: self._search(fmt) for tier, fmt in self.formats.items()}
 
-    def _search(self, fmt: QuantFormat) -> tuple[float, float]:
-        """HAQ: exponent for down first (its smoothing changes up), then for gate_up."""
-        plain = dataclasses.replace(fmt, smooth=False)
-        down_cases = [(i.search_rows("mid"), i.absmax("mid"), down) for i, (_, down) in zip(self._inputs, self.experts)]
-        alpha_down = search_alpha(down_cases, plain)
-        gu_cases = []
-        for i, (gate_up, down) in zip(self._inputs, self.experts):
-            s = smoothing_scales(i.absmax("mid"), down, alpha_down)
-            gu_cases.append((i.search_rows("x"), i.absmax("x"), fold_down_smoothing(gate_up, s)))
+    def _search(self, fmt: QuantFormat) -> tuple[float, float | None]:
+        """HAQ: exponent for down first (its smoothing changes up), then for gate_up (alpha_down None:
+        down is not smoothed)."""
+        alpha_down = None
+        if self.smooth_down:
+            plain = dataclasses.replace(fmt, smooth=False)
+            down_cases = [(i.search_rows("mid"), i.absmax("mid"), e.down) for i, e in zip(self._inputs, self.experts)]
+            alpha_down = search_alpha(down_cases, plain)
+        gu_cases = [(i.search_rows("x"), i.absmax("x"), self._folded(i, e, alpha_down).gate_up)
+                    for i, e in zip(self._inputs, self.experts)]
         return search_alpha(gu_cases, fmt), alpha_down
+
+    @staticmethod
+    def _down_scales(inputs: ExpertInputs, expert: ExpertWeights, alpha_down: float | None) -> np.ndarray:
+        if alpha_down is None:
+            return np.ones(expert.down.shape[0], np.float32)
+        return np.asarray(smoothing_scales(inputs.absmax("mid"), expert.down, alpha_down), np.float32)
+
+    def _folded(self, inputs: ExpertInputs, expert: ExpertWeights, alpha_down: float | None) -> ExpertWeights:
+        if alpha_down is None:
+            return expert
+        return fold_down_smoothing(expert, self._down_scales(inputs, expert, alpha_down))
 
     @functools.lru_cache(maxsize=1)  # the pipeline asks for every tier of one expert in a row
     def _hessians(self, expert: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,17 +142,20 @@ class LayerQuantizer:
         return inputs.hessian(inputs.x, inputs.prior_x), inputs.hessian(inputs.mid, inputs.prior_mid)
 
     def quantize(self, expert: int, tier: str) -> ExpertWeights:
+        """One expert at one integer tier; the version carries the biases it computes with."""
         fmt = self.formats[tier]
-        gate_up, down = self.experts[expert]
+        weights = self.experts[expert]
         if self.method == "rtn":
-            return rtn_expert(gate_up, down, fmt)
+            return rtn_expert(weights, fmt)
         h_x, h_mid = self._hessians(expert)
         if self.method == "gptq":
-            return ExpertWeights(gptq_quantize(gate_up, h_x, fmt), gptq_quantize(down, h_mid, fmt))
+            return ExpertWeights(gptq_quantize(weights.gate_up, h_x, fmt),
+                                 gptq_quantize(weights.down, h_mid, fmt)).with_biases_of(weights)
         inputs = self._inputs[expert]
         alpha_gu, alpha_down = self.alphas[tier]
-        s = smoothing_scales(inputs.absmax("mid"), down, alpha_down)
-        gate_up = fold_down_smoothing(gate_up, s)
-        down_q = gptq_quantize(down * s[:, None], h_mid / np.outer(s, s), dataclasses.replace(fmt, smooth=False))
+        s = self._down_scales(inputs, weights, alpha_down)
+        folded = self._folded(inputs, weights, alpha_down)  # up columns and bias / s
+        down_q = gptq_quantize(weights.down * s[:, None], h_mid / np.outer(s, s), dataclasses.replace(fmt, smooth=False))
         # gate_up's rows still see x: folding moved its columns, not its inputs
-        return ExpertWeights(haq_quantize(gate_up, h_x, inputs.absmax("x"), alpha_gu, fmt), down_q)
+        gate_up_q = haq_quantize(folded.gate_up, h_x, inputs.absmax("x"), alpha_gu, fmt)
+        return ExpertWeights(gate_up_q, down_q).with_biases_of(folded)

@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.config import ModelConfig
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn
+from pallas_kernels.glu import SILU, GatedActivation
 
 # Up to this many (token, expert) assignments per layer, every assignment gets its own weight
 # read (decode); above it, assignments are sorted by slot into row blocks (prefill).
@@ -32,6 +34,13 @@ PREFILL_BLOCK_ROWS = 32
 # are read once however few tokens share it (16: the smallest block the Pallas dot path takes).
 VERIFY_BLOCK_ROWS = 16
 NO_SLOT = -1
+
+
+def expert_activation(cfg: ModelConfig) -> GatedActivation:
+    """How the config's routed experts combine gate and up (a static part of every expert path)."""
+    if cfg.expert_activation == "silu":
+        return SILU
+    return GatedActivation(cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
 class Routing(NamedTuple):
@@ -162,9 +171,10 @@ def block_layout(slots: jax.Array, active: jax.Array, block_rows: int, max_group
 
 def grouped_expert_ffn(
     h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int, backend: str | None = None,
-    group_rows: int = 0,
+    group_rows: int = 0, activation: GatedActivation = SILU,
 ) -> jax.Array:
-    """SwiGLU expert FFN of every active (token, expert) assignment, reading weights by slot.
+    """Gated expert FFN (with the pool's biases, if any) of every active (token, expert) assignment,
+    reading weights by slot.
 
     h [N, D], slots/active [N, k] -> [N, k, D] (zeros where inactive). max_groups bounds the
     number of distinct slots (the layer's expert count). group_rows > 0 groups whatever the count,
@@ -174,15 +184,16 @@ def grouped_expert_ffn(
     A = N * k
     token = jnp.arange(A, dtype=jnp.int32) // k
     slots, active = slots.reshape(A), active.reshape(A)
+    extra = dict(backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
     if A <= GATHER_MAX_ASSIGNMENTS and not (group_rows and N > 1):
-        y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, backend=backend)
+        y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, **extra)
         return y.reshape(N, k, -1)
     block_rows = group_rows or PREFILL_BLOCK_ROWS
     layout = block_layout(slots, active, block_rows, max_groups)
     token_of_row = jnp.concatenate([token, jnp.array([N], jnp.int32)])[layout.row_source]
     rows = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])[token_of_row]
     y_rows = expert_ffn(
-        rows, layout.block_slot, pool.gate_up, pool.down, block_rows=block_rows, backend=backend
+        rows, layout.block_slot, pool.gate_up, pool.down, block_rows=block_rows, **extra
     )
     y_rows = jnp.concatenate([y_rows, jnp.zeros((1, y_rows.shape[1]), y_rows.dtype)])
     return y_rows[layout.dest].reshape(N, k, -1)
@@ -242,23 +253,26 @@ def missing_uses(wanted, chosen, token_valid):
 
 
 def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_valid: jax.Array,
-                   layer: LayerExperts) -> jax.Array:
+                   layer: LayerExperts, activation: GatedActivation = SILU) -> jax.Array:
     """Weighted sum of each token's top-k experts, each at its chosen tier (0: left out).
 
     h [N, D], routing.ids/weights and chosen [N, k], token_valid [N] -> [N, D] in h's dtype.
+    activation: the model's gated activation (`expert_activation(cfg)`).
     """
     num_experts = layer.hi.shape[0]
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
         active = (chosen == TIER_CODES[name]) & token_valid[:, None]
         slots = layer.slots[name][routing.ids]
-        y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows)  # [N, k, D]
+        y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows,
+                               activation)  # [N, k, D]
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
     return out.astype(h.dtype)
 
 
-def run_experts(h, routing: Routing, token_valid, layer: LayerExperts, token_importance=None):
+def run_experts(h, routing: Routing, token_valid, layer: LayerExperts, token_importance=None,
+                activation: GatedActivation = SILU):
     """Select each routed expert's tier and run them: h [N, D] -> [N, D] (no router, no shared expert)."""
     wanted = wanted_tiers(routing, token_valid, token_importance, layer)
-    return routed_experts(h, routing, resolve_tiers(wanted, routing.ids, layer.slots), token_valid, layer)
+    return routed_experts(h, routing, resolve_tiers(wanted, routing.ids, layer.slots), token_valid, layer, activation)

@@ -12,6 +12,7 @@ from jmoe.config import ModelConfig
 from jmoe.layers.experts import (
     LayerExperts,
     Routing,
+    expert_activation,
     missing_uses,
     resolve_tiers,
     routed_experts,
@@ -40,6 +41,7 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.router = router_class(cfg)(cfg, **kw)
+        self.activation = expert_activation(cfg)  # static: how the routed experts combine gate and up
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = DenseMLP(cfg.hidden_size, shared, **kw) if shared else None
         gated = shared and cfg.shared_expert_gated
@@ -73,7 +75,8 @@ class MoEBlock(nnx.Module):
 
     def experts_out(self, h, signals: LayerSignals, token_valid, experts: LayerExperts, *, shared: bool = True):
         """Routed experts at their chosen tiers plus (when `shared`) the shared expert, h [N, D] -> [N, D]."""
-        out = routed_experts(h, Routing(signals.ids, signals.weights), signals.chosen, token_valid, experts)
+        out = routed_experts(h, Routing(signals.ids, signals.weights), signals.chosen, token_valid, experts,
+                             self.activation)
         extra = self.shared_out(h) if shared else None
         return out if extra is None else out + extra
 

@@ -8,21 +8,25 @@ up to n_crit = T_transfer / (lat_cpu - lat_device) tokens (per-token latencies; 
 when the CPU is no slower per token, as on a machine whose "device" is the CPU itself).
 
 CPU-side experts are dequantized once, into the compute dtype, and kept (`prepare` does it at load
-for a known set; others on first use), so a call multiplies plain arrays.
+for a known set; others on first use), so a call multiplies plain arrays (HAQ's smoothing folded
+in; W8A8 versions stay quantized).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe.quant import dequantize_expert
+from jmoe.layers.experts import expert_activation
+from jmoe.quant import ExpertWeights, QArray, dequantize_expert
 from jmoe.runtime.host_store import HostStore
 from pallas_kernels import expert_ffn_reference
+from pallas_kernels.glu import GatedActivation
 
 MAX_CRITICAL_TOKENS = 1 << 16
 
@@ -46,12 +50,29 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@jax.jit
-def _one_expert(rows, weights):
-    """rows [n, D] through one expert (pool of one slot) -> [n, D]."""
+@partial(jax.jit, static_argnames=("activation",))
+def _one_expert(rows, weights, activation: GatedActivation):
+    """rows [n, D] through one expert (pool of one slot, with its biases if any) -> [n, D]."""
     slot = jnp.zeros((1,), jnp.int32)
     pool = jax.tree.map(lambda a: a[None], weights)
-    return expert_ffn_reference(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0])
+    return expert_ffn_reference(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0],
+                                gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
+
+
+def cpu_weights(record: ExpertWeights, dtype) -> ExpertWeights:
+    """An expert version as the CPU runs it, multiplying exactly like the version on the device.
+
+    Plain arrays in the compute dtype, with HAQ's input smoothing folded into gate_up's rows
+    ((x * s) @ W = x @ (s[:, None] * W)); a W8A8 version stays quantized, because its activations
+    are quantized per token at every call.
+    """
+    if any(isinstance(w, QArray) and w.fmt.act_bits for w in (record.gate_up, record.down)):
+        return jax.tree.map(jnp.asarray, record)
+    plain = dequantize_expert(record, jnp.float32)
+    if isinstance(record.gate_up, QArray) and record.gate_up.act_scale is not None:
+        scale = jnp.asarray(record.gate_up.act_scale, jnp.float32)[:, None]
+        plain = plain._replace(gate_up=plain.gate_up * scale)
+    return plain._replace(gate_up=plain.gate_up.astype(dtype), down=plain.down.astype(dtype))
 
 
 class CpuExecutor:
@@ -60,6 +81,7 @@ class CpuExecutor:
         self.device = device
         self.cpu = jax.devices("cpu")[0]
         self.dtype = dtype
+        self.activation = expert_activation(host.store.config)
         self.cost: CostModel | None = None
         self._weights: dict = {}  # (tier, layer, expert) -> dequantized weights on the CPU
 
@@ -73,7 +95,7 @@ class CpuExecutor:
         if key not in self._weights:
             record = self.host.store.record(tier, layer, expert)  # numpy views of the mapped file
             with jax.default_device(self.cpu):
-                self._weights[key] = jax.device_put(dequantize_expert(record, self.dtype), self.cpu)
+                self._weights[key] = jax.device_put(cpu_weights(record, self.dtype), self.cpu)
         return self._weights[key]
 
     def run(self, rows: jax.Array, tier: str, layer: int, expert: int) -> jax.Array:
@@ -82,7 +104,8 @@ class CpuExecutor:
         padded = _bucket(n)
         x = np.zeros((padded, rows.shape[1]), np.float32)
         x[:n] = np.asarray(rows, np.float32)
-        y = _one_expert(jax.device_put(x.astype(self.dtype), self.cpu), self._weights_on_cpu(tier, layer, expert))
+        y = _one_expert(jax.device_put(x.astype(self.dtype), self.cpu), self._weights_on_cpu(tier, layer, expert),
+                        self.activation)
         return jax.device_put(np.asarray(y)[:n], self.device).astype(rows.dtype)
 
     def calibrate(self, tier: str, samples: int = 3) -> CostModel:
@@ -109,6 +132,7 @@ class CpuExecutor:
             return max((times[16] - times[1]) / 15, 0.0)
 
         cpu = per_token(lambda n: self.run(jax.device_put(jnp.ones((n, D), self.dtype), self.device), tier, 0, 0))
-        device = per_token(lambda n: _one_expert(jax.device_put(jnp.ones((n, D), self.dtype), self.device), on_device))
+        device = per_token(lambda n: _one_expert(jax.device_put(jnp.ones((n, D), self.dtype), self.device), on_device,
+                                                 self.activation))
         self.cost = CostModel(float(np.median(transfers)), cpu, device)
         return self.cost
