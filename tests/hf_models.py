@@ -18,6 +18,11 @@ FAMILY_CONFIGS = {
                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0]),
     "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=12),
     "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0, norm_topk_prob=False),
+    "phimoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, attention_bias=True,
+                   lm_head_bias=True),
+    # sliding (window 8) and full layers alternating; a clamp small enough to act on these activations
+    "gpt_oss": dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                    swiglu_limit=0.5),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
 

@@ -8,17 +8,16 @@ from jmoe.config import ModelConfig
 from jmoe.layers.attention import AttentionMeta
 from jmoe.layers.experts import LayerExperts
 from jmoe.layers.mlp import DenseMLP
-from jmoe.layers.modules import attention_class
+from jmoe.layers.modules import attention_class, make_norm
 from jmoe.layers.moe import MoEBlock
-from jmoe.layers.norms import RMSNorm
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, **kw)
         self.self_attn = attention_class(cfg)(cfg, layer_idx, rngs=rngs, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, **kw)
         self.is_moe = cfg.moe_layers[layer_idx]
         if self.is_moe:
             self.mlp = MoEBlock(cfg, rngs=rngs, **kw)

@@ -1,6 +1,6 @@
-"""Which attention and router module a config's layers use, and the KV-cache layout that follows.
+"""Which attention, router and norm module a config's layers use, and the KV-cache layout that follows.
 
-A family module sets ModelConfig.attention / .router; the layers look the kind up here, and the
+A family module sets ModelConfig.attention / .router / .norm; the layers look the kind up here, and the
 engine, the budget and calibration size caches through `cache_spec` (never from head counts).
 """
 
@@ -12,10 +12,14 @@ from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError
 from jmoe.layers.attention import CacheSpec
 from jmoe.layers.gqa import GroupedQueryAttention
-from jmoe.layers.routers import SoftmaxRouter
+from jmoe.layers.mla import LatentAttention
+from jmoe.layers.norms import LayerNorm, RMSNorm
+from jmoe.layers.routers import SigmoidRouter, SoftmaxRouter, SparseMixerRouter, TopKSoftmaxRouter
 
-ATTENTIONS = {"gqa": GroupedQueryAttention}
-ROUTERS = {"softmax": SoftmaxRouter}
+ATTENTIONS = {"gqa": GroupedQueryAttention, "mla": LatentAttention}
+ROUTERS = {"softmax": SoftmaxRouter, "sigmoid": SigmoidRouter, "sparsemixer": SparseMixerRouter,
+           "topk_softmax": TopKSoftmaxRouter}
+NORMS = {"rms": RMSNorm, "layer": LayerNorm}
 
 
 def _lookup(table: dict, kind: str, what: str):
@@ -30,6 +34,11 @@ def attention_class(cfg: ModelConfig):
 
 def router_class(cfg: ModelConfig):
     return _lookup(ROUTERS, cfg.router, "router kind")
+
+
+def make_norm(cfg: ModelConfig, dim: int, *, dtype, param_dtype):
+    """The config's layer norm (decoder layers and the final norm) over the last `dim` features."""
+    return _lookup(NORMS, cfg.norm, "norm kind")(dim, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 
 
 def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:

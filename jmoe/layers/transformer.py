@@ -18,8 +18,9 @@ from jmoe.config import ModelConfig
 from jmoe.layers.attention import AttentionMeta, KVCache
 from jmoe.layers.decoder_layer import DecoderLayer
 from jmoe.layers.experts import ExpertState
+from jmoe.layers.modules import make_norm
 from jmoe.layers.moe import LayerSignals
-from jmoe.layers.norms import RMSNorm, linear, matmul_precision
+from jmoe.layers.norms import linear, matmul_precision
 
 
 class StepSignals(NamedTuple):
@@ -119,11 +120,12 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(
             [DecoderLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm = make_norm(cfg, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)

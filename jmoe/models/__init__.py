@@ -13,9 +13,10 @@ from typing import Any
 
 from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError
-from jmoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from jmoe.models import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (qwen3_moe, qwen2_moe, mixtral, olmoe)
+FAMILIES: tuple[ModuleType, ...] = (qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, glm4_moe,
+                                    phimoe, gpt_oss)
 _FAMILIES: dict[str, ModuleType] = {model_type: module for module in FAMILIES for model_type in module.MODEL_TYPES}
 _BY_NAME: dict[str, ModuleType] = {module.FAMILY: module for module in FAMILIES}
 

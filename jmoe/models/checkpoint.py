@@ -17,6 +17,19 @@ class CheckpointNames:
     moe_prefix: str = "mlp"  # Mixtral: "block_sparse_moe"
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
     shared_expert: str = "shared_expert"  # DeepSeek, GLM: "shared_experts"
+    router: tuple[str, ...] = ("gate",)  # the router's names, hub first (Phi-3.5-MoE 5.x fused: "router")
+    # Fused 3-D expert tensors (fused_expert_names): stored K-major, gate_up [E, D, 2F] and down
+    # [E, F, D] (GPT-OSS), rather than as linear weights [E, 2F, D], [E, D, F]; gate and up columns
+    # interleaved (gate = 0::2, up = 1::2, GPT-OSS) rather than concatenated. Their biases, where the
+    # config has expert_bias, are `<name>_bias`; MXFP4 checkpoints store `<name>_blocks` and
+    # `<name>_scales` in linear orientation instead of `<name>` (convert/mxfp4.py).
+    fused_kmajor: bool = False
+    gate_up_interleaved: bool = False
+
+
+def checkpoint_names(cfg: ModelConfig) -> CheckpointNames:
+    """The family's checkpoint names and expert layout."""
+    return _names(cfg)
 
 
 def _names(cfg: ModelConfig) -> CheckpointNames:
@@ -46,21 +59,22 @@ def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
     if parts[0] == "lm_head":
         return DenseTensor(tuple(path), (".".join(parts),), transpose)
     if parts[0] == "layers" and cfg.moe_layers[int(parts[1])] and parts[2] == "mlp":
+        modules = [parts[3]]
         if parts[3] == "router":
-            parts[3] = "gate"
+            modules = list(names.router)
         elif parts[3] == "shared_expert":
-            parts[3] = names.shared_expert
+            modules = [names.shared_expert]
         prefixes = dict.fromkeys([names.moe_prefix, "mlp"])
-        candidates = tuple("model." + ".".join([*parts[:2], p, *parts[3:]]) for p in prefixes)
+        candidates = tuple("model." + ".".join([*parts[:2], p, m, *parts[4:]]) for m in modules for p in prefixes)
         return DenseTensor(tuple(path), candidates, transpose)
     return DenseTensor(tuple(path), ("model." + ".".join(parts),), transpose)
 
 
-def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
-    """Per-expert (hub) layout: gate [F, D], up [F, D], down [D, F]."""
+def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int, leaf: str = "weight") -> tuple[str, str, str]:
+    """Per-expert (hub) layout: gate [F, D], up [F, D], down [D, F] (leaf "bias": [F], [F], [D])."""
     names = _names(cfg)
     base = f"model.layers.{layer}.{names.moe_prefix}.experts.{expert}"
-    return tuple(f"{base}.{proj}.weight" for proj in names.expert_projs)
+    return tuple(f"{base}.{proj}.{leaf}" for proj in names.expert_projs)
 
 
 def fused_expert_names(cfg: ModelConfig, layer: int) -> list[tuple[str, str]]:

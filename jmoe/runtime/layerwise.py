@@ -52,6 +52,11 @@ def _scatter_add(x, rows, weights, y):
     return flat.reshape(x.shape)
 
 
+def _predict(graphdef, state, x, valid):
+    """The look-ahead: this (next) MoE layer's norm and router on the previous layer's state x."""
+    return predict_next(nnx.merge(graphdef, state), x, valid)
+
+
 def _embed(graphdef, dense, tokens):
     return nnx.merge(graphdef, dense).embed(tokens)
 
@@ -78,10 +83,7 @@ class LayerPieces:
         self.route = [jit_for(_route, g) for g, _ in self.layers]
         self.experts = [jit_for(_experts, g, static_argnames=("shared",)) for g, _ in self.layers]
         # the look-ahead predictor applies a MoE layer's norm and router to the previous layer's state
-        self.router_inputs = [
-            (model.layers[i].post_attention_layernorm.weight[...], model.layers[i].mlp.router.kernel[...])
-            for i in self.cfg.moe_layer_indices
-        ]
+        self.predict = [jit_for(_predict, g) for g, _ in self.layers]
 
 
 class LayerwiseRunner:
@@ -110,12 +112,12 @@ class LayerwiseRunner:
         experts = res.expert_state().for_phase(self.phase).layer(mi)
         signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, experts)
         lookahead = None
-        if res.policy.prefetch and mi + 1 < len(self.pieces.router_inputs):
-            norm_w, router_k = self.pieces.router_inputs[mi + 1]
-            lookahead = predict_next(norm_w, router_k, x, self.valid_dev, top_k=cfg.top_k, eps=cfg.rms_norm_eps)
+        if res.policy.prefetch and mi + 1 < cfg.num_moe_layers:
+            nxt = cfg.moe_layer_indices[mi + 1]
+            lookahead = self.pieces.predict[nxt](self.pieces.layers[nxt][1], x, self.valid_dev)
         ids, weights, wanted, imp = jax.device_get((signals.ids, signals.weights, signals.wanted, flat_importance))
         res.synced()
-        r = LayerRouting(res.step_index, self.phase, mi, len(self.pieces.router_inputs), ids, weights, self.valid, imp,
+        r = LayerRouting(res.step_index, self.phase, mi, cfg.num_moe_layers, ids, weights, self.valid, imp,
                          wanted, wanted)
         self.routings.append(r)
         if self.predicted is not None:

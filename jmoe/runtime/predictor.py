@@ -7,26 +7,23 @@ prefill (DyMoE's phase-adaptive prefetch).
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-@partial(jax.jit, static_argnames=("top_k", "eps"))
-def predict_next(norm_weight, router_kernel, x, valid, *, top_k: int, eps: float):
-    """x [..., D] residual stream after layer l's attention (N tokens) -> per-expert predicted token
-    counts [E] and predicted gate scores [E] (softmax of the next router, summed over real tokens).
+def predict_next(layer, x, valid):
+    """x [..., D] residual stream after layer l's attention (N tokens), `layer` the next MoE decoder
+    layer -> per-expert predicted token counts [E] and predicted gate scores [E] (the next router's
+    combine weights, summed over real tokens).
 
-    The next layer's post-attention RMSNorm and router are applied to x.
+    The next layer's own post-attention norm and router are applied to x, whatever their kinds
+    (RMSNorm or LayerNorm; softmax, sigmoid or sparsemixer routing). Traced inside the caller's jit.
     """
-    x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * norm_weight.astype(jnp.float32)
-    logits = normed @ router_kernel.astype(jnp.float32)  # [N, E]
-    probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-    one_hot = jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32) * valid[:, None, None]
-    return one_hot.sum(axis=(0, 1)).astype(jnp.int32), (one_hot * probs[..., None]).sum(axis=(0, 1))
+    router = layer.mlp.router
+    routing = router(layer.post_attention_layernorm(x.reshape(-1, x.shape[-1])))  # [N, k]
+    one_hot = jax.nn.one_hot(routing.ids, router.num_experts, dtype=jnp.float32) * valid[:, None, None]
+    return one_hot.sum(axis=(0, 1)).astype(jnp.int32), (one_hot * routing.weights[..., None]).sum(axis=(0, 1))
 
 
 def rank_predictions(score: np.ndarray, limit: int) -> list[int]:

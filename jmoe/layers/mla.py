@@ -1,0 +1,101 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the cache holds the compressed latent.
+
+Keys and values are never expanded. Per layer the cache keeps, per token, the normalised key/value
+latent [kv_lora_rank] and the shared rotary key [rope_dim]; the up-projection of keys is folded into
+the queries (q_nope @ W_uk gives a query in latent space) and the one of values is applied after
+the weighted sum of latents, so attention reads kv_lora_rank + rope_dim numbers per cached token
+instead of heads * (2 * head widths).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.layers.attention import (
+    AttentionMeta,
+    CacheSpec,
+    allowed_keys,
+    masked_softmax,
+    received_importance,
+    write_rows,
+)
+from jmoe.layers.norms import RMSNorm, linear, matmul_precision
+from jmoe.layers.rope import apply_rope
+
+LATENT_NORM_EPS = 1e-6  # transformers builds the q/kv latent norms with their default eps
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(q/k head width), times YaRN's mscale(factor, mscale_all_dim)^2 when the RoPE asks for it."""
+    scale = cfg.head_dim**-0.5
+    params = cfg.rope_param
+    if cfg.rope_type != "default" and params.get("mscale_all_dim"):
+        factor = params.get("factor", 1.0)
+        mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class LatentAttention(nnx.Module):
+    @staticmethod
+    def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
+        """The key/value latent [B, 1, S, kv_lora_rank] and the rotary key [B, 1, S, rope_dim]."""
+        return ((1, cfg.kv_lora_rank), (1, cfg.rotary_dim))
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
+        H, D, r = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm_kw = dict(eps=LATENT_NORM_EPS, dtype=dtype, param_dtype=param_dtype)
+        q_width = H * (self.nope + self.rope)
+        if cfg.q_lora_rank:
+            self.q_proj = None
+            self.q_a_proj = linear(D, cfg.q_lora_rank, bias=cfg.qkv_bias, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, **norm_kw)
+            self.q_b_proj = linear(cfg.q_lora_rank, q_width, bias=False, **kw)
+        else:
+            self.q_proj = linear(D, q_width, bias=False, **kw)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = linear(D, r + self.rope, bias=cfg.qkv_bias, **kw)
+        self.kv_a_layernorm = RMSNorm(r, **norm_kw)
+        self.kv_b_proj = linear(r, H * (self.nope + self.v_dim), bias=False, **kw)
+        self.o_proj = linear(H * self.v_dim, D, bias=cfg.o_bias, **kw)
+        self.num_heads, self.kv_lora_rank = H, r
+        self.scale = softmax_scale(cfg)
+        self.window = cfg.sliding_windows[layer_idx]
+        self.rope_interleaved = cfg.rope_interleaved
+        self.cache_layout = self.cache_spec(cfg, layer_idx)
+        self.dtype = dtype
+
+    def _query(self, x):
+        if self.q_proj is not None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def __call__(self, x, cache, meta: AttentionMeta, *, want_importance: bool = False):
+        """x [B, T, D], cache (latent, rotary key) -> (out [B, T, D], cache, importance [B, S] or None)."""
+        B, T, _ = x.shape
+        H, r, prec = self.num_heads, self.kv_lora_rank, matmul_precision(self.dtype)
+        q = self._query(x).reshape(B, T, H, self.nope + self.rope)
+        q_nope, q_rot = q[..., : self.nope], q[..., self.nope :]
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_rot = self.kv_a_layernorm(kv[..., :r]), kv[..., r:]
+        q_rot = apply_rope(q_rot, meta.cos, meta.sin, interleaved=self.rope_interleaved)
+        k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)
+        latent_cache = write_rows(cache[0], latent[:, None], meta.start)  # [B, 1, S, r]
+        rot_cache = write_rows(cache[1], k_rot.transpose(0, 2, 1, 3), meta.start)  # [B, 1, S, rope]
+        S = latent_cache.shape[2]
+        w = self.kv_b_proj.kernel[...].astype(self.dtype).reshape(r, H, self.nope + self.v_dim)
+        w_k, w_v = w[..., : self.nope], w[..., self.nope :]
+        q_latent = jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
+        scores = jnp.einsum("bhtr,bsr->bhts", q_latent, latent_cache[:, 0], precision=prec)
+        scores += jnp.einsum("bthp,bsp->bhts", q_rot, rot_cache[:, 0], precision=prec)
+        probs = masked_softmax(scores.astype(jnp.float32) * self.scale, allowed_keys(meta, S, self.window))
+        context = jnp.einsum("bhts,bsr->bthr", probs.astype(self.dtype), latent_cache[:, 0], precision=prec)
+        out = jnp.einsum("bthr,rhv->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
+        importance = received_importance(probs, meta, H) if want_importance else None
+        return self.o_proj(out), (latent_cache, rot_cache), importance

@@ -1,0 +1,148 @@
+"""DeepSeek-V2/V3 (multi-head latent attention) and GLM-4.5-MoE against transformers, and what the
+latent cache saves."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jmoe.layers.modules import cache_bytes_per_token, cache_spec
+from jmoe.models import config_from_hf
+from tests.hf_models import hf_config
+from tests.test_family_parity import assert_parity, converted
+
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+           intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+           first_k_dense_replace=1, n_shared_experts=1, eos_token_id=None)  # no early stop: 32 tokens
+
+DEEPSEEK_V2 = {
+    "lite-greedy": dict(MLA, q_lora_rank=None, topk_method="greedy"),
+    "q-lora-grouped": dict(MLA, q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                           routed_scaling_factor=2.0, n_shared_experts=2),
+    "all-sparse-biased": dict(MLA, q_lora_rank=None, first_k_dense_replace=0, attention_bias=True),
+}
+DEEPSEEK_V3 = {
+    "grouped-interleaved": dict(MLA, q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, rope_interleave=True),
+    "ungrouped-rotate-half": dict(MLA, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                                  rope_interleave=False, num_experts_per_tok=3),
+    # DeepSeek-V3's own RoPE: YaRN, whose mscale_all_dim also scales the softmax
+    "yarn-mscale": dict(MLA, q_lora_rank=24, n_group=2, topk_group=1, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+}
+GLM4_MOE = {
+    "half-rotary-qk-norm": dict(head_dim=16, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1,
+                                use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5),
+    "grouped-no-qk-norm": dict(head_dim=16, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                               num_experts_per_tok=2, first_k_dense_replace=0, n_shared_experts=2, n_group=2,
+                               topk_group=1, use_qk_norm=False, norm_topk_prob=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.75}),
+}
+for case in GLM4_MOE.values():
+    case["eos_token_id"] = None
+CASES = [(f, name, cfg) for f, table in (("deepseek_v2", DEEPSEEK_V2), ("deepseek_v3", DEEPSEEK_V3),
+                                         ("glm4_moe", GLM4_MOE)) for name, cfg in table.items()]
+RANDOMIZED = ("e_score_correction_bias",)  # zero at init: random values show it steers selection
+
+
+@pytest.mark.parametrize("family,name,overrides", CASES, ids=[f"{f}-{n}" for f, n, _ in CASES])
+def test_matches_transformers(tmp_path, family, name, overrides):
+    model, reference = converted(tmp_path, family, overrides=overrides, randomize=RANDOMIZED)
+    assert model.config.family == family
+    assert_parity(model, reference)
+
+
+@pytest.mark.parametrize("family,overrides", [("deepseek_v2", DEEPSEEK_V2["q-lora-grouped"]),
+                                              ("deepseek_v3", DEEPSEEK_V3["grouped-interleaved"]),
+                                              ("glm4_moe", GLM4_MOE["half-rotary-qk-norm"])])
+def test_fused_expert_layout(tmp_path, family, overrides):
+    model, reference = converted(tmp_path, family, fused=True, overrides=overrides, randomize=RANDOMIZED)
+    assert_parity(model, reference)
+
+
+def test_configs_exercise_each_variant():
+    cfgs = {(f, n): config_from_hf(hf_config(f, **o).to_dict()) for f, n, o in CASES}
+    v2 = cfgs["deepseek_v2", "q-lora-grouped"]
+    assert v2.attention == "mla" and v2.q_lora_rank == 24 and v2.router_groups == 4 and v2.router_topk_groups == 2
+    assert v2.routed_scaling_factor == 2.0 and v2.shared_expert_intermediate_size == 64
+    assert v2.moe_layers == (False, True, True) and v2.rope_interleaved and not v2.shared_expert_gated
+    assert cfgs["deepseek_v2", "lite-greedy"].q_lora_rank == 0
+    assert cfgs["deepseek_v2", "all-sparse-biased"].moe_layers == (True, True, True)
+    v3 = cfgs["deepseek_v3", "grouped-interleaved"]
+    assert v3.router == "sigmoid" and v3.norm_topk_prob and v3.rope_interleaved
+    assert not cfgs["deepseek_v3", "ungrouped-rotate-half"].rope_interleaved
+    glm = cfgs["glm4_moe", "half-rotary-qk-norm"]
+    assert glm.rotary_dim == 8 and glm.qk_norm == "head" and glm.qkv_bias and not glm.o_bias
+    assert cfgs["glm4_moe", "grouped-no-qk-norm"].rotary_dim == 12
+
+
+# DeepSeek-V2-Lite's attention shapes (config.json of deepseek-ai/DeepSeek-V2-Lite).
+V2_LITE = dict(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+               num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+               qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
+               n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, n_shared_experts=2)
+
+
+def test_latent_cache_is_what_the_budget_counts():
+    """DeepSeek-V2-Lite caches 512 + 64 numbers per token and layer, not 16 heads x (192 + 128)."""
+    from transformers import AutoConfig
+
+    cfg = config_from_hf(AutoConfig.for_model("deepseek_v2", **V2_LITE).to_dict())
+    assert all(cache_spec(cfg, i) == ((1, 512), (1, 64)) for i in range(cfg.num_layers))
+    latent = cache_bytes_per_token(cfg, jnp.bfloat16)
+    expanded = cfg.num_layers * cfg.num_heads * (cfg.head_dim + cfg.v_head_dim) * 2
+    assert latent == 27 * (512 + 64) * 2
+    assert expanded / latent > 8
+
+
+# ---------------------------------------------------------------- downstream: tiers, policies, paths
+
+DOWNSTREAM = [("deepseek_v2", DEEPSEEK_V2["q-lora-grouped"], "rtn"),
+              ("deepseek_v3", DEEPSEEK_V3["grouped-interleaved"], "gptq"),
+              ("glm4_moe", GLM4_MOE["half-rotary-qk-norm"], "haq")]
+IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 2047]
+
+
+@pytest.mark.parametrize("family,overrides,method", DOWNSTREAM, ids=[f for f, _, _ in DOWNSTREAM])
+def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method):
+    """Integer tiers (calibrated through the family's own attention and cache layout for GPTQ and
+    HAQ) track bf16; offloaded runs on both paths give the resident tokens; DyMoE mixes tiers."""
+    import shutil
+
+    import numpy as np
+
+    import jmoe
+    from convert import convert_checkpoint
+    from jmoe.policies import DyMoE
+    from tests.conftest import DATA, ROOT
+    from tests.hf_models import make_checkpoint
+
+    src = tmp_path / "hf"
+    make_checkpoint(family, src, overrides=dict(overrides, vocab_size=4096), randomize=RANDOMIZED)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # calibration text needs a tokenizer
+        shutil.copy(ROOT / "examples" / "tiny-qwen3-moe" / name, src / name)
+    calib = dict(calib=str(DATA / "code.train.txt"), calib_sequences=8, calib_seq_len=64) if method != "rtn" else {}
+    out = convert_checkpoint(src, tmp_path / "jmoe", tiers="bf16,int4,int2", method=method, progress=False, **calib)
+
+    logits = {t: np.asarray(jmoe.forward(jmoe.load(out, tier=t, compute_dtype="float32"), IDS)) for t in ("bf16",
+                                                                                                      "int4", "int2")}
+    error = {t: np.abs(logits[t] - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean() for t in ("int4", "int2")}
+    assert 0 < error["int4"] < error["int2"] < 1, error
+
+    resident = jmoe.load(out, tier="int4", compute_dtype="float32")
+    reference = jmoe.generate(resident, IDS, max_new_tokens=12)
+    fixed = sum(v for k, v in resident.memory.items() if k != "experts")
+    for execution in ("layerwise", "resident"):
+        model = jmoe.load(out, tier="int4", compute_dtype="float32", device_budget=int(fixed + 0.4 * resident.memory[
+            "experts"]), policy="lru+prefetch+cpu", execution=execution, cpu_critical_tokens=1)
+        assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts
+        assert jmoe.generate(model, IDS, max_new_tokens=12) == reference, execution
+        model.residency.cache.check()
+
+    model = jmoe.load(out, compute_dtype="float32", policy=DyMoE())
+    assert len(jmoe.generate(model, IDS, max_new_tokens=8)) == 8
+    uses = jmoe.stats(model)["uses_by_tier"]
+    assert uses["int2"] > 0 and uses["int4"] > 0
