@@ -146,6 +146,11 @@ class _CalibrationRunner:
 _JITTED: dict = {}
 
 
+def clear_compiled() -> None:
+    """Forget the compiled layer pieces (see jmoe.decoding.engine.clear_compiled)."""
+    _JITTED.clear()
+
+
 def _layer_fn(kind: str, graphdef):
     """Jitted pieces of a decoder layer, compiled once per layer structure (identical layers share them)."""
     key = (kind, graphdef)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import jax
@@ -9,6 +10,20 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
 DATA = ROOT / "tests" / "data"  # slices of the training corpus (see tests/data/README.md)
 CALIB_FILES = [str(DATA / f"{d}.train.txt") for d in ("prose", "code", "math")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop compiled executables after each test module: XLA:CPU maps every executable's code, and
+    the whole suite's would pass the per-process limit on memory mappings (vm.max_map_count, 65530
+    by default), where compiling segfaults."""
+    yield
+    from convert import calibration
+    from jmoe.decoding import engine
+
+    calibration.clear_compiled()
+    engine.clear_compiled()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -86,6 +86,14 @@ def jit_for(fn, graphdef, **jit_kwargs):
     return _JITS[key]
 
 
+def clear_compiled() -> None:
+    """Forget every compiled step (they recompile on next use). XLA:CPU maps each executable's code
+    into memory, so a process that loads many differently shaped models over its life (a test
+    suite, a server cycling models) calls this to stay under the kernel's limit on mappings."""
+    _JITS.clear()
+    jax.clear_caches()
+
+
 _sample_jit = jax.jit(_sample, static_argnames=("greedy",))
 
 
