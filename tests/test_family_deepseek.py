@@ -146,3 +146,25 @@ def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method)
     assert len(jmoe.generate(model, IDS, max_new_tokens=8)) == 8
     uses = jmoe.stats(model)["uses_by_tier"]
     assert uses["int2"] > 0 and uses["int4"] > 0
+
+
+@pytest.mark.parametrize("family,change,message", [
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "'topk_method' 'noaux_tc' is not supported"),
+    ("deepseek_v2", dict(mlp_bias=True), "'mlp_bias' true is not supported"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=1),
+     r"n_group \(3\) must divide the number of experts \(8\)"),
+    ("deepseek_v3", dict(n_group=4, topk_group=1, num_experts_per_tok=3), r"exceeds the experts of the topk_group"),
+    ("deepseek_v3", dict(n_group=2, topk_group=3), "router_topk_groups"),
+    ("deepseek_v3", dict(kv_lora_rank=0), "kv_lora_rank"),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}),
+     "'partial_rotary_factor' must be in"),
+    ("glm4_moe", dict(routed_scaling_factor=-1.0), "routed_scaling_factor"),
+])
+def test_bad_configs_name_the_field(family, change, message):
+    from jmoe.errors import ConfigError
+
+    base = {"deepseek_v2": DEEPSEEK_V2["lite-greedy"], "deepseek_v3": DEEPSEEK_V3["grouped-interleaved"],
+            "glm4_moe": GLM4_MOE["half-rotary-qk-norm"]}[family]
+    hf = {**hf_config(family, **base).to_dict(), **change}
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf(hf)
