@@ -109,7 +109,8 @@ IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 2047]
 @pytest.mark.parametrize("family,overrides,method", DOWNSTREAM, ids=[f for f, _, _ in DOWNSTREAM])
 def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method):
     """Integer tiers (calibrated through the family's own attention and cache layout for GPTQ and
-    HAQ) track bf16; offloaded runs on both paths give the resident tokens; DyMoE mixes tiers."""
+    HAQ) track bf16; speculative decoding and offloaded runs on both paths give the resident
+    tokens; DyMoE mixes tiers."""
     import shutil
 
     import numpy as np
@@ -134,6 +135,8 @@ def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method)
 
     resident = jmoe.load(out, tier="int4", compute_dtype="float32")
     reference = jmoe.generate(resident, IDS, max_new_tokens=12)
+    # speculative decoding with the int2 copy as draft shares the latent cache and keeps greedy output
+    assert jmoe.generate(resident, IDS, max_new_tokens=12, speculative="int2") == reference
     fixed = sum(v for k, v in resident.memory.items() if k != "experts")
     for execution in ("layerwise", "resident"):
         model = jmoe.load(out, tier="int4", compute_dtype="float32", device_budget=int(fixed + 0.4 * resident.memory[
