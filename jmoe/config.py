@@ -119,6 +119,10 @@ class ModelConfig:
                               "is not supported")
         if not all(self.moe_layers) and self.dense_intermediate_size < 1:
             raise ConfigError("the model has dense (non-MoE) layers but intermediate_size is missing or 0")
+        if self.attention == "mla" and not (self.kv_lora_rank and self.qk_nope_head_dim and self.v_head_dim
+                                            and self.head_dim == self.qk_nope_head_dim + self.rotary_dim):
+            raise ConfigError("latent attention needs kv_lora_rank, qk_nope_head_dim and v_head_dim >= 1 and "
+                              "head_dim = qk_nope_head_dim + the rotary width")
         if self.rotary_dim % 2:
             raise ConfigError(f"the rotary dimension must be even, got {self.rotary_dim}")
         check_rope(self.rope_type, self.rope_params, self.rotary_dim)

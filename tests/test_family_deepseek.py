@@ -171,3 +171,14 @@ def test_bad_configs_name_the_field(family, change, message):
     hf = {**hf_config(family, **base).to_dict(), **change}
     with pytest.raises(ConfigError, match=message):
         config_from_hf(hf)
+
+
+def test_a_hand_edited_latent_attention_config_is_refused():
+    import dataclasses
+
+    from jmoe.errors import ConfigError
+
+    cfg = config_from_hf(hf_config("deepseek_v3", **DEEPSEEK_V3["grouped-interleaved"]).to_dict())
+    for change in (dict(kv_lora_rank=0), dict(v_head_dim=0), dict(head_dim=cfg.head_dim + 2)):
+        with pytest.raises(ConfigError, match="latent attention needs"):
+            dataclasses.replace(cfg, **change)
