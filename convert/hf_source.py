@@ -133,22 +133,28 @@ class TensorSource:
         self._require(name)
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())
 
-    def get(self, name: str, expected_shape: tuple[int, ...] | None = None, index: int | None = None) -> np.ndarray:
-        """The tensor (or its slice [index] along the first axis) as float32 numpy; refuses shapes
-        other than `expected_shape`, non-float dtypes and NaN/Inf values, naming the tensor."""
+    def _read(self, name: str, expected_shape: tuple[int, ...] | None, index: int | None, dtypes: tuple[str, ...],
+              requirement: str):
+        """The raw tensor (or its slice [index] along the first axis), after checking its shape and
+        that its dtype is one of `dtypes` (`requirement` says so in the error)."""
         shape = self.shape(name)
         if expected_shape is not None and shape != tuple(expected_shape):
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(expected_shape)}")
         handle = self._open(self._where[name])
         try:
             dtype = handle.get_slice(name).get_dtype()
-            if dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"tensor {name} has dtype {dtype}; weights must be one of {', '.join(FLOAT_DTYPES)}")
+            if dtype not in dtypes:
+                raise CheckpointError(f"tensor {name} has dtype {dtype}; {requirement}")
             with jax.default_device(self._cpu):
-                value = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
+                return handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"tensor {name} in {self._where[name].name} cannot be read ({e})") from None
-        value = np.asarray(value, dtype=np.float32)
+
+    def get(self, name: str, expected_shape: tuple[int, ...] | None = None, index: int | None = None) -> np.ndarray:
+        """The tensor (or its slice [index] along the first axis) as float32 numpy; refuses shapes
+        other than `expected_shape`, non-float dtypes and NaN/Inf values, naming the tensor."""
+        value = np.asarray(self._read(name, expected_shape, index, FLOAT_DTYPES,
+                                      f"weights must be one of {', '.join(FLOAT_DTYPES)}"), dtype=np.float32)
         if not np.isfinite(value).all():
             bad = int(value.size - np.isfinite(value).sum())
             where = f" (expert {index})" if index is not None else ""
@@ -157,19 +163,7 @@ class TensorSource:
 
     def get_bytes(self, name: str, expected_shape: tuple[int, ...], index: int | None = None) -> np.ndarray:
         """A uint8 tensor (packed codes such as MXFP4 blocks and scales), or its slice [index], as numpy."""
-        shape = self.shape(name)
-        if shape != tuple(expected_shape):
-            raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(expected_shape)}")
-        handle = self._open(self._where[name])
-        try:
-            dtype = handle.get_slice(name).get_dtype()
-            if dtype != "U8":
-                raise CheckpointError(f"tensor {name} has dtype {dtype}; packed codes must be U8")
-            with jax.default_device(self._cpu):
-                value = handle.get_slice(name)[index] if index is not None else handle.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"tensor {name} in {self._where[name].name} cannot be read ({e})") from None
-        return np.asarray(value, dtype=np.uint8)
+        return np.asarray(self._read(name, expected_shape, index, ("U8",), "packed codes must be U8"), dtype=np.uint8)
 
     def layer_indices(self, prefix: str = "model.layers.") -> set[int]:
         """Decoder-layer indices that tensor names mention (model.layers.<i>.)."""

@@ -26,11 +26,14 @@ class Router(nnx.Module):
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.dtype = dtype
 
-    def logits(self, h):
-        """h [N, D] -> router logits [N, E] float32 (the product runs in the compute dtype)."""
+    def project(self, h):
+        """h [N, D] @ kernel -> [N, E] in the compute dtype (as the reference's linear layer)."""
         kernel = self.kernel[...].astype(self.dtype)
-        out = jnp.dot(h.astype(self.dtype), kernel, precision=matmul_precision(self.dtype))
-        return out.astype(jnp.float32)
+        return jnp.dot(h.astype(self.dtype), kernel, precision=matmul_precision(self.dtype))
+
+    def logits(self, h):
+        """h [N, D] -> router logits [N, E] float32."""
+        return self.project(h).astype(jnp.float32)
 
     def eligible(self, group_scores):
         """Group-limited selection: [N, G] per-group scores -> a mask over [N, E] of the experts in
@@ -120,10 +123,8 @@ class TopKSoftmaxRouter(Router):
         self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), param_dtype))
 
     def logits(self, h):
-        """h @ kernel + bias in the compute dtype (as the reference's linear layer), then float32."""
-        kernel = self.kernel[...].astype(self.dtype)
-        out = jnp.dot(h.astype(self.dtype), kernel, precision=matmul_precision(self.dtype))
-        return (out + self.bias[...].astype(self.dtype)).astype(jnp.float32)
+        """h @ kernel + bias in the compute dtype, then float32."""
+        return (self.project(h) + self.bias[...].astype(self.dtype)).astype(jnp.float32)
 
     def __call__(self, h) -> Routing:
         top, ids = jax.lax.top_k(self.logits(h), self.top_k)

@@ -29,10 +29,6 @@ class CheckpointNames:
 
 def checkpoint_names(cfg: ModelConfig) -> CheckpointNames:
     """The family's checkpoint names and expert layout."""
-    return _names(cfg)
-
-
-def _names(cfg: ModelConfig) -> CheckpointNames:
     from jmoe.models import (
         family_named,  # the registry imports this module's CheckpointNames
     )
@@ -51,7 +47,7 @@ class DenseTensor:
 
 def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
     """The HF tensor for a dense parameter path such as ('layers', 3, 'self_attn', 'q_proj', 'kernel')."""
-    names = _names(cfg)
+    names = checkpoint_names(cfg)
     parts = [str(p) for p in path]
     leaf = parts[-1]
     transpose = leaf == "kernel"
@@ -72,14 +68,14 @@ def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
 
 def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int, leaf: str = "weight") -> tuple[str, str, str]:
     """Per-expert (hub) layout: gate [F, D], up [F, D], down [D, F] (leaf "bias": [F], [F], [D])."""
-    names = _names(cfg)
+    names = checkpoint_names(cfg)
     base = f"model.layers.{layer}.{names.moe_prefix}.experts.{expert}"
     return tuple(f"{base}.{proj}.{leaf}" for proj in names.expert_projs)
 
 
 def fused_expert_names(cfg: ModelConfig, layer: int) -> list[tuple[str, str]]:
     """Fused 3-D layout written by newer transformers: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
-    prefixes = dict.fromkeys([_names(cfg).moe_prefix, "mlp"])
+    prefixes = dict.fromkeys([checkpoint_names(cfg).moe_prefix, "mlp"])
     return [
         (f"model.layers.{layer}.{p}.experts.gate_up_proj", f"model.layers.{layer}.{p}.experts.down_proj")
         for p in prefixes
