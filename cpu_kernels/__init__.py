@@ -1,0 +1,10 @@
+"""Native CPU kernels that multiply packed expert and dense weights where they lie.
+
+`matmul` and `expert_ffn` are the entry points; each runs the native kernel (a C++ library
+behind XLA's FFI, built by the package's build) when it is loaded and the inputs are on the CPU,
+and the XLA reference otherwise.
+"""
+
+from cpu_kernels.ops import available, expert_ffn, matmul
+
+__all__ = ["available", "expert_ffn", "matmul"]
