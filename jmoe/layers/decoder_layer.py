@@ -13,16 +13,17 @@ from jmoe.layers.moe import MoEBlock
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
+        """quant: the dense tier's format for the layer's projections (None: plain param_dtype)."""
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, **kw)
-        self.self_attn = attention_class(cfg)(cfg, layer_idx, rngs=rngs, **kw)
+        self.self_attn = attention_class(cfg)(cfg, layer_idx, rngs=rngs, quant=quant, **kw)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, **kw)
         self.is_moe = cfg.moe_layers[layer_idx]
         if self.is_moe:
-            self.mlp = MoEBlock(cfg, rngs=rngs, **kw)
+            self.mlp = MoEBlock(cfg, rngs=rngs, quant=quant, **kw)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, rngs=rngs, **kw)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, rngs=rngs, quant=quant, **kw)
 
     def attend(self, x, cache, meta: AttentionMeta, *, want_importance=False):
         """Pre-norm attention with residual: (x, h = normed input of the MLP, this layer's cache,

@@ -14,7 +14,8 @@ from jmoe.layers.attention import (
     received_importance,
     write_rows,
 )
-from jmoe.layers.norms import RMSNorm, linear, matmul_precision
+from jmoe.layers.linear import Linear
+from jmoe.layers.norms import RMSNorm, matmul_precision
 from jmoe.layers.rope import apply_rope
 
 
@@ -24,13 +25,13 @@ class GroupedQueryAttention(nnx.Module):
         """Keys and values, each [B, KV, S, head_dim]."""
         return ((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim))
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
         H, KV, hd, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = linear(D, H * hd, bias=cfg.qkv_bias, **kw)
-        self.k_proj = linear(D, KV * hd, bias=cfg.qkv_bias, **kw)
-        self.v_proj = linear(D, KV * hd, bias=cfg.qkv_bias, **kw)
-        self.o_proj = linear(H * hd, D, bias=cfg.o_bias, **kw)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.q_proj = Linear(D, H * hd, bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(D, KV * hd, bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(D, KV * hd, bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(H * hd, D, bias=cfg.o_bias, **kw)
         norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(hd, **norm_kw), RMSNorm(hd, **norm_kw)

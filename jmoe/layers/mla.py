@@ -23,7 +23,8 @@ from jmoe.layers.attention import (
     received_importance,
     write_rows,
 )
-from jmoe.layers.norms import RMSNorm, linear, matmul_precision
+from jmoe.layers.linear import Linear
+from jmoe.layers.norms import RMSNorm, matmul_precision
 from jmoe.layers.rope import apply_rope
 
 LATENT_NORM_EPS = 1e-6  # transformers builds the q/kv latent norms with their default eps
@@ -46,24 +47,24 @@ class LatentAttention(nnx.Module):
         """The key/value latent [B, 1, S, kv_lora_rank] and the rotary key [B, 1, S, rope_dim]."""
         return ((1, cfg.kv_lora_rank), (1, cfg.rotary_dim))
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
         H, D, r = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         norm_kw = dict(eps=LATENT_NORM_EPS, dtype=dtype, param_dtype=param_dtype)
         q_width = H * (self.nope + self.rope)
         if cfg.q_lora_rank:
             self.q_proj = None
-            self.q_a_proj = linear(D, cfg.q_lora_rank, bias=cfg.qkv_bias, **kw)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=cfg.qkv_bias, **kw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, **norm_kw)
-            self.q_b_proj = linear(cfg.q_lora_rank, q_width, bias=False, **kw)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_width, bias=False, **kw)
         else:
-            self.q_proj = linear(D, q_width, bias=False, **kw)
+            self.q_proj = Linear(D, q_width, bias=False, **kw)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
-        self.kv_a_proj_with_mqa = linear(D, r + self.rope, bias=cfg.qkv_bias, **kw)
+        self.kv_a_proj_with_mqa = Linear(D, r + self.rope, bias=cfg.qkv_bias, **kw)
         self.kv_a_layernorm = RMSNorm(r, **norm_kw)
-        self.kv_b_proj = linear(r, H * (self.nope + self.v_dim), bias=False, **kw)
-        self.o_proj = linear(H * self.v_dim, D, bias=cfg.o_bias, **kw)
+        self.kv_b_proj = Linear(r, H * (self.nope + self.v_dim), bias=False, **kw)
+        self.o_proj = Linear(H * self.v_dim, D, bias=cfg.o_bias, **kw)
         self.num_heads, self.kv_lora_rank = H, r
         self.scale = softmax_scale(cfg)
         self.window = cfg.sliding_windows[layer_idx]
@@ -89,7 +90,8 @@ class LatentAttention(nnx.Module):
         latent_cache = write_rows(cache[0], latent[:, None], meta.start)  # [B, 1, S, r]
         rot_cache = write_rows(cache[1], k_rot.transpose(0, 2, 1, 3), meta.start)  # [B, 1, S, rope]
         S = latent_cache.shape[2]
-        w = self.kv_b_proj.kernel[...].astype(self.dtype).reshape(r, H, self.nope + self.v_dim)
+        # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
+        w = self.kv_b_proj.weight(self.dtype).reshape(r, H, self.nope + self.v_dim)
         w_k, w_v = w[..., : self.nope], w[..., self.nope :]
         q_latent = jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
         scores = jnp.einsum("bhtr,bsr->bhts", q_latent, latent_cache[:, 0], precision=prec)

@@ -20,7 +20,7 @@ from jmoe.layers.experts import (
 )
 from jmoe.layers.mlp import DenseMLP
 from jmoe.layers.modules import router_class
-from jmoe.layers.norms import linear
+from jmoe.layers.linear import Linear
 
 
 class LayerSignals(NamedTuple):
@@ -38,14 +38,15 @@ class LayerSignals(NamedTuple):
 
 
 class MoEBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs, quant=None):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.router = router_class(cfg)(cfg, **kw)
         self.activation = expert_activation(cfg)  # static: how the routed experts combine gate and up
         shared = cfg.shared_expert_intermediate_size
-        self.shared_expert = DenseMLP(cfg.hidden_size, shared, **kw) if shared else None
+        self.shared_expert = DenseMLP(cfg.hidden_size, shared, quant=quant, **kw) if shared else None
         gated = shared and cfg.shared_expert_gated
-        self.shared_expert_gate = linear(cfg.hidden_size, 1, bias=False, **kw) if gated else None
+        # The shared expert's gate is a router-like [D, 1] vector: it stays float like the routers.
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False, **kw) if gated else None
         self.dtype = dtype
 
     def route(self, h) -> Routing:

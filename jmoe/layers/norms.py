@@ -1,4 +1,4 @@
-"""Numerics shared by every layer: matmul precision, RMSNorm / LayerNorm, linear layers (Hugging Face numerics)."""
+"""Numerics shared by every layer: matmul precision, RMSNorm / LayerNorm (Hugging Face numerics)."""
 
 from __future__ import annotations
 
@@ -41,14 +41,3 @@ class LayerNorm(nnx.Module):
         out = x32 * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
         return out.astype(self.dtype)
 
-
-def linear(in_features: int, out_features: int, *, bias: bool, dtype, param_dtype, rngs) -> nnx.Linear:
-    return nnx.Linear(
-        in_features,
-        out_features,
-        use_bias=bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        precision=matmul_precision(dtype),
-        rngs=rngs,
-    )

@@ -13,7 +13,7 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError
 from jmoe.layers.experts import Routing
-from jmoe.layers.norms import matmul_precision
+from jmoe.layers.linear import matmul
 
 
 class Router(nnx.Module):
@@ -28,8 +28,7 @@ class Router(nnx.Module):
 
     def project(self, h):
         """h [N, D] @ kernel -> [N, E] in the compute dtype (as the reference's linear layer)."""
-        kernel = self.kernel[...].astype(self.dtype)
-        return jnp.dot(h.astype(self.dtype), kernel, precision=matmul_precision(self.dtype))
+        return matmul(h.astype(self.dtype), self.kernel[...]).astype(self.dtype)
 
     def logits(self, h):
         """h [N, D] -> router logits [N, E] float32."""

@@ -20,7 +20,8 @@ from jmoe.layers.decoder_layer import DecoderLayer
 from jmoe.layers.experts import ExpertState
 from jmoe.layers.modules import make_norm
 from jmoe.layers.moe import LayerSignals
-from jmoe.layers.norms import linear, matmul_precision
+from jmoe.layers.linear import Embed, Linear, matmul
+from pallas_kernels.qarray import QuantFormat
 
 
 class StepSignals(NamedTuple):
@@ -113,19 +114,22 @@ class TracedLayers:
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    """The whole model. `quant` is the dense tier's format (None: plain param_dtype weights): the
+    attention projections, dense MLPs, shared experts, LM head and embedding table are stored in it;
+    norms, routers and biases stay float."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
+                 quant: QuantFormat | None = None):
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
-        )
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.layers = nnx.List([DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers)])
         self.norm = make_norm(cfg, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, dtype=dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, **kw)
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -134,11 +138,8 @@ class Transformer(nnx.Module):
         """Final norm and LM head; float32 logits."""
         x = self.norm(x)
         if self.lm_head is None:
-            table = self.embed_tokens.embedding[...].astype(self.dtype)
-            out = jnp.dot(x, table.T, precision=matmul_precision(self.dtype), preferred_element_type=jnp.float32)
-        else:
-            out = self.lm_head(x)
-        return out.astype(jnp.float32)
+            return matmul(x, self.embed_tokens.head_weight())
+        return self.lm_head.project(x)
 
     def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False):
         """tokens [B, T] -> (hidden [B, T, D], cache, StepSignals): every layer, experts through the handle tables."""
@@ -148,9 +149,9 @@ class Transformer(nnx.Module):
         return x, cache, stack_signals(signals, importance, B, T)
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> Transformer:
-    """The model with shape-only parameters (no memory, no random init)."""
-    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: ModelConfig, dtype, quant: QuantFormat | None = None) -> Transformer:
+    """The model with shape-only parameters (no memory, no random init); `quant`: the dense tier's format."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), quant=quant))
 
 
 __all__ = ["Transformer", "StepSignals", "abstract_model", "run_layers", "TracedLayers"]

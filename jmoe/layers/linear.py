@@ -1,0 +1,110 @@
+"""Dense weights: the one matmul entry point, the linear layer and the embedding table.
+
+A dense weight is stored K-major [K, N] (y = x @ W) either as a plain array (bf16, the dense tier
+"bf16") or as a QArray (pallas_kernels/qarray.py, dense tiers "int8" / "int4"); model code never
+branches on which. Every dense projection, the LM head (tied or not) and the routers multiply
+through `matmul`:
+
+- on the CPU, `cpu_kernels.matmul` (the native kernel reading the stored bytes, or its XLA
+  reference, which is exact float32);
+- elsewhere, `jnp.dot` in the compute dtype with float32 accumulation (GPU: bf16 x bf16).
+
+A weight is never promoted whole per step outside that call: the embedding gathers its rows first
+and casts (or dequantizes) only those. A quantized embedding table stores E^T [D, V] (each token a
+column, groups along D), which is also the tied LM head's K-major weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import cpu_kernels
+from jmoe.layers.norms import matmul_precision
+from pallas_kernels.qarray import QArray, QuantFormat, dequantize, prepare_input, template
+
+
+def on_cpu() -> bool:
+    """Whether this trace computes on the CPU (the model lives on the default device)."""
+    return jax.default_backend() == "cpu"
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray."""
+    if on_cpu():
+        return cpu_kernels.matmul(x, w)
+    if isinstance(w, QArray):
+        x = prepare_input(x, w.act_scale, w.fmt)
+        w = dequantize(w, x.dtype)  # fused into the dot's operand by XLA, never a stored copy
+    return jnp.dot(x, w.astype(x.dtype), precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32)
+
+
+def dense_weight(w, dtype) -> jax.Array:
+    """The logical weight [K, N] in `dtype` (for the few small weights used outside a matmul)."""
+    return dequantize(w, dtype) if isinstance(w, QArray) else w.astype(dtype)
+
+
+def zeros_qarray(fmt: QuantFormat, k: int, n: int) -> QArray:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template(fmt, k, n))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias) in the compute dtype; kernel [in, out] a plain array or a QArray
+    (`quant`), bias float (param_dtype). Parameter names follow nnx.Linear's (kernel, bias)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, param_dtype, rngs,
+                 quant: QuantFormat | None = None):
+        if quant is None:
+            init = nnx.initializers.lecun_normal()
+            self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+        else:
+            self.kernel = nnx.Param(zeros_qarray(quant, in_features, out_features))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
+        self.dtype = dtype
+
+    def project(self, x):
+        """x [..., in] -> float32 [..., out] (bias added in float32)."""
+        y = matmul(x.astype(self.dtype), self.kernel.get_value())
+        return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
+
+    def __call__(self, x):
+        return self.project(x).astype(self.dtype)
+
+    def weight(self, dtype) -> jax.Array:
+        """The kernel [in, out] in `dtype`."""
+        return dense_weight(self.kernel.get_value(), dtype)
+
+
+class Embed(nnx.Module):
+    """Token embeddings: rows gathered first, then cast (or dequantized) to the compute dtype.
+
+    Plain: `embedding` [V, D] (nnx.Embed's name and layout). Quantized (`quant`): `embedding` is a
+    QArray encoding E^T [D, V], so a lookup gathers columns and the tied LM head multiplies by it
+    as it is."""
+
+    def __init__(self, num_embeddings: int, features: int, *, dtype, param_dtype, rngs,
+                 quant: QuantFormat | None = None):
+        if quant is None:
+            init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+            self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
+        else:
+            self.embedding = nnx.Param(zeros_qarray(quant, features, num_embeddings))
+        self.features = features
+        self.dtype = dtype
+
+    def __call__(self, ids):
+        """ids [...] int -> [..., D] in the compute dtype."""
+        table = self.embedding.get_value()
+        if not isinstance(table, QArray):
+            return jnp.take(table, ids, axis=0).astype(self.dtype)
+        flat = ids.reshape(-1)
+        take = lambda a: None if a is None else jnp.take(a, flat, axis=-1)  # noqa: E731
+        cols = QArray(take(table.values), take(table.scales), take(table.offsets), None, table.fmt, table.k)
+        return dequantize(cols, jnp.float32).T.reshape(*ids.shape, self.features).astype(self.dtype)
+
+    def head_weight(self):
+        """The tied LM head's weight [D, V]: the QArray as stored, or the plain table transposed
+        (folded into the dot by XLA)."""
+        table = self.embedding.get_value()
+        return table if isinstance(table, QArray) else table.T
