@@ -1,26 +1,92 @@
-"""Entry points of the CPU kernels, with the XLA reference as the fallback."""
+"""Entry points of the CPU kernels, with the XLA reference as the fallback.
+
+Weights reach the native kernels in their stored layout (pallas_kernels/qarray.py): plain
+bf16/float32 [.., K, N] or QArray codes, scales and offsets. What the kernels do not do themselves
+is done here, on the small activations: HAQ's input smoothing (x * act_scale) and W8A8's per-token
+activation quantization, exactly as the XLA reference does them.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from cpu_kernels import native
 from pallas_kernels.expert_ffn import expert_ffn_reference
+from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
-
 def available() -> bool:
-    """Whether the native library is loaded (it is not yet: every call runs the XLA reference)."""
-    return False
+    """Whether the native library is loaded and the default backend is the CPU."""
+    return native.loaded() and jax.default_backend() == "cpu"
 
+def _weight_operands(w):
+    """(values, scales, offsets) operands and (bits, group, symmetric) of a weight or a pool of them."""
+    if isinstance(w, QArray):
+        fmt = w.fmt
+        offsets = native.empty(np.float16) if w.offsets is None else w.offsets
+        return (w.values, w.scales, offsets), dict(bits=np.int64(fmt.bits), group=np.int64(fmt.group_size),
+                                                   symmetric=bool(fmt.symmetric))
+    dtype = jnp.dtype(w.dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        w = w.astype(jnp.float32)
+        dtype = jnp.dtype(jnp.float32)
+    bits = 16 if dtype == jnp.dtype(jnp.bfloat16) else 32
+    return (w, native.empty(np.float16), native.empty(np.float16)), dict(bits=np.int64(bits), group=np.int64(64),
+                                                                         symmetric=True)
 
 def matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray (smoothing and W8A8 applied)."""
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
-        w = dequantize(w, jnp.float32)
-    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
+        k, n = w.k, w.n
+    else:
+        k, n = w.shape
+    if not available():
+        dense = dequantize(w, jnp.float32) if isinstance(w, QArray) else w.astype(jnp.float32)
+        return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    operands, fmt = _weight_operands(w)
+    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands,
+                    k=np.int64(k), n=np.int64(n), **fmt)
+    return y.reshape(*lead, n)
 
+def _pool_format(prefix: str, w) -> tuple[tuple, dict]:
+    operands, fmt = _weight_operands(w)
+    return operands, {f"{prefix}_{name}": value for name, value in fmt.items()}
 
-expert_ffn = expert_ffn_reference
+def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
+               activation: GatedActivation = SILU):
+    """The grouped gated expert FFN (expert_ffn_reference's contract) on the native kernel:
+    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype."""
+    if not available():
+        return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
+                                    down_bias=down_bias, activation=activation)
+    R, D = rows.shape
+    if isinstance(down, QArray) and down.act_scale is not None:
+        # no converter smooths the down projection's inputs (HAQ folds that into gate_up)
+        return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows,
+                                    gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
+    x = rows.astype(jnp.float32)
+    if isinstance(gate_up, QArray):  # smoothing (each block's expert's own) and W8A8 on the inputs
+        row_slot = jnp.repeat(jnp.maximum(block_slot, 0), block_rows)
+        scale = None if gate_up.act_scale is None else gate_up.act_scale[row_slot]
+        x = prepare_input(x, scale, gate_up.fmt)
+    dn_int8_inputs = isinstance(down, QArray) and down.fmt.act_bits == 8
+    slots = (gate_up.values if isinstance(gate_up, QArray) else gate_up).shape[0]
+    inner = down.k if isinstance(down, QArray) else down.shape[-2]
+    gu_ops, gu_fmt = _pool_format("gu", gate_up)
+    dn_ops, dn_fmt = _pool_format("dn", down)
+    no_bias = native.empty(np.float32)
+    gu_bias = no_bias if gate_up_bias is None else gate_up_bias.astype(jnp.float32)
+    dn_bias = no_bias if down_bias is None else down_bias.astype(jnp.float32)
+    y = native.call(
+        native.EXPERT_FFN, jax.ShapeDtypeStruct((R, D), jnp.float32), x,
+        block_slot.astype(jnp.int32), *gu_ops, gu_bias, *dn_ops, dn_bias, block_rows=np.int64(block_rows),
+        hidden=np.int64(D), inner=np.int64(inner), slots=np.int64(slots), clamped=activation.kind != "silu",
+        alpha=np.float32(activation.alpha), limit=np.float32(activation.limit), dn_int8_inputs=dn_int8_inputs,
+        **gu_fmt, **dn_fmt)
+    return y.astype(rows.dtype)

@@ -18,13 +18,18 @@ from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, offsets_fit, poo
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
-BACKENDS = ("xla", "pallas", "interpret")
+BACKENDS = ("xla", "pallas", "interpret", "cpu")
 log = logging.getLogger("jmoe.kernels")
 _warned: set = set()
 
 
 def default_backend() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    """Pallas on a GPU; on the CPU the native kernels (cpu_kernels) when they are built, else XLA."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    from cpu_kernels import available  # imported here: cpu_kernels builds on this module
+
+    return "cpu" if available() else "xla"
 
 
 def _precision(dtype):
@@ -68,12 +73,17 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
     """Entry point the model calls; dispatches to a kernel where one supports the inputs.
 
     "pallas" runs the compiled Pallas kernel, "interpret" the same kernel in interpret mode; either
-    falls back to the XLA reference for inputs the kernel does not support.
+    falls back to the XLA reference for inputs the kernel does not support. "cpu" runs the native
+    CPU kernel (cpu_kernels; the XLA reference where it is not built).
     """
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
     extra = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
+    if backend == "cpu":
+        from cpu_kernels import expert_ffn as cpu_expert_ffn
+
+        return cpu_expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, **extra)
     if backend != "xla" and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
         return expert_ffn_pallas(
             rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret", **extra

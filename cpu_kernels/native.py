@@ -1,0 +1,64 @@
+"""Loading the native library and calling its FFI targets.
+
+The library is the package's extension module `cpu_kernels._native` (built by setup.py). Its
+handlers are registered with XLA once, for the CPU platform. Set JMOE_CPU_KERNELS=off to run the
+XLA reference instead (for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import jax
+import numpy as np
+
+log = logging.getLogger("jmoe.kernels")
+_lock = threading.Lock()
+_state: dict = {}
+
+MATMUL = "jmoe_cpu_matmul"
+EXPERT_FFN = "jmoe_cpu_expert_ffn"
+
+
+def _load():
+    """The loaded library, or None (not built, disabled, or failed to register: logged once)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib = None
+        if os.environ.get("JMOE_CPU_KERNELS", "on").lower() not in ("off", "0", "false"):
+            try:
+                from cpu_kernels import _native
+
+                lib = ctypes.cdll.LoadLibrary(_native.__file__)
+                for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn)):
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+                lib.jmoe_cpu_isa.restype = ctypes.c_char_p
+            except (ImportError, OSError, AttributeError) as e:
+                log.warning("native CPU kernels unavailable (%s); the XLA reference runs instead", e)
+                lib = None
+        _state["lib"] = lib
+        return lib
+
+
+def loaded() -> bool:
+    return _load() is not None
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run with ('avx512', 'avx2', 'portable'), or None when not loaded."""
+    lib = _load()
+    return None if lib is None else lib.jmoe_cpu_isa().decode()
+
+
+def call(name: str, result: jax.ShapeDtypeStruct, *args, **attrs):
+    _load()
+    return jax.ffi.ffi_call(name, result, vmap_method="sequential")(*args, **attrs)
+
+
+def empty(dtype) -> np.ndarray:
+    """A zero-size operand standing for an absent one (scales of a plain weight, absent biases)."""
+    return np.zeros((0,), dtype)

@@ -1,0 +1,368 @@
+// CPU kernels behind XLA's FFI: a matmul and the grouped gated expert FFN over packed weights.
+//
+// Both read weights where they lie (a pool slot, a dense parameter), in their stored format
+// (bf16, float32, or a QArray's int8/int4/int2 codes with float16 scales and offsets), decode
+// one small panel at a time into L1, and accumulate in float32. Work is split over column tiles
+// and run on XLA's intra-op thread pool. The instruction set (AVX-512, AVX2, or portable) is
+// chosen once at run time.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmoe {
+
+constexpr int kTile = 64;             // columns per tile (four 16-float vectors)
+constexpr int kPlainPanelRows = 64;   // K rows per panel for unquantized weights
+constexpr int kMaxPanelRows = 128;    // the largest group size
+
+// One K-major weight [K, N] (one pool slot, or a dense parameter).
+struct Weight {
+  const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / pack, N]
+  const uint16_t* scales;    // float16 [Kp / G, N] (quantized only)
+  const uint16_t* offsets;   // float16 [Kp / G, N] (asymmetric only)
+  int bits;                  // 32, 16 (bf16), 8, 4 or 2
+  int64_t group;             // G (quantized only)
+  bool symmetric;
+  int64_t k, n;              // logical K, N
+
+  bool quantized() const { return bits <= 8; }
+  int64_t padded_k() const { return quantized() ? (k + group - 1) / group * group : k; }
+  int64_t value_bytes() const { return quantized() ? padded_k() / (8 / bits) * n : k * n * (bits / 8); }
+  int64_t scale_count() const { return quantized() ? padded_k() / group * n : 0; }
+
+  Weight slot(int64_t s) const {
+    Weight w = *this;
+    w.values = static_cast<const uint8_t*>(values) + s * value_bytes();
+    if (scales) w.scales = scales + s * scale_count();
+    if (offsets) w.offsets = offsets + s * scale_count();
+    return w;
+  }
+};
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {  // zero or subnormal: mant * 2^-24
+    float f = std::ldexp(static_cast<float>(mant), -24);
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One element of W (the ragged-tile path).
+static float weight_at(const Weight& w, int64_t k, int64_t n) {
+  if (w.bits == 32) return static_cast<const float*>(w.values)[k * w.n + n];
+  if (w.bits == 16) return bf16_to_float(static_cast<const uint16_t*>(w.values)[k * w.n + n]);
+  const int pack = 8 / w.bits;
+  const int64_t plane = w.group / pack, g = k / w.group, within = k % w.group;
+  const int64_t field = within / plane, r = within % plane;
+  const uint8_t byte = static_cast<const uint8_t*>(w.values)[(g * plane + r) * w.n + n];
+  const float q = static_cast<float>((byte >> (field * w.bits)) & ((1u << w.bits) - 1));
+  const float s = half_to_float(w.scales[g * w.n + n]);
+  const float o = w.symmetric ? -static_cast<float>(1 << (w.bits - 1)) * s : half_to_float(w.offsets[g * w.n + n]);
+  return q * s + o;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace avx512 {
+typedef float v16 __attribute__((vector_size(64)));
+static inline v16 half16_to_f32(const uint16_t* p) {
+  __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v16 v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+}
+#include "gemm.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+typedef float v16 __attribute__((vector_size(64)));
+static inline v16 half16_to_f32(const uint16_t* p) {
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  v16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+#include "gemm.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+namespace portable {
+typedef float v16 __attribute__((vector_size(64)));
+static inline v16 half16_to_f32(const uint16_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
+  return v;
+}
+#include "gemm.inc"
+}  // namespace portable
+
+using GemmTile = void (*)(const float*, int64_t, int64_t, const Weight&, int64_t, float*, int64_t);
+
+static GemmTile pick_gemm_tile() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return avx512::gemm_tile;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_tile;
+  return portable::gemm_tile;
+}
+
+static const GemmTile gemm_tile = pick_gemm_tile();
+
+extern "C" const char* jmoe_cpu_isa() {
+  if (gemm_tile == avx512::gemm_tile) return "avx512";
+  if (gemm_tile == avx2::gemm_tile) return "avx2";
+  return "portable";
+}
+
+// Runs fn(0) .. fn(n - 1) on the caller and the pool's other threads; returns when all are done.
+// Workers that start late find no work left and return, so the caller never waits on a worker
+// that has not started (the shared state outlives the call).
+static void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t n;
+    std::function<void(int64_t)> fn;
+  };
+  auto state = std::make_shared<State>();
+  state->n = n;
+  state->fn = fn;
+  auto work = [](State& s) {
+    for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) {
+      s.fn(i);
+      s.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([state, work] { work(*state); });
+  work(*state);
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+static int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+
+// Weight description from a pool's buffers (leading slot dimension optional).
+static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
+                           int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, Weight* w) {
+  if (bits != 32 && bits != 16 && bits != 8 && bits != 4 && bits != 2)
+    return ffi::Error::InvalidArgument("bits must be 32, 16, 8, 4 or 2");
+  const auto dtype = values.element_type();
+  if ((bits == 32 && dtype != ffi::F32) || (bits == 16 && dtype != ffi::BF16) || (bits <= 8 && dtype != ffi::U8))
+    return ffi::Error::InvalidArgument("weight values have the wrong element type for their bits");
+  if (bits <= 8 && (group != 32 && group != 64 && group != 128))
+    return ffi::Error::InvalidArgument("group size must be 32, 64 or 128");
+  *w = Weight{values.untyped_data(),
+              bits <= 8 ? reinterpret_cast<const uint16_t*>(scales.typed_data()) : nullptr,
+              bits <= 8 && !symmetric ? reinterpret_cast<const uint16_t*>(offsets.typed_data()) : nullptr,
+              static_cast<int>(bits), group, symmetric, k, n};
+  if (bits <= 8 && (scales.element_count() % w->scale_count() != 0 ||
+                    (!symmetric && offsets.element_count() != scales.element_count())))
+    return ffi::Error::InvalidArgument("scales or offsets do not match the weight's shape");
+  return ffi::Error::Success();
+}
+
+// y [M, N] = x [M, K] @ W
+static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                              ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
+                              ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, bool symmetric, int64_t k,
+                              int64_t n) {
+  Weight w;
+  if (auto err = describe(values, scales, offsets, bits, group, symmetric, k, n, &w); err.failure()) return err;
+  if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
+    return ffi::Error::InvalidArgument("weight values do not match [K, N]");
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] != k) return ffi::Error::InvalidArgument("x must be [M, K]");
+  const int64_t M = dims[0];
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, tiles(n), [&](int64_t t) { gemm_tile(xp, k, M, w, t, yp, n); });
+  return ffi::Error::Success();
+}
+
+// W8A8: a row onto its per-token int8 grid, as pallas_kernels.qarray.quantize_activations does it
+// (step = max |a| / 127, or 1 for a zero row; codes rounded half to even and clipped to +-127).
+static void quantize_int8_per_token(float* a, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(a[j]));
+  float step = amax / 127.0f;
+  if (step == 0.0f) step = 1.0f;
+  for (int64_t j = 0; j < n; ++j) a[j] = std::min(127.0f, std::max(-127.0f, std::nearbyint(a[j] / step))) * step;
+}
+
+static inline float sigmoid_times(float g, float gain) { return g / (1.0f + std::exp(-gain * g)); }
+
+// The grouped gated expert FFN (pallas_kernels/expert_ffn.py's contract): rows [R, D] in blocks of
+// block_rows, block b through the expert in pool slot block_slot[b] (-1: zeros). Consecutive blocks
+// of one slot run as one matmul, so each expert's weights are read once per call.
+static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> block_slot,
+                                  ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
+                                  ffi::Buffer<ffi::F16> gu_offsets, ffi::Buffer<ffi::F32> gu_bias,
+                                  ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
+                                  ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
+                                  ffi::ResultBuffer<ffi::F32> out, int64_t block_rows, int64_t gu_bits,
+                                  int64_t gu_group, bool gu_symmetric, int64_t dn_bits, int64_t dn_group,
+                                  bool dn_symmetric, int64_t hidden, int64_t inner, int64_t slots, bool clamped,
+                                  float alpha, float limit, bool dn_int8_inputs) {
+  Weight gu, dn;
+  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_symmetric, hidden, 2 * inner, &gu);
+      e.failure())
+    return e;
+  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bits, dn_group, dn_symmetric, inner, hidden, &dn);
+      e.failure())
+    return e;
+  if (gu_values.size_bytes() != static_cast<size_t>(slots * gu.value_bytes()) ||
+      dn_values.size_bytes() != static_cast<size_t>(slots * dn.value_bytes()))
+    return ffi::Error::InvalidArgument("pool values do not match [slots, K, N]");
+  const bool biased = gu_bias.element_count() > 0;
+  if (biased && (gu_bias.element_count() != static_cast<size_t>(slots * 2 * inner) ||
+                 dn_bias.element_count() != static_cast<size_t>(slots * hidden)))
+    return ffi::Error::InvalidArgument("bias pools do not match [slots, N]");
+  const int64_t R = rows.dimensions()[0], nb = block_slot.element_count(), F = inner, D = hidden;
+  if (rows.dimensions().size() != 2 || rows.dimensions()[1] != D || nb * block_rows != R)
+    return ffi::Error::InvalidArgument("rows must be [blocks * block_rows, D]");
+
+  struct Run {
+    int64_t row0, rows, slot;
+  };
+  std::vector<Run> runs;
+  const int32_t* bs = block_slot.typed_data();
+  float* y = out->typed_data();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t s = bs[b];
+    if (s < 0 || s >= slots) {  // empty block (or an out-of-range slot): zeros
+      std::fill(y + b * block_rows * D, y + (b + 1) * block_rows * D, 0.0f);
+      continue;
+    }
+    if (!runs.empty() && runs.back().slot == s && runs.back().row0 + runs.back().rows == b * block_rows)
+      runs.back().rows += block_rows;
+    else
+      runs.push_back({b * block_rows, block_rows, s});
+  }
+  if (runs.empty()) return ffi::Error::Success();
+
+  const float* x = rows.typed_data();
+  std::vector<float> h(R * 2 * F), act(R * F);
+  const int64_t gu_tiles = tiles(2 * F), dn_tiles = tiles(D);
+  parallel_for(pool, runs.size() * gu_tiles, [&](int64_t i) {
+    const Run& r = runs[i / gu_tiles];
+    gemm_tile(x + r.row0 * D, D, r.rows, gu.slot(r.slot), i % gu_tiles, h.data() + r.row0 * 2 * F, 2 * F);
+  });
+  parallel_for(pool, runs.size(), [&](int64_t i) {
+    const Run& r = runs[i];
+    const float* bias = biased ? gu_bias.typed_data() + r.slot * 2 * F : nullptr;
+    for (int64_t m = r.row0; m < r.row0 + r.rows; ++m) {
+      const float* hm = h.data() + m * 2 * F;
+      float* am = act.data() + m * F;
+      for (int64_t j = 0; j < F; ++j) {
+        float g = hm[j], u = hm[F + j];
+        if (bias) g += bias[j], u += bias[F + j];
+        if (clamped) {
+          g = std::min(g, limit);
+          u = std::max(std::min(u, limit), -limit);
+          am[j] = (u + 1.0f) * sigmoid_times(g, alpha);
+        } else {
+          am[j] = sigmoid_times(g, 1.0f) * u;
+        }
+      }
+      if (dn_int8_inputs) quantize_int8_per_token(am, F);
+    }
+  });
+  parallel_for(pool, runs.size() * dn_tiles, [&](int64_t i) {
+    const Run& r = runs[i / dn_tiles];
+    const int64_t t = i % dn_tiles;
+    float* yr = y + r.row0 * D;
+    gemm_tile(act.data() + r.row0 * F, F, r.rows, dn.slot(r.slot), t, yr, D);
+    if (biased) {
+      const float* bias = dn_bias.typed_data() + r.slot * D;
+      const int64_t n0 = t * kTile, n1 = std::min<int64_t>(D, n0 + kTile);
+      for (int64_t m = 0; m < r.rows; ++m)
+        for (int64_t c = n0; c < n1; ++c) yr[m * D + c] += bias[c];
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace jmoe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("symmetric")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuExpertFfn, jmoe::expert_ffn_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("gu_bits")
+                                  .Attr<int64_t>("gu_group")
+                                  .Attr<bool>("gu_symmetric")
+                                  .Attr<int64_t>("dn_bits")
+                                  .Attr<int64_t>("dn_group")
+                                  .Attr<bool>("dn_symmetric")
+                                  .Attr<int64_t>("hidden")
+                                  .Attr<int64_t>("inner")
+                                  .Attr<int64_t>("slots")
+                                  .Attr<bool>("clamped")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Attr<bool>("dn_int8_inputs"));
+
+// A Python extension module of its own (so setuptools builds and installs it); the handlers are
+// read from the shared object with ctypes.
+#include <Python.h>
+static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
