@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench gpu gpu-dry-run clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard cpu_kernels/src/*)
 	$(PYTHON) -m venv $(VENV)
 	# CPU build of torch first (only the HF-comparison tests use it); a looser spec pulls CUDA wheels.
 	$(BIN)/pip install --quiet torch==2.13.0

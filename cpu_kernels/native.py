@@ -21,6 +21,7 @@ _state: dict = {}
 
 MATMUL = "jmoe_cpu_matmul"
 EXPERT_FFN = "jmoe_cpu_expert_ffn"
+ROUTED_FFN = "jmoe_cpu_routed_ffn"
 
 
 def _load():
@@ -34,7 +35,8 @@ def _load():
                 from cpu_kernels import _native
 
                 lib = ctypes.cdll.LoadLibrary(_native.__file__)
-                for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn)):
+                for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn),
+                                     (ROUTED_FFN, lib.JmoeCpuRoutedFfn)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
             except (ImportError, OSError, AttributeError) as e:

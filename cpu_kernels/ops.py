@@ -58,35 +58,65 @@ def _pool_format(prefix: str, w) -> tuple[tuple, dict]:
     operands, fmt = _weight_operands(w)
     return operands, {f"{prefix}_{name}": value for name, value in fmt.items()}
 
-def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
-               activation: GatedActivation = SILU):
-    """The grouped gated expert FFN (expert_ffn_reference's contract) on the native kernel:
-    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype."""
-    if not available():
-        return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
-                                    down_bias=down_bias, activation=activation)
-    R, D = rows.shape
+
+def _native_pools(gate_up, down, gate_up_bias, down_bias, activation: GatedActivation):
+    """The pool operands and attributes both native FFN targets take, or None where the kernel
+    does not apply (a smoothed down projection, which no converter writes)."""
     if isinstance(down, QArray) and down.act_scale is not None:
-        # no converter smooths the down projection's inputs (HAQ folds that into gate_up)
-        return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows,
-                                    gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
-    x = rows.astype(jnp.float32)
-    if isinstance(gate_up, QArray):  # smoothing (each block's expert's own) and W8A8 on the inputs
-        row_slot = jnp.repeat(jnp.maximum(block_slot, 0), block_rows)
-        scale = None if gate_up.act_scale is None else gate_up.act_scale[row_slot]
-        x = prepare_input(x, scale, gate_up.fmt)
-    dn_int8_inputs = isinstance(down, QArray) and down.fmt.act_bits == 8
+        return None
     slots = (gate_up.values if isinstance(gate_up, QArray) else gate_up).shape[0]
     inner = down.k if isinstance(down, QArray) else down.shape[-2]
+    hidden = down.n if isinstance(down, QArray) else down.shape[-1]
     gu_ops, gu_fmt = _pool_format("gu", gate_up)
     dn_ops, dn_fmt = _pool_format("dn", down)
     no_bias = native.empty(np.float32)
     gu_bias = no_bias if gate_up_bias is None else gate_up_bias.astype(jnp.float32)
     dn_bias = no_bias if down_bias is None else down_bias.astype(jnp.float32)
-    y = native.call(
-        native.EXPERT_FFN, jax.ShapeDtypeStruct((R, D), jnp.float32), x,
-        block_slot.astype(jnp.int32), *gu_ops, gu_bias, *dn_ops, dn_bias, block_rows=np.int64(block_rows),
-        hidden=np.int64(D), inner=np.int64(inner), slots=np.int64(slots), clamped=activation.kind != "silu",
-        alpha=np.float32(activation.alpha), limit=np.float32(activation.limit), dn_int8_inputs=dn_int8_inputs,
-        **gu_fmt, **dn_fmt)
+    attrs = dict(hidden=np.int64(hidden), inner=np.int64(inner), slots=np.int64(slots),
+                 clamped=activation.kind != "silu", alpha=np.float32(activation.alpha),
+                 limit=np.float32(activation.limit),
+                 dn_int8_inputs=isinstance(down, QArray) and down.fmt.act_bits == 8, **gu_fmt, **dn_fmt)
+    return (*gu_ops, gu_bias, *dn_ops, dn_bias), attrs
+
+
+def _expert_inputs(x, gate_up, row_slot):
+    """What multiplies gate_up: x (float32) smoothed by each row's expert and, for W8A8, quantized per token."""
+    x = x.astype(jnp.float32)
+    if isinstance(gate_up, QArray):
+        scale = None if gate_up.act_scale is None else gate_up.act_scale[jnp.maximum(row_slot, 0)]
+        x = prepare_input(x, scale, gate_up.fmt)
+    return x
+
+
+def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
+               activation: GatedActivation = SILU):
+    """The grouped gated expert FFN (expert_ffn_reference's contract) on the native kernel:
+    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype."""
+    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation) if available() else None
+    if pools is None:
+        return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
+                                    down_bias=down_bias, activation=activation)
+    operands, attrs = pools
+    x = _expert_inputs(rows, gate_up, jnp.repeat(block_slot, block_rows))
+    y = native.call(native.EXPERT_FFN, jax.ShapeDtypeStruct(rows.shape, jnp.float32), *operands, x,
+                    block_slot.astype(jnp.int32), block_rows=np.int64(block_rows), **attrs)
     return y.astype(rows.dtype)
+
+
+def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_bias=None,
+                      activation: GatedActivation = SILU):
+    """Routed assignments, each expert run once over exactly its rows: h [N, D], token/slot [A]
+    (slot -1: inactive) -> [A, D] in h.dtype, row a = expert `slot[a]` applied to h[token[a]].
+    The grouping happens inside the kernel (no padding to blocks, no weight gathered per block)."""
+    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation) if available() else None
+    if pools is None:  # the reference, one row per block
+        return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, gate_up_bias=gate_up_bias,
+                                    down_bias=down_bias, activation=activation)
+    operands, attrs = pools
+    if isinstance(gate_up, QArray) and gate_up.act_scale is not None:
+        x, token = _expert_inputs(h[token], gate_up, slot), jnp.arange(token.shape[0], dtype=jnp.int32)
+    else:
+        x = _expert_inputs(h, gate_up, None)
+    y = native.call(native.ROUTED_FFN, jax.ShapeDtypeStruct((token.shape[0], h.shape[1]), jnp.float32), *operands, x,
+                    token.astype(jnp.int32), slot.astype(jnp.int32), **attrs)
+    return y.astype(h.dtype)

@@ -93,6 +93,8 @@ def _layout(rng, slots, block_rows, blocks):
 
 
 def _compare(rows, bs, gu, dn, block_rows, gu_bias=None, dn_bias=None, activation=SILU):
+    """The block kernel, and the routed kernel on the same rows (one assignment per row), against the reference."""
+    _compare_routed(rows, jnp.repeat(bs, block_rows), gu, dn, gu_bias, dn_bias, activation)
     kw = dict(block_rows=block_rows, gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation)
     native_y = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, backend="cpu", **kw))(rows, bs, gu, dn)
     ref = jax.jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, **kw))(rows, bs, gu, dn)
@@ -102,6 +104,20 @@ def _compare(rows, bs, gu, dn, block_rows, gu_bias=None, dn_bias=None, activatio
     assert np.abs(native_y - ref).max() <= 1e-5 * scale
     empty = np.repeat(np.asarray(bs) < 0, block_rows)
     assert (native_y[empty] == 0).all()
+
+
+def _compare_routed(h, row_slot, gu, dn, gu_bias=None, dn_bias=None, activation=SILU, shuffle=True):
+    """Assignments in any order, tokens repeated: out[a] = expert row_slot[a] on h[token[a]]."""
+    A = h.shape[0]
+    rng = np.random.default_rng(A)
+    order = rng.permutation(A) if shuffle else np.arange(A)
+    token, slot = jnp.asarray(order.astype(np.int32)), row_slot[order]
+    kw = dict(gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation)
+    y = np.asarray(jax.jit(lambda h, t, s, g, d: ops.routed_expert_ffn(h, t, s, g, d, **kw))(h, token, slot, gu, dn))
+    ref = np.asarray(jax.jit(lambda h, t, s, g, d: expert_ffn_reference(h[t], s, g, d, block_rows=1, **kw))(
+        h, token, slot, gu, dn))
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert (y[np.asarray(slot) < 0] == 0).all()
 
 
 @pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int2"])

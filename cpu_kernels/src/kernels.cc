@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -25,6 +26,7 @@ namespace ffi = xla::ffi;
 namespace jmoe {
 
 constexpr int kTile = 64;             // columns per tile (four 16-float vectors)
+constexpr int kBlock = 4 * kTile;     // columns per task
 constexpr int kPlainPanelRows = 64;   // K rows per panel for unquantized weights
 constexpr int kMaxPanelRows = 128;    // the largest group size
 
@@ -130,22 +132,22 @@ static inline v16 half16_to_f32(const uint16_t* p) {
 #include "gemm.inc"
 }  // namespace portable
 
-using GemmTile = void (*)(const float*, int64_t, int64_t, const Weight&, int64_t, float*, int64_t);
+using GemmBlock = void (*)(const float*, int64_t, int64_t, const Weight&, int64_t, float*, int64_t);
 
-static GemmTile pick_gemm_tile() {
+static GemmBlock pick_gemm_block() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
-    return avx512::gemm_tile;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_tile;
-  return portable::gemm_tile;
+    return avx512::gemm_block;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_block;
+  return portable::gemm_block;
 }
 
-static const GemmTile gemm_tile = pick_gemm_tile();
+static const GemmBlock gemm_block = pick_gemm_block();
 
 extern "C" const char* jmoe_cpu_isa() {
-  if (gemm_tile == avx512::gemm_tile) return "avx512";
-  if (gemm_tile == avx2::gemm_tile) return "avx2";
+  if (gemm_block == avx512::gemm_block) return "avx512";
+  if (gemm_block == avx2::gemm_block) return "avx2";
   return "portable";
 }
 
@@ -173,7 +175,7 @@ static void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<v
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-static int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+static int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
 // Weight description from a pool's buffers (leading slot dimension optional).
 static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
@@ -209,7 +211,7 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const int64_t M = dims[0];
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  parallel_for(pool, tiles(n), [&](int64_t t) { gemm_tile(xp, k, M, w, t, yp, n); });
+  parallel_for(pool, blocks(n), [&](int64_t b) { gemm_block(xp, k, M, w, b, yp, n); });
   return ffi::Error::Success();
 }
 
@@ -225,45 +227,125 @@ static void quantize_int8_per_token(float* a, int64_t n) {
 
 static inline float sigmoid_times(float g, float gain) { return g / (1.0f + std::exp(-gain * g)); }
 
-// The grouped gated expert FFN (pallas_kernels/expert_ffn.py's contract): rows [R, D] in blocks of
-// block_rows, block b through the expert in pool slot block_slot[b] (-1: zeros). Consecutive blocks
-// of one slot run as one matmul, so each expert's weights are read once per call.
-static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> block_slot,
-                                  ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
+// One layer's expert pools and how its experts compute (the attributes both FFN targets share).
+struct ExpertPools {
+  Weight gu, dn;  // gate_up [slots, D, 2F], down [slots, F, D]
+  const float* gu_bias = nullptr;
+  const float* dn_bias = nullptr;  // [slots, 2F], [slots, D] or none
+  int64_t D = 0, F = 0, slots = 0;
+  bool clamped = false, dn_int8_inputs = false;
+  float alpha = 1.702f, limit = 7.0f;
+};
+
+template <typename T>
+static ffi::Error attr(const ffi::Dictionary& attrs, const char* name, T* out) {
+  auto v = attrs.get<T>(name);
+  if (v.has_error()) return ffi::Error::InvalidArgument(std::string("missing attribute ") + name);
+  *out = *v;
+  return ffi::Error::Success();
+}
+
+static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales, ffi::Buffer<ffi::F16> gu_offsets,
+                             ffi::Buffer<ffi::F32> gu_bias, ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
+                             ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
+                             const ffi::Dictionary& attrs, ExpertPools* p) {
+  int64_t gu_bits, gu_group, dn_bits, dn_group;
+  bool gu_sym, dn_sym;
+  for (auto e : {attr(attrs, "gu_bits", &gu_bits), attr(attrs, "gu_group", &gu_group), attr(attrs, "gu_symmetric", &gu_sym),
+                 attr(attrs, "dn_bits", &dn_bits), attr(attrs, "dn_group", &dn_group), attr(attrs, "dn_symmetric", &dn_sym),
+                 attr(attrs, "hidden", &p->D), attr(attrs, "inner", &p->F), attr(attrs, "slots", &p->slots),
+                 attr(attrs, "clamped", &p->clamped), attr(attrs, "alpha", &p->alpha), attr(attrs, "limit", &p->limit),
+                 attr(attrs, "dn_int8_inputs", &p->dn_int8_inputs)})
+    if (e.failure()) return e;
+  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_sym, p->D, 2 * p->F, &p->gu); e.failure())
+    return e;
+  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bits, dn_group, dn_sym, p->F, p->D, &p->dn); e.failure())
+    return e;
+  if (gu_values.size_bytes() != static_cast<size_t>(p->slots * p->gu.value_bytes()) ||
+      dn_values.size_bytes() != static_cast<size_t>(p->slots * p->dn.value_bytes()))
+    return ffi::Error::InvalidArgument("pool values do not match [slots, K, N]");
+  if (gu_bias.element_count() > 0) {
+    if (gu_bias.element_count() != static_cast<size_t>(p->slots * 2 * p->F) ||
+        dn_bias.element_count() != static_cast<size_t>(p->slots * p->D))
+      return ffi::Error::InvalidArgument("bias pools do not match [slots, N]");
+    p->gu_bias = gu_bias.typed_data();
+    p->dn_bias = dn_bias.typed_data();
+  }
+  return ffi::Error::Success();
+}
+
+// Rows [row0, row0 + rows) of the inputs all run through the expert in `slot`.
+struct Run {
+  int64_t row0, rows, slot;
+};
+
+// y[r] = down(act(gate_up(x[r]))) for the rows of every run, each expert's weights read once.
+// Tasks are (run, 256-column block) pairs, so one token's eight experts keep both cores busy.
+static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::vector<Run>& runs, const float* x,
+                        int64_t R, float* y) {
+  const int64_t D = p.D, F = p.F, gu_blocks = blocks(2 * F), dn_blocks = blocks(D);
+  std::vector<float> h(R * 2 * F), act(R * F);
+  parallel_for(pool, runs.size() * gu_blocks, [&](int64_t i) {
+    const Run& r = runs[i / gu_blocks];
+    gemm_block(x + r.row0 * D, D, r.rows, p.gu.slot(r.slot), i % gu_blocks, h.data() + r.row0 * 2 * F, 2 * F);
+  });
+  parallel_for(pool, runs.size(), [&](int64_t i) {
+    const Run& r = runs[i];
+    const float* bias = p.gu_bias ? p.gu_bias + r.slot * 2 * F : nullptr;
+    for (int64_t m = r.row0; m < r.row0 + r.rows; ++m) {
+      const float* hm = h.data() + m * 2 * F;
+      float* am = act.data() + m * F;
+      for (int64_t j = 0; j < F; ++j) {
+        float g = hm[j], u = hm[F + j];
+        if (bias) g += bias[j], u += bias[F + j];
+        if (p.clamped) {
+          g = std::min(g, p.limit);
+          u = std::max(std::min(u, p.limit), -p.limit);
+          am[j] = (u + 1.0f) * sigmoid_times(g, p.alpha);
+        } else {
+          am[j] = sigmoid_times(g, 1.0f) * u;
+        }
+      }
+      if (p.dn_int8_inputs) quantize_int8_per_token(am, F);
+    }
+  });
+  parallel_for(pool, runs.size() * dn_blocks, [&](int64_t i) {
+    const Run& r = runs[i / dn_blocks];
+    const int64_t b = i % dn_blocks;
+    float* yr = y + r.row0 * D;
+    gemm_block(act.data() + r.row0 * F, F, r.rows, p.dn.slot(r.slot), b, yr, D);
+    if (p.dn_bias) {
+      const float* bias = p.dn_bias + r.slot * D;
+      const int64_t n0 = b * kBlock, n1 = std::min<int64_t>(D, n0 + kBlock);
+      for (int64_t m = 0; m < r.rows; ++m)
+        for (int64_t c = n0; c < n1; ++c) yr[m * D + c] += bias[c];
+    }
+  });
+}
+
+// pallas_kernels.expert_ffn's contract: rows [R, D] in blocks of block_rows, block b through the
+// expert in slot block_slot[b] (-1: zeros); consecutive blocks of one slot run as one matmul.
+static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
                                   ffi::Buffer<ffi::F16> gu_offsets, ffi::Buffer<ffi::F32> gu_bias,
                                   ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
                                   ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
-                                  ffi::ResultBuffer<ffi::F32> out, int64_t block_rows, int64_t gu_bits,
-                                  int64_t gu_group, bool gu_symmetric, int64_t dn_bits, int64_t dn_group,
-                                  bool dn_symmetric, int64_t hidden, int64_t inner, int64_t slots, bool clamped,
-                                  float alpha, float limit, bool dn_int8_inputs) {
-  Weight gu, dn;
-  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_symmetric, hidden, 2 * inner, &gu);
+                                  ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> block_slot,
+                                  ffi::ResultBuffer<ffi::F32> out, ffi::Dictionary attrs) {
+  ExpertPools p;
+  if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bias, dn_values, dn_scales, dn_offsets, dn_bias, attrs, &p);
       e.failure())
     return e;
-  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bits, dn_group, dn_symmetric, inner, hidden, &dn);
-      e.failure())
-    return e;
-  if (gu_values.size_bytes() != static_cast<size_t>(slots * gu.value_bytes()) ||
-      dn_values.size_bytes() != static_cast<size_t>(slots * dn.value_bytes()))
-    return ffi::Error::InvalidArgument("pool values do not match [slots, K, N]");
-  const bool biased = gu_bias.element_count() > 0;
-  if (biased && (gu_bias.element_count() != static_cast<size_t>(slots * 2 * inner) ||
-                 dn_bias.element_count() != static_cast<size_t>(slots * hidden)))
-    return ffi::Error::InvalidArgument("bias pools do not match [slots, N]");
-  const int64_t R = rows.dimensions()[0], nb = block_slot.element_count(), F = inner, D = hidden;
+  int64_t block_rows;
+  if (auto e = attr(attrs, "block_rows", &block_rows); e.failure()) return e;
+  const int64_t R = rows.dimensions()[0], nb = block_slot.element_count(), D = p.D;
   if (rows.dimensions().size() != 2 || rows.dimensions()[1] != D || nb * block_rows != R)
     return ffi::Error::InvalidArgument("rows must be [blocks * block_rows, D]");
-
-  struct Run {
-    int64_t row0, rows, slot;
-  };
   std::vector<Run> runs;
   const int32_t* bs = block_slot.typed_data();
   float* y = out->typed_data();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t s = bs[b];
-    if (s < 0 || s >= slots) {  // empty block (or an out-of-range slot): zeros
+    if (s < 0 || s >= p.slots) {  // empty block (or an out-of-range slot): zeros
       std::fill(y + b * block_rows * D, y + (b + 1) * block_rows * D, 0.0f);
       continue;
     }
@@ -272,47 +354,50 @@ static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
     else
       runs.push_back({b * block_rows, block_rows, s});
   }
-  if (runs.empty()) return ffi::Error::Success();
+  if (!runs.empty()) run_experts(pool, p, runs, rows.typed_data(), R, y);
+  return ffi::Error::Success();
+}
 
-  const float* x = rows.typed_data();
-  std::vector<float> h(R * 2 * F), act(R * F);
-  const int64_t gu_tiles = tiles(2 * F), dn_tiles = tiles(D);
-  parallel_for(pool, runs.size() * gu_tiles, [&](int64_t i) {
-    const Run& r = runs[i / gu_tiles];
-    gemm_tile(x + r.row0 * D, D, r.rows, gu.slot(r.slot), i % gu_tiles, h.data() + r.row0 * 2 * F, 2 * F);
-  });
-  parallel_for(pool, runs.size(), [&](int64_t i) {
-    const Run& r = runs[i];
-    const float* bias = biased ? gu_bias.typed_data() + r.slot * 2 * F : nullptr;
-    for (int64_t m = r.row0; m < r.row0 + r.rows; ++m) {
-      const float* hm = h.data() + m * 2 * F;
-      float* am = act.data() + m * F;
-      for (int64_t j = 0; j < F; ++j) {
-        float g = hm[j], u = hm[F + j];
-        if (bias) g += bias[j], u += bias[F + j];
-        if (clamped) {
-          g = std::min(g, limit);
-          u = std::max(std::min(u, limit), -limit);
-          am[j] = (u + 1.0f) * sigmoid_times(g, alpha);
-        } else {
-          am[j] = sigmoid_times(g, 1.0f) * u;
-        }
-      }
-      if (dn_int8_inputs) quantize_int8_per_token(am, F);
-    }
-  });
-  parallel_for(pool, runs.size() * dn_tiles, [&](int64_t i) {
-    const Run& r = runs[i / dn_tiles];
-    const int64_t t = i % dn_tiles;
-    float* yr = y + r.row0 * D;
-    gemm_tile(act.data() + r.row0 * F, F, r.rows, dn.slot(r.slot), t, yr, D);
-    if (biased) {
-      const float* bias = dn_bias.typed_data() + r.slot * D;
-      const int64_t n0 = t * kTile, n1 = std::min<int64_t>(D, n0 + kTile);
-      for (int64_t m = 0; m < r.rows; ++m)
-        for (int64_t c = n0; c < n1; ++c) yr[m * D + c] += bias[c];
-    }
-  });
+// Routed assignments, grouped here: out[a] = expert slot[a] applied to h[token[a]] (slot -1: zeros).
+// Each expert runs once over exactly the rows routed to it (no padding to blocks).
+static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
+                                  ffi::Buffer<ffi::F16> gu_offsets, ffi::Buffer<ffi::F32> gu_bias,
+                                  ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
+                                  ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
+                                  ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> slot,
+                                  ffi::ResultBuffer<ffi::F32> out, ffi::Dictionary attrs) {
+  ExpertPools p;
+  if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bias, dn_values, dn_scales, dn_offsets, dn_bias, attrs, &p);
+      e.failure())
+    return e;
+  const int64_t D = p.D, A = slot.element_count();
+  if (h.dimensions().size() != 2 || h.dimensions()[1] != D || token.element_count() != static_cast<size_t>(A))
+    return ffi::Error::InvalidArgument("h must be [N, D] and token, slot [A]");
+  const int64_t N = h.dimensions()[0];
+  const int32_t *tok = token.typed_data(), *sl = slot.typed_data();
+  float* y = out->typed_data();
+  std::vector<int64_t> order;
+  for (int64_t a = 0; a < A; ++a) {
+    if (sl[a] >= 0 && sl[a] < p.slots && tok[a] >= 0 && tok[a] < N)
+      order.push_back(a);
+    else
+      std::fill(y + a * D, y + (a + 1) * D, 0.0f);
+  }
+  if (order.empty()) return ffi::Error::Success();
+  std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) { return sl[i] < sl[j]; });
+  const int64_t R = order.size();
+  std::vector<float> xs(R * D), ys(R * D);
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t a = order[i];
+    std::memcpy(xs.data() + i * D, h.typed_data() + tok[a] * D, D * sizeof(float));
+    if (!runs.empty() && runs.back().slot == sl[a])
+      runs.back().rows += 1;
+    else
+      runs.push_back({i, 1, sl[a]});
+  }
+  run_experts(pool, p, runs, xs.data(), R, ys.data());
+  for (int64_t i = 0; i < R; ++i) std::memcpy(y + order[i] * D, ys.data() + i * D, D * sizeof(float));
   return ffi::Error::Success();
 }
 
@@ -332,34 +417,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n"));
 
+// Both FFN targets take the pools first, then their own inputs, and their attributes as a dictionary.
+static auto bind_pools() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuExpertFfn, jmoe::expert_ffn_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
+                              bind_pools()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("block_rows")
-                                  .Attr<int64_t>("gu_bits")
-                                  .Attr<int64_t>("gu_group")
-                                  .Attr<bool>("gu_symmetric")
-                                  .Attr<int64_t>("dn_bits")
-                                  .Attr<int64_t>("dn_group")
-                                  .Attr<bool>("dn_symmetric")
-                                  .Attr<int64_t>("hidden")
-                                  .Attr<int64_t>("inner")
-                                  .Attr<int64_t>("slots")
-                                  .Attr<bool>("clamped")
-                                  .Attr<float>("alpha")
-                                  .Attr<float>("limit")
-                                  .Attr<bool>("dn_int8_inputs"));
+                                  .Attrs());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuRoutedFfn, jmoe::routed_ffn_impl,
+                              bind_pools()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
 
 // A Python extension module of its own (so setuptools builds and installs it); the handlers are
 // read from the shared object with ctypes.

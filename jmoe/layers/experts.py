@@ -20,10 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import routed_expert_ffn
 from jmoe.config import ModelConfig
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn
+from pallas_kernels.expert_ffn import default_backend
 from pallas_kernels.glu import SILU, GatedActivation
 
 # Up to this many (token, expert) assignments per layer, every assignment gets its own weight
@@ -184,6 +186,10 @@ def grouped_expert_ffn(
     A = N * k
     token = jnp.arange(A, dtype=jnp.int32) // k
     slots, active = slots.reshape(A), active.reshape(A)
+    if (backend or default_backend()) == "cpu":  # the native kernel groups by expert itself, unpadded
+        y = routed_expert_ffn(h, token, jnp.where(active, slots, NO_SLOT), pool.gate_up, pool.down,
+                              gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
+        return y.reshape(N, k, -1)
     extra = dict(backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
     if A <= GATHER_MAX_ASSIGNMENTS and not (group_rows and N > 1):
         y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, **extra)

@@ -17,7 +17,7 @@ from jmoe.config import ModelConfig
 from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.transformer import abstract_model
-from jmoe.manifest import check_files, inside, read_manifest
+from jmoe.manifest import check_files, dense_format, inside, read_manifest
 from jmoe.policies import BASELINES, POLICY_NAMES, Policy, make_policy
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
@@ -203,7 +203,7 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     dtype = resolve_compute_dtype(compute_dtype)
     tier = resolve_tier(manifest, tier)
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
-    _, abstract_state = nnx.split(abstract_model(cfg, dtype))
+    _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
     plan = fixed_memory(cfg, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch)
     if draft is not None:
         plan["draft"] = all_expert_bytes(cfg, manifest["tiers"][check_draft(manifest, draft)]["record_nbytes"])
@@ -290,7 +290,7 @@ def load(
     tier = resolve_tier(manifest, tier)
     store = ExpertStore(root, manifest, cfg)
 
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))  # dense tier's leaves
     memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
     if draft is not None:
         memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(check_draft(manifest, draft)))
