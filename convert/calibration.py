@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
@@ -23,6 +24,7 @@ from jmoe.layers.experts import ExpertState, Selection
 from jmoe.layers.rope import rope_tables
 from jmoe.layers.transformer import abstract_model, run_layers
 from jmoe.quant import ExpertWeights
+from pallas_kernels.qarray import QuantFormat
 
 
 def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: int, seq_len: int,
@@ -77,23 +79,29 @@ class LayerwiseCalibration:
     full-precision experts, which then compute the layer's output; it is where the converter
     quantizes and writes that layer, so only one layer's experts are ever held."""
 
-    def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16):
+    def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16, *,
+                 quant: QuantFormat | None = None, progress: bool = False):
+        """dense: the stored dense tree (at the dense tier `quant`, as the converter wrote it)."""
         self.cfg = cfg
         self.batch = batch
-        model = abstract_model(cfg, jnp.float32)
+        self.progress = progress
+        model = abstract_model(cfg, jnp.float32, quant)
         self.layers = []
         for i, layer in enumerate(model.layers):
             graphdef, state = nnx.split(layer)
             nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dense["layers"][i]))
             self.layers.append((graphdef, state))
-        table = np.asarray(dense["embed_tokens"]["embedding"], np.float32)
-        self.hidden = table[tokens]  # [n_seq, L, D]
+        graphdef, state = nnx.split(model.embed_tokens)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dense["embed_tokens"]))
+        self.hidden = np.array(nnx.merge(graphdef, state)(jnp.asarray(tokens)))  # [n_seq, L, D], writable
         L = tokens.shape[1]
         self._rope = rope_tables(jnp.arange(L, dtype=jnp.int32)[None], cfg)
 
     def run(self, on_moe_layer: Callable[[int, LayerInputs], Sequence[ExpertWeights]]) -> None:
         runner = _CalibrationRunner(self, on_moe_layer)
-        self.hidden, *_ = run_layers(runner, self.hidden, None, None, want_importance=False)
+        with tqdm(total=len(self.layers), desc="calibration", unit="layer", disable=not self.progress) as bar:
+            runner.done = bar.update
+            self.hidden, *_ = run_layers(runner, self.hidden, None, None, want_importance=False)
 
     def meta(self, batch: int) -> AttentionMeta:
         cos, sin = self._rope
@@ -111,6 +119,7 @@ class _CalibrationRunner:
 
     def __init__(self, calib: LayerwiseCalibration, on_moe_layer):
         self.calib, self.on_moe_layer = calib, on_moe_layer
+        self.done = lambda n: None
         self.num_layers = len(calib.layers)
         self.moe_index = {i: n for n, i in enumerate(calib.cfg.moe_layer_indices)}
 
@@ -134,12 +143,16 @@ class _CalibrationRunner:
             ids = np.concatenate([np.asarray(route(state, jnp.asarray(flat[j : j + 8192])))
                                   for j in range(0, len(flat), 8192)])
             weights = self.on_moe_layer(self.moe_index[i], LayerInputs(flat, ids))
-            pool = jax.tree.map(lambda *w: jnp.asarray(np.stack(w), jnp.float32), *weights)
+            # The bf16 tier's pool (half a float32 copy of the layer): what that tier runs; biases stay float32.
+            stack = lambda ws, dtype: jnp.asarray(np.stack([np.asarray(w, dtype) for w in ws]))  # noqa: E731
+            pool = ExpertWeights(*(None if ws[0] is None else stack(ws, jnp.bfloat16 if n < 2 else np.float32)
+                                   for n, ws in enumerate(zip(*weights))))
             E = len(weights)
             experts = ExpertState({"bf16": jnp.arange(E, dtype=jnp.int32)[None]}, {"bf16": pool},
                                   Selection.uniform(1, E, "bf16"))
         for sl in self.calib.batches():
             x[sl] = np.asarray(_layer_fn("mlp", graphdef)(state, jnp.asarray(x[sl]), jnp.asarray(h[sl]), experts))
+        self.done(1)
         return x, None
 
 

@@ -133,10 +133,10 @@ class TensorSource:
         self._require(name)
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())
 
-    def _read(self, name: str, expected_shape: tuple[int, ...] | None, index: int | None, dtypes: tuple[str, ...],
-              requirement: str):
-        """The raw tensor (or its slice [index] along the first axis), after checking its shape and
-        that its dtype is one of `dtypes` (`requirement` says so in the error)."""
+    def _read(self, name: str, expected_shape: tuple[int, ...] | None, index: int | slice | None,
+              dtypes: tuple[str, ...], requirement: str):
+        """The raw tensor (or its slice [index] along the first axis: one entry or a range of rows),
+        after checking its shape and that its dtype is one of `dtypes` (`requirement` says so in the error)."""
         shape = self.shape(name)
         if expected_shape is not None and shape != tuple(expected_shape):
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(expected_shape)}")
@@ -150,14 +150,20 @@ class TensorSource:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"tensor {name} in {self._where[name].name} cannot be read ({e})") from None
 
-    def get(self, name: str, expected_shape: tuple[int, ...] | None = None, index: int | None = None) -> np.ndarray:
-        """The tensor (or its slice [index] along the first axis) as float32 numpy; refuses shapes
-        other than `expected_shape`, non-float dtypes and NaN/Inf values, naming the tensor."""
+    def get(self, name: str, expected_shape: tuple[int, ...] | None = None, index: int | slice | None = None
+            ) -> np.ndarray:
+        """The tensor (or its slice [index] along the first axis: an expert, or a range of rows read
+        without the rest) as float32 numpy; refuses shapes other than `expected_shape`, non-float
+        dtypes and NaN/Inf values, naming the tensor."""
         value = np.asarray(self._read(name, expected_shape, index, FLOAT_DTYPES,
                                       f"weights must be one of {', '.join(FLOAT_DTYPES)}"), dtype=np.float32)
         if not np.isfinite(value).all():
             bad = int(value.size - np.isfinite(value).sum())
-            where = f" (expert {index})" if index is not None else ""
+            where = ""
+            if isinstance(index, slice):
+                where = f" (rows {index.start}-{index.stop - 1})"
+            elif index is not None:
+                where = f" (expert {index})"
             raise CheckpointError(f"tensor {name}{where} holds {bad} NaN or infinite value(s)")
         return value
 

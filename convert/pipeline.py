@@ -1,8 +1,10 @@
 """`jmoe convert`: a Hugging Face checkpoint -> a jmoe directory.
 
-Streams the experts (one at a time for RTN, one layer at a time when GPTQ/HAQ calibrate), never
-the whole model; writes everything into a temporary directory next to the output and renames it
-into place only when complete.
+Streams the checkpoint: dense tensors in blocks of rows, stored at the dense tier
+(convert/dense.py), then the experts (one at a time for RTN, one layer at a time when GPTQ/HAQ
+calibrate), never the whole model; every phase (dense weights, calibration, experts) shows a
+progress bar with its ETA. Everything is written into a temporary directory next to the output
+and renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 from tqdm.auto import tqdm
 
 from convert.calibration import LayerwiseCalibration, calibration_tokens
+from convert.dense import dense_format, dense_structure, read_dense, source_elements
 from convert.hf_source import (
     TOKENIZER_CORE_FILES,
     TOKENIZER_FILES,
@@ -39,10 +40,9 @@ from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError, OutputError
 from jmoe.format import DENSE_DIR, TOKENIZER_DIR, RecordLayout, expert_file
 from jmoe.layers.experts import expert_activation
-from jmoe.layers.transformer import abstract_model
-from jmoe.manifest import MANIFEST, PARTIAL_MARKER, seal, sha256_file
+from jmoe.manifest import DENSE_TIERS, MANIFEST, PARTIAL_MARKER, seal, sha256_file
 from jmoe.models import config_from_hf
-from jmoe.models.checkpoint import checkpoint_names, dense_tensor, expert_tensor_names, fused_expert_names
+from jmoe.models.checkpoint import checkpoint_names, expert_tensor_names, fused_expert_names
 from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
 from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 from jmoe.tokenizer import first_line, load_tokenizer
@@ -74,6 +74,7 @@ def convert_checkpoint(
     out: str | Path,
     *,
     tiers: str | Iterable[str] = ("bf16",),
+    dense_tier: str = "bf16",
     method: str = "rtn",
     calib: str | Path | Sequence[str | Path] | None = None,
     calib_sequences: int = 64,
@@ -93,6 +94,9 @@ def convert_checkpoint(
 
     Args:
       tiers: expert tiers to write, e.g. "bf16,int8,int4,int2" (all in one pass).
+      dense_tier: "bf16", "int8" or "int4": the attention projections, dense MLPs, shared experts, LM
+        head and embedding table at that tier (RTN on the integer tiers' grid, group_size and
+        symmetric apply); norms, routers and biases stay bf16.
       method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate).
       calib: calibration text file(s) (comma-separated string or list); needed by gptq and haq.
       calib_sequences, calib_seq_len: how many token windows of what length to calibrate on.
@@ -101,6 +105,7 @@ def convert_checkpoint(
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
     """
     tiers = parse_tiers(tiers)
+    validate.choice("dense_tier", dense_tier, DENSE_TIERS)
     if not isinstance(method, str) or method not in METHODS:
         raise InputError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
     calib_files = calibration_files(calib)
@@ -116,6 +121,7 @@ def convert_checkpoint(
                                  (("w8a8", w8a8), ("overwrite", overwrite), ("progress", progress)))
     formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq")
                for t in tiers}
+    dense_fmt = dense_format(dense_tier, group_size=group_size, symmetric=symmetric)
     out = absolute(validate.path("output", out))
     root = resolve_source(validate.path("source", src))
     check_output(out, root, overwrite)
@@ -134,10 +140,9 @@ def convert_checkpoint(
     tmp = partial.path
     try:
         used: set[str] = set()
-        dense, dense_index = read_dense(source, cfg, used)
-        save_dense(dense, tmp / DENSE_DIR)
-        if calibrating:
-            calibration = LayerwiseCalibration(cfg, dense, tokens)
+        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, tmp, progress)
+        if calibrating:  # the experts' inputs as the model will compute them: through the dense tier
+            calibration = LayerwiseCalibration(cfg, dense, tokens, quant=dense_fmt, progress=progress)
         del dense
         reader = expert_reader(source, cfg, used)
         source.release()
@@ -164,7 +169,7 @@ def convert_checkpoint(
                 tier: {"format": fmt.to_json() if fmt else None, **layouts[tier].to_json()}
                 for tier, fmt in formats.items()
             },
-            "dense": dense_index,
+            "dense": dense_entry,
             "tokenizer": TOKENIZER_DIR if (tmp / TOKENIZER_DIR).is_dir() else None,
             "files": dict(sorted(checksums.items())),
         })
@@ -205,23 +210,17 @@ def load_source_tokenizer(root: Path):
     return load_tokenizer(root, error=CheckpointError)
 
 
-def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str]) -> tuple[dict, dict]:
-    """Every non-expert weight as bf16 numpy in jmoe's parameter tree, and the tensor index."""
-    state = nnx.to_pure_dict(nnx.state(abstract_model(cfg, np.float32)))
-    index = {}
-
-    def load(path, spec):
-        t = dense_tensor(cfg, tuple(k.key for k in path))
-        expected = tuple(reversed(spec.shape)) if t.transpose else tuple(spec.shape)
-        hf_name = next((n for n in t.hf_names if n in source), t.hf_names[0])
-        value = source.get(hf_name, expected)
-        used.add(hf_name)
-        value = value.T if t.transpose else value
-        key = ".".join(str(p) for p in t.path)
-        index[key] = {"hf_name": hf_name, "shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
-        return np.ascontiguousarray(value).astype(spec.dtype)
-
-    return jax.tree_util.tree_map_with_path(load, state), {"dir": DENSE_DIR, "tensors": index}
+def convert_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt, tmp: Path, progress: bool):
+    """Read the dense weights at their tier (a progress bar over the numbers read) and save them;
+    returns (the stored tree, the manifest's dense entry). The checkpoint's pages are released after."""
+    total = source_elements(cfg, dense_structure(cfg, fmt))
+    with tqdm(total=total, desc="dense weights", unit="", unit_scale=True, disable=not progress) as bar:
+        dense, entry = read_dense(source, cfg, used, fmt, bar.update)
+        source.release()
+        bar.set_postfix_str("saving")
+        save_dense(dense, tmp / DENSE_DIR)
+        bar.set_postfix_str("")
+    return dense, entry
 
 
 def save_dense(dense: dict, path: Path) -> None:

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("source", help="HF checkpoint directory, or a hub id like Qwen/Qwen3-30B-A3B (needs network)")
     conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
     conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int2 (default: bf16)")
+    conv.add_argument("--dense-tier", default="bf16",
+                      help="attention, dense MLP, shared expert, LM head and embedding weights: bf16 (default), "
+                           "int8, int4 (norms and routers stay bf16)")
     conv.add_argument("--method", default="rtn", help="quantizer for integer tiers: rtn (default), gptq, haq")
     conv.add_argument("--calib", action="append", default=[], help="calibration text file for gptq/haq (repeatable)")
     conv.add_argument("--calib-sequences", type=int, default=64, help="calibration windows (default 64)")
@@ -35,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
     conv.add_argument("--force", action="store_true", help="replace an existing output directory")
-    conv.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    conv.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
     gen = sub.add_parser("generate", help="generate text from a converted model")
     gen.add_argument("model", help="directory written by `jmoe convert`")
@@ -75,7 +78,8 @@ def cmd_convert(args) -> None:
     from convert import convert_checkpoint  # the converter lives beside the runtime
 
     calib = [f for item in args.calib for f in item.split(",") if f]
-    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, method=args.method, calib=calib,
+    out = convert_checkpoint(args.source, args.output, tiers=args.tiers, dense_tier=args.dense_tier,
+                             method=args.method, calib=calib,
                              calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
                              group_size=args.group_size, symmetric=args.symmetric, w8a8=args.w8a8,
                              overwrite=args.force, progress=not args.no_progress)
@@ -158,6 +162,7 @@ def cmd_info(args) -> None:
             tier: {"bytes_per_expert": t["record_nbytes"], "total_expert_bytes": t["record_nbytes"] * experts}
             for tier, t in manifest["tiers"].items()
         },
+        "dense": {"tier": manifest["dense"].get("tier", "bf16"), "bytes": manifest["dense"].get("bytes")},
     }
     print(json.dumps(summary, indent=2))
 

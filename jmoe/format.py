@@ -2,7 +2,9 @@
 
 Layout (the manifest itself: jmoe/manifest.py):
     manifest.json                 format version, family, config, tiers, tensor index, checksums
-    dense/                        orbax checkpoint of every non-expert weight (bf16)
+    dense/                        orbax checkpoint of every non-expert weight at the dense tier: bf16
+                                  arrays, or (int8 / int4) QArrays for the projections, LM head and
+                                  embedding table (stored as E^T [D, V]); norms, routers, biases bf16
     experts/<tier>/layerNNN.bin   one file per (MoE layer, tier); expert e's record at e * record_nbytes
     tokenizer/                    the source model's tokenizer files
 

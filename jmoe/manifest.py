@@ -20,6 +20,7 @@ from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError, FormatError
 from jmoe.format import DENSE_DIR, EXPERTS_DIR
 from jmoe.tiers import TIER_BITS, TIER_NAMES
+from pallas_kernels.qarray import QuantFormat
 
 FORMAT_NAME = "jmoe"
 FORMAT_VERSION = 2
@@ -28,6 +29,9 @@ CHECKSUM_KEY = "manifest_sha256"
 # Written first into a conversion's temporary directory (who is writing it), removed last.
 PARTIAL_MARKER = ".jmoe-convert.json"
 PARTIAL_SUFFIX = ".partial"
+# Dense tiers (`jmoe convert --dense-tier`): the dense projections, LM head and embedding table at
+# bf16 or as QArrays; norms, routers and biases stay float. A manifest without "tier" is bf16.
+DENSE_TIERS = ("bf16", "int8", "int4")
 
 
 # ---------------------------------------------------------------- a small schema language
@@ -142,7 +146,9 @@ SCHEMA = {
                      "haq_alpha?": Anything()},
     "tiers": Entries({"format": Maybe(TIER_FORMAT), "record_nbytes": Int(1), "leaves": Items(LEAF)},
                      key=Text("|".join(TIER_NAMES), f"a tier ({', '.join(TIER_NAMES)})")),
-    "dense": {"dir": RELPATH, "tensors": Entries({"hf_name": str, "shape": Items(Int(0)), "dtype": str})},
+    "dense": {"dir": RELPATH, "tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
+              "format?": Maybe(TIER_FORMAT), "bytes?": Int(0),
+              "tensors": Entries({"hf_name": str, "shape": Items(Int(0)), "dtype": str})},
     "tokenizer": Maybe(RELPATH),
     "files": Entries({"bytes": Int(0), "sha256": SHA256}, key=RELPATH),
     CHECKSUM_KEY: SHA256,
@@ -247,9 +253,21 @@ def _check_consistency(root: Path, manifest: dict[str, Any]) -> None:
         fmt = entry["format"]
         if (fmt is None) != (tier == "bf16") or (fmt is not None and fmt["bits"] != TIER_BITS[tier]):
             raise FormatError(f"{MANIFEST}: tiers.{tier}.format does not describe a {tier} tier")
+    dense_tier, dense_fmt = manifest["dense"].get("tier", "bf16"), manifest["dense"].get("format")
+    if (dense_fmt is None) != (dense_tier == "bf16") or (dense_fmt and dense_fmt["bits"] != TIER_BITS[dense_tier]):
+        raise FormatError(f"{MANIFEST}: dense.format does not describe dense tier {dense_tier}")
     for rel in [*manifest["files"], manifest["dense"]["dir"], manifest["tokenizer"]]:
         if rel is not None:
             inside(root, rel)
+
+
+def dense_format(manifest: dict[str, Any]) -> QuantFormat | None:
+    """The format the dense weights are stored in (None: bf16 arrays), for building the model."""
+    fmt = manifest["dense"].get("format")
+    try:
+        return None if fmt is None else QuantFormat.from_json(fmt)
+    except ValueError as e:
+        raise FormatError(f"{MANIFEST}: dense.format: {e}") from None
 
 
 def check_files(root: Path, manifest: dict[str, Any], *, verify_checksums: bool) -> None:

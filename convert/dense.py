@@ -1,0 +1,137 @@
+"""The dense weights of a conversion, read tensor by tensor and stored at the dense tier.
+
+Every non-expert parameter of jmoe's tree is read from the checkpoint in blocks of rows (never a
+whole float32 copy of a large tensor such as the embedding table or the LM head) and stored as the
+model will hold it: at the dense tier "bf16" as bf16 arrays; at "int8" / "int4" the attention
+projections, dense MLPs, shared experts, LM head and embedding table as QArrays (round to nearest,
+groups along K; the embedding table as E^T [D, V], one column per token), while norms, routers and
+biases stay bf16. Which leaves are quantized is the model's own structure
+(jmoe.layers.transformer.abstract_model with the dense format), so conversion and loading agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from convert.hf_source import TensorSource
+from convert.quantizers.grid import encode, group_params, pad_k
+from jmoe.config import ModelConfig
+from jmoe.format import DENSE_DIR
+from jmoe.layers.transformer import abstract_model
+from jmoe.manifest import DENSE_TIERS
+from jmoe.models.checkpoint import dense_tensor
+from jmoe.runtime.budget import tree_nbytes
+from jmoe.tiers import tier_format
+from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
+
+BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
+
+
+def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None) -> QuantFormat | None:
+    """The dense tier's format (None for bf16): the expert tier's grid (with the same group-size
+    and symmetry overrides), never W8A8 or smoothed."""
+    if tier not in DENSE_TIERS:  # callers validate; this guards the library path
+        raise ValueError(f"unknown dense tier {tier!r}")
+    return tier_format(tier, group_size=group_size, symmetric=symmetric)
+
+
+def is_quantized(leaf) -> bool:
+    return isinstance(leaf, QArray)
+
+
+def dense_structure(cfg: ModelConfig, fmt: QuantFormat | None) -> dict:
+    """The dense parameter tree as stored: ShapeDtypeStructs, and QArrays of them for quantized leaves."""
+    return nnx.to_pure_dict(nnx.state(abstract_model(cfg, np.float32, fmt)))
+
+
+def row_blocks(rows: int, row_bytes: int):
+    step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def read_plain(source: TensorSource, name: str, hf_shape: tuple, transpose: bool, dtype, advance) -> np.ndarray:
+    """A float leaf at its stored dtype, converted one block of source rows at a time."""
+    if len(hf_shape) != 2:
+        value = source.get(name, hf_shape)
+        advance(value.size)
+        return np.ascontiguousarray(value.T if transpose else value).astype(dtype)
+    out = np.empty(tuple(reversed(hf_shape)) if transpose else hf_shape, dtype)
+    for rows in row_blocks(hf_shape[0], hf_shape[1] * 4):
+        block = source.get(name, hf_shape, rows)
+        if transpose:
+            out[:, rows] = block.T.astype(dtype)
+        else:
+            out[rows] = block.astype(dtype)
+        advance(block.size)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def rtn_block(w, fmt: QuantFormat):
+    """RTN of a K-major block [K, n] (compiled once per block shape, unlike op-by-op eager jnp):
+    (packed codes [Kp / pack, n], float16 scales and offsets [Kp / G, n])."""
+    n = w.shape[1]
+    groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)
+    scale, offset = group_params(groups, fmt)
+    codes = encode(groups, scale, offset, fmt).reshape(-1, n)
+    return pack_codes(codes, fmt), scale[:, 0].astype(jnp.float16), offset[:, 0].astype(jnp.float16)
+
+
+def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArray, advance) -> QArray:
+    """A QArray leaf encoding the K-major transpose of the source tensor [N, K]: each block of source
+    rows is a block of columns, quantized on its own (groups run along K, so columns are independent)."""
+    values, scales = np.empty(spec.values.shape, np.uint8), np.empty(spec.scales.shape, np.float16)
+    offsets = None if spec.offsets is None else np.empty(spec.offsets.shape, np.float16)
+    for rows in row_blocks(hf_shape[0], hf_shape[1] * 4):
+        block = source.get(name, hf_shape, rows)  # [n, K]
+        codes, scale, offset = rtn_block(block.T, spec.fmt)
+        values[:, rows], scales[:, rows] = np.asarray(codes), np.asarray(scale)
+        if offsets is not None:
+            offsets[:, rows] = np.asarray(offset)
+        advance(block.size)
+    return QArray(values, scales, offsets, None, spec.fmt, spec.k)
+
+
+def source_elements(cfg: ModelConfig, structure: dict) -> int:
+    """How many numbers the dense weights hold (the progress bar's total)."""
+    leaves = jax.tree_util.tree_leaves(structure, is_leaf=is_quantized)
+    return int(sum(np.prod(leaf.shape, dtype=np.int64) for leaf in leaves))
+
+
+def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt: QuantFormat | None,
+               advance: Callable[[int], None] = lambda n: None) -> tuple[dict, dict]:
+    """Every non-expert weight in jmoe's parameter tree at the dense tier, and the manifest's dense
+    entry (tensor index, tier, format, stored bytes). `advance(n)` reports n source numbers read."""
+    structure = dense_structure(cfg, fmt)
+    index = {}
+
+    def load(path, spec):
+        t = dense_tensor(cfg, tuple(k.key for k in path))
+        quantized = is_quantized(spec)
+        # A quantized embedding stores E^T: like a kernel, the source's rows become its columns.
+        transpose = t.transpose or (quantized and t.path[-1] == "embedding")
+        shape = tuple(spec.shape)
+        hf_shape = tuple(reversed(shape)) if transpose else shape
+        hf_name = next((n for n in t.hf_names if n in source), t.hf_names[0])
+        used.add(hf_name)
+        if quantized:
+            value = read_quantized(source, hf_name, hf_shape, spec, advance)
+        else:
+            value = read_plain(source, hf_name, hf_shape, transpose, spec.dtype, advance)
+        key = ".".join(str(p) for p in t.path)
+        dtype = f"int{spec.fmt.bits}" if quantized else np.dtype(spec.dtype).name
+        index[key] = {"hf_name": hf_name, "shape": list(shape), "dtype": dtype}
+        return value
+
+    dense = jax.tree_util.tree_map_with_path(load, structure, is_leaf=is_quantized)
+    tier = "bf16" if fmt is None else f"int{fmt.bits}"
+    entry = {"dir": DENSE_DIR, "tier": tier, "format": None if fmt is None else fmt.to_json(),
+             "bytes": tree_nbytes(dense), "tensors": index}
+    return dense, entry

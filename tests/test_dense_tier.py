@@ -1,0 +1,215 @@
+"""Dense weights at a tier (`convert --dense-tier`): what is stored, what the budget counts, accuracy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+import jmoe
+from convert import convert_checkpoint
+from convert import dense as dense_mod
+from convert.quantizers.rtn import quantize_rtn
+from jmoe.cli import main as cli_main
+from jmoe.errors import FormatError, InputError
+from jmoe.layers.linear import Embed, Linear
+from jmoe.manifest import read_manifest
+from jmoe.runtime.budget import tree_nbytes
+from jmoe.runtime.loader import memory_plan
+from pallas_kernels.qarray import QArray, QuantFormat, dequantize
+from tests.conftest import dev_text
+from tests.hf_models import make_checkpoint
+
+DENSE_TIERS = ("bf16", "int8", "int4")
+
+
+def hf_tensor(path, name):
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor(name).float().numpy()
+
+
+@pytest.fixture(scope="module")
+def qwen2_hf(tmp_path_factory):
+    """Shared expert behind a gate, a dense MLP layer, q/k/v biases and tied embeddings."""
+    src = tmp_path_factory.mktemp("qwen2") / "hf"
+    make_checkpoint("qwen2_moe", src, overrides=dict(tie_word_embeddings=True))
+    return src
+
+
+@pytest.fixture(scope="module")
+def qwen2_dirs(qwen2_hf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dense")
+    # group 32 so the 64-wide projections need no padding at int8 either
+    return {t: convert_checkpoint(qwen2_hf, root / t, dense_tier=t, group_size=32, progress=False)
+            for t in DENSE_TIERS}
+
+
+def leaf(model, *path):
+    node = model.dense
+    for p in path:
+        node = node[p]
+    return node.get_value()
+
+
+def test_manifest_records_the_tier_and_the_budget_counts_its_bytes(qwen2_dirs):
+    stored = {}
+    for tier, path in qwen2_dirs.items():
+        manifest = read_manifest(path)
+        dense = manifest["dense"]
+        assert dense["tier"] == tier
+        assert (dense["format"] is None) == (tier == "bf16")
+        model = jmoe.load(path)
+        assert dense["bytes"] == tree_nbytes(model.dense) == model.memory["dense"] == memory_plan(path)["dense"]
+        stored[tier] = dense["bytes"]
+        kernel = dense["tensors"]["layers.1.self_attn.q_proj.kernel"]
+        assert kernel["dtype"] == ("bfloat16" if tier == "bf16" else tier)
+        assert dense["tensors"]["layers.1.mlp.router.kernel"]["dtype"] == "bfloat16"
+    assert stored["bf16"] > 1.5 * stored["int8"] > 1.5 * 1.5 * stored["int4"]
+
+
+def test_projections_are_quantized_norms_routers_and_biases_are_not(qwen2_dirs):
+    model = jmoe.load(qwen2_dirs["int4"])
+    quantized = [("layers", 1, "self_attn", "q_proj", "kernel"), ("layers", 1, "self_attn", "o_proj", "kernel"),
+                 ("layers", 1, "mlp", "shared_expert", "down_proj", "kernel"),
+                 ("layers", 0, "mlp", "gate_proj", "kernel"), ("embed_tokens", "embedding")]
+    plain = [("layers", 1, "mlp", "router", "kernel"), ("layers", 1, "mlp", "shared_expert_gate", "kernel"),
+             ("layers", 1, "self_attn", "q_proj", "bias"), ("layers", 1, "input_layernorm", "weight"), ("norm", "weight")]
+    for path in quantized:
+        assert isinstance(leaf(model, *path), QArray), path
+    for path in plain:
+        assert leaf(model, *path).dtype == jnp.bfloat16, path
+    assert model.dense.get("lm_head") is None  # tied: the head multiplies by the quantized table
+    table = leaf(model, "embed_tokens", "embedding")
+    assert table.shape == (model.config.hidden_size, model.config.vocab_size)  # E^T, one column per token
+
+
+def test_blocks_of_rows_give_the_whole_tensors_result(qwen2_hf, tmp_path, monkeypatch):
+    """Reading large tensors in blocks of rows changes nothing: bf16 leaves equal the checkpoint,
+    quantized ones equal RTN of the whole tensor."""
+    monkeypatch.setattr(dense_mod, "BLOCK_BYTES", 1000)  # a few rows per block
+    for tier in ("bf16", "int4"):
+        model = jmoe.load(convert_checkpoint(qwen2_hf, tmp_path / tier, dense_tier=tier, group_size=32,
+                                             progress=False))
+        q = hf_tensor(qwen2_hf, "model.layers.1.self_attn.q_proj.weight")
+        embed = hf_tensor(qwen2_hf, "model.embed_tokens.weight")
+        ours_q, ours_embed = leaf(model, "layers", 1, "self_attn", "q_proj", "kernel"), leaf(model, "embed_tokens",
+                                                                                              "embedding")
+        if tier == "bf16":
+            np.testing.assert_array_equal(np.asarray(ours_q, np.float32), q.T)
+            np.testing.assert_array_equal(np.asarray(ours_embed, np.float32), embed)
+            continue
+        fmt = ours_q.fmt
+        for ours, whole in ((ours_q, q.T), (ours_embed, embed.T)):
+            ref = quantize_rtn(whole, fmt)
+            np.testing.assert_array_equal(np.asarray(ours.values), ref.values)
+            np.testing.assert_array_equal(np.asarray(ours.scales), ref.scales)
+
+
+def test_quantized_linear_and_embedding_compute_with_the_dequantized_weight():
+    fmt = QuantFormat(4, 32, False)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 48)).astype(np.float32)
+    q = jax.tree.map(jnp.asarray, quantize_rtn(w, fmt))
+    lin = Linear(64, 48, bias=False, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quant=fmt)
+    lin.kernel.set_value(q)
+    x = jnp.asarray(rng.normal(size=(3, 64)), jnp.float32)
+    ref = np.asarray(x) @ np.asarray(dequantize(q))
+    np.testing.assert_allclose(np.asarray(lin(x)), ref, rtol=1e-5, atol=1e-5)
+    emb = Embed(48, 64, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quant=fmt)
+    emb.embedding.set_value(q)  # E^T [D=64, V=48]
+    ids = jnp.asarray([[3, 0, 47], [5, 5, 1]])
+    np.testing.assert_array_equal(np.asarray(emb(ids)), np.asarray(dequantize(q)).T[np.asarray(ids)])
+
+
+def test_embedding_gathers_rows_before_casting():
+    """The lookup never converts the whole [V, D] table to the compute dtype."""
+    emb = Embed(1000, 16, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(emb)
+    jaxpr = jax.make_jaxpr(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, jnp.zeros((2, 3), jnp.int32))
+    converted = [e.invars[0].aval.shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert (1000, 16) not in converted
+    assert (2, 3, 16) in converted
+
+
+def test_greedy_output_runs_at_each_tier_and_offloaded_matches_resident(qwen2_dirs):
+    ids = list(range(3, 40, 2))
+    for tier, path in qwen2_dirs.items():
+        out = jmoe.generate(jmoe.load(path), ids, max_new_tokens=6)
+        assert len(out) == 6 and all(0 <= t < 256 for t in out)
+    path = qwen2_dirs["int4"]
+    plan = memory_plan(path)
+    budget = sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"] // 2
+    offloaded = jmoe.load(path, device_budget=budget, policy="lru", execution="layerwise")
+    assert jmoe.generate(offloaded, ids, max_new_tokens=6) == jmoe.generate(jmoe.load(path), ids, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tiny_hf_dir, tiny_tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-dense")
+    ids = tiny_tokenizer.encode(dev_text("code")[:3000])[:256]
+    out = {}
+    for tier in DENSE_TIERS:
+        model = jmoe.load(convert_checkpoint(tiny_hf_dir, root / tier, dense_tier=tier, progress=False),
+                          compute_dtype="float32")
+        out[tier] = np.asarray(jmoe.forward(model, ids))
+    return out, np.asarray(ids)
+
+
+def nll(logits, ids):
+    logp = logits[:-1] - np.log(np.exp(logits[:-1] - logits[:-1].max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits[:-1].max(-1, keepdims=True)
+    return float(-np.take_along_axis(logp, ids[1:, None], axis=-1).mean())
+
+
+def test_int8_dense_stays_close_to_bf16(tiny_logits):
+    """Logit error budget (the bundled model, tied head and embedding quantized too)."""
+    logits, ids = tiny_logits
+    scale = float(np.abs(logits["bf16"]).mean())
+    err = {t: float(np.abs(logits[t] - logits["bf16"]).mean()) for t in ("int8", "int4")}
+    assert err["int8"] < err["int4"]
+    assert err["int8"] < 0.02 * scale
+    loss = {t: nll(logits[t], ids) for t in DENSE_TIERS}
+    assert abs(loss["int8"] - loss["bf16"]) < 0.01 * loss["bf16"]
+    assert loss["int4"] < 1.1 * loss["bf16"]
+
+
+def test_bad_dense_tier_is_refused(qwen2_hf, tmp_path, capsys):
+    for bad in ("int2", "fp8", 4, None, ["int4"]):
+        with pytest.raises(InputError, match="dense_tier must be one of bf16, int8, int4"):
+            convert_checkpoint(qwen2_hf, tmp_path / "out", dense_tier=bad, progress=False)
+    assert not (tmp_path / "out").exists()
+    assert cli_main(["convert", str(qwen2_hf), "-o", str(tmp_path / "out"), "--dense-tier", "int2"]) == 2
+    assert "dense_tier must be one of" in capsys.readouterr().err
+
+
+def test_manifest_whose_dense_format_contradicts_its_tier_is_refused(qwen2_dirs, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(qwen2_dirs["int4"], path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["dense"]["format"] = None
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="dense tier int4"):
+        jmoe.load(path)
+
+
+def test_calibrated_conversion_with_a_quantized_dense_tier(tmp_path):
+    """GPTQ calibrates through the quantized dense weights (the inputs the experts will see)."""
+    import shutil
+
+    from tests.conftest import CALIB_FILES, TINY_HF
+
+    src = tmp_path / "hf"
+    make_checkpoint("qwen2_moe", src, overrides=dict(vocab_size=4096))  # the bundled tokenizer's vocabulary
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(TINY_HF / name, src / name)
+    path = convert_checkpoint(src, tmp_path / "gptq", tiers="int4", dense_tier="int4", method="gptq",
+                              calib=CALIB_FILES, calib_sequences=4, calib_seq_len=32, progress=False)
+    model = jmoe.load(path)
+    assert isinstance(leaf(model, "layers", 0, "self_attn", "q_proj", "kernel"), QArray)
+    assert len(jmoe.generate(model, [5, 6, 7, 8], max_new_tokens=4)) == 4
