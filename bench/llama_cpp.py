@@ -1,0 +1,221 @@
+"""llama.cpp beside jmoe: find a build, convert a Hugging Face checkpoint to GGUF, run llama-bench.
+
+Where llama.cpp is found:
+  JMOE_LLAMA_CPP=/path/to/build/bin   the directory holding llama-bench and llama-quantize
+                                      (else both are looked up on PATH);
+  JMOE_LLAMA_CPP_SRC=/path/to/llama.cpp   the source tree holding convert_hf_to_gguf.py and gguf-py
+                                      (else read from the build's CMakeCache.txt);
+  JMOE_LLAMA_CPP_PYTHON=/path/to/python   the interpreter for convert_hf_to_gguf.py (default: this
+                                      one; it needs torch, transformers, numpy, safetensors, pyyaml,
+                                      tqdm, which jmoe's bench environment has; gguf-py is taken from
+                                      the source tree).
+
+Building it for CPU from the llama-cpp-python source distribution (the version the README's table
+was measured with; about 15 minutes on 2 cores):
+
+    mkdir -p ~/llama-build && cd ~/llama-build
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36
+    tar xzf llama_cpp_python-0.3.36.tar.gz
+    cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release \\
+        -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \\
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+    cmake --build build -j 2 --target llama-bench llama-quantize
+    export JMOE_LLAMA_CPP=~/llama-build/build/bin
+
+The random checkpoints of bench/random_checkpoint.py carry a tiny tokenizer padded to the real
+vocabulary, which convert_hf_to_gguf.py refuses (it recognises a BPE pre-tokenizer by hashing how
+it splits a test string). The GGUF is therefore converted from a sibling directory that links the
+same weights and config and holds GPT-2's tokenizer, rebuilt from the vocabulary file llama.cpp
+ships (models/ggml-vocab-gpt-2.gguf), which it recognises; the rest of the vocabulary is padding.
+llama-bench feeds random token ids, so the tokenizer changes nothing it measures. Mixtral's
+converter wants a SentencePiece model instead and is not supported here yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+QUANT_TYPES = ("BF16", "Q8_0", "Q4_K_M", "Q4_0")
+# Which jmoe tier each GGUF type is compared with (equal bits per expert weight).
+JMOE_TIER_OF = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4"}
+GPT2_PATH_ARCHS = ("Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM")
+
+
+class LlamaCppMissing(RuntimeError):
+    """No usable llama.cpp build (the message says what is missing and how to get it)."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    bin_dir: Path
+    src_dir: Path
+    python: str
+
+    @property
+    def bench(self) -> Path:
+        return self.bin_dir / "llama-bench"
+
+    @property
+    def quantize_tool(self) -> Path:
+        return self.bin_dir / "llama-quantize"
+
+    def version(self) -> str:
+        proc = subprocess.run([str(self.bench), "--version"], capture_output=True, text=True)
+        return (proc.stdout + proc.stderr).strip().splitlines()[0] if (proc.stdout + proc.stderr).strip() else "?"
+
+
+def find_llama_cpp() -> LlamaCpp:
+    """The llama.cpp build named by JMOE_LLAMA_CPP, else llama-bench on PATH; raises LlamaCppMissing."""
+    env = os.environ.get("JMOE_LLAMA_CPP")
+    if env:
+        bin_dir = Path(env).expanduser()
+        if not (bin_dir / "llama-bench").is_file():
+            raise LlamaCppMissing(f"JMOE_LLAMA_CPP={env} holds no llama-bench (point it at the build's bin/)")
+    else:
+        found = shutil.which("llama-bench")
+        if not found:
+            raise LlamaCppMissing("llama-bench not found: set JMOE_LLAMA_CPP=/path/to/build/bin "
+                                  "(bench/llama_cpp.py says how to build it)")
+        bin_dir = Path(found).resolve().parent
+    if not (bin_dir / "llama-quantize").is_file():
+        raise LlamaCppMissing(f"{bin_dir} has llama-bench but no llama-quantize (build both targets)")
+    src = os.environ.get("JMOE_LLAMA_CPP_SRC")
+    src_dir = Path(src).expanduser() if src else source_from_build(bin_dir)
+    if src_dir is None or not (src_dir / "convert_hf_to_gguf.py").is_file():
+        raise LlamaCppMissing("llama.cpp's source tree (convert_hf_to_gguf.py) not found: set "
+                              "JMOE_LLAMA_CPP_SRC=/path/to/llama.cpp")
+    return LlamaCpp(bin_dir, src_dir, os.environ.get("JMOE_LLAMA_CPP_PYTHON", sys.executable))
+
+
+def source_from_build(bin_dir: Path) -> Path | None:
+    """The source directory a CMake build was configured from (its CMakeCache.txt says)."""
+    for build in (bin_dir.parent, bin_dir.parent.parent):
+        cache = build / "CMakeCache.txt"
+        if cache.is_file():
+            m = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.+)$", cache.read_text(), re.MULTILINE)
+            if m:
+                return Path(m.group(1).strip())
+    return None
+
+
+def gpt2_tokenizer(llama: LlamaCpp) -> dict:
+    """GPT-2's tokenizer.json, rebuilt from the vocabulary GGUF in llama.cpp's models/."""
+    sys.path.insert(0, str(llama.src_dir / "gguf-py"))
+    try:
+        import gguf
+    finally:
+        sys.path.pop(0)
+    reader = gguf.GGUFReader(str(llama.src_dir / "models" / "ggml-vocab-gpt-2.gguf"))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": eos, "content": tokens[eos], "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": True, "special": True}],
+        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": list(merges)},
+    }
+
+
+def gguf_source(llama: LlamaCpp, checkpoint: Path, out: Path) -> Path:
+    """A directory llama.cpp's converter accepts: links to the checkpoint's weights and config,
+    and a tokenizer it recognises (see the module docstring)."""
+    checkpoint = Path(checkpoint).resolve()
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    arch = cfg["architectures"][0]
+    if arch not in GPT2_PATH_ARCHS:
+        raise LlamaCppMissing(f"GGUF conversion of {arch} random checkpoints is not supported yet "
+                              f"(supported: {', '.join(GPT2_PATH_ARCHS)})")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in checkpoint.iterdir():
+        if f.suffix == ".safetensors" or f.name in ("model.safetensors.index.json", "config.json"):
+            (out / f.name).symlink_to(f)
+    tok = gpt2_tokenizer(llama)
+    if cfg["vocab_size"] < len(tok["model"]["vocab"]):
+        raise LlamaCppMissing(f"vocabulary {cfg['vocab_size']} is smaller than GPT-2's tokenizer")
+    eos = tok["added_tokens"][0]["content"]
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "add_bos_token": False}))
+    return out
+
+
+def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None,
+                 log: Path | None = None) -> tuple[str, float, int]:
+    """Run cmd; return (stdout, seconds, peak RSS bytes of that process alone, from wait4)."""
+    t = time.perf_counter()
+    with open(log or os.devnull, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd, text=True)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - t
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:] if log and log.exists() else ""
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... failed ({proc.returncode}):\n{tail}")
+    return out, seconds, usage.ru_maxrss * 1024
+
+
+def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES) -> dict[str, dict]:
+    """The checkpoint as GGUF at each type (BF16 converted, the rest quantized from it); reuses
+    files already there. Returns per type: path, seconds, peak RSS (None when reused)."""
+    work.mkdir(parents=True, exist_ok=True)
+    bf16 = work / "model-BF16.gguf"
+    made: dict[str, dict] = {}
+    if not bf16.is_file():
+        src = gguf_source(llama, checkpoint, work / "hf-src")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(llama.src_dir / "gguf-py"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        tmp = work / "model-BF16.gguf.tmp"
+        _, seconds, rss = run_measured(
+            [llama.python, str(llama.src_dir / "convert_hf_to_gguf.py"), str(src), "--outtype", "bf16",
+             "--outfile", str(tmp)], env=env, cwd=llama.src_dir, log=work / "convert.log")
+        tmp.rename(bf16)
+        made["BF16"] = {"seconds": seconds, "peak_rss_bytes": rss}
+    out = {"BF16": {"path": str(bf16), **made.get("BF16", {"seconds": None, "peak_rss_bytes": None})}}
+    for qtype in types:
+        if qtype == "BF16":
+            continue
+        path = work / f"model-{qtype}.gguf"
+        entry = {"seconds": None, "peak_rss_bytes": None}
+        if not path.is_file():
+            tmp = path.with_suffix(".gguf.tmp")
+            _, seconds, rss = run_measured([str(llama.quantize_tool), str(bf16), str(tmp), qtype, "2"],
+                                           log=work / f"quantize-{qtype}.log")
+            tmp.rename(path)
+            entry = {"seconds": seconds, "peak_rss_bytes": rss}
+        out[qtype] = {"path": str(path), **entry}
+    for entry in out.values():
+        entry["bytes"] = Path(entry["path"]).stat().st_size
+    return out
+
+
+def bench(llama: LlamaCpp, gguf: Path, *, threads: int = 2, prompt: int = 512, gen: int = 128,
+          depths: tuple[int, ...] = (0, 512), log: Path | None = None) -> dict:
+    """One llama-bench run (one repetition after its own warm-up): prefill tok/s over `prompt`
+    tokens and decode tok/s over `gen` tokens at each depth, and the process's peak RSS."""
+    cmd = [str(llama.bench), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
+           "-d", ",".join(map(str, depths)), "-r", "1", "-o", "json"]
+    out, seconds, rss = run_measured(cmd, log=log)
+    result = {"peak_rss_bytes": rss, "wall_s": seconds}
+    for test in json.loads(out):
+        depth = test.get("n_depth", 0)
+        if test["n_prompt"] and not test["n_gen"]:
+            result["prefill_tok_s" if depth == 0 else f"prefill_tok_s@{depth}"] = test["avg_ts"]
+        elif test["n_gen"] and not test["n_prompt"]:
+            result[f"decode_tok_s@{depth}"] = test["avg_ts"]
+    return result

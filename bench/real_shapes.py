@@ -1,0 +1,304 @@
+"""Real size, real speed: jmoe on a real model's exact layer shapes, beside llama.cpp, on the CPU.
+
+Writes a random-weight Hugging Face checkpoint with a named model's exact shapes cut to --layers
+layers (bench/random_checkpoint.py), converts it with `jmoe convert --tiers <tiers> --method rtn`
+(and, where `jmoe convert` has --dense-tier, once more with every dense weight at int4), and
+measures, each configuration in its own fresh process so its peak memory is its own:
+
+- conversion time and peak RSS (jmoe, and llama.cpp's GGUF conversion and quantization);
+- load time, prefill tok/s (a 512-token prompt), decode tok/s (128 tokens at depth 0 and after
+  the 512-token prompt), peak RSS overall and while decoding, beside the bytes the model loads;
+  per tier, all-resident and offloaded (device budget from jmoe.memory_plan so the pools hold 50%
+  and 25% of the experts, policy lru+prefetch);
+- a fresh process's load and first-token time with a cold and a warm XLA compilation cache
+  (JMOE_COMPILATION_CACHE pointed at a new directory, then at the same one again);
+- where llama.cpp is found (bench/llama_cpp.py: JMOE_LLAMA_CPP or PATH, and how to build it), the
+  same checkpoint as GGUF BF16, Q8_0, Q4_K_M and Q4_0 under `llama-bench -t 2 -p 512 -n 128`.
+
+Every round runs each configuration once, jmoe and llama.cpp alternating (the order rotates by
+round); results are medians with [min-max] over rounds, and each jmoe / llama.cpp ratio is taken
+within a round. Writes bench/results/real_shapes_cpu.json (or --out) and a PNG beside it; prints
+the markdown tables (also: python -m bench.real_shapes_report).
+
+    python -m bench.real_shapes --model qwen3-30b-a3b --layers 8 --rounds 3 --data ~/bench-data
+    python -m bench.real_shapes --quick --skip-llama        # tiny token counts, 1 layer: checks the bench
+
+Generated checkpoints and conversions go under --data (default $JMOE_BENCH_DATA, else
+~/.cache/jmoe-bench); an 8-layer Qwen3-30B-A3B slice needs about 30 GB there and 10+ GiB of RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import llama_cpp
+from bench.common import RESULTS, ROOT, machine
+from bench.random_checkpoint import MODELS, checkpoint_bytes, model_named, write_checkpoint
+from bench.real_shapes_report import markdown, plot, ratios, summarize
+
+PLACEMENTS = {"resident": None, "pools 50%": 0.5, "pools 25%": 0.25}
+OFFLOAD_POLICY = "lru+prefetch"
+CHILD_TIMEOUT_S = 3 * 3600
+TIER_ORDER = ("bf16", "int8", "int4", "int2")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    p.add_argument("--layers", type=int, default=None, help="layers to keep (default 8; 1 with --quick)")
+    p.add_argument("--tiers", default="bf16,int4", help="expert tiers to convert and run (default bf16,int4)")
+    p.add_argument("--placements", default=",".join(PLACEMENTS),
+                   help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)")
+    p.add_argument("--llama-types", default=",".join(llama_cpp.QUANT_TYPES),
+                   help=f"GGUF types for llama.cpp (default {','.join(llama_cpp.QUANT_TYPES)})")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; 64 with --quick)")
+    p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")
+    p.add_argument("--skip-llama", action="store_true", help="jmoe only")
+    p.add_argument("--skip-startup", action="store_true", help="no cold/warm compilation-cache runs")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep conversions already under --data (their times are then not measured)")
+    p.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")),
+                   help="where checkpoints and conversions are written")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/real_shapes_cpu.json)")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.layers = args.layers or (1 if q else 8)
+    args.rounds = args.rounds or (1 if q else 3)
+    args.prompt = args.prompt or (64 if q else 512)
+    args.new_tokens = args.new_tokens or (16 if q else 128)
+    args.data = args.data.expanduser()
+    args.tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    args.placements = [x.strip() for x in args.placements.split(",") if x.strip()]
+    args.llama_types = [x.strip() for x in args.llama_types.split(",") if x.strip()]
+    bad = ([f"tier {t!r}" for t in args.tiers if t not in TIER_ORDER]
+           + [f"placement {x!r}" for x in args.placements if x not in PLACEMENTS]
+           + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES])
+    if bad:
+        p.error("unknown " + ", ".join(bad))
+    if not args.tiers or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2:
+        p.error("need at least one tier, one round, a prompt and 2 new tokens")
+    try:
+        model_named(args.model).config_for(args.layers)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def jmoe_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jmoe.cli", *args]
+
+
+def dense_tier_supported() -> bool:
+    """Whether this jmoe's converter can store dense weights at a tier (`--dense-tier`)."""
+    proc = subprocess.run(jmoe_cli("convert", "--help"), capture_output=True, text=True, cwd=ROOT)
+    return "--dense-tier" in proc.stdout
+
+
+def checkpoint(args) -> Path:
+    """The random checkpoint, reused when one with the same model, layers and seed is there."""
+    path = args.data / f"hf-{args.model}-{args.layers}L"
+    meta = path / "random_checkpoint.json"
+    if meta.is_file():
+        m = json.loads(meta.read_text())
+        if m.get("layers") == args.layers and m.get("model") == model_named(args.model).name:
+            return path
+    print(f"writing {path} ...", flush=True)
+    return write_checkpoint(args.model, path, layers=args.layers)
+
+
+def convert_jmoe(src: Path, out: Path, tiers: list[str], extra: list[str], reuse: bool, log: Path) -> dict:
+    """`jmoe convert` in its own process: seconds and peak RSS (None when an earlier output is reused)."""
+    if reuse and (out / "manifest.json").is_file():
+        return {"path": str(out), "seconds": None, "peak_rss_bytes": None, "bytes": tree_bytes(out)}
+    print(f"jmoe convert -> {out} ...", flush=True)
+    cmd = jmoe_cli("convert", str(src), "-o", str(out), "--tiers", ",".join(tiers), "--method", "rtn",
+                   "--force", "--no-progress", *extra)
+    _, seconds, rss = llama_cpp.run_measured(cmd, cwd=ROOT, log=log)
+    return {"path": str(out), "seconds": seconds, "peak_rss_bytes": rss, "bytes": tree_bytes(out)}
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def budget_for(path: Path, tier: str, fraction: float | None, max_seq_len: int) -> int | None:
+    """A device budget whose pools hold `fraction` of the experts at `tier`: everything load()
+    reserves before experts (from jmoe.memory_plan, plus transfer staging where the plan leaves it
+    out), and that fraction of all the expert bytes."""
+    if fraction is None:
+        return None
+    import jmoe
+    from bench.common import staging_bytes
+
+    plan = jmoe.memory_plan(path, tier=tier, max_seq_len=max_seq_len)
+    fixed = sum(v for k, v in plan.items() if k not in ("all_experts", "draft"))
+    if "staging" not in plan:
+        fixed += staging_bytes(path)
+    return int(fixed + fraction * plan["all_experts"])
+
+
+def loaded_bytes(path: Path, tier: str, max_seq_len: int) -> int:
+    """What a loaded model holds by design: dense weights, every expert at `tier` (the host store),
+    KV cache and workspace; peak RSS is judged against this."""
+    import jmoe
+
+    plan = jmoe.memory_plan(path, tier=tier, max_seq_len=max_seq_len)
+    return int(sum(v for k, v in plan.items() if k in ("dense", "kv_cache", "workspace", "all_experts")))
+
+
+def run_jmoe_child(spec: dict, env: dict | None, log: Path) -> dict:
+    cmd = [sys.executable, "-m", "bench.real_shapes_child", json.dumps(spec)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    log.write_text(proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:300])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["peak_rss_bytes"] = max(out.get("load_peak_rss_bytes") or 0, out.get("decode_peak_rss_bytes") or 0) or None
+    return out
+
+
+def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict], list[dict], list[tuple]]:
+    """(measured configurations, start-up configurations, jmoe/llama.cpp pairs for ratios)."""
+    max_seq_len = args.prompt + args.new_tokens + 8
+    base = {"prompt": args.prompt, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len, "mode": "speed"}
+    main = Path(conversions["jmoe"]["path"])
+    jmoe_runs = []
+    for tier in args.tiers:
+        for placement in args.placements:
+            fraction = PLACEMENTS[placement]
+            policy = "resident" if fraction is None else OFFLOAD_POLICY
+            spec = dict(base, path=str(main), tier=tier, policy=policy,
+                        budget=budget_for(main, tier, fraction, max_seq_len))
+            jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {placement}", "spec": spec,
+                              "loaded_bytes": loaded_bytes(main, tier, max_seq_len)})
+    if "jmoe dense int4" in conversions:
+        dense = Path(conversions["jmoe dense int4"]["path"])
+        spec = dict(base, path=str(dense), tier="int4", policy="resident", budget=None)
+        jmoe_runs.append({"kind": "jmoe", "label": "jmoe int4 + dense int4 resident", "spec": spec,
+                          "loaded_bytes": loaded_bytes(dense, "int4", max_seq_len)})
+    llama_runs = [{"kind": "llama.cpp", "label": f"llama.cpp {q}", "gguf": llama_ggufs[q]["path"],
+                   "loaded_bytes": llama_ggufs[q]["bytes"]} for q in args.llama_types if q in llama_ggufs]
+    # alternate: each jmoe configuration followed by a llama.cpp one while both last
+    measured = []
+    for i in range(max(len(jmoe_runs), len(llama_runs))):
+        measured += jmoe_runs[i:i + 1] + llama_runs[i:i + 1]
+    startup = []
+    if not args.skip_startup:
+        tier = max(args.tiers, key=TIER_ORDER.index)  # the fewest bits
+        spec = dict(base, path=str(main), tier=tier, policy="resident", budget=None, mode="startup")
+        startup = [{"kind": "startup", "label": f"jmoe {tier} resident, {c} compilation cache", "spec": spec,
+                    "cache": c} for c in ("cold", "warm")]
+    labels = {r["label"] for r in jmoe_runs}
+    pairs = [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident", f"llama.cpp {q}") for q in args.llama_types
+             if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident" in labels]
+    if "jmoe int4 + dense int4 resident" in labels:
+        pairs += [("jmoe int4 + dense int4 resident", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
+    return measured, startup, pairs
+
+
+def run_one(cfg: dict, round_no: int, args, llama, logs: Path, cache_dir: Path | None) -> dict:
+    tag = cfg["label"].replace(" ", "_").replace("%", "pct").replace(",", "").replace("+", "plus")
+    log = logs / f"r{round_no}-{tag}.log"
+    record = {"kind": cfg["kind"], "label": cfg["label"], "round": round_no, "loaded_bytes": cfg.get("loaded_bytes")}
+    t = time.perf_counter()
+    try:
+        if cfg["kind"] == "llama.cpp":
+            record.update(llama_cpp.bench(llama, Path(cfg["gguf"]), threads=2, prompt=args.prompt,
+                                          gen=args.new_tokens, depths=(0, args.prompt), log=log))
+        else:
+            env = dict(os.environ, JMOE_COMPILATION_CACHE=str(cache_dir)) if cache_dir else None
+            record.update(run_jmoe_child(cfg["spec"], env, log))
+    except Exception as e:  # one failing configuration (out of memory, say) does not end the run
+        record["error"] = str(e)[:500]
+    record["wall_s"] = time.perf_counter() - t
+    if record.get("peak_rss_bytes") and record.get("loaded_bytes"):
+        record["rss_over_loaded"] = record["peak_rss_bytes"] / record["loaded_bytes"]
+    shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items()
+             if k not in ("stats", "memory", "kind")}
+    print(json.dumps(shown), flush=True)
+    return record
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    spec = model_named(args.model)
+    args.data.mkdir(parents=True, exist_ok=True)
+    logs = args.data / "logs"
+    logs.mkdir(exist_ok=True)
+    t_start = time.perf_counter()
+    llama = None
+    if not args.skip_llama:
+        try:
+            llama = llama_cpp.find_llama_cpp()
+        except llama_cpp.LlamaCppMissing as e:
+            print(f"llama.cpp skipped: {e}", flush=True)
+
+    src = checkpoint(args)
+    name = f"{args.model}-{args.layers}L"
+    conversions = {"jmoe": convert_jmoe(src, args.data / f"jmoe-{name}", args.tiers, [], args.reuse,
+                                        logs / "convert-jmoe.log")}
+    if "int4" in args.tiers and dense_tier_supported():
+        conversions["jmoe dense int4"] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4", ["int4"],
+                                                      ["--dense-tier", "int4"], args.reuse,
+                                                      logs / "convert-jmoe-dense-int4.log")
+    ggufs = {}
+    if llama is not None:
+        work = args.data / f"gguf-{name}"
+        if not args.reuse:
+            for f in work.glob("model-*.gguf"):
+                f.unlink()
+        try:
+            print(f"GGUF conversion -> {work} ...", flush=True)
+            ggufs = llama_cpp.convert(llama, src, work, args.llama_types)
+        except (llama_cpp.LlamaCppMissing, RuntimeError) as e:
+            print(f"llama.cpp skipped: {e}", flush=True)
+            llama = None
+        for q, entry in ggufs.items():
+            conversions[f"llama.cpp {q}"] = entry
+
+    measured, startup, pairs = plan_configs(args, conversions, ggufs)
+    runs = []
+    for r in range(args.rounds):
+        shift = r % len(measured) if measured else 0
+        for cfg in measured[shift:] + measured[:shift]:
+            runs.append(run_one(cfg, r, args, llama, logs, None))
+        if startup:
+            with tempfile.TemporaryDirectory(prefix="jmoe-xla-cache-") as cache_dir:
+                for cfg in startup:  # cold (empty directory), then warm (the same directory)
+                    runs.append(run_one(cfg, r, args, llama, logs, Path(cache_dir)))
+
+    ok = [r for r in runs if "error" not in r]
+    result = {
+        "machine": machine(),
+        "model": {"name": spec.name, "hub_id": spec.hub_id, "layers": args.layers, "notes": spec.notes,
+                  "checkpoint_bytes": checkpoint_bytes(src), "config": spec.config_for(args.layers)},
+        "settings": {"tiers": args.tiers, "placements": args.placements, "offload_policy": OFFLOAD_POLICY,
+                     "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens, "threads": 2,
+                     "quick": args.quick, "method": "rtn",
+                     "llama_cpp": (str(llama.bin_dir), llama.version()) if llama else None},
+        "conversions": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in conversions.items()},
+        "summary": summarize(ok),
+        "ratios": ratios(ok, pairs, ("prefill_tok_s", "decode_tok_s@0", f"decode_tok_s@{args.prompt}")),
+        "failures": [{k: r[k] for k in ("label", "round", "error")} for r in runs if "error" in r],
+        "runs": runs,
+        "total_s": time.perf_counter() - t_start,
+    }
+    out = args.out or RESULTS / "real_shapes_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    png = plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {png} ({result['total_s'] / 60:.1f} min)\n")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
