@@ -26,7 +26,7 @@ namespace ffi = xla::ffi;
 namespace jmoe {
 
 constexpr int kTile = 64;             // columns per tile (four 16-float vectors)
-constexpr int kBlock = 4 * kTile;     // columns per task
+constexpr int kBlock = 16 * kTile;    // columns per task (1024)
 constexpr int kPlainPanelRows = 64;   // K rows per panel for unquantized weights
 constexpr int kMaxPanelRows = 128;    // the largest group size
 
@@ -92,15 +92,25 @@ static float weight_at(const Weight& w, int64_t k, int64_t n) {
   return q * s + o;
 }
 
+// 16-lane vectors (GCC vector extensions): a zmm under AVX-512, two ymm under AVX2.
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace avx512 {
-typedef float v16 __attribute__((vector_size(64)));
+static inline v16 load16(const float* p) { return (v16)_mm512_loadu_ps(p); }
+static inline void store16(float* p, v16 v) { _mm512_storeu_ps(p, (__m512)v); }
+static inline v16 splat(float f) { return (v16)_mm512_set1_ps(f); }
+static inline v16u widen_bytes(const uint8_t* p) {
+  return (v16u)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline v16 bf16_to_f32(const uint16_t* p) {
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+}
 static inline v16 half16_to_f32(const uint16_t* p) {
-  __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  v16 v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #include "gemm.inc"
 }  // namespace avx512
@@ -109,21 +119,63 @@ static inline v16 half16_to_f32(const uint16_t* p) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-typedef float v16 __attribute__((vector_size(64)));
-static inline v16 half16_to_f32(const uint16_t* p) {
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+union Pair {
   v16 v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+  v16u u;
+  __m256 f[2];
+  __m256i i[2];
+};
+static inline v16 load16(const float* p) {
+  Pair r;
+  r.f[0] = _mm256_loadu_ps(p), r.f[1] = _mm256_loadu_ps(p + 8);
+  return r.v;
+}
+static inline void store16(float* p, v16 v) {
+  Pair r;
+  r.v = v;
+  _mm256_storeu_ps(p, r.f[0]), _mm256_storeu_ps(p + 8, r.f[1]);
+}
+static inline v16 splat(float f) { return v16{} + f; }
+static inline v16u widen_bytes(const uint8_t* p) {
+  Pair r;
+  r.i[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  r.i[1] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return r.u;
+}
+static inline v16 bf16_to_f32(const uint16_t* p) {
+  Pair r;
+  r.i[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  r.i[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+  return r.v;
+}
+static inline v16 half16_to_f32(const uint16_t* p) {
+  Pair r;
+  r.f[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  r.f[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return r.v;
 }
 #include "gemm.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
 namespace portable {
-typedef float v16 __attribute__((vector_size(64)));
+static inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+static inline v16 splat(float f) { return v16{} + f; }
+static inline v16u widen_bytes(const uint8_t* p) {
+  v16u v;
+  for (int i = 0; i < 16; ++i) v[i] = p[i];
+  return v;
+}
+static inline v16 bf16_to_f32(const uint16_t* p) {
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(p[i]);
+  return v;
+}
 static inline v16 half16_to_f32(const uint16_t* p) {
   v16 v;
   for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
@@ -280,7 +332,7 @@ struct Run {
 };
 
 // y[r] = down(act(gate_up(x[r]))) for the rows of every run, each expert's weights read once.
-// Tasks are (run, 256-column block) pairs, so one token's eight experts keep both cores busy.
+// Tasks are (run, column block) pairs, so one token's eight experts keep both cores busy.
 static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::vector<Run>& runs, const float* x,
                         int64_t R, float* y) {
   const int64_t D = p.D, F = p.F, gu_blocks = blocks(2 * F), dn_blocks = blocks(D);
