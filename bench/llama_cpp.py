@@ -7,11 +7,12 @@ Where llama.cpp is found:
                                       (else read from the build's CMakeCache.txt);
   JMOE_LLAMA_CPP_PYTHON=/path/to/python   the interpreter for convert_hf_to_gguf.py (default: this
                                       one; it needs torch, transformers, numpy, safetensors, pyyaml,
-                                      tqdm, which jmoe's bench environment has; gguf-py is taken from
-                                      the source tree).
+                                      tqdm, which jmoe's bench environment has, and for Mixtral also
+                                      sentencepiece, which the converter imports; gguf-py is taken
+                                      from the source tree).
 
 Building it for CPU from the llama-cpp-python source distribution (the version the README's table
-was measured with; about 15 minutes on 2 cores):
+was measured with; 20-40 minutes on 2 cores):
 
     mkdir -p ~/llama-build && cd ~/llama-build
     pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36
@@ -21,14 +22,22 @@ was measured with; about 15 minutes on 2 cores):
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
     cmake --build build -j 2 --target llama-bench llama-quantize
     export JMOE_LLAMA_CPP=~/llama-build/build/bin
+    # Mixtral only: an interpreter that sees jmoe's packages, plus sentencepiece
+    python3 -m venv venv
+    /path/to/jmoe/.venv/bin/python -c "import site; print(site.getsitepackages()[0])" \
+        > venv/lib/python3.11/site-packages/jmoe-venv.pth
+    venv/bin/pip install sentencepiece
+    export JMOE_LLAMA_CPP_PYTHON=~/llama-build/venv/bin/python
 
 The random checkpoints of bench/random_checkpoint.py carry a tiny tokenizer padded to the real
 vocabulary, which convert_hf_to_gguf.py refuses (it recognises a BPE pre-tokenizer by hashing how
 it splits a test string). The GGUF is therefore converted from a sibling directory that links the
-same weights and config and holds GPT-2's tokenizer, rebuilt from the vocabulary file llama.cpp
-ships (models/ggml-vocab-gpt-2.gguf), which it recognises; the rest of the vocabulary is padding.
-llama-bench feeds random token ids, so the tokenizer changes nothing it measures. Mixtral's
-converter wants a SentencePiece model instead and is not supported here yet.
+same weights and config and holds a tokenizer rebuilt from a vocabulary file llama.cpp ships:
+GPT-2's (models/ggml-vocab-gpt-2.gguf), whose pre-tokenizer it recognises, for the families it
+reads through its BPE path (Qwen3-MoE, GPT-OSS, DeepSeek-V2), and for Mixtral the Llama
+SentencePiece vocabulary (models/ggml-vocab-llama-spm.gguf) written as a byte-fallback BPE
+tokenizer.json, which its Llama path reads without a hash. The rest of the vocabulary is padding.
+llama-bench feeds random token ids, so the tokenizer changes nothing it measures.
 """
 
 from __future__ import annotations
@@ -46,7 +55,6 @@ from pathlib import Path
 QUANT_TYPES = ("BF16", "Q8_0", "Q4_K_M", "Q4_0")
 # Which jmoe tier each GGUF type is compared with (equal bits per expert weight).
 JMOE_TIER_OF = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4"}
-GPT2_PATH_ARCHS = ("Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM")
 
 
 class LlamaCppMissing(RuntimeError):
@@ -106,51 +114,95 @@ def source_from_build(bin_dir: Path) -> Path | None:
     return None
 
 
-def gpt2_tokenizer(llama: LlamaCpp) -> dict:
-    """GPT-2's tokenizer.json, rebuilt from the vocabulary GGUF in llama.cpp's models/."""
+def vocab_gguf_fields(llama: LlamaCpp, name: str) -> dict:
+    """The tokenizer fields of one of llama.cpp's vocabulary files (models/ggml-vocab-<name>.gguf)."""
     sys.path.insert(0, str(llama.src_dir / "gguf-py"))
     try:
         import gguf
     finally:
         sys.path.pop(0)
-    reader = gguf.GGUFReader(str(llama.src_dir / "models" / "ggml-vocab-gpt-2.gguf"))
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    merges = reader.fields["tokenizer.ggml.merges"].contents()
-    eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    reader = gguf.GGUFReader(str(llama.src_dir / "models" / f"ggml-vocab-{name}.gguf"))
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+
+
+def special(token_id: int, content: str) -> dict:
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True}
+
+
+def gpt2_tokenizer(llama: LlamaCpp) -> tuple[dict, dict]:
+    """GPT-2's tokenizer.json and tokenizer_config.json (llama.cpp recognises its pre-tokenizer)."""
+    f = vocab_gguf_fields(llama, "gpt-2")
+    tokens, eos = f["tokenizer.ggml.tokens"], int(f["tokenizer.ggml.eos_token_id"])
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    return {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": eos, "content": tokens[eos], "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": True, "special": True}],
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [special(eos, tokens[eos])],
         "normalizer": None, "pre_tokenizer": byte_level, "post_processor": byte_level, "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": list(merges)},
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": list(f["tokenizer.ggml.merges"])},
     }
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": tokens[eos], "eos_token": tokens[eos],
+              "add_bos_token": False}
+    return tok, config
+
+
+def llama_spm_tokenizer(llama: LlamaCpp) -> tuple[dict, dict]:
+    """The Llama SentencePiece vocabulary as a byte-fallback BPE tokenizer.json (no merges: only
+    the vocabulary reaches the GGUF), which llama.cpp's Llama path reads without a hash."""
+    f = vocab_gguf_fields(llama, "llama-spm")
+    tokens = f["tokenizer.ggml.tokens"]
+    controls = [i for i, t in enumerate(f["tokenizer.ggml.token_type"]) if t in (2, 3)]  # unknown, control
+    space = "\u2581"
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [special(i, tokens[i]) for i in controls],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": space}, {"type": "Replace", "pattern": {"String": " "}, "content": space}]},
+        "pre_tokenizer": None, "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": space}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": tokens[0], "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": []},
+    }
+    ids = {k: int(f[f"tokenizer.ggml.{k}_token_id"]) for k in ("bos", "eos", "unknown")}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens[ids["bos"]],
+              "eos_token": tokens[ids["eos"]], "unk_token": tokens[ids["unknown"]]}
+    return tok, config
+
+
+# Which rebuilt tokenizer each architecture's GGUF conversion gets.
+TOKENIZER_FOR_ARCH = {
+    "Qwen3MoeForCausalLM": gpt2_tokenizer,
+    "GptOssForCausalLM": gpt2_tokenizer,
+    "DeepseekV2ForCausalLM": gpt2_tokenizer,
+    "MixtralForCausalLM": llama_spm_tokenizer,
+}
 
 
 def gguf_source(llama: LlamaCpp, checkpoint: Path, out: Path) -> Path:
     """A directory llama.cpp's converter accepts: links to the checkpoint's weights and config,
-    and a tokenizer it recognises (see the module docstring)."""
+    and a tokenizer it reads (see the module docstring)."""
     checkpoint = Path(checkpoint).resolve()
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = cfg["architectures"][0]
-    if arch not in GPT2_PATH_ARCHS:
-        raise LlamaCppMissing(f"GGUF conversion of {arch} random checkpoints is not supported yet "
-                              f"(supported: {', '.join(GPT2_PATH_ARCHS)})")
+    if arch not in TOKENIZER_FOR_ARCH:
+        raise LlamaCppMissing(f"GGUF conversion of {arch} random checkpoints is not supported "
+                              f"(supported: {', '.join(TOKENIZER_FOR_ARCH)})")
+    tok, tok_config = TOKENIZER_FOR_ARCH[arch](llama)
+    if cfg["vocab_size"] < len(tok["model"]["vocab"]):
+        raise LlamaCppMissing(f"vocabulary {cfg['vocab_size']} is smaller than the rebuilt tokenizer's "
+                              f"{len(tok['model']['vocab'])}")
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     for f in checkpoint.iterdir():
         if f.suffix == ".safetensors" or f.name in ("model.safetensors.index.json", "config.json"):
             (out / f.name).symlink_to(f)
-    tok = gpt2_tokenizer(llama)
-    if cfg["vocab_size"] < len(tok["model"]["vocab"]):
-        raise LlamaCppMissing(f"vocabulary {cfg['vocab_size']} is smaller than GPT-2's tokenizer")
-    eos = tok["added_tokens"][0]["content"]
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "add_bos_token": False}))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return out
 
 
