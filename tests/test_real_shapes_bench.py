@@ -1,0 +1,88 @@
+"""The real-shapes benchmark's own pieces: random checkpoints the converter accepts, with the hub's
+names and shapes, and the round statistics (medians, ranges, per-round ratios)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from bench.random_checkpoint import MODELS, RealModel, write_checkpoint
+from bench.real_shapes_report import markdown, ratios, summarize
+from jmoe.models import config_from_hf
+from jmoe.models.checkpoint import expert_tensor_names, fused_expert_names
+
+# Each family's widths shrunk (same structure), so a checkpoint is written and converted in seconds.
+SMALL = dict(hidden_size=64, intermediate_size=48, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             num_experts_per_tok=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             n_shared_experts=1, vocab_size=4200)
+
+
+def small(key: str) -> RealModel:
+    real = MODELS[key]
+    cfg = {k: (SMALL[k] if k in SMALL else v) for k, v in real.config.items()}
+    return RealModel(real.name, real.hub_id, cfg, real.layer_tensors, real.per_layer_keys)
+
+
+@pytest.mark.parametrize("key", sorted(MODELS))
+def test_real_configs_are_read_by_their_family(key):
+    real = MODELS[key]
+    cfg = config_from_hf(real.config_for(2))
+    assert cfg.num_layers == 2 and cfg.vocab_size == real.config["vocab_size"]
+    hf = real.config_for(2)
+    names = {t.name: t.shape for i in range(2) for t in real.layer_tensors(hf, i)}
+    moe_layer = 1  # DeepSeek-V2-Lite's layer 0 is dense
+    if key == "gpt-oss-20b":
+        gate_up, down = fused_expert_names(cfg, moe_layer)[0]
+        assert names[gate_up] == (cfg.num_experts, cfg.hidden_size, 2 * cfg.moe_intermediate_size)
+        assert names[down] == (cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    else:
+        gate, up, down = expert_tensor_names(cfg, moe_layer, cfg.num_experts - 1)
+        assert names[gate] == names[up] == (cfg.moe_intermediate_size, cfg.hidden_size)
+        assert names[down] == (cfg.hidden_size, cfg.moe_intermediate_size)
+
+
+def test_layer_count_is_checked():
+    with pytest.raises(ValueError, match="1..48"):
+        MODELS["qwen3-30b-a3b"].config_for(49)
+    with pytest.raises(ValueError, match="dense"):
+        MODELS["deepseek-v2-lite"].config_for(1)
+
+
+@pytest.mark.parametrize("key", sorted(MODELS))
+def test_written_checkpoint_converts(key, tmp_path):
+    from transformers import AutoTokenizer
+
+    from convert import convert_checkpoint
+
+    spec = small(key)
+    out = write_checkpoint(spec, tmp_path / "hf", layers=2)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    hf = spec.config_for(2)
+    expected = [t for i in range(2) for t in spec.layer_tensors(hf, i)]
+    for t in expected:
+        with safe_open(str(out / index[t.name]), "np") as f:
+            value = f.get_slice(t.name)
+            assert tuple(value.get_shape()) == t.shape and value.get_dtype() == "BF16", t.name
+    assert len(AutoTokenizer.from_pretrained(str(out))) == hf["vocab_size"]
+    jm = convert_checkpoint(out, tmp_path / "jmoe", tiers="bf16,int4", progress=False)
+    manifest = json.loads((jm / "manifest.json").read_text())
+    assert set(manifest["tiers"]) == {"bf16", "int4"}
+
+
+def test_round_statistics():
+    runs = [{"kind": "jmoe", "label": "a", "round": r, "decode_tok_s@0": v} for r, v in enumerate((2.0, 4.0, 3.0))]
+    runs += [{"kind": "llama.cpp", "label": "b", "round": r, "decode_tok_s@0": v} for r, v in enumerate((4.0, 4.0, 2.0))]
+    s = summarize(runs)
+    assert s["a"]["decode_tok_s@0"] == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 3}
+    r = ratios(runs, [("a", "b")], ("decode_tok_s@0",))["a / b"]["decode_tok_s@0"]
+    assert r == {"median": 1.0, "min": 0.5, "max": 1.5, "n": 3}  # within each round: 0.5, 1.0, 1.5
+    result = {"summary": s, "ratios": {"a / b": {"decode_tok_s@0": r}}, "conversions": {},
+              "settings": {"prompt": 512, "rounds": 3}, "model": {"name": "M", "layers": 2},
+              "machine": {"cpu": "cpu", "cpu_count": 2}}
+    text = markdown(result)
+    assert "| a | – | 3.00 [2.00–4.00] |" in text and "1.00 [0.50–1.50]" in text
+    assert np.isfinite(r["median"])
