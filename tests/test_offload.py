@@ -16,6 +16,7 @@ from jmoe.manifest import read_manifest
 from jmoe.policies import Plan, Policy
 from jmoe.runtime.budget import BudgetTracker
 from jmoe.runtime.cache import CacheManager
+from jmoe.runtime.cpu_exec import MAX_CRITICAL_TOKENS, CostModel
 from jmoe.runtime.handles import HandleTable
 from jmoe.runtime.host_store import HostStore
 from jmoe.runtime.pools import TierPool, plan_pools
@@ -104,7 +105,9 @@ def test_bytes_moved_are_the_fetched_versions(tiny_converted, resident_reference
     host_kind = model.residency.host.memory_kind
 
     def counting_put(x, *args, **kwargs):  # count transfers whose source is an expert's host record
-        if getattr(getattr(x, "sharding", None), "memory_kind", None) == host_kind:
+        # a host jax array on an accelerator; on the CPU a buffer read from the expert file
+        if getattr(getattr(x, "sharding", None), "memory_kind", None) == host_kind or (
+                isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 1):
             moved.append(x.nbytes)
         return real_put(x, *args, **kwargs)
 
@@ -132,8 +135,17 @@ def test_cpu_cost_model_is_calibrated(tiny_converted, resident_reference):
     model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
                       policy="lru+cpu")
     cost = model.residency.cpu.cost
-    assert cost.transfer_s > 0 and cost.cpu_per_token_s >= 0
     assert model.residency.critical_tokens == cost.critical_tokens
+    if jax.devices()[0].platform == "cpu":  # the device is the CPU: running in place always saves the copy
+        assert cost.same_memory and cost.critical_tokens == MAX_CRITICAL_TOKENS
+    else:
+        assert cost.transfer_s > 0 and cost.cpu_per_token_s >= 0 and not cost.same_memory
+
+
+def test_cpu_cost_model_compares_a_transfer_with_the_cpu_slowdown():
+    assert CostModel(1e-3, 2e-4, 1e-4).critical_tokens == 10  # T_transfer / (cpu - device) per token
+    assert CostModel(1e-3, 1e-4, 2e-4).critical_tokens == MAX_CRITICAL_TOKENS  # the CPU is no slower
+    assert CostModel(1e-3, 2e-4, 1e-4, same_memory=True).critical_tokens == MAX_CRITICAL_TOKENS
 
 
 # ---------------------------------------------------------------- the cache manager on its own

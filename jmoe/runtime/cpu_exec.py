@@ -4,12 +4,17 @@ When an expert is not resident and only a few tokens need it, moving those token
 the host and running the expert there can beat moving the expert's weights to the device. A cost
 model measured once at load compares the two per token: fetching costs one transfer, T_transfer,
 then the device's time per token; the CPU costs its own (larger) time per token. The CPU wins for
-up to n_crit = T_transfer / (lat_cpu - lat_device) tokens (per-token latencies; unbounded, capped,
-when the CPU is no slower per token, as on a machine whose "device" is the CPU itself).
+up to n_crit = T_transfer / (lat_cpu - lat_device) tokens.
 
-CPU-side experts are dequantized once, into the compute dtype, and kept (`prepare` does it at load
-for a known set; others on first use), so a call multiplies plain arrays (HAQ's smoothing folded
-in; W8A8 versions stay quantized).
+When the device is the CPU itself, a transfer is a memcpy into a pool slot and running the expert
+in place computes exactly the same at the same speed, so every cold expert runs in place (n_crit
+unbounded, nothing measured).
+
+An expert runs as it is stored: its record's arrays, viewed in the memory-mapped expert file, are
+handed to jax without a copy (a pool of one slot) and multiplied by the CPU kernels' expert entry
+point (cpu_kernels.expert_ffn: HAQ smoothing, W8A8, biases and the clamped SwiGLU as on the
+device). No dequantized copy is made or kept; after the call the record's pages are unmapped again
+(they stay in the page cache), so what the CPU has run never accumulates in the process.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
 from jmoe.layers.experts import expert_activation
-from jmoe.quant import ExpertWeights, QArray, dequantize_expert
+from jmoe.quant import ExpertWeights
+from jmoe.runtime.host_memory import device_is_host
 from jmoe.runtime.host_store import HostStore
-from pallas_kernels import expert_ffn_reference
 from pallas_kernels.glu import GatedActivation
 
 MAX_CRITICAL_TOKENS = 1 << 16
@@ -36,12 +42,13 @@ class CostModel:
     transfer_s: float  # one expert version host -> device, until ready
     cpu_per_token_s: float  # the CPU's time per token of one expert (activations moved both ways)
     device_per_token_s: float  # the device's
+    same_memory: bool = False  # the device is the CPU: running in place saves the copy and costs the same
 
     @property
     def critical_tokens(self) -> int:
         """Most tokens for which the CPU is expected to beat fetching the expert: T_transfer / (cpu - device)."""
         gap = self.cpu_per_token_s - self.device_per_token_s
-        if gap <= 0:
+        if self.same_memory or gap <= 0:
             return MAX_CRITICAL_TOKENS
         return int(min(MAX_CRITICAL_TOKENS, self.transfer_s / gap))
 
@@ -51,73 +58,57 @@ def _bucket(n: int) -> int:
 
 
 @partial(jax.jit, static_argnames=("activation",))
-def _one_expert(rows, weights, activation: GatedActivation):
-    """rows [n, D] through one expert (pool of one slot, with its biases if any) -> [n, D]."""
+def _one_expert(rows, pool: ExpertWeights, activation: GatedActivation):
+    """rows [n, D] through the expert of a one-slot pool (with its biases, if any) -> [n, D]."""
     slot = jnp.zeros((1,), jnp.int32)
-    pool = jax.tree.map(lambda a: a[None], weights)
-    return expert_ffn_reference(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0],
-                                gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
-
-
-def cpu_weights(record: ExpertWeights, dtype) -> ExpertWeights:
-    """An expert version as the CPU runs it, multiplying exactly like the version on the device.
-
-    Plain arrays in the compute dtype, with HAQ's input smoothing folded into gate_up's rows
-    ((x * s) @ W = x @ (s[:, None] * W)); a W8A8 version stays quantized, because its activations
-    are quantized per token at every call.
-    """
-    if any(isinstance(w, QArray) and w.fmt.act_bits for w in (record.gate_up, record.down)):
-        return jax.tree.map(jnp.asarray, record)
-    plain = dequantize_expert(record, jnp.float32)
-    if isinstance(record.gate_up, QArray) and record.gate_up.act_scale is not None:
-        scale = jnp.asarray(record.gate_up.act_scale, jnp.float32)[:, None]
-        plain = plain._replace(gate_up=plain.gate_up * scale)
-    return plain._replace(gate_up=plain.gate_up.astype(dtype), down=plain.down.astype(dtype))
+    return cpu_kernels.expert_ffn(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0],
+                                  gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
 
 
 class CpuExecutor:
     def __init__(self, host: HostStore, device, dtype):
         self.host = host
+        self.store = host.store
         self.device = device
         self.cpu = jax.devices("cpu")[0]
+        self.same_memory = device_is_host(device)
         self.dtype = dtype
         self.activation = expert_activation(host.store.config)
         self.cost: CostModel | None = None
-        self._weights: dict = {}  # (tier, layer, expert) -> dequantized weights on the CPU
 
-    def prepare(self, keys) -> None:
-        """Dequantize these experts' (tier, layer, expert) versions now, so their calls never do."""
-        for key in keys:
-            self._weights_on_cpu(*key)
-
-    def _weights_on_cpu(self, tier: str, layer: int, expert: int):
-        key = (tier, layer, expert)
-        if key not in self._weights:
-            record = self.host.store.record(tier, layer, expert)  # numpy views of the mapped file
-            with jax.default_device(self.cpu):
-                self._weights[key] = jax.device_put(cpu_weights(record, self.dtype), self.cpu)
-        return self._weights[key]
+    def one_slot_pool(self, tier: str, layer: int, expert: int) -> ExpertWeights:
+        """The expert's stored arrays as a pool of one slot on the CPU, aliasing the mapped file."""
+        record = self.store.record(tier, layer, expert)  # numpy views of the mapped file, 64-byte aligned
+        return jax.tree.map(lambda a: jax.device_put(a[None], self.cpu), record)
 
     def run(self, rows: jax.Array, tier: str, layer: int, expert: int) -> jax.Array:
         """rows [n, D] on the device -> expert output [n, D] on the device, computed on the CPU."""
         n = rows.shape[0]
         padded = _bucket(n)
-        x = np.zeros((padded, rows.shape[1]), np.float32)
-        x[:n] = np.asarray(rows, np.float32)
-        y = _one_expert(jax.device_put(x.astype(self.dtype), self.cpu), self._weights_on_cpu(tier, layer, expert),
-                        self.activation)
-        return jax.device_put(np.asarray(y)[:n], self.device).astype(rows.dtype)
+        x = np.zeros((padded, rows.shape[1]), self.dtype)
+        x[:n] = np.asarray(rows)
+        try:
+            y = np.asarray(_one_expert(jax.device_put(x, self.cpu), self.one_slot_pool(tier, layer, expert),
+                                       self.activation))
+        finally:
+            self.store.release(tier, layer, expert)
+        return jax.device_put(y[:n], self.device).astype(rows.dtype)
 
     def calibrate(self, tier: str, samples: int = 3) -> CostModel:
-        """Measure one transfer, and the CPU's and the device's time per token on layer 0's experts."""
+        """Measure one transfer, and the CPU's and the device's time per token on layer 0's experts
+        (nothing to measure when the device is the CPU: see the module docstring)."""
+        if self.same_memory:
+            self.cost = CostModel(0.0, 0.0, 0.0, same_memory=True)
+            return self.cost
         transfers = []
         target = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
         for e in range(samples):
             t = time.perf_counter()
             jax.device_put(self.host.record(tier, 0, e), target).block_until_ready()
             transfers.append(time.perf_counter() - t)
-        D = self.host.store.config.hidden_size
-        on_device = jax.device_put(self._weights_on_cpu(tier, 0, 0), self.device)
+        D = self.store.config.hidden_size
+        on_device = jax.device_put(self.one_slot_pool(tier, 0, 0), self.device)
+        self.store.release(tier, 0, 0)
 
         def per_token(run) -> float:
             times = {}

@@ -1,8 +1,14 @@
 """Expert versions in host memory, ready for asynchronous host -> device copies.
 
-Each (tier, MoE layer, expert) record of the converted model becomes one pinned-host JAX array
-of bytes (the record as stored: no repacking), so fetching an expert version is a single
-`jax.device_put` of one array. Where the platform has no pinned host memory, plain host arrays.
+On an accelerator, each (tier, MoE layer, expert) record of the converted model becomes one
+pinned-host JAX array of bytes (the record as stored: no repacking), so fetching an expert version
+is a single `jax.device_put` of one array. Where the platform has no pinned host memory, plain
+host arrays.
+
+When the device is the host CPU nothing is copied at load: the converted files are the host store.
+A fetch reads the record from the page cache into a fresh aligned buffer that jax takes without a
+copy, and the pool slot write is the only other copy, so the process never holds an expert twice
+beyond the transfers in flight (which the staging reservation bounds).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jmoe.runtime.host_memory import device_is_host
 from jmoe.runtime.store import ExpertStore
 
 
@@ -25,8 +32,11 @@ class HostStore:
         self.store = store
         self.tiers = tiers
         self.sharding, self.memory_kind = host_sharding(device)
+        self.copies = not device_is_host(device)  # on the CPU the files serve as they are
         L, E = store.num_layers, store.num_experts
         self._records: dict[str, list[list[jax.Array]]] = {}
+        if not self.copies:
+            return
         disable = None if progress is None else not progress  # None: only on a terminal
         with tqdm(total=L * E * len(tiers), desc="host store", unit="expert", disable=disable) as bar:
             for tier in tiers:
@@ -37,8 +47,10 @@ class HostStore:
                     bar.update(E)
                 self._records[tier] = rows
 
-    def record(self, tier: str, layer: int, expert: int) -> jax.Array:
-        """uint8 [record_nbytes] host array of one expert version."""
+    def record(self, tier: str, layer: int, expert: int):
+        """uint8 [record_nbytes] of one expert version: a host jax array, or (CPU) a fresh aligned copy."""
+        if not self.copies:
+            return self.store.read_record(tier, layer, expert)
         return self._records[tier][layer][expert]
 
     def nbytes(self, tier: str) -> int:

@@ -18,6 +18,7 @@ from jmoe.errors import BudgetError
 from jmoe.format import RecordLayout, np_dtype
 from jmoe.quant import ExpertWeights
 from jmoe.runtime.budget import format_size, tree_nbytes
+from jmoe.runtime.host_memory import aligned_empty
 from jmoe.runtime.store import ExpertStore
 
 
@@ -77,15 +78,30 @@ class TierPool:
 
 
 def resident_pool(store: ExpertStore, tier: str, device) -> ExpertWeights:
-    """A pool holding every expert at `tier`, expert (layer, e) in slot layer * E + e."""
+    """A pool holding every expert at `tier`, expert (layer, e) in slot layer * E + e.
+
+    Built one array at a time: each is read from the files straight into an aligned host buffer,
+    which jax takes without a copy on the CPU (so the pool is the only copy of these weights) and
+    copies out of on an accelerator (so the host holds at most one array of the pool at a time).
+    """
     L, E = store.num_layers, store.num_experts
-    host = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), pool_template(store, tier, L * E))
-    for layer in range(L):
-        for expert in range(E):
-            record = store.record(tier, layer, expert)
-            for dst, src in zip(jax.tree.leaves(host), jax.tree.leaves(record), strict=True):
-                dst[layer * E + expert] = src
-    return jax.device_put(host, device)
+    leaves, treedef = jax.tree.flatten(pool_template(store, tier, L * E))
+    arrays = []
+    for index, spec in enumerate(leaves):
+        host = aligned_empty(spec.shape, spec.dtype)
+        for layer in range(L):
+            store.read_leaf(tier, layer, index, host[layer * E : (layer + 1) * E])
+        arrays.append(jax.device_put(host, device))
+        del host  # on an accelerator, freed once copied out
+    return treedef.unflatten(arrays)
+
+
+STAGING_TRANSFERS_PER_TOP_K = 2  # transfers in flight at once: two tokens' worth of one layer's experts
+
+
+def staging_nbytes(store: ExpertStore, tiers) -> int:
+    """Device bytes reserved for transfers in flight when offloading with pools at `tiers`."""
+    return STAGING_TRANSFERS_PER_TOP_K * store.config.top_k * max(store.record_nbytes(t) for t in tiers)
 
 
 @dataclass(frozen=True)
@@ -99,18 +115,20 @@ class PoolPlan:
         return sum(self.slots[t] * self.slot_nbytes[t] for t in self.slots)
 
 
-def plan_pools(store: ExpertStore, policy, fixed: int, budget: int | None, staging_transfers: int) -> PoolPlan:
+def plan_pools(store: ExpertStore, policy, fixed: int, budget: int | None,
+               staging_transfers: int | None = None) -> PoolPlan:
     """Size one pool per tier from what the budget leaves after the fixed reservations.
 
     The policy may size its pools itself (Policy.size_pools); otherwise each tier gets its share of
     that remainder. A pool must hold at least one token's experts of one layer (top_k slots);
-    staging is sized for `staging_transfers` of the largest record. With no budget every pool can
-    hold every expert unless the policy says otherwise.
+    staging is sized for `staging_transfers` of the largest record (default: staging_nbytes). With
+    no budget every pool can hold every expert unless the policy says otherwise.
     """
     cfg = store.config
     shares = policy.pools()
     per_slot = {t: slot_nbytes(store, t) for t in shares}
-    staging = staging_transfers * max(store.record_nbytes(t) for t in shares)
+    staging = staging_nbytes(store, shares) if staging_transfers is None else \
+        staging_transfers * max(store.record_nbytes(t) for t in shares)
     total_experts = cfg.num_moe_layers * cfg.num_experts
     left = None if budget is None else max(0, budget - fixed - staging)
     slots = policy.size_pools(left, per_slot, cfg.num_moe_layers, cfg.num_experts)

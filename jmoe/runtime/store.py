@@ -1,11 +1,14 @@
 """Host-side expert store: every (MoE layer, expert, tier) version of the converted model.
 
-Records are read straight from the expert files through memory maps (no repacking): a record is
-one contiguous byte range whose arrays are views in the tier's layout.
+Records are read straight from the expert files (no repacking): a record is one contiguous byte
+range whose arrays are views in the tier's layout. `record` gives views of a memory map (no copy;
+touching them maps the pages into the process until `release`); `read_record` and `read_leaf` copy
+from the page cache into buffers the caller owns, which maps nothing.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from jmoe.config import ModelConfig
 from jmoe.errors import FormatError
 from jmoe.format import RecordLayout, expert_file
 from jmoe.quant import ExpertWeights, QuantFormat
+from jmoe.runtime.host_memory import aligned_empty, read_into, release_pages
 from jmoe.tiers import expert_template
 
 
@@ -44,6 +48,7 @@ class ExpertStore:
                     raise FormatError(f"manifest.json does not list {expert_file(tier, layer)} with "
                                       f"{cfg.num_experts} records of {layout.nbytes} bytes")
         self._maps: dict[tuple[str, int], np.memmap] = {}
+        self._fds: dict[tuple[str, int], int] = {}
 
     @property
     def num_layers(self) -> int:
@@ -74,6 +79,47 @@ class ExpertStore:
             except OSError as e:
                 raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
         return self._maps[key]
+
+    def _fd(self, tier: str, layer: int) -> int:
+        key = (tier, layer)
+        if key not in self._fds:
+            path = self.root / expert_file(tier, layer)
+            try:
+                self._fds[key] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
+        return self._fds[key]
+
+    def read_record(self, tier: str, layer: int, expert: int) -> np.ndarray:
+        """A copy of one expert version's bytes (uint8, 64-byte aligned, so jax can take it without copying)."""
+        n = self.record_nbytes(tier)
+        out = aligned_empty((n,), np.uint8)
+        read_into(self._fd(tier, layer), expert * n, [out])
+        return out
+
+    def read_leaf(self, tier: str, layer: int, leaf: int, out: np.ndarray) -> None:
+        """Copy array number `leaf` of the layer's every expert into out [E, *leaf shape] (C-contiguous)."""
+        n, spec = self.record_nbytes(tier), self.layouts[tier].leaves[leaf]
+        fd = self._fd(tier, layer)
+        for expert in range(self.num_experts):
+            read_into(fd, expert * n + spec.offset, [out[expert]])
+
+    def release(self, tier: str, layer: int, expert: int) -> None:
+        """Unmap the pages of one record that `record` views touched (the page cache keeps them)."""
+        if (tier, layer) in self._maps:
+            n = self.record_nbytes(tier)
+            release_pages(self._maps[(tier, layer)], expert * n, n)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
     def record_bytes(self, tier: str, layer: int, expert: int) -> np.ndarray:
         """The raw bytes of one expert version (a read-only view of the mapped file)."""

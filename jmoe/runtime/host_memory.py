@@ -1,0 +1,99 @@
+"""Host-memory primitives: aligned buffers, reads from the page cache into them, and the process's RSS.
+
+XLA:CPU takes a numpy array without copying it when its data is 64-byte aligned (jax.device_put;
+jnp.asarray copies), so buffers made here can be filled in place and handed to jax as they are.
+Reading a file with preadv copies from the page cache straight into such a buffer and, unlike
+touching a memory map, adds nothing to the process's resident set but the buffer itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ALIGN = 64  # XLA:CPU's minimum alignment for taking a host buffer without a copy
+
+
+def aligned_empty(shape, dtype, align: int = ALIGN) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def is_aligned(array: np.ndarray, align: int = ALIGN) -> bool:
+    return array.ctypes.data % align == 0
+
+
+def read_into(fd: int, offset: int, buffers: list[np.ndarray]) -> None:
+    """Fill `buffers` (C-contiguous, writable) from consecutive bytes of `fd` starting at `offset`."""
+    views = [memoryview(b.reshape(-1).view(np.uint8)) for b in buffers]
+    want = sum(v.nbytes for v in views)
+    got = os.preadv(fd, views, offset)
+    while got < want:  # a short read (signals, huge requests): go on where it stopped
+        done, rest = got, []
+        for v in views:
+            if done >= v.nbytes:
+                done -= v.nbytes
+                continue
+            rest.append(v[done:])
+            done = 0
+        views = rest
+        n = os.preadv(fd, views, offset + got)
+        if n == 0:
+            raise EOFError(f"file ended {want - got} bytes early")
+        got += n
+
+
+def release_pages(region: np.memmap, start: int, nbytes: int) -> None:
+    """Drop this process's mapping of a read-only file range (the page cache keeps the data, so
+    the next read maps it again); the range is widened to whole pages."""
+    base = getattr(region, "_mmap", None)
+    if base is None or not hasattr(base, "madvise") or nbytes <= 0:
+        return
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    hi = min(len(base), -(-(start + nbytes) // page) * page)
+    base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def device_is_host(device) -> bool:
+    """Whether `device`'s memory is the host's own (XLA:CPU): a "transfer" is then a memcpy."""
+    return device.platform == "cpu"
+
+
+def to_device_uncopied(array: np.ndarray, device) -> jax.Array:
+    """A jax array of `array` on `device`; on the CPU it aliases `array` (64-byte aligned) instead of copying."""
+    return jax.device_put(array, device)
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory in bytes from /proc/self/status (VmRSS, VmHWM, RssAnon, RssFile);
+    empty where there is no /proc."""
+    out = {}
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says new allocations can get without swapping (MemAvailable), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
