@@ -1,10 +1,15 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import jax
 import pytest
+
+# The suite neither reads nor fills the user's persistent compilation cache (jmoe/runtime/compile_cache.py);
+# tests of the cache give their own directory.
+os.environ["JMOE_COMPILATION_CACHE"] = "off"
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"

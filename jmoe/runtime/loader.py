@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, inside, read_manifest
 from jmoe.policies import BASELINES, POLICY_NAMES, Policy, make_policy
+from jmoe.runtime import compile_cache
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
-from jmoe.runtime.pools import plan_pools
+from jmoe.runtime.host_memory import available_memory, device_is_host
+from jmoe.runtime.pools import plan_pools, staging_nbytes
 from jmoe.runtime.residency import AllResident, Offloaded
 from jmoe.runtime.store import ExpertStore
 from jmoe.runtime.trace import Trace
@@ -193,21 +196,49 @@ def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None
     return draft
 
 
+def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, max_batch: int, draft: str | None,
+                 policy: Policy | None) -> dict[str, int]:
+    """Every byte load() reserves besides the experts' pools: dense weights, KV cache, workspace, the
+    speculative draft's experts ("draft") and, when `policy` offloads, transfer staging ("staging").
+    memory_plan reports exactly these, so a budget computed from it holds the pools it planned."""
+    cfg = store.config
+    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
+    if draft is not None:
+        memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(draft))
+    if policy is not None and not policy.everything_resident:
+        memory["staging"] = staging_nbytes(store, policy.pools())
+    return memory
+
+
 def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
-                max_batch: int = 1, draft: str | None = None) -> dict[str, int]:
-    """What load() would reserve before experts, and the bytes of every expert at `tier`
-    (key "all_experts"), without loading anything: for choosing a budget. With `draft`, the
-    speculative draft's experts are part of the fixed reservation (key "draft")."""
-    manifest = read_manifest(validate.path("path", path))
+                max_batch: int = 1, draft: str | None = None, policy: str | Policy | None = None) -> dict[str, int]:
+    """What load() would reserve besides the expert pools, and the bytes of every expert at `tier`
+    (key "all_experts"), without loading anything: for choosing a budget.
+
+    Keys: "dense", "kv_cache", "workspace", "draft" (with `draft`: the speculative draft's experts),
+    "staging" (transfers in flight, reserved whenever load offloads: for `policy`, by default the
+    offloading default "lru+prefetch"; absent with policy="resident") and "all_experts". A budget of
+    the reservations plus a share of "all_experts" gives pools holding that share. On a CPU-only
+    machine the device is the host: every number is host memory (RSS), and the expert files the
+    host store reads from are served by the page cache, shared between processes and not counted.
+    """
+    root = validate.path("path", path)
+    if policy is not None and not isinstance(policy, Policy):
+        validate.choice("policy", policy, POLICY_NAMES)
+    manifest = read_manifest(root)
     cfg = ModelConfig.from_dict(manifest["config"])
     dtype = resolve_compute_dtype(compute_dtype)
-    tier = resolve_tier(manifest, tier)
+    tier = resolve_tier(manifest, policy.tier if isinstance(policy, Policy) else tier)
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
-    _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
-    plan = fixed_memory(cfg, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch)
     if draft is not None:
-        plan["draft"] = all_expert_bytes(cfg, manifest["tiers"][check_draft(manifest, draft)]["record_nbytes"])
-    plan["all_experts"] = all_expert_bytes(cfg, manifest["tiers"][tier]["record_nbytes"])
+        validate.choice("draft", draft, TIER_NAMES)
+        check_draft(manifest, draft)
+    chosen = policy if isinstance(policy, Policy) else make_policy(policy or "lru+prefetch", tier)
+    chosen.check()
+    store = ExpertStore(root, manifest, cfg)
+    _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
+    plan = reservations(store, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch, draft, chosen)
+    plan["all_experts"] = all_expert_bytes(cfg, store.record_nbytes(tier))
     return plan
 
 
@@ -249,7 +280,8 @@ def load(
         is resident; a step that lacked one runs again layer-wise), "layerwise" (the host between
         layers, fetching as it goes) or "resident" (one jit per step, replayed after fetching what
         it lacked). All three give the same tokens.
-      kernel_backend: expert kernels: "pallas", "interpret" or "xla"; default Pallas on GPU, XLA on CPU.
+      kernel_backend: expert kernels: "pallas", "interpret", "cpu" (native CPU kernels) or "xla"; default Pallas
+        on GPU, the native kernels on CPU (XLA where they are not built).
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
@@ -259,6 +291,7 @@ def load(
         taken from the budget before the pools are sized (jmoe.generate(..., speculative=draft)).
     """
     root = validate.path("path", path)
+    compile_cache.enable()  # before the first compile, so a later process finds the steps compiled
     budget = parse_size(device_budget, "device_budget") if device_budget is not None else None
     if policy is not None and not isinstance(policy, Policy):
         validate.choice("policy", policy, POLICY_NAMES)
@@ -289,11 +322,11 @@ def load(
     max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     tier = resolve_tier(manifest, tier)
     store = ExpertStore(root, manifest, cfg)
+    tokenizer = start_tokenizer(root, manifest)
 
     graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))  # dense tier's leaves
-    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
-    if draft is not None:
-        memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(check_draft(manifest, draft)))
+    memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
+                          None if draft is None else check_draft(manifest, draft), None)
     all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
     fixed = sum(memory.values())
     if policy is None:
@@ -308,10 +341,12 @@ def load(
             f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
             f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
         )
+    device = jax.devices()[0]
+    warn_if_host_too_small(device, budget if budget is not None else
+                           fixed + (all_experts if chosen.everything_resident else 0))
     tracker = BudgetTracker(budget)
     for purpose, nbytes in memory.items():
         tracker.reserve(purpose, nbytes)
-    device = jax.devices()[0]
     dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, device)
     if chosen.everything_resident:
         if budget is not None and fixed + all_experts > budget:
@@ -323,7 +358,7 @@ def load(
         tracker.reserve("experts", all_experts)
         residency = AllResident(store, tier, device, backend=kernel_backend)
     else:
-        plan = plan_pools(store, chosen, fixed, budget, staging_transfers=2 * cfg.top_k)
+        plan = plan_pools(store, chosen, fixed, budget)  # staging as reservations() counts it
         residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
                               cpu_critical_tokens=cpu_critical_tokens, progress=progress)
     if trace:
@@ -332,12 +367,7 @@ def load(
             residency.cache.trace = residency.trace
     drafts = {draft: make_draft(store, draft, residency, kernel_backend)} if draft is not None else {}
     memory = dict(tracker.reserved)
-    tokenizer = None
-    if manifest["tokenizer"] is not None:
-        tokenizer_dir = inside(root, manifest["tokenizer"])
-        for file in sorted(tokenizer_dir.iterdir()) if tokenizer_dir.is_dir() else []:
-            inside(root, f"{manifest['tokenizer']}/{file.name}")
-        tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = tokenizer.result()  # its errors are load's
     return JmoeModel(
         path=root,
         config=cfg,
@@ -355,6 +385,37 @@ def load(
         policy=chosen,
         drafts=drafts,
     )
+
+
+def start_tokenizer(root: Path, manifest: dict[str, Any]) -> Future:
+    """The model's tokenizer, loaded in a thread: importing transformers takes seconds, which reading
+    the weights overlaps."""
+    future: Future = Future()
+
+    def run():
+        try:
+            tokenizer = None
+            if manifest["tokenizer"] is not None:
+                tokenizer_dir = inside(root, manifest["tokenizer"])
+                for file in sorted(tokenizer_dir.iterdir()) if tokenizer_dir.is_dir() else []:
+                    inside(root, f"{manifest['tokenizer']}/{file.name}")
+                tokenizer = load_tokenizer(tokenizer_dir)
+            future.set_result(tokenizer)
+        except BaseException as e:  # handed to load(), which raises it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="jmoe-tokenizer", daemon=True).start()
+    return future
+
+
+def warn_if_host_too_small(device, nbytes: int) -> None:
+    """On a CPU-only machine the device budget is host memory: say so when it exceeds what is available."""
+    if not device_is_host(device):
+        return
+    available = available_memory()
+    if available is not None and nbytes > available:
+        log.warning("this model needs %s of host memory (the CPU is the device) but %s is available; give a "
+                    "device_budget below that so experts are offloaded", format_size(nbytes), format_size(available))
 
 
 def check_draft(manifest: dict[str, Any], draft: str) -> str:

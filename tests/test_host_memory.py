@@ -1,0 +1,200 @@
+"""Host memory on the CPU: one copy of each weight, bounded memory while offloading, the memory plan
+equal to what load reserves, and the persistent compilation cache.
+
+The resident-memory tests run each model in a fresh process (tests/rss_probe.py) so that the
+figures are that model's alone; they read /proc/self/status and are skipped where there is none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jmoe
+from convert import convert_checkpoint
+from jmoe.manifest import read_manifest
+from jmoe.runtime import compile_cache
+from jmoe.runtime.host_memory import aligned_empty, process_memory, read_into, release_pages
+from jmoe.runtime.pools import resident_pool, staging_nbytes
+from jmoe.runtime.store import ExpertStore
+from tests.hf_models import make_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ON_CPU = jax.devices()[0].platform == "cpu"
+needs_proc = pytest.mark.skipif(not process_memory(), reason="reads /proc/self/status")
+MiB = 2**20
+
+# A few hundred MB of experts: 4 MoE layers x 32 experts x 1.5 MiB at bf16 (192 MiB), plus int4.
+MEDIUM = dict(hidden_size=512, moe_intermediate_size=512, intermediate_size=1024, num_experts=32,
+              num_experts_per_tok=4, num_hidden_layers=4, mlp_only_layers=[], head_dim=64, num_attention_heads=8,
+              num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("medium")
+    make_checkpoint("qwen3_moe", tmp / "hf", overrides=MEDIUM)
+    return convert_checkpoint(tmp / "hf", tmp / "m", tiers="bf16,int4", progress=False)
+
+
+def expert_store(path: Path) -> ExpertStore:
+    manifest = read_manifest(path)
+    return ExpertStore(path, manifest, jmoe.ModelConfig.from_dict(manifest["config"]))
+
+
+def probe(**args) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JMOE_COMPILATION_CACHE": "off"}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "rss_probe.py"), json.dumps(args, default=str)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the primitives
+
+
+def test_aligned_buffers_are_taken_by_jax_without_a_copy():
+    a = aligned_empty((1000, 3), np.float32)
+    assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous and a.shape == (1000, 3)
+    a[:] = 7.0
+    x = jax.device_put(a, jax.devices()[0])
+    if ON_CPU:  # the premise of building pools in place
+        assert x.unsafe_buffer_pointer() == a.ctypes.data
+    assert float(x.sum()) == 21000.0
+
+
+def test_read_into_fills_several_buffers_from_one_offset(tmp_path):
+    data = np.arange(4096, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    first, second = aligned_empty((100,), np.uint8), aligned_empty((20, 5), np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_into(fd, 1000, [first, second])
+        assert (first == data[1000:1100]).all() and (second.reshape(-1) == data[1100:1200]).all()
+        with pytest.raises(EOFError):
+            read_into(fd, 4000, [aligned_empty((200,), np.uint8)])
+    finally:
+        os.close(fd)
+
+
+def test_store_reads_match_the_mapped_records_and_release_keeps_them(medium):
+    model_store = expert_store(medium)
+    for layer, expert in [(0, 0), (3, 31), (1, 17)]:
+        mapped = np.array(model_store.record_bytes("int4", layer, expert))
+        read = model_store.read_record("int4", layer, expert)
+        assert read.ctypes.data % 64 == 0 and (read == mapped).all()
+        model_store.release("int4", layer, expert)  # unmapped, the data stays readable from the file
+        assert (np.asarray(model_store.record_bytes("int4", layer, expert)) == mapped).all()
+    release_pages(np.zeros(8), 0, 8)  # not a memory map: nothing to do
+
+
+def test_resident_pool_is_read_in_place_and_matches_the_records(medium):
+    store = expert_store(medium)
+    pool = resident_pool(store, "int4", jax.devices()[0])
+    E = store.num_experts
+    for layer, expert in [(0, 5), (2, 0), (3, 31)]:
+        record = store.record("int4", layer, expert)
+        for got, want in zip(jax.tree.leaves(pool), jax.tree.leaves(record), strict=True):
+            np.testing.assert_array_equal(np.asarray(got[layer * E + expert]), want)
+
+
+# ---------------------------------------------------------------- the plan is what load reserves
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru+prefetch+cpu", "resident"])
+def test_memory_plan_is_what_load_reserves(medium, policy):
+    plan = jmoe.memory_plan(medium, tier="int4", compute_dtype="float32", max_seq_len=64, policy=policy)
+    reserved = {k: v for k, v in plan.items() if k != "all_experts"}
+    share = 1.0 if policy == "resident" else 0.3
+    budget = sum(reserved.values()) + int(share * plan["all_experts"])
+    model = jmoe.load(medium, tier="int4", compute_dtype="float32", max_seq_len=64, policy=policy, device_budget=budget)
+    assert ("staging" in plan) == (policy != "resident")
+    assert {k: v for k, v in model.memory.items() if k != "experts"} == reserved
+    if policy == "resident":
+        assert model.memory["experts"] == plan["all_experts"]
+    else:  # the pools hold the share the budget was planned for, no fewer experts
+        slot = plan["all_experts"] // (model.config.num_moe_layers * model.config.num_experts)
+        assert model.residency.slots == int(share * plan["all_experts"]) // slot
+        assert plan["staging"] == staging_nbytes(model.store, ("int4",))
+    assert sum(model.memory.values()) <= budget
+
+
+def test_memory_plan_defaults_to_the_offloading_staging(medium):
+    plan = jmoe.memory_plan(medium, compute_dtype="float32", max_seq_len=64)
+    assert plan["staging"] == jmoe.memory_plan(medium, compute_dtype="float32", max_seq_len=64,
+                                               policy="lru+prefetch")["staging"] > 0
+
+
+# ---------------------------------------------------------------- resident memory (fresh processes)
+
+
+@needs_proc
+@pytest.mark.skipif(not ON_CPU, reason="on an accelerator the pools are device memory")
+def test_a_loaded_model_holds_no_weight_twice(medium):
+    out = probe(path=medium, tier="bf16", policy="resident", max_seq_len=64)
+    reserved = sum(out["reserved"].values())
+    assert out["reserved"]["experts"] > 150 * MiB  # a model whose weights dominate what load holds
+    # one copy: growth from load within 15% of the bytes it reserved (before: a host copy of the
+    # pool, its device copy and the mapped files, about 2.6x)
+    assert out["load_peak"] <= 1.15 * reserved, (out["load_peak"] / MiB, reserved / MiB)
+    assert out["load_rss"] >= 0.9 * out["reserved"]["experts"]  # and the weights are really there
+
+
+@needs_proc
+@pytest.mark.skipif(not ON_CPU, reason="on an accelerator the pools are device memory")
+def test_offloading_with_cpu_execution_stays_within_bounded_memory(medium):
+    out = probe(path=medium, tier="bf16", policy="lru+prefetch+cpu", share=0.25, max_seq_len=256, tokens=[8, 200])
+    reserved = sum(out["reserved"].values())
+    warm, long = out["after"]
+    assert long["stats"]["cpu_expert_runs"] > 100  # cold experts really ran on the CPU, many times
+    assert out["load_peak"] <= 1.15 * reserved, (out["load_peak"] / MiB, reserved / MiB)
+    # 200 more tokens grow memory by little: no copy per expert run (a float32 copy of each of
+    # these experts is 3 MiB, 384 MiB for all of them), nothing mapped that is not released
+    assert long["peak"] - warm["rss"] <= 32 * MiB, ((long["peak"] - warm["rss"]) / MiB, out)
+
+
+# ---------------------------------------------------------------- the persistent compilation cache
+
+
+def test_compilation_cache_directory_from_the_environment(tmp_path):
+    assert compile_cache.cache_dir({"JMOE_COMPILATION_CACHE": "off"}) is None
+    assert compile_cache.cache_dir({"JMOE_COMPILATION_CACHE": " OFF "}) is None
+    assert compile_cache.cache_dir({"JMOE_COMPILATION_CACHE": str(tmp_path)}) == tmp_path
+    assert compile_cache.cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "jmoe" / "xla"
+    assert compile_cache.cache_dir({}) == Path("~").expanduser() / ".cache" / "jmoe" / "xla"
+
+
+CACHE_CHILD = """
+import json, sys, jax, jmoe
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+model = jmoe.load(sys.argv[1], compute_dtype="float32", max_seq_len=64)
+jmoe.generate(model, [5, 17, 99], max_new_tokens=3)
+print(json.dumps({"hits": len(hits), "dir": jax.config.jax_compilation_cache_dir}))
+"""
+
+
+def test_a_second_process_finds_the_steps_compiled(tiny_converted, tmp_path):
+    cache = tmp_path / "xla"
+
+    def run() -> dict:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JMOE_COMPILATION_CACHE": str(cache)}
+        done = subprocess.run([sys.executable, "-c", CACHE_CHILD, str(tiny_converted)], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["dir"] == str(cache) and first["hits"] == 0
+    entries = list(cache.glob("*-cache"))  # jax's entry files
+    assert entries and oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    second = run()
+    assert second["hits"] >= 1  # the decode and prefill steps came from the cache, not the compiler
