@@ -136,8 +136,9 @@ def test_cpu_cost_model_is_calibrated(tiny_converted, resident_reference):
                       policy="lru+cpu")
     cost = model.residency.cpu.cost
     assert model.residency.critical_tokens == cost.critical_tokens
-    if jax.devices()[0].platform == "cpu":  # the device is the CPU: running in place always saves the copy
-        assert cost.same_memory and cost.critical_tokens == MAX_CRITICAL_TOKENS
+    if jax.devices()[0].platform == "cpu":  # the device is the CPU: the copy against one more call, all or none
+        assert cost.same_memory and cost.transfer_s > 0 and cost.cpu_call_s > 0
+        assert cost.critical_tokens == (MAX_CRITICAL_TOKENS if cost.cpu_call_s < cost.transfer_s else 0)
     else:
         assert cost.transfer_s > 0 and cost.cpu_per_token_s >= 0 and not cost.same_memory
 
@@ -145,7 +146,9 @@ def test_cpu_cost_model_is_calibrated(tiny_converted, resident_reference):
 def test_cpu_cost_model_compares_a_transfer_with_the_cpu_slowdown():
     assert CostModel(1e-3, 2e-4, 1e-4).critical_tokens == 10  # T_transfer / (cpu - device) per token
     assert CostModel(1e-3, 1e-4, 2e-4).critical_tokens == MAX_CRITICAL_TOKENS  # the CPU is no slower
-    assert CostModel(1e-3, 2e-4, 1e-4, same_memory=True).critical_tokens == MAX_CRITICAL_TOKENS
+    assert CostModel(1e-3, 2e-4, 1e-4, cpu_call_s=5e-4).critical_tokens == 5  # a call's fixed cost comes first
+    assert CostModel(1e-3, 1e-4, 1e-4, cpu_call_s=2e-3, same_memory=True).critical_tokens == 0
+    assert CostModel(1e-3, 1e-4, 1e-4, cpu_call_s=5e-4, same_memory=True).critical_tokens == MAX_CRITICAL_TOKENS
 
 
 # ---------------------------------------------------------------- the cache manager on its own

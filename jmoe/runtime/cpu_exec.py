@@ -4,11 +4,14 @@ When an expert is not resident and only a few tokens need it, moving those token
 the host and running the expert there can beat moving the expert's weights to the device. A cost
 model measured once at load compares the two per token: fetching costs one transfer, T_transfer,
 then the device's time per token; the CPU costs its own (larger) time per token. The CPU wins for
-up to n_crit = T_transfer / (lat_cpu - lat_device) tokens.
+up to n_crit = (T_transfer - T_call) / (lat_cpu - lat_device) tokens, T_call being what a separate
+CPU call costs beyond its tokens (zero on an accelerator, where the transfer dwarfs it).
 
-When the device is the CPU itself, a transfer is a memcpy into a pool slot and running the expert
-in place computes exactly the same at the same speed, so every cold expert runs in place (n_crit
-unbounded, nothing measured).
+When the device is the CPU itself, a transfer is a read from the page cache and a memcpy into a
+pool slot, and running the expert in place computes the same at the same speed per token, so the
+choice is between that copy and the fixed cost of one more kernel call outside the layer's grouped
+one: both are measured at load, and every cold expert runs in place when the call is the cheaper
+(n_crit unbounded), else none does (n_crit 0).
 
 An expert runs as it is stored: its record's arrays, viewed in the memory-mapped expert file, are
 handed to jax without a copy (a pool of one slot) and multiplied by the CPU kernels' expert entry
@@ -32,6 +35,7 @@ from jmoe.layers.experts import expert_activation
 from jmoe.quant import ExpertWeights
 from jmoe.runtime.host_memory import device_is_host
 from jmoe.runtime.host_store import HostStore
+from jmoe.runtime.pools import TierPool
 from pallas_kernels.glu import GatedActivation
 
 MAX_CRITICAL_TOKENS = 1 << 16
@@ -42,15 +46,20 @@ class CostModel:
     transfer_s: float  # one expert version host -> device, until ready
     cpu_per_token_s: float  # the CPU's time per token of one expert (activations moved both ways)
     device_per_token_s: float  # the device's
-    same_memory: bool = False  # the device is the CPU: running in place saves the copy and costs the same
+    cpu_call_s: float = 0.0  # what one CPU call costs beyond its tokens' time
+    same_memory: bool = False  # the device is the CPU (per-token times equal: only the fixed costs differ)
 
     @property
     def critical_tokens(self) -> int:
-        """Most tokens for which the CPU is expected to beat fetching the expert: T_transfer / (cpu - device)."""
+        """Most tokens for which the CPU is expected to beat fetching the expert:
+        (T_transfer - T_call) / (cpu - device) per token."""
+        saving = self.transfer_s - self.cpu_call_s
+        if saving <= 0:
+            return 0
         gap = self.cpu_per_token_s - self.device_per_token_s
         if self.same_memory or gap <= 0:
             return MAX_CRITICAL_TOKENS
-        return int(min(MAX_CRITICAL_TOKENS, self.transfer_s / gap))
+        return int(min(MAX_CRITICAL_TOKENS, saving / gap))
 
 
 def _bucket(n: int) -> int:
@@ -96,12 +105,12 @@ class CpuExecutor:
 
     def calibrate(self, tier: str, samples: int = 3) -> CostModel:
         """Measure one transfer, and the CPU's and the device's time per token on layer 0's experts
-        (nothing to measure when the device is the CPU: see the module docstring)."""
+        (on the CPU: a transfer with its slot write against one in-place call of one token)."""
+        target = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
         if self.same_memory:
-            self.cost = CostModel(0.0, 0.0, 0.0, same_memory=True)
+            self.cost = self._calibrate_same_memory(tier, samples, target)
             return self.cost
         transfers = []
-        target = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
         for e in range(samples):
             t = time.perf_counter()
             jax.device_put(self.host.record(tier, 0, e), target).block_until_ready()
@@ -127,3 +136,19 @@ class CpuExecutor:
                                                  self.activation))
         self.cost = CostModel(float(np.median(transfers)), cpu, device)
         return self.cost
+
+    def _calibrate_same_memory(self, tier: str, samples: int, target) -> CostModel:
+        scratch = TierPool(self.store, tier, 1, self.device)
+        D = self.store.config.hidden_size
+        one = jax.device_put(jnp.ones((1, D), self.dtype), self.device)
+        transfers, calls = [], []
+        for e in range(samples + 1):  # the first of each compiles
+            t = time.perf_counter()
+            scratch.write(0, jax.device_put(self.host.record(tier, 0, e % self.store.num_experts), target)) \
+                .block_until_ready()
+            transfers.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            self.run(one, tier, 0, e % self.store.num_experts).block_until_ready()
+            calls.append(time.perf_counter() - t)
+        return CostModel(float(np.median(transfers[1:])), 0.0, 0.0, cpu_call_s=float(np.median(calls[1:])),
+                         same_memory=True)
