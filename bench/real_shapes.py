@@ -43,7 +43,8 @@ from bench.common import RESULTS, ROOT, machine
 from bench.random_checkpoint import MODELS, checkpoint_bytes, model_named, write_checkpoint
 from bench.real_shapes_report import markdown, plot, ratios, summarize
 
-PLACEMENTS = {"resident": None, "pools 50%": 0.5, "pools 25%": 0.25}
+# --placements names: all-resident, or pools holding that share of the experts
+PLACEMENTS = {"resident": None, "50%": 0.5, "25%": 0.25}
 OFFLOAD_POLICY = "lru+prefetch"
 CHILD_TIMEOUT_S = 3 * 3600
 TIER_ORDER = ("bf16", "int8", "int4", "int2")
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="layers to keep (default 8; 1 with --quick)")
     p.add_argument("--tiers", default="bf16,int4", help="expert tiers to convert and run (default bf16,int4)")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
-                   help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)")
+                   help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)".replace("%", "%%"))
     p.add_argument("--llama-types", default=",".join(llama_cpp.QUANT_TYPES),
                    help=f"GGUF types for llama.cpp (default {','.join(llama_cpp.QUANT_TYPES)})")
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
@@ -63,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")
     p.add_argument("--skip-llama", action="store_true", help="jmoe only")
+    p.add_argument("--llama-threads", type=int, default=2,
+                   help="llama-bench -t (default 2, the cores of the machine the targets were set on)")
     p.add_argument("--skip-startup", action="store_true", help="no cold/warm compilation-cache runs")
     p.add_argument("--reuse", action="store_true",
                    help="keep conversions already under --data (their times are then not measured)")
@@ -84,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
            + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES])
     if bad:
         p.error("unknown " + ", ".join(bad))
-    if not args.tiers or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2:
+    if not args.tiers or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2 or args.llama_threads < 1:
         p.error("need at least one tier, one round, a prompt and 2 new tokens")
     try:
         model_named(args.model).config_for(args.layers)
@@ -178,7 +181,8 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
             policy = "resident" if fraction is None else OFFLOAD_POLICY
             spec = dict(base, path=str(main), tier=tier, policy=policy,
                         budget=budget_for(main, tier, fraction, max_seq_len))
-            jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {placement}", "spec": spec,
+            where = "resident" if fraction is None else f"pools {placement}"
+            jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {where}", "spec": spec,
                               "loaded_bytes": loaded_bytes(main, tier, max_seq_len)})
     if "jmoe dense int4" in conversions:
         dense = Path(conversions["jmoe dense int4"]["path"])
@@ -213,7 +217,7 @@ def run_one(cfg: dict, round_no: int, args, llama, logs: Path, cache_dir: Path |
     t = time.perf_counter()
     try:
         if cfg["kind"] == "llama.cpp":
-            record.update(llama_cpp.bench(llama, Path(cfg["gguf"]), threads=2, prompt=args.prompt,
+            record.update(llama_cpp.bench(llama, Path(cfg["gguf"]), threads=args.llama_threads, prompt=args.prompt,
                                           gen=args.new_tokens, depths=(0, args.prompt), log=log))
         else:
             env = dict(os.environ, JMOE_COMPILATION_CACHE=str(cache_dir)) if cache_dir else None
@@ -283,9 +287,10 @@ def main(argv=None) -> None:
         "model": {"name": spec.name, "hub_id": spec.hub_id, "layers": args.layers, "notes": spec.notes,
                   "checkpoint_bytes": checkpoint_bytes(src), "config": spec.config_for(args.layers)},
         "settings": {"tiers": args.tiers, "placements": args.placements, "offload_policy": OFFLOAD_POLICY,
-                     "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens, "threads": 2,
+                     "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                     "llama_threads": args.llama_threads,
                      "quick": args.quick, "method": "rtn",
-                     "llama_cpp": (str(llama.bin_dir), llama.version()) if llama else None},
+                     "llama_cpp": llama.version() if llama else None},
         "conversions": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in conversions.items()},
         "summary": summarize(ok),
         "ratios": ratios(ok, pairs, ("prefill_tok_s", "decode_tok_s@0", f"decode_tok_s@{args.prompt}")),

@@ -120,6 +120,10 @@ def markdown(result: dict) -> str:
     head = (f"{result['model']['name']} shapes, {plural(layers, 'layer')}, random weights; "
             f"{result['machine']['cpu']} ({result['machine']['cpu_count']} cores), {plural(s['rounds'], 'round')}"
             f"{' alternating jmoe and llama.cpp' if result.get('ratios') else ''}; median [min–max].")
+    busy = max((r.get("load_average_before") or 0 for r in result.get("runs", [])), default=0)
+    if busy > 1.0:
+        head += (f" The machine was not idle (1-minute load average up to {busy:.1f} before a run): timings, "
+                 "llama.cpp's most of all, are not representative.")
     parts = [head, speed_table(result)]
     if result.get("ratios"):
         parts.append(ratio_table(result))
@@ -135,6 +139,7 @@ def plot(result: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     prompt = result["settings"]["prompt"]
     metrics = [("prefill_tok_s", f"prefill tok/s ({prompt})"), ("decode_tok_s@0", "decode tok/s (depth 0)"),
@@ -158,6 +163,8 @@ def plot(result: dict, path: Path) -> Path:
         ax.set_title(title, fontsize=10)
         if m != "peak_rss_bytes":
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only; minor ones overlap
+            ax.xaxis.set_major_formatter(ScalarFormatter())
     fig.suptitle(f"{result['model']['name']} shapes, {plural(result['model']['layers'], 'layer')}, CPU "
                  f"({result['machine']['cpu_count']} cores): jmoe (blue) and llama.cpp (orange)", fontsize=11)
     fig.tight_layout()
