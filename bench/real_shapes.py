@@ -142,7 +142,7 @@ def budget_for(path: Path, tier: str, fraction: float | None, max_seq_len: int) 
     import jmoe
     from bench.common import staging_bytes
 
-    plan = jmoe.memory_plan(path, tier=tier, max_seq_len=max_seq_len)
+    plan = jmoe.memory_plan(path, tier=tier, max_seq_len=max_seq_len, policy=OFFLOAD_POLICY)
     fixed = sum(v for k, v in plan.items() if k not in ("all_experts", "draft"))
     if "staging" not in plan:
         fixed += staging_bytes(path)
