@@ -37,7 +37,8 @@ def main() -> None:
         budget = sum(v for k, v in plan.items() if k != "all_experts") + int(args["share"] * plan["all_experts"])
     base = process_memory()
     model = jmoe.load(args["path"], tier=args["tier"], policy=args["policy"], device_budget=budget,
-                      compute_dtype="float32", max_seq_len=args.get("max_seq_len"))
+                      compute_dtype="float32", max_seq_len=args.get("max_seq_len"),
+                      cpu_critical_tokens=args.get("cpu_critical_tokens"))
     loaded = process_memory()
     out = {"reserved": model.memory, "load_peak": loaded["VmHWM"] - base["VmRSS"],
            "load_rss": loaded["VmRSS"] - base["VmRSS"], "after": []}

@@ -151,7 +151,10 @@ def test_a_loaded_model_holds_no_weight_twice(medium):
 @needs_proc
 @pytest.mark.skipif(not ON_CPU, reason="on an accelerator the pools are device memory")
 def test_offloading_with_cpu_execution_stays_within_bounded_memory(medium):
-    out = probe(path=medium, tier="bf16", policy="lru+prefetch+cpu", share=0.25, max_seq_len=256, tokens=[8, 200])
+    # Every cold expert runs on the CPU whatever the load-time cost model measured (on a CPU-only
+    # machine its choice between a copy and an in-place run is close, so it may pick either).
+    out = probe(path=medium, tier="bf16", policy="lru+prefetch+cpu", share=0.25, max_seq_len=256, tokens=[8, 200],
+                cpu_critical_tokens=1 << 16)
     reserved = sum(out["reserved"].values())
     warm, long = out["after"]
     assert long["stats"]["cpu_expert_runs"] > 100  # cold experts really ran on the CPU, many times
