@@ -17,9 +17,11 @@ from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, dequantize, prepare_input
 
+
 def available() -> bool:
     """Whether the native library is loaded and the default backend is the CPU."""
     return native.loaded() and jax.default_backend() == "cpu"
+
 
 def _weight_operands(w):
     """(values, scales, offsets) operands and (bits, group, symmetric) of a weight or a pool of them."""
@@ -35,6 +37,7 @@ def _weight_operands(w):
     bits = 16 if dtype == jnp.dtype(jnp.bfloat16) else 32
     return (w, native.empty(np.float16), native.empty(np.float16)), dict(bits=np.int64(bits), group=np.int64(64),
                                                                          symmetric=True)
+
 
 def matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray (smoothing and W8A8 applied)."""
@@ -53,6 +56,7 @@ def matmul(x: jax.Array, w) -> jax.Array:
     y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands,
                     k=np.int64(k), n=np.int64(n), **fmt)
     return y.reshape(*lead, n)
+
 
 def _pool_format(prefix: str, w) -> tuple[tuple, dict]:
     operands, fmt = _weight_operands(w)

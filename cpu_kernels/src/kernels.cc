@@ -1,9 +1,10 @@
-// CPU kernels behind XLA's FFI: a matmul and the grouped gated expert FFN over packed weights.
+// CPU kernels behind XLA's FFI: a matmul and the gated expert FFN (block and routed layouts)
+// over packed weights.
 //
 // Both read weights where they lie (a pool slot, a dense parameter), in their stored format
 // (bf16, float32, or a QArray's int8/int4/int2 codes with float16 scales and offsets), decode
-// one small panel at a time into L1, and accumulate in float32. Work is split over column tiles
-// and run on XLA's intra-op thread pool. The instruction set (AVX-512, AVX2, or portable) is
+// in registers or one small panel at a time into L1, and accumulate in float32. Work is split over
+// 1024-column blocks (and experts) and run on XLA's intra-op thread pool. The instruction set (AVX-512, AVX2, or portable) is
 // chosen once at run time.
 
 #include <algorithm>
