@@ -208,6 +208,7 @@ ROWS = [
     # ---- convert: options
     Row("convert-unknown-tier", lambda c: conv(c, tiers="bf16,int3"), InputError, "int3"),
     Row("convert-tiers-not-a-list", lambda c: conv(c, tiers=5), InputError, "tiers"),
+    Row("convert-unknown-dense-tier", lambda c: conv(c, dense_tier="int2"), InputError, "dense_tier"),
     Row("convert-tier-not-a-string", lambda c: conv(c, tiers=["bf16", 4]), InputError, r"tiers\[1\]"),
     Row("convert-no-tier", lambda c: conv(c, tiers=" , "), InputError, "tier"),
     Row("convert-unknown-method", lambda c: conv(c, method="awq"), InputError, "awq"),
@@ -367,6 +368,7 @@ ROWS = [
     Row("load-draft-unknown-tier", lambda c: jmoe.load(c.tiny, draft="int3"), InputError, "draft must be"),
     Row("load-draft-not-converted", lambda c: jmoe.load(c.tiny, draft="int4"), InputError, "was not converted"),
     Row("plan-draft-not-converted", lambda c: jmoe.memory_plan(c.tiny, draft="int4"), InputError, "was not converted"),
+    Row("plan-unknown-policy", lambda c: jmoe.memory_plan(c.tiny, policy="fastest"), InputError, "policy"),
     Row("load-dymoe-on-a-bf16-only-model", lambda c: jmoe.load(c.tiny, policy="dymoe"), FormatError,
         "without tier 'int4'"),
     Row("policy-dymoe-r-out-of-range", lambda c: DyMoE(r=1.5), InputError, "r must be"),
