@@ -22,6 +22,7 @@ _state: dict = {}
 MATMUL = "jmoe_cpu_matmul"
 EXPERT_FFN = "jmoe_cpu_expert_ffn"
 ROUTED_FFN = "jmoe_cpu_routed_ffn"
+WRITE_ROWS = "jmoe_cpu_write_rows"
 
 
 def _load():
@@ -36,7 +37,7 @@ def _load():
 
                 lib = ctypes.cdll.LoadLibrary(_native.__file__)
                 for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn),
-                                     (ROUTED_FFN, lib.JmoeCpuRoutedFfn)):
+                                     (ROUTED_FFN, lib.JmoeCpuRoutedFfn), (WRITE_ROWS, lib.JmoeCpuWriteRows)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
             except (ImportError, OSError, AttributeError) as e:
@@ -56,9 +57,10 @@ def isa() -> str | None:
     return None if lib is None else lib.jmoe_cpu_isa().decode()
 
 
-def call(name: str, result: jax.ShapeDtypeStruct, *args, **attrs):
+def call(name: str, result: jax.ShapeDtypeStruct, *args, input_output_aliases=None, **attrs):
     _load()
-    return jax.ffi.ffi_call(name, result, vmap_method="sequential")(*args, **attrs)
+    return jax.ffi.ffi_call(name, result, vmap_method="sequential",
+                            input_output_aliases=input_output_aliases)(*args, **attrs)
 
 
 def empty(dtype) -> np.ndarray:

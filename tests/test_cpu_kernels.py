@@ -170,6 +170,21 @@ def test_ragged_widths_and_padded_groups():
             _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_rows_writes_in_place_what_dynamic_update_slice_writes(dtype):
+    rng = np.random.default_rng(2)
+    B, H, S, w = 3, 2, 16, 8
+    cache = jnp.asarray(rng.standard_normal((B, H, S, w)), dtype)
+    for T, start in ((1, [0, 7, 15]), (4, [0, 13, 5])):  # 13 + 4 > 16: clamped, as dynamic_update_slice is
+        new = jnp.asarray(rng.standard_normal((B, H, T, w)), dtype)
+        start = jnp.asarray(start, jnp.int32)
+        put = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))
+        want = np.asarray(put(cache, new, start).astype(jnp.float32))
+        got = jax.jit(ops.write_rows, donate_argnums=0)(jnp.array(cache), new, start)
+        assert got.dtype == dtype
+        assert (np.asarray(got.astype(jnp.float32)) == want).all()
+
+
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_hf_dir, tmp_path_factory):
     return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("cpu_int4") / "m", tiers="bf16,int4",

@@ -455,6 +455,29 @@ static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values
   return ffi::Error::Success();
 }
 
+// cache [B, H, S, w] with new [B, H, T, w] written from slot start[b] of each row b (clamped into
+// the cache, as dynamic_update_slice does). The result aliases the cache (input_output_aliases),
+// so only the new rows are written: XLA's own update, read by both the attention and the step's
+// output, was fused into each and copied the whole cache for every copy.
+static ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
+                                  ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions(), rd = rows.dimensions();
+  if (cd.size() != 4 || rd.size() != 4 || cd[0] != rd[0] || cd[1] != rd[1] || cd[3] != rd[3] || rd[2] > cd[2] ||
+      cache.element_type() != rows.element_type() || start.element_count() != static_cast<size_t>(cd[0]))
+    return ffi::Error::InvalidArgument("write_rows wants cache [B, H, S, w], rows [B, H, T, w] and start [B]");
+  const int64_t B = cd[0], H = cd[1], S = cd[2], T = rd[2];
+  const size_t row_bytes = cache.size_bytes() / (B * H * S);
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  const auto* src = static_cast<const uint8_t*>(rows.untyped_data());
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s0 = std::min<int64_t>(std::max<int64_t>(start.typed_data()[b], 0), S - T);
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(dst + ((b * H + h) * S + s0) * row_bytes, src + (b * H + h) * T * row_bytes, T * row_bytes);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jmoe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
@@ -499,6 +522,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuRoutedFfn, jmoe::routed_ffn_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attrs());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteRows, jmoe::write_rows_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 // A Python extension module of its own (so setuptools builds and installs it); the handlers are
 // read from the shared object with ctypes.
