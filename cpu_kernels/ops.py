@@ -15,7 +15,7 @@ import numpy as np
 from cpu_kernels import native
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray, dequantize, prepare_input
+from pallas_kernels.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
 
 
 def available() -> bool:
@@ -39,14 +39,19 @@ def _weight_operands(w):
                                                                          symmetric=True)
 
 
-def matmul(x: jax.Array, w) -> jax.Array:
-    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray (smoothing and W8A8 applied)."""
+def matmul(x: jax.Array, w, *, int8_dot: bool = False) -> jax.Array:
+    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray (smoothing and W8A8 applied).
+    int8_dot: a quantized w multiplies x on its per-group int8 grid (quantize_groups), in integers
+    where the CPU has VNNI."""
+    int8_dot = int8_dot and int8_dot_applies(w)
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
         k, n = w.k, w.n
     else:
         k, n = w.shape
     if not available():
+        if int8_dot:
+            x = quantize_groups(x, w.fmt.group_size)
         dense = dequantize(w, jnp.float32) if isinstance(w, QArray) else w.astype(jnp.float32)
         return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
@@ -54,16 +59,17 @@ def matmul(x: jax.Array, w) -> jax.Array:
     x2 = x.reshape(-1, k).astype(jnp.float32)
     operands, fmt = _weight_operands(w)
     y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands,
-                    k=np.int64(k), n=np.int64(n), **fmt)
+                    k=np.int64(k), n=np.int64(n), int8_dot=int8_dot, **fmt)
     return y.reshape(*lead, n)
 
 
-def _pool_format(prefix: str, w) -> tuple[tuple, dict]:
+def _pool_format(prefix: str, w, int8_dot: bool) -> tuple[tuple, dict]:
     operands, fmt = _weight_operands(w)
+    fmt["int8_dot"] = int8_dot and int8_dot_applies(w)
     return operands, {f"{prefix}_{name}": value for name, value in fmt.items()}
 
 
-def _native_pools(gate_up, down, gate_up_bias, down_bias, activation: GatedActivation):
+def _native_pools(gate_up, down, gate_up_bias, down_bias, activation: GatedActivation, int8_dot: bool):
     """The pool operands and attributes both native FFN targets take, or None where the kernel
     does not apply (a smoothed down projection, which no converter writes)."""
     if isinstance(down, QArray) and down.act_scale is not None:
@@ -71,8 +77,8 @@ def _native_pools(gate_up, down, gate_up_bias, down_bias, activation: GatedActiv
     slots = (gate_up.values if isinstance(gate_up, QArray) else gate_up).shape[0]
     inner = down.k if isinstance(down, QArray) else down.shape[-2]
     hidden = down.n if isinstance(down, QArray) else down.shape[-1]
-    gu_ops, gu_fmt = _pool_format("gu", gate_up)
-    dn_ops, dn_fmt = _pool_format("dn", down)
+    gu_ops, gu_fmt = _pool_format("gu", gate_up, int8_dot)
+    dn_ops, dn_fmt = _pool_format("dn", down, int8_dot)
     no_bias = native.empty(np.float32)
     gu_bias = no_bias if gate_up_bias is None else gate_up_bias.astype(jnp.float32)
     dn_bias = no_bias if down_bias is None else down_bias.astype(jnp.float32)
@@ -93,13 +99,13 @@ def _expert_inputs(x, gate_up, row_slot):
 
 
 def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
-               activation: GatedActivation = SILU):
+               activation: GatedActivation = SILU, int8_dot: bool = False):
     """The grouped gated expert FFN (expert_ffn_reference's contract) on the native kernel:
-    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype."""
-    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation) if available() else None
+    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype. int8_dot as in `matmul`."""
+    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation, int8_dot) if available() else None
     if pools is None:
         return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
-                                    down_bias=down_bias, activation=activation)
+                                    down_bias=down_bias, activation=activation, int8_dot=int8_dot)
     operands, attrs = pools
     x = _expert_inputs(rows, gate_up, jnp.repeat(block_slot, block_rows))
     y = native.call(native.EXPERT_FFN, jax.ShapeDtypeStruct(rows.shape, jnp.float32), *operands, x,
@@ -108,14 +114,14 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias
 
 
 def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_bias=None,
-                      activation: GatedActivation = SILU):
+                      activation: GatedActivation = SILU, int8_dot: bool = False):
     """Routed assignments, each expert run once over exactly its rows: h [N, D], token/slot [A]
     (slot -1: inactive) -> [A, D] in h.dtype, row a = expert `slot[a]` applied to h[token[a]].
     The grouping happens inside the kernel (no padding to blocks, no weight gathered per block)."""
-    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation) if available() else None
+    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation, int8_dot) if available() else None
     if pools is None:  # the reference, one row per block
         return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, gate_up_bias=gate_up_bias,
-                                    down_bias=down_bias, activation=activation)
+                                    down_bias=down_bias, activation=activation, int8_dot=int8_dot)
     operands, attrs = pools
     if isinstance(gate_up, QArray) and gate_up.act_scale is not None:
         x, token = _expert_inputs(h[token], gate_up, slot), jnp.arange(token.shape[0], dtype=jnp.int32)

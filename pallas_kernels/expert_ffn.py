@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, offsets_fit, pool_arrays, supports
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray, dequantize, prepare_input
+from pallas_kernels.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
 
 BACKENDS = ("xla", "pallas", "interpret", "cpu")
 log = logging.getLogger("jmoe.kernels")
@@ -36,12 +36,14 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _block_matmul(x, w, safe, dtype):
+def _block_matmul(x, w, safe, dtype, int8_dot: bool = False):
     """x [nb, BT, K] @ (weights of the blocks' slots) -> [nb, BT, N]; quantized pools dequantized."""
     if isinstance(w, QArray):
         blocks = jax.tree.map(lambda a: a[safe], w)
         scale = None if blocks.act_scale is None else blocks.act_scale[:, None, :]
         x = prepare_input(x, scale, w.fmt)
+        if int8_dot and int8_dot_applies(w):
+            x = quantize_groups(x, w.fmt.group_size).astype(x.dtype)
         weights = dequantize(blocks, dtype)
     else:
         weights = w[safe].astype(dtype)
@@ -54,27 +56,30 @@ def _add_bias(y, bias, safe):
 
 
 def expert_ffn_reference(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
-                         activation: GatedActivation = SILU):
+                         activation: GatedActivation = SILU, int8_dot: bool = False):
     """jnp reference: gather each block's weights, dequantize, matmul (+ bias), gated activation,
-    matmul (+ bias). [R, D] in rows.dtype."""
+    matmul (+ bias). [R, D] in rows.dtype. int8_dot: each matmul's inputs on the CPU kernels'
+    per-group int8 grid first (quantize_groups), for quantized weights."""
     R, D = rows.shape
     nb = block_slot.shape[0]
     safe = jnp.maximum(block_slot, 0)
     x = rows.reshape(nb, block_rows, D)
-    gate_up_out = _add_bias(_block_matmul(x, gate_up, safe, rows.dtype), gate_up_bias, safe)
+    gate_up_out = _add_bias(_block_matmul(x, gate_up, safe, rows.dtype, int8_dot), gate_up_bias, safe)
     gate, up = jnp.split(gate_up_out, 2, axis=-1)
-    y = _add_bias(_block_matmul(activation(gate, up), down, safe, rows.dtype), down_bias, safe)
+    y = _add_bias(_block_matmul(activation(gate, up), down, safe, rows.dtype, int8_dot), down_bias, safe)
     y = jnp.where((block_slot >= 0)[:, None, None], y, jnp.zeros_like(y))
     return y.reshape(R, -1)
 
 
 def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None, gate_up_bias=None,
-               down_bias=None, activation: GatedActivation = SILU):
+               down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
     """Entry point the model calls; dispatches to a kernel where one supports the inputs.
 
     "pallas" runs the compiled Pallas kernel, "interpret" the same kernel in interpret mode; either
     falls back to the XLA reference for inputs the kernel does not support. "cpu" runs the native
-    CPU kernel (cpu_kernels; the XLA reference where it is not built).
+    CPU kernel (cpu_kernels; the XLA reference where it is not built). int8_dot (the CPU kernels'
+    per-group int8 inputs) is honoured by the CPU kernel and the reference, which the Pallas
+    kernels then leave to.
     """
     backend = backend or default_backend()
     if backend not in BACKENDS:
@@ -83,14 +88,14 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
     if backend == "cpu":
         from cpu_kernels import expert_ffn as cpu_expert_ffn
 
-        return cpu_expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, **extra)
-    if backend != "xla" and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
+        return cpu_expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
+    if backend != "xla" and not int8_dot and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
         return expert_ffn_pallas(
             rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret", **extra
         )
     if backend != "xla":
         _warn_offsets(gate_up, down)
-    return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, **extra)
+    return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
 
 
 def _warn_offsets(gate_up, down) -> None:

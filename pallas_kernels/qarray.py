@@ -146,6 +146,24 @@ def quantize_activations(x: jax.Array) -> jax.Array:
     return (codes.astype(jnp.float32) * step).astype(x.dtype)
 
 
+def quantize_groups(x: jax.Array, group: int) -> jax.Array:
+    """x [..., K] onto an int8 grid per group of `group` along K (the CPU kernels' int8 dot, like
+    llama.cpp's Q8 blocks): step = max |x| / 127 (1 for a zero group), codes rounded half to
+    even; returns step * code in float32."""
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    xf = jnp.pad(x.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, -k % group)]).reshape(*lead, -1, group)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    step = jnp.where(amax > 0, amax / 127.0, 1.0)
+    codes = jnp.clip(jnp.round(xf / step), -127, 127)
+    return (codes * step).reshape(*lead, -1)[..., :k]
+
+
+def int8_dot_applies(w) -> bool:
+    """Whether the int8 dot quantizes the inputs of `w`: a QArray without W8A8's own per-token grid."""
+    return isinstance(w, QArray) and w.fmt.act_bits is None
+
+
 def prepare_input(x: jax.Array, act_scale: jax.Array | None, fmt: QuantFormat) -> jax.Array:
     """What multiplies the dequantized weight: x [..., K] smoothed (act_scale broadcast against x)
     and, for W8A8, quantized per token."""

@@ -16,7 +16,7 @@ from convert.quantizers.rtn import quantize_rtn
 from cpu_kernels import native, ops
 from pallas_kernels.expert_ffn import default_backend, expert_ffn, expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QuantFormat, dequantize
+from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups
 
 FORMATS = {
     "bf16": None,
@@ -33,7 +33,7 @@ def test_native_library_is_built_and_chosen_on_the_cpu():
     if os.environ.get("JMOE_CPU_KERNELS", "on").lower() in ("off", "0", "false"):
         pytest.skip("native kernels switched off by JMOE_CPU_KERNELS")
     assert native.loaded(), "cpu_kernels._native was not built by the package's build"
-    assert native.isa() in ("avx512", "avx2", "portable")
+    assert native.isa() in ("avx512-vnni", "avx512", "avx2", "portable")
     assert default_backend() == "cpu"
 
 
@@ -92,31 +92,40 @@ def _layout(rng, slots, block_rows, blocks):
     return jnp.asarray(bs.astype(np.int32))
 
 
-def _compare(rows, bs, gu, dn, block_rows, gu_bias=None, dn_bias=None, activation=SILU):
+def _close(y, ref, int8_dot=False):
+    """Within float32 rounding; under the int8 dot the kernel's activation (its own exp) may round a
+    rare input to the neighbouring int8 code, so the largest error may be one code's worth, the mean not."""
+    scale = np.abs(ref).max()
+    assert scale > 0
+    err = np.abs(y - ref)
+    assert err.max() <= (2e-3 if int8_dot else 1e-5) * scale
+    assert err.mean() <= (1e-4 if int8_dot else 1e-5) * scale
+
+
+def _compare(rows, bs, gu, dn, block_rows, gu_bias=None, dn_bias=None, activation=SILU, int8_dot=False):
     """The block kernel, and the routed kernel on the same rows (one assignment per row), against the reference."""
-    _compare_routed(rows, jnp.repeat(bs, block_rows), gu, dn, gu_bias, dn_bias, activation)
-    kw = dict(block_rows=block_rows, gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation)
+    _compare_routed(rows, jnp.repeat(bs, block_rows), gu, dn, gu_bias, dn_bias, activation, int8_dot=int8_dot)
+    kw = dict(block_rows=block_rows, gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation,
+              int8_dot=int8_dot)
     native_y = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, backend="cpu", **kw))(rows, bs, gu, dn)
     ref = jax.jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, **kw))(rows, bs, gu, dn)
     native_y, ref = np.asarray(native_y), np.asarray(ref)
-    scale = np.abs(ref).max()
-    assert scale > 0
-    assert np.abs(native_y - ref).max() <= 1e-5 * scale
+    _close(native_y, ref, int8_dot)
     empty = np.repeat(np.asarray(bs) < 0, block_rows)
     assert (native_y[empty] == 0).all()
 
 
-def _compare_routed(h, row_slot, gu, dn, gu_bias=None, dn_bias=None, activation=SILU, shuffle=True):
+def _compare_routed(h, row_slot, gu, dn, gu_bias=None, dn_bias=None, activation=SILU, shuffle=True, int8_dot=False):
     """Assignments in any order, tokens repeated: out[a] = expert row_slot[a] on h[token[a]]."""
     A = h.shape[0]
     rng = np.random.default_rng(A)
     order = rng.permutation(A) if shuffle else np.arange(A)
     token, slot = jnp.asarray(order.astype(np.int32)), row_slot[order]
-    kw = dict(gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation)
+    kw = dict(gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation, int8_dot=int8_dot)
     y = np.asarray(jax.jit(lambda h, t, s, g, d: ops.routed_expert_ffn(h, t, s, g, d, **kw))(h, token, slot, gu, dn))
     ref = np.asarray(jax.jit(lambda h, t, s, g, d: expert_ffn_reference(h[t], s, g, d, block_rows=1, **kw))(
         h, token, slot, gu, dn))
-    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    _close(y, ref, int8_dot)
     assert (y[np.asarray(slot) < 0] == 0).all()
 
 
@@ -170,6 +179,72 @@ def test_ragged_widths_and_padded_groups():
             _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
 
 
+def _groups_int8(x, group):
+    """The int8 dot's inputs in numpy float32 (IEEE division, round half to even), as the kernel forms them."""
+    m, k = x.shape
+    xp = np.zeros((m, -(-k // group) * group), np.float32)
+    xp[:, :k] = x
+    g = xp.reshape(m, -1, group)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    step = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    codes = np.clip(np.round(g / step), -127, 127)
+    return (codes * step).astype(np.float32).reshape(m, -1)[:, :k]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (3, 200, 100), (5, 768, 2048), (9, 2880, 128), (40, 96, 64)])
+def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
+    """The int8 dot (integer VNNI sums for few rows, the float path for many or without VNNI) is x on
+    its per-group int8 grid times the weight; bf16 weights take x as it is."""
+    rng = np.random.default_rng(m * 100 + k)
+    w = _weight(rng, k, n, FORMATS[name])
+    x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)
+    y = np.asarray(jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))(jnp.asarray(x), w))
+    xq = x if FORMATS[name] is None else _groups_int8(x, FORMATS[name].group_size)
+    ref = xq.astype(np.float64) @ _dense(w)
+    assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max() + 1e-7
+    if FORMATS[name] is not None:  # and it is the quantized inputs it multiplied, close to the float ones
+        exact = x.astype(np.float64) @ _dense(w)
+        assert 0 < np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+        ref_jnp = np.asarray(quantize_groups(jnp.asarray(x), FORMATS[name].group_size))
+        # the XLA reference's grid: the same codes (its step may differ in the last bit)
+        assert np.abs(ref_jnp - xq).max() <= 1e-6 * np.abs(xq).max()
+
+
+@pytest.mark.parametrize("tier", ["int8", "int4", "int2"])
+def test_int8_dot_expert_ffn_at_real_widths(tier):
+    """Qwen3-30B-A3B's expert (D 2048, F 768) and GPT-OSS-20B's (D = F = 2880, biases, clamped
+    SwiGLU) under the int8 dot against the reference with the same per-group int8 inputs."""
+    rng = np.random.default_rng(21)
+    D, F, S = 2048, 768, 3
+    gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
+    for block_rows, blocks in ((1, 8), (16, 3)):
+        rows = jnp.asarray(rng.standard_normal((blocks * block_rows, D)).astype(np.float32))
+        _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows, int8_dot=True)
+    D = F = 2880
+    gu, dn = _pool(rng, 2, D, 2 * F, FORMATS[tier]), _pool(rng, 2, F, D, FORMATS[tier])
+    gu_bias = jnp.asarray(rng.standard_normal((2, 2 * F)).astype(np.float32))
+    dn_bias = jnp.asarray(rng.standard_normal((2, D)).astype(np.float32))
+    rows = jnp.asarray(rng.standard_normal((4, D)).astype(np.float32) * 3)
+    _compare(rows, _layout(rng, 2, 1, 4), gu, dn, 1, gu_bias, dn_bias, CLAMPED, int8_dot=True)
+
+
+def test_int8_dot_leaves_w8a8_and_smoothing_as_they_are():
+    """W8A8 weights keep their own per-token grid (the int8 dot does not apply); smoothed int4 weights
+    quantize the smoothed inputs."""
+    rng = np.random.default_rng(5)
+    D, F, S, blocks = 256, 192, 3, 5
+    rows = jnp.asarray(rng.standard_normal((blocks, D)).astype(np.float32))
+    gu = _pool(rng, S, D, 2 * F, QuantFormat(8, 128, True, act_bits=8, smooth=True), smooth=True)
+    dn = _pool(rng, S, F, D, QuantFormat(8, 128, True, act_bits=8))
+    bs = _layout(rng, S, 1, blocks)
+    with_dot = np.asarray(ops.expert_ffn(rows, bs, gu, dn, block_rows=1, int8_dot=True))
+    assert (with_dot == np.asarray(ops.expert_ffn(rows, bs, gu, dn, block_rows=1))).all()
+    gu = _pool(rng, S, D, 2 * F, QuantFormat(4, 64, False, smooth=True), smooth=True)
+    dn = _pool(rng, S, F, D, QuantFormat(4, 64, False))
+    _compare(rows, bs, gu, dn, 1, int8_dot=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_write_rows_writes_in_place_what_dynamic_update_slice_writes(dtype):
     rng = np.random.default_rng(2)
@@ -199,3 +274,29 @@ def test_whole_model_greedy_tokens_equal_the_xla_path(tiny_int4, tier):
         model = jmoe.load(tiny_int4, tier=tier, kernel_backend=backend)
         outs[backend] = jmoe.generate(model, prompt, max_new_tokens=24)
     assert outs["cpu"] == outs["xla"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dense_int4(tiny_hf_dir, tmp_path_factory):
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("cpu_dense_int4") / "m", tiers="int4",
+                              dense_tier="int4", progress=False)
+
+
+def test_cpu_dot_int8_gives_the_tokens_of_its_xla_reference(tiny_dense_int4, monkeypatch):
+    """load(cpu_dot="int8") through the native kernels (experts and the int4 dense tier's projections)
+    against the XLA reference with the same int8 inputs; an unknown cpu_dot is refused."""
+    from jmoe.decoding.engine import clear_compiled
+    from jmoe.errors import InputError
+
+    with pytest.raises(InputError, match="cpu_dot"):
+        jmoe.load(tiny_dense_int4, cpu_dot="int9")
+    outs = {}
+    for path in ("native", "xla"):
+        if path == "xla":
+            monkeypatch.setattr(ops, "available", lambda: False)
+            clear_compiled()
+        model = jmoe.load(tiny_dense_int4, tier="int4", cpu_dot="int8")
+        assert model.residency.state.int8_dot
+        outs[path] = jmoe.generate(model, "def fibonacci(n):", max_new_tokens=24)
+    clear_compiled()
+    assert outs["native"] == outs["xla"]

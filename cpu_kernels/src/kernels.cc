@@ -94,6 +94,64 @@ static float weight_at(const Weight& w, int64_t k, int64_t n) {
   return q * s + o;
 }
 
+// The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (Inputs::quantize) each
+// row's K groups of G are also held as int8 codes with one float step per group, the way
+// llama.cpp's Q8 blocks are: step = max |x| / 127 (1 for a zero group), code = round(x / step),
+// and x then holds step * code, so every path (VNNI or float) multiplies the same numbers.
+struct Inputs {
+  const float* x = nullptr;
+  int64_t ld = 0;
+  const int8_t* codes = nullptr;  // [M, groups * group], zero past K
+  const float* steps = nullptr;   // [M, groups]
+  const int32_t* sums = nullptr;  // [M, groups]: the sum of each group's codes
+  int64_t group = 0, groups = 0;
+
+  Inputs from_row(int64_t m) const {
+    Inputs r = *this;
+    r.x += m * ld;
+    if (codes) r.codes += m * groups * group, r.steps += m * groups, r.sums += m * groups;
+    return r;
+  }
+};
+
+// Owns the quantized copy behind an Inputs (plain float inputs need none).
+struct QuantizedInputs {
+  std::vector<float> x;
+  std::vector<int8_t> codes;
+  std::vector<float> steps;
+  std::vector<int32_t> sums;
+
+  // Inputs for x[M, K] multiplying a weight with groups of `group` rows: quantized when `quantize`
+  // (rows spread over `for_rows`, the caller's parallel loop).
+  template <typename ForRows>
+  Inputs of(const float* xp, int64_t ld, int64_t M, int64_t K, int64_t group, bool quantize, ForRows for_rows) {
+    Inputs in;
+    in.x = xp, in.ld = ld;
+    if (!quantize) return in;
+    const int64_t groups = (K + group - 1) / group;
+    x.assign(M * K, 0.0f), codes.assign(M * groups * group, 0), steps.assign(M * groups, 1.0f), sums.assign(M * groups, 0);
+    for_rows(M, [&](int64_t m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xp[m * ld + k]));
+        const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+        int32_t sum = 0;
+        for (int64_t k = k0; k < k1; ++k) {
+          const float c = std::min(127.0f, std::max(-127.0f, std::nearbyint(xp[m * ld + k] / step)));
+          codes[m * groups * group + k] = static_cast<int8_t>(c);
+          x[m * K + k] = c * step;
+          sum += static_cast<int32_t>(c);
+        }
+        steps[m * groups + g] = step, sums[m * groups + g] = sum;
+      }
+    });
+    in.x = x.data(), in.ld = K, in.codes = codes.data(), in.steps = steps.data(), in.sums = sums.data();
+    in.group = group, in.groups = groups;
+    return in;
+  }
+};
+
 // 16-lane vectors (GCC vector extensions): a zmm under AVX-512, two ymm under AVX2.
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -114,7 +172,10 @@ static inline v16 bf16_to_f32(const uint16_t* p) {
 static inline v16 half16_to_f32(const uint16_t* p) {
   return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+static bool int8_dot_tiles(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t tiles, float* y,
+                           int64_t ldy);
 #include "gemm.inc"
+#include "int8_dot.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -156,6 +217,7 @@ static inline v16 half16_to_f32(const uint16_t* p) {
   r.f[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
   return r.v;
 }
+static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t) { return false; }
 #include "gemm.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -183,10 +245,11 @@ static inline v16 half16_to_f32(const uint16_t* p) {
   for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
   return v;
 }
+static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t) { return false; }
 #include "gemm.inc"
 }  // namespace portable
 
-using GemmBlock = void (*)(const float*, int64_t, int64_t, const Weight&, int64_t, float*, int64_t);
+using GemmBlock = void (*)(const Inputs&, int64_t, const Weight&, int64_t, float*, int64_t);
 
 static GemmBlock pick_gemm_block() {
   __builtin_cpu_init();
@@ -200,7 +263,7 @@ static GemmBlock pick_gemm_block() {
 static const GemmBlock gemm_block = pick_gemm_block();
 
 extern "C" const char* jmoe_cpu_isa() {
-  if (gemm_block == avx512::gemm_block) return "avx512";
+  if (gemm_block == avx512::gemm_block) return avx512::has_vnni() ? "avx512-vnni" : "avx512";
   if (gemm_block == avx2::gemm_block) return "avx2";
   return "portable";
 }
@@ -231,6 +294,16 @@ static void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<v
 
 static int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
+// A row loop over the pool (QuantizedInputs::of): tasks of 16 rows, one task for a single row.
+static auto rows_on(ffi::ThreadPool& pool) {
+  return [&pool](int64_t M, const std::function<void(int64_t)>& row) {
+    const int64_t per = 16;
+    parallel_for(pool, (M + per - 1) / per, [&](int64_t t) {
+      for (int64_t m = t * per; m < std::min(M, (t + 1) * per); ++m) row(m);
+    });
+  };
+}
+
 // Weight description from a pool's buffers (leading slot dimension optional).
 static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
                            int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, Weight* w) {
@@ -255,7 +328,7 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, 
 static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                               ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
                               ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, bool symmetric, int64_t k,
-                              int64_t n) {
+                              int64_t n, bool int8_dot) {
   Weight w;
   if (auto err = describe(values, scales, offsets, bits, group, symmetric, k, n, &w); err.failure()) return err;
   if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
@@ -263,9 +336,10 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const auto dims = x.dimensions();
   if (dims.size() != 2 || dims[1] != k) return ffi::Error::InvalidArgument("x must be [M, K]");
   const int64_t M = dims[0];
-  const float* xp = x.typed_data();
+  QuantizedInputs quantized;
+  const Inputs in = quantized.of(x.typed_data(), k, M, k, w.group, int8_dot && w.quantized(), rows_on(pool));
   float* yp = y->typed_data();
-  parallel_for(pool, blocks(n), [&](int64_t b) { gemm_block(xp, k, M, w, b, yp, n); });
+  parallel_for(pool, blocks(n), [&](int64_t b) { gemm_block(in, M, w, b, yp, n); });
   return ffi::Error::Success();
 }
 
@@ -288,6 +362,7 @@ struct ExpertPools {
   const float* dn_bias = nullptr;  // [slots, 2F], [slots, D] or none
   int64_t D = 0, F = 0, slots = 0;
   bool clamped = false, dn_int8_inputs = false;
+  bool gu_int8_dot = false, dn_int8_dot = false;  // the int8 dot (Inputs::quantize) per weight
   float alpha = 1.702f, limit = 7.0f;
 };
 
@@ -309,7 +384,8 @@ static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_
                  attr(attrs, "dn_bits", &dn_bits), attr(attrs, "dn_group", &dn_group), attr(attrs, "dn_symmetric", &dn_sym),
                  attr(attrs, "hidden", &p->D), attr(attrs, "inner", &p->F), attr(attrs, "slots", &p->slots),
                  attr(attrs, "clamped", &p->clamped), attr(attrs, "alpha", &p->alpha), attr(attrs, "limit", &p->limit),
-                 attr(attrs, "dn_int8_inputs", &p->dn_int8_inputs)})
+                 attr(attrs, "dn_int8_inputs", &p->dn_int8_inputs), attr(attrs, "gu_int8_dot", &p->gu_int8_dot),
+                 attr(attrs, "dn_int8_dot", &p->dn_int8_dot)})
     if (e.failure()) return e;
   if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_sym, p->D, 2 * p->F, &p->gu); e.failure())
     return e;
@@ -339,9 +415,11 @@ static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::
                         int64_t R, float* y) {
   const int64_t D = p.D, F = p.F, gu_blocks = blocks(2 * F), dn_blocks = blocks(D);
   std::vector<float> h(R * 2 * F), act(R * F);
+  QuantizedInputs gu_quantized, dn_quantized;
+  const Inputs gu_in = gu_quantized.of(x, D, R, D, p.gu.group, p.gu_int8_dot && p.gu.quantized(), rows_on(pool));
   parallel_for(pool, runs.size() * gu_blocks, [&](int64_t i) {
     const Run& r = runs[i / gu_blocks];
-    gemm_block(x + r.row0 * D, D, r.rows, p.gu.slot(r.slot), i % gu_blocks, h.data() + r.row0 * 2 * F, 2 * F);
+    gemm_block(gu_in.from_row(r.row0), r.rows, p.gu.slot(r.slot), i % gu_blocks, h.data() + r.row0 * 2 * F, 2 * F);
   });
   parallel_for(pool, runs.size(), [&](int64_t i) {
     const Run& r = runs[i];
@@ -363,11 +441,13 @@ static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::
       if (p.dn_int8_inputs) quantize_int8_per_token(am, F);
     }
   });
+  const Inputs dn_in = dn_quantized.of(act.data(), F, R, F, p.dn.group, p.dn_int8_dot && p.dn.quantized(),
+                                       rows_on(pool));
   parallel_for(pool, runs.size() * dn_blocks, [&](int64_t i) {
     const Run& r = runs[i / dn_blocks];
     const int64_t b = i % dn_blocks;
     float* yr = y + r.row0 * D;
-    gemm_block(act.data() + r.row0 * F, F, r.rows, p.dn.slot(r.slot), b, yr, D);
+    gemm_block(dn_in.from_row(r.row0), r.rows, p.dn.slot(r.slot), b, yr, D);
     if (p.dn_bias) {
       const float* bias = p.dn_bias + r.slot * D;
       const int64_t n0 = b * kBlock, n1 = std::min<int64_t>(D, n0 + kBlock);
@@ -492,7 +572,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
                                   .Attr<int64_t>("group")
                                   .Attr<bool>("symmetric")
                                   .Attr<int64_t>("k")
-                                  .Attr<int64_t>("n"));
+                                  .Attr<int64_t>("n")
+                                  .Attr<bool>("int8_dot"));
 
 // Both FFN targets take the pools first, then their own inputs, and their attributes as a dictionary.
 static auto bind_pools() {

@@ -92,19 +92,22 @@ class LayerExperts:
     heavy_hitters: jax.Array  # scalar
     backend: str | None = field(default=None, metadata=dict(static=True))
     group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
+    int8_dot: bool = field(default=False, metadata=dict(static=True))  # the CPU kernels' int8 dot
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class ExpertState:
     """What a step reads to reach experts: per-tier handle tables and pools, this step's Selection,
-    and (static) which kernel backend multiplies them (None = the platform default)."""
+    and (static) which kernel backend multiplies them (None = the platform default) and whether the
+    CPU kernels multiply quantized experts with the int8 dot (load's cpu_dot="int8")."""
 
     slots: dict[str, jax.Array]  # tier -> [L_moe, E] int32
     pools: dict[str, ExpertWeights]
     selection: Selection
     backend: str | None = field(default=None, metadata=dict(static=True))
     group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
+    int8_dot: bool = field(default=False, metadata=dict(static=True))
 
     def for_phase(self, phase: str) -> "ExpertState":
         """Verification steps group every assignment by expert (each expert read once)."""
@@ -121,7 +124,8 @@ class ExpertState:
     def layer(self, moe_index: int) -> LayerExperts:
         sel = self.selection
         return LayerExperts({t: s[moe_index] for t, s in self.slots.items()}, self.pools, sel.hi[moe_index],
-                            sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend, self.group_rows)
+                            sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend, self.group_rows,
+                            self.int8_dot)
 
 
 class BlockLayout(NamedTuple):
@@ -173,7 +177,7 @@ def block_layout(slots: jax.Array, active: jax.Array, block_rows: int, max_group
 
 def grouped_expert_ffn(
     h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int, backend: str | None = None,
-    group_rows: int = 0, activation: GatedActivation = SILU,
+    group_rows: int = 0, activation: GatedActivation = SILU, int8_dot: bool = False,
 ) -> jax.Array:
     """Gated expert FFN (with the pool's biases, if any) of every active (token, expert) assignment,
     reading weights by slot.
@@ -188,9 +192,11 @@ def grouped_expert_ffn(
     slots, active = slots.reshape(A), active.reshape(A)
     if (backend or default_backend()) == "cpu":  # the native kernel groups by expert itself, unpadded
         y = routed_expert_ffn(h, token, jnp.where(active, slots, NO_SLOT), pool.gate_up, pool.down,
-                              gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
+                              gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
+                              int8_dot=int8_dot)
         return y.reshape(N, k, -1)
-    extra = dict(backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
+    extra = dict(backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
+                 int8_dot=int8_dot)
     if A <= GATHER_MAX_ASSIGNMENTS and not (group_rows and N > 1):
         y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, **extra)
         return y.reshape(N, k, -1)
@@ -271,7 +277,7 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
         active = (chosen == TIER_CODES[name]) & token_valid[:, None]
         slots = layer.slots[name][routing.ids]
         y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows,
-                               activation)  # [N, k, D]
+                               activation, layer.int8_dot)  # [N, k, D]
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
     return out.astype(h.dtype)

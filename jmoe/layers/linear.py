@@ -30,10 +30,11 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def matmul(x: jax.Array, w) -> jax.Array:
-    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray."""
+def matmul(x: jax.Array, w, *, int8_dot: bool = False) -> jax.Array:
+    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray. int8_dot (CPU only):
+    a quantized w multiplies x on its per-group int8 grid (load's cpu_dot="int8")."""
     if on_cpu():
-        return cpu_kernels.matmul(x, w)
+        return cpu_kernels.matmul(x, w, int8_dot=int8_dot)
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
         w = dequantize(w, x.dtype)  # fused into the dot's operand by XLA, never a stored copy
@@ -62,10 +63,11 @@ class Linear(nnx.Module):
             self.kernel = nnx.Param(zeros_qarray(quant, in_features, out_features))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
         self.dtype = dtype
+        self.int8_dot = False  # static: set by load(cpu_dot="int8")
 
     def project(self, x):
         """x [..., in] -> float32 [..., out] (bias added in float32)."""
-        y = matmul(x.astype(self.dtype), self.kernel.get_value())
+        y = matmul(x.astype(self.dtype), self.kernel.get_value(), int8_dot=self.int8_dot)
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x):
@@ -92,6 +94,7 @@ class Embed(nnx.Module):
             self.embedding = nnx.Param(zeros_qarray(quant, features, num_embeddings))
         self.features = features
         self.dtype = dtype
+        self.int8_dot = False  # static, for the tied LM head: set by load(cpu_dot="int8")
 
     def __call__(self, ids):
         """ids [...] int -> [..., D] in the compute dtype."""

@@ -138,7 +138,7 @@ class Transformer(nnx.Module):
         """Final norm and LM head; float32 logits."""
         x = self.norm(x)
         if self.lm_head is None:
-            return matmul(x, self.embed_tokens.head_weight())
+            return matmul(x, self.embed_tokens.head_weight(), int8_dot=self.embed_tokens.int8_dot)
         return self.lm_head.project(x)
 
     def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False):

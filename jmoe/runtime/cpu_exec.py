@@ -66,17 +66,19 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@partial(jax.jit, static_argnames=("activation",))
-def _one_expert(rows, pool: ExpertWeights, activation: GatedActivation):
+@partial(jax.jit, static_argnames=("activation", "int8_dot"))
+def _one_expert(rows, pool: ExpertWeights, activation: GatedActivation, int8_dot: bool):
     """rows [n, D] through the expert of a one-slot pool (with its biases, if any) -> [n, D]."""
     slot = jnp.zeros((1,), jnp.int32)
     return cpu_kernels.expert_ffn(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0],
-                                  gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation)
+                                  gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
+                                  int8_dot=int8_dot)
 
 
 class CpuExecutor:
-    def __init__(self, host: HostStore, device, dtype):
+    def __init__(self, host: HostStore, device, dtype, int8_dot: bool = False):
         self.host = host
+        self.int8_dot = int8_dot
         self.store = host.store
         self.device = device
         self.cpu = jax.devices("cpu")[0]
@@ -98,7 +100,7 @@ class CpuExecutor:
         x[:n] = np.asarray(rows)
         try:
             y = np.asarray(_one_expert(jax.device_put(x, self.cpu), self.one_slot_pool(tier, layer, expert),
-                                       self.activation))
+                                       self.activation, self.int8_dot))
         finally:
             self.store.release(tier, layer, expert)
         return jax.device_put(y[:n], self.device).astype(rows.dtype)
@@ -133,7 +135,7 @@ class CpuExecutor:
 
         cpu = per_token(lambda n: self.run(jax.device_put(jnp.ones((n, D), self.dtype), self.device), tier, 0, 0))
         device = per_token(lambda n: _one_expert(jax.device_put(jnp.ones((n, D), self.dtype), self.device), on_device,
-                                                 self.activation))
+                                                 self.activation, self.int8_dot and self.same_memory))
         self.cost = CostModel(float(np.median(transfers)), cpu, device)
         return self.cost
 

@@ -17,6 +17,7 @@ from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
 from jmoe.errors import BudgetError, FormatError, InputError
+from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, inside, read_manifest
 from jmoe.policies import BASELINES, POLICY_NAMES, Policy, make_policy
@@ -132,6 +133,7 @@ class JmoeModel:
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+CPU_DOTS = ("float", "int8")
 
 
 def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
@@ -191,7 +193,7 @@ def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_
 
 def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None) -> AllResident:
     """A speculative draft: every expert at `tier` resident; its steps go into the target's trace."""
-    draft = AllResident(store, tier, jax.devices()[0], backend=backend or target.backend)
+    draft = AllResident(store, tier, jax.devices()[0], backend=backend or target.backend, int8_dot=target.int8_dot)
     draft.trace, draft.trace_source = target.trace, "draft"
     return draft
 
@@ -253,6 +255,7 @@ def load(
     max_batch: int = 1,
     execution: str = "auto",
     kernel_backend: str | None = None,
+    cpu_dot: str = "float",
     cpu_critical_tokens: int | None = None,
     verify: bool = False,
     progress: bool | None = None,
@@ -282,6 +285,10 @@ def load(
         it lacked). All three give the same tokens.
       kernel_backend: expert kernels: "pallas", "interpret", "cpu" (native CPU kernels) or "xla"; default Pallas
         on GPU, the native kernels on CPU (XLA where they are not built).
+      cpu_dot: how the CPU multiplies quantized weights (experts at int8/int4/int2, a quantized dense
+        tier): "float" (the inputs as they are) or "int8" (the inputs rounded to int8 per weight group,
+        as llama.cpp's Q8 dot does, and multiplied in integers where the CPU has AVX-512 VNNI: about
+        twice as fast for decode, logits within about 1e-2 of "float").
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
@@ -299,6 +306,7 @@ def load(
     validate.choice("execution", execution, PATHS)
     if kernel_backend is not None:
         validate.choice("kernel_backend", kernel_backend, BACKENDS)
+    validate.choice("cpu_dot", cpu_dot, CPU_DOTS)
     if cpu_critical_tokens is not None:
         validate.integer("cpu_critical_tokens", cpu_critical_tokens, minimum=0)
     verify = validate.boolean("verify", verify)
@@ -324,7 +332,8 @@ def load(
     store = ExpertStore(root, manifest, cfg)
     tokenizer = start_tokenizer(root, manifest)
 
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))  # dense tier's leaves
+    int8_dot = cpu_dot == "int8" and device_is_host(jax.devices()[0])  # the step's own matmuls
+    graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
     memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
                           None if draft is None else check_draft(manifest, draft), None)
     all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
@@ -356,11 +365,11 @@ def load(
                 f"raise the budget, lower max_seq_len / max_batch, or pick an offloading policy such as 'lru+prefetch'"
             )
         tracker.reserve("experts", all_experts)
-        residency = AllResident(store, tier, device, backend=kernel_backend)
+        residency = AllResident(store, tier, device, backend=kernel_backend, int8_dot=int8_dot)
     else:
         plan = plan_pools(store, chosen, fixed, budget)  # staging as reservations() counts it
         residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
-                              cpu_critical_tokens=cpu_critical_tokens, progress=progress)
+                              cpu_critical_tokens=cpu_critical_tokens, progress=progress, cpu_dot=cpu_dot)
     if trace:
         residency.trace = Trace()
         if residency.offloading:
@@ -385,6 +394,16 @@ def load(
         policy=chosen,
         drafts=drafts,
     )
+
+
+def use_int8_dot(model, on: bool):
+    """Mark every dense projection (and the tied LM head) to multiply through the int8 dot (static
+    attributes, so each setting compiles its own step)."""
+    if on:
+        for _, module in nnx.iter_graph(model):
+            if isinstance(module, (Linear, Embed)):
+                module.int8_dot = True
+    return model
 
 
 def start_tokenizer(root: Path, manifest: dict[str, Any]) -> Future:

@@ -34,6 +34,7 @@ from jmoe.runtime.budget import BudgetTracker, tree_nbytes
 from jmoe.runtime.cache import CacheManager
 from jmoe.runtime.cpu_exec import CpuExecutor
 from jmoe.runtime.handles import HandleTable
+from jmoe.runtime.host_memory import device_is_host
 from jmoe.runtime.host_store import HostStore
 from jmoe.runtime.pools import PoolPlan, TierPool, resident_pool
 from jmoe.runtime.predictor import rank_predictions
@@ -50,14 +51,15 @@ class AllResident:
 
     offloading = False
 
-    def __init__(self, store: ExpertStore, tier: str, device, backend: str | None = None):
+    def __init__(self, store: ExpertStore, tier: str, device, backend: str | None = None, int8_dot: bool = False):
         L, E = store.num_layers, store.num_experts
         self.tier = tier
         self.stats = Stats()
         self.pool = resident_pool(store, tier, device)
         slots = jax.device_put(np.arange(L * E, dtype=np.int32).reshape(L, E), device)
-        self.backend = backend
-        self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend)
+        self.backend, self.int8_dot = backend, int8_dot
+        self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend,
+                                 int8_dot=int8_dot)
         self.signals: StepSignals | None = None  # the last step's, on the device
         self.trace: Trace | None = None
         self.trace_source = "target"  # "draft" for a speculative draft writing into the target's trace
@@ -102,8 +104,9 @@ class Offloaded:
 
     def __init__(self, cfg: ModelConfig, store: ExpertStore, policy: Policy, tracker: BudgetTracker, plan: PoolPlan,
                  device, compute_dtype, *, backend: str | None = None, cpu_critical_tokens: int | None = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, cpu_dot: str = "float"):
         self.cfg, self.policy, self.backend, self.device = cfg, policy, backend, device
+        self.int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's, on a CPU device
         self.tier = policy.tier
         self.stats = Stats()
         self.counters = ExpertCounters(cfg.num_moe_layers, cfg.num_experts)
@@ -130,7 +133,7 @@ class Offloaded:
         self.cpu = None
         self.critical_tokens = 0
         if policy.cpu_execution:
-            self.cpu = CpuExecutor(self.host, device, compute_dtype)
+            self.cpu = CpuExecutor(self.host, device, compute_dtype, cpu_dot == "int8")
             cost = self.cpu.calibrate(self.tier)
             self.critical_tokens = cost.critical_tokens if cpu_critical_tokens is None else cpu_critical_tokens
 
@@ -190,7 +193,7 @@ class Offloaded:
         # the cached state keeps these objects alive, so their ids cannot be reused meanwhile
         key = (id(tables), id(selection), *(id(a) for a in pools.values()))
         if self._state is None or self._state[0] != key:
-            self._state = (key, ExpertState(tables, pools, selection, self.backend))
+            self._state = (key, ExpertState(tables, pools, selection, self.backend, int8_dot=self.int8_dot))
         return self._state[1]
 
     def pool_arrays(self) -> dict:
@@ -407,7 +410,7 @@ class Offloaded:
             slots[tier] = row
         sel = self.selection()
         return LayerExperts(jax.device_put(slots, self.device), self.pool_arrays(), sel.hi[layer], sel.lo[layer],
-                            sel.ratio[layer], sel.heavy_hitters, self.backend)
+                            sel.ratio[layer], sel.heavy_hitters, self.backend, int8_dot=self.int8_dot)
 
     def finish_pass(self, keys: list[Key]) -> None:
         self.cache.pinned = set()
