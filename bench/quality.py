@@ -4,6 +4,7 @@ Converts the model once per method (RTN, GPTQ, HAQ; weights only, and with a W8A
 calibrating GPTQ/HAQ on the train splits, then scores every tier on ../shared/corpus/*.dev.txt.
 
     python -m bench.quality [--max-tokens N] [--window 256]
+    python -m bench.quality --cpu-dot int8 --methods rtn,gptq   # the tiers under load(cpu_dot="int8")
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from convert import convert_checkpoint
 TIERS = ("int8", "int4", "int2")
 
 
-def perplexities(path: Path, tier: str, tokens: dict, window: int) -> dict[str, float]:
-    model = jmoe.load(path, tier=tier, compute_dtype="float32")
+def perplexities(path: Path, tier: str, tokens: dict, window: int, cpu_dot: str = "float") -> dict[str, float]:
+    model = jmoe.load(path, tier=tier, compute_dtype="float32", cpu_dot=cpu_dot)
     return {domain: jmoe.perplexity(model, ids, window=window) for domain, ids in tokens.items()}
 
 
@@ -30,11 +31,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N dev tokens per domain")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--calib-sequences", type=int, default=64)
+    parser.add_argument("--methods", default="rtn,gptq,haq", help="quantizers to convert with (default all three)")
+    parser.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
+                        help="load(cpu_dot=...) for the quantized tiers; int8 writes quality_tiny_int8_dot_cpu.json "
+                             "without the W8A8 variants")
     args = parser.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
 
     rows, timings = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        variants = [("rtn", False), ("gptq", False), ("haq", False), ("rtn", True), ("gptq", True), ("haq", True)]
+        variants = [(m, w8a8) for w8a8 in ((False,) if args.cpu_dot == "int8" else (False, True)) for m in methods]
         tokens = None
         for method, w8a8 in variants:
             name = f"{method}{'-w8a8' if w8a8 else ''}"
@@ -53,8 +59,10 @@ def main() -> None:
                 if tier == "bf16":
                     continue
                 t = time.perf_counter()
-                row = {"method": method, "tier": tier, "activations": "int8 per token" if w8a8 else "float",
-                       **perplexities(out, tier, tokens, args.window)}
+                activations = "int8 per token" if w8a8 else "int8 per group (cpu_dot)" if args.cpu_dot == "int8" \
+                    else "float"
+                row = {"method": method, "tier": tier, "activations": activations,
+                       **perplexities(out, tier, tokens, args.window, args.cpu_dot)}
                 timings[name][f"eval_{tier}_s"] = time.perf_counter() - t
                 rows.append(row)
                 print(f"{method:5s} {tier:5s} {'W8A8' if w8a8 else '    '} " +
@@ -67,7 +75,7 @@ def main() -> None:
         "rows": rows,
         "seconds": timings,
     }
-    write_result("quality_tiny", payload)
+    write_result("quality_tiny" if args.cpu_dot == "float" else "quality_tiny_int8_dot", payload)
 
 
 if __name__ == "__main__":

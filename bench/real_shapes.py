@@ -9,7 +9,8 @@ measures, each configuration in its own fresh process so its peak memory is its 
 - load time, prefill tok/s (a 512-token prompt), decode tok/s (128 tokens at depth 0 and after
   the 512-token prompt), peak RSS overall and while decoding, beside the bytes the model loads;
   per tier, all-resident and offloaded (device budget from jmoe.memory_plan so the pools hold 50%
-  and 25% of the experts, policy lru+prefetch);
+  and 25% of the experts, policy lru+prefetch), quantized tiers with each --cpu-dots setting
+  (load's cpu_dot: float inputs, or inputs rounded to int8 per group as llama.cpp's Q8 dot does);
 - a fresh process's load and first-token time with a cold and a warm XLA compilation cache
   (JMOE_COMPILATION_CACHE pointed at a new directory, then at the same one again);
 - where llama.cpp is found (bench/llama_cpp.py: JMOE_LLAMA_CPP or PATH, and how to build it), the
@@ -50,11 +51,16 @@ CHILD_TIMEOUT_S = 3 * 3600
 TIER_ORDER = ("bf16", "int8", "int4", "int2")
 
 
+DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_dot=...)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
     p.add_argument("--layers", type=int, default=None, help="layers to keep (default 8; 1 with --quick)")
     p.add_argument("--tiers", default="bf16,int4", help="expert tiers to convert and run (default bf16,int4)")
+    p.add_argument("--cpu-dots", default="float,int8",
+                   help="load(cpu_dot=...) settings to run quantized tiers with (default float,int8; bf16 runs once)")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)".replace("%", "%%"))
     p.add_argument("--llama-types", default=",".join(llama_cpp.QUANT_TYPES),
@@ -81,13 +87,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.data = args.data.expanduser()
     args.tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     args.placements = [x.strip() for x in args.placements.split(",") if x.strip()]
+    args.cpu_dots = [x.strip() for x in args.cpu_dots.split(",") if x.strip()]
     args.llama_types = [x.strip() for x in args.llama_types.split(",") if x.strip()]
     bad = ([f"tier {t!r}" for t in args.tiers if t not in TIER_ORDER]
            + [f"placement {x!r}" for x in args.placements if x not in PLACEMENTS]
-           + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES])
+           + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES]
+           + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")])
     if bad:
         p.error("unknown " + ", ".join(bad))
-    if not args.tiers or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2 or args.llama_threads < 1:
+    if not args.tiers or not args.cpu_dots or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2 or args.llama_threads < 1:
         p.error("need at least one tier, one round, a prompt and 2 new tokens")
     try:
         model_named(args.model).config_for(args.layers)
@@ -179,16 +187,18 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
         for placement in args.placements:
             fraction = PLACEMENTS[placement]
             policy = "resident" if fraction is None else OFFLOAD_POLICY
-            spec = dict(base, path=str(main), tier=tier, policy=policy,
-                        budget=budget_for(main, tier, fraction, max_seq_len))
             where = "resident" if fraction is None else f"pools {placement}"
-            jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {where}", "spec": spec,
-                              "loaded_bytes": loaded_bytes(main, tier, max_seq_len)})
+            for dot in args.cpu_dots if tier != "bf16" else args.cpu_dots[:1]:
+                spec = dict(base, path=str(main), tier=tier, policy=policy, cpu_dot=dot,
+                            budget=budget_for(main, tier, fraction, max_seq_len))
+                jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {where}{DOT_SUFFIX[dot]}", "spec": spec,
+                                  "loaded_bytes": loaded_bytes(main, tier, max_seq_len)})
     if "jmoe dense int4" in conversions:
         dense = Path(conversions["jmoe dense int4"]["path"])
-        spec = dict(base, path=str(dense), tier="int4", policy="resident", budget=None)
-        jmoe_runs.append({"kind": "jmoe", "label": "jmoe int4 + dense int4 resident", "spec": spec,
-                          "loaded_bytes": loaded_bytes(dense, "int4", max_seq_len)})
+        for dot in args.cpu_dots:
+            spec = dict(base, path=str(dense), tier="int4", policy="resident", budget=None, cpu_dot=dot)
+            jmoe_runs.append({"kind": "jmoe", "label": f"jmoe int4 + dense int4 resident{DOT_SUFFIX[dot]}",
+                              "spec": spec, "loaded_bytes": loaded_bytes(dense, "int4", max_seq_len)})
     llama_runs = [{"kind": "llama.cpp", "label": f"llama.cpp {q}", "gguf": llama_ggufs[q]["path"],
                    "loaded_bytes": llama_ggufs[q]["bytes"]} for q in args.llama_types if q in llama_ggufs]
     # alternate: each jmoe configuration followed by a llama.cpp one while both last
@@ -202,10 +212,13 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
         startup = [{"kind": "startup", "label": f"jmoe {tier} resident, {c} compilation cache", "spec": spec,
                     "cache": c} for c in ("cold", "warm")]
     labels = {r["label"] for r in jmoe_runs}
-    pairs = [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident", f"llama.cpp {q}") for q in args.llama_types
-             if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident" in labels]
-    if "jmoe int4 + dense int4 resident" in labels:
-        pairs += [("jmoe int4 + dense int4 resident", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
+    pairs = []
+    for suffix in DOT_SUFFIX.values():
+        pairs += [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}", f"llama.cpp {q}") for q in args.llama_types
+                  if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}" in labels]
+        if f"jmoe int4 + dense int4 resident{suffix}" in labels:
+            pairs += [(f"jmoe int4 + dense int4 resident{suffix}", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M")
+                      if q in llama_ggufs]
     return measured, startup, pairs
 
 

@@ -74,7 +74,7 @@ def main() -> None:
 
     t = time.perf_counter()
     model = jmoe.load(spec["path"], tier=spec["tier"], device_budget=spec.get("budget"), policy=spec["policy"],
-                      max_seq_len=spec["max_seq_len"], progress=False)
+                      max_seq_len=spec["max_seq_len"], cpu_dot=spec.get("cpu_dot", "float"), progress=False)
     load_s = time.perf_counter() - t
     load_peak = status_bytes("VmHWM")
     ignore_eos(model)
