@@ -31,6 +31,7 @@ constexpr int kBlock = 16 * kTile;    // columns per task (1024)
 constexpr int kPlainPanelRows = 64;   // K rows per panel for unquantized weights
 constexpr int kMaxPanelRows = 128;    // the largest group size
 constexpr int kFusedRows = 16;        // rows up to which weights are decoded in registers
+constexpr int kPlainPrefetchRows = 16;  // bf16/float32 rows fetched ahead by the few-row path
 
 // One K-major weight [K, N] (one pool slot, or a dense parameter).
 struct Weight {
