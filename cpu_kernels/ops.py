@@ -134,11 +134,10 @@ def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
     """cache [B, H, S, w] with rows [B, H, T, w] written from slot start[b] of each row b, in place
-    (the result aliases the cache); dynamic_update_slice per row where the kernels are not loaded."""
+    (the result aliases the cache); XLA's dynamic_update_slice per row where the kernels do not run."""
     rows = rows.astype(cache.dtype)
     if not available():
-        for b in range(cache.shape[0]):
-            cache = jax.lax.dynamic_update_slice(cache, rows[b:b + 1], (b, 0, start[b], 0))
-        return cache
+        put = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0))  # noqa: E731
+        return jax.vmap(put)(cache, rows, start)
     return native.call(native.WRITE_ROWS, jax.ShapeDtypeStruct(cache.shape, cache.dtype), cache, rows,
                        start.astype(jnp.int32), input_output_aliases={0: 0})

@@ -153,10 +153,8 @@ def quantize_groups(x: jax.Array, group: int) -> jax.Array:
     k = x.shape[-1]
     lead = x.shape[:-1]
     xf = jnp.pad(x.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, -k % group)]).reshape(*lead, -1, group)
-    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    step = jnp.where(amax > 0, amax / 127.0, 1.0)
-    codes = jnp.clip(jnp.round(xf / step), -127, 127)
-    return (codes * step).reshape(*lead, -1)[..., :k]
+    codes, step = int8_per_token(xf)  # each group as its own "token"
+    return (codes.astype(jnp.float32) * step).reshape(*lead, -1)[..., :k]
 
 
 def int8_dot_applies(w) -> bool:

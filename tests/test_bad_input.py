@@ -360,6 +360,7 @@ ROWS = [
     Row("load-execution-unknown", lambda c: jmoe.load(c.tiny, execution="gpu"), InputError, "execution"),
     Row("load-kernel-backend-unknown", lambda c: jmoe.load(c.tiny, kernel_backend="cuda"), InputError,
         "kernel_backend"),
+    Row("load-cpu-dot-unknown", lambda c: jmoe.load(c.tiny, cpu_dot="int4"), InputError, "cpu_dot"),
     Row("load-critical-tokens-negative", lambda c: jmoe.load(c.tiny, cpu_critical_tokens=-1), InputError,
         "cpu_critical_tokens"),
     Row("load-verify-string", lambda c: jmoe.load(c.tiny, verify="yes"), InputError, "verify"),

@@ -4,8 +4,8 @@
 // Both read weights where they lie (a pool slot, a dense parameter), in their stored format
 // (bf16, float32, or a QArray's int8/int4/int2 codes with float16 scales and offsets), decode
 // in registers or one small panel at a time into L1, and accumulate in float32. Work is split over
-// 1024-column blocks (and experts) and run on XLA's intra-op thread pool. The instruction set (AVX-512, AVX2, or portable) is
-// chosen once at run time.
+// 1024-column blocks (and experts) and run on XLA's intra-op thread pool. The instruction set
+// (AVX-512 with or without VNNI, AVX2, or portable) is chosen once at run time.
 
 #include <algorithm>
 #include <atomic>
@@ -95,10 +95,24 @@ static float weight_at(const Weight& w, int64_t k, int64_t n) {
   return q * s + o;
 }
 
-// The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (Inputs::quantize) each
+// The symmetric int8 grid of n values (W8A8's per token, the int8 dot's per group), as
+// pallas_kernels.qarray.int8_per_token forms it: step = max |x| / 127 (1 for zeros), codes rounded
+// half to even and clipped to +-127.
+static float int8_step(const float* x, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float step = amax / 127.0f;
+  return step == 0.0f ? 1.0f : step;
+}
+
+static inline float int8_code(float x, float step) {
+  return std::min(127.0f, std::max(-127.0f, std::nearbyint(x / step)));
+}
+
+// The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (QuantizedInputs::of) each
 // row's K groups of G are also held as int8 codes with one float step per group, the way
-// llama.cpp's Q8 blocks are: step = max |x| / 127 (1 for a zero group), code = round(x / step),
-// and x then holds step * code, so every path (VNNI or float) multiplies the same numbers.
+// llama.cpp's Q8 blocks are (int8_step, int8_code), and x then holds step * code, so every path
+// (VNNI or float) multiplies the same numbers.
 struct Inputs {
   const float* x = nullptr;
   int64_t ld = 0;
@@ -134,12 +148,10 @@ struct QuantizedInputs {
     for_rows(M, [&](int64_t m) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
-        float amax = 0.0f;
-        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xp[m * ld + k]));
-        const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+        const float step = int8_step(xp + m * ld + k0, k1 - k0);
         int32_t sum = 0;
         for (int64_t k = k0; k < k1; ++k) {
-          const float c = std::min(127.0f, std::max(-127.0f, std::nearbyint(xp[m * ld + k] / step)));
+          const float c = int8_code(xp[m * ld + k], step);
           codes[m * groups * group + k] = static_cast<int8_t>(c);
           x[m * K + k] = c * step;
           sum += static_cast<int32_t>(c);
@@ -347,11 +359,8 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 // W8A8: a row onto its per-token int8 grid, as pallas_kernels.qarray.quantize_activations does it
 // (step = max |a| / 127, or 1 for a zero row; codes rounded half to even and clipped to +-127).
 static void quantize_int8_per_token(float* a, int64_t n) {
-  float amax = 0.0f;
-  for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(a[j]));
-  float step = amax / 127.0f;
-  if (step == 0.0f) step = 1.0f;
-  for (int64_t j = 0; j < n; ++j) a[j] = std::min(127.0f, std::max(-127.0f, std::nearbyint(a[j] / step))) * step;
+  const float step = int8_step(a, n);
+  for (int64_t j = 0; j < n; ++j) a[j] = int8_code(a[j], step) * step;
 }
 
 static inline float sigmoid_times(float g, float gain) { return g / (1.0f + std::exp(-gain * g)); }

@@ -61,10 +61,7 @@ def write_rows(cache, new, start):
     update (vmapped: a bounds-checked scatter) is fused into each of its readers, the attention
     and the step's output, and every fused copy copies the whole cache first: a decode step at
     1024 slots spent more time copying caches than in its attention."""
-    if cpu_kernels.available():
-        return cpu_kernels.write_rows(cache, new, start)
-    put = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0))  # noqa: E731
-    return jax.vmap(put)(cache, new.astype(cache.dtype), start)
+    return cpu_kernels.write_rows(cache, new, start)
 
 
 def allowed_keys(meta: AttentionMeta, num_slots: int, window: int | None) -> jax.Array:
