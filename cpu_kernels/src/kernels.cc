@@ -27,7 +27,9 @@ namespace ffi = xla::ffi;
 namespace jmoe {
 
 constexpr int kTile = 64;             // columns per tile (four 16-float vectors)
-constexpr int kBlock = 16 * kTile;    // columns per task (1024)
+constexpr int kBlock = 16 * kTile;    // columns per task with many rows (1024)
+constexpr int kFewRowBlock = 64 * kTile;  // columns per task with few rows (4096): long runs of each weight row
+constexpr int kMinPieceRows = 256;    // the fewest K rows of a piece when a product is split over K
 constexpr int kPlainPanelRows = 64;   // K rows per panel for unquantized weights
 constexpr int kMaxPanelRows = 128;    // the largest group size
 constexpr int kFusedRows = 16;        // rows up to which weights are decoded in registers
@@ -53,6 +55,21 @@ struct Weight {
     w.values = static_cast<const uint8_t*>(values) + s * value_bytes();
     if (scales) w.scales = scales + s * scale_count();
     if (offsets) w.offsets = offsets + s * scale_count();
+    return w;
+  }
+
+  // Rows [k0, k1) as a weight of their own (k0 a multiple of the group when quantized).
+  Weight rows(int64_t k0, int64_t k1) const {
+    Weight w = *this;
+    w.k = k1 - k0;
+    if (quantized()) {
+      const int64_t g0 = k0 / group;
+      w.values = static_cast<const uint8_t*>(values) + g0 * (group / (8 / bits)) * n;
+      if (scales) w.scales = scales + g0 * n;
+      if (offsets) w.offsets = offsets + g0 * n;
+    } else {
+      w.values = static_cast<const uint8_t*>(values) + k0 * n * (bits / 8);
+    }
     return w;
   }
 };
@@ -125,6 +142,14 @@ struct Inputs {
     Inputs r = *this;
     r.x += m * ld;
     if (codes) r.codes += m * groups * group, r.steps += m * groups, r.sums += m * groups;
+    return r;
+  }
+
+  // The inputs of K rows from k0 on (Weight::rows; k0 a multiple of the group when quantized).
+  Inputs from_k(int64_t k0) const {
+    Inputs r = *this;
+    r.x += k0;
+    if (codes) r.codes += k0, r.steps += k0 / group, r.sums += k0 / group;
     return r;
   }
 };
@@ -262,22 +287,22 @@ static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64
 #include "gemm.inc"
 }  // namespace portable
 
-using GemmBlock = void (*)(const Inputs&, int64_t, const Weight&, int64_t, float*, int64_t);
+using GemmCols = void (*)(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t);
 
-static GemmBlock pick_gemm_block() {
+static GemmCols pick_gemm_cols() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
-    return avx512::gemm_block;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_block;
-  return portable::gemm_block;
+    return avx512::gemm_cols;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_cols;
+  return portable::gemm_cols;
 }
 
-static const GemmBlock gemm_block = pick_gemm_block();
+static const GemmCols gemm_cols = pick_gemm_cols();
 
 extern "C" const char* jmoe_cpu_isa() {
-  if (gemm_block == avx512::gemm_block) return avx512::has_vnni() ? "avx512-vnni" : "avx512";
-  if (gemm_block == avx2::gemm_block) return "avx2";
+  if (gemm_cols == avx512::gemm_cols) return avx512::has_vnni() ? "avx512-vnni" : "avx512";
+  if (gemm_cols == avx2::gemm_cols) return "avx2";
   return "portable";
 }
 
@@ -305,7 +330,84 @@ static void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<v
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-static int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+// One product of a phase: y[M, N] (row stride ldy) = in @ w.
+struct Product {
+  Inputs in;
+  int64_t M;
+  Weight w;
+  float* y;
+  int64_t ldy;
+};
+
+// Runs a phase's products on the pool as tasks of one column block each: kFewRowBlock columns for
+// few rows (each task reads long runs of every weight row it touches, which the hardware
+// prefetcher follows), kBlock for many. Where the blocks alone would leave threads idle (one
+// expert, or a projection of 512 or 2048 columns) few-row products are also split over K into
+// pieces of whole groups, each written to a partial buffer and summed afterwards.
+static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& products) {
+  struct Task {
+    int64_t product, n0, n1, k0, k1;
+    float* y;
+    int64_t ldy;
+  };
+  struct Pieces {
+    int64_t count = 1, offset = 0;  // into parts: count partial [M, N] buffers
+  };
+  const int64_t want = 2 * static_cast<int64_t>(pool.num_threads());
+  int64_t blocks = 0;
+  for (const Product& p : products) {
+    const int64_t width = p.M <= kFusedRows ? kFewRowBlock : kBlock;
+    blocks += (p.w.n + width - 1) / width;
+  }
+  std::vector<Pieces> pieces(products.size());
+  int64_t part_floats = 0;
+  for (size_t i = 0; i < products.size(); ++i) {
+    const Product& p = products[i];
+    if (p.M > kFusedRows || blocks >= want) continue;
+    const int64_t most = std::max<int64_t>(1, p.w.k / kMinPieceRows);
+    pieces[i].count = std::min<int64_t>(most, (want + blocks - 1) / blocks);
+    pieces[i].offset = part_floats;
+    if (pieces[i].count > 1) part_floats += pieces[i].count * p.M * p.w.n;
+  }
+  std::vector<float> parts(part_floats);
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < products.size(); ++i) {
+    const Product& p = products[i];
+    const int64_t width = p.M <= kFusedRows ? kFewRowBlock : kBlock, count = pieces[i].count;
+    const int64_t unit = p.w.quantized() ? p.w.group : 8, units = (p.w.k + unit - 1) / unit;
+    for (int64_t n0 = 0; n0 < p.w.n; n0 += width) {
+      const int64_t n1 = std::min(p.w.n, n0 + width);
+      if (count == 1) {
+        tasks.push_back({static_cast<int64_t>(i), n0, n1, 0, p.w.k, p.y, p.ldy});
+        continue;
+      }
+      for (int64_t s = 0; s < count; ++s)
+        tasks.push_back({static_cast<int64_t>(i), n0, n1, std::min(p.w.k, units * s / count * unit),
+                         std::min(p.w.k, units * (s + 1) / count * unit),
+                         parts.data() + pieces[i].offset + s * p.M * p.w.n, p.w.n});
+    }
+  }
+  parallel_for(pool, tasks.size(), [&](int64_t t) {
+    const Task& task = tasks[t];
+    const Product& p = products[task.product];
+    if (task.k0 == 0 && task.k1 == p.w.k)
+      return gemm_cols(p.in, p.M, p.w, task.n0, task.n1, task.y, task.ldy);
+    gemm_cols(p.in.from_k(task.k0), p.M, p.w.rows(task.k0, task.k1), task.n0, task.n1, task.y, task.ldy);
+  });
+  for (size_t i = 0; i < products.size(); ++i) {
+    const Product& p = products[i];
+    if (pieces[i].count == 1) continue;
+    const float* part = parts.data() + pieces[i].offset;
+    for (int64_t m = 0; m < p.M; ++m) {
+      float* ym = p.y + m * p.ldy;
+      std::memcpy(ym, part + m * p.w.n, p.w.n * sizeof(float));
+      for (int64_t s = 1; s < pieces[i].count; ++s) {
+        const float* ps = part + (s * p.M + m) * p.w.n;
+        for (int64_t c = 0; c < p.w.n; ++c) ym[c] += ps[c];
+      }
+    }
+  }
+}
 
 // A row loop over the pool (QuantizedInputs::of): tasks of 16 rows, one task for a single row.
 static auto rows_on(ffi::ThreadPool& pool) {
@@ -352,7 +454,7 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   QuantizedInputs quantized;
   const Inputs in = quantized.of(x.typed_data(), k, M, k, w.group, int8_dot && w.quantized(), rows_on(pool));
   float* yp = y->typed_data();
-  parallel_for(pool, blocks(n), [&](int64_t b) { gemm_block(in, M, w, b, yp, n); });
+  run_products(pool, {Product{in, M, w, yp, n}});
   return ffi::Error::Success();
 }
 
@@ -420,17 +522,17 @@ struct Run {
 };
 
 // y[r] = down(act(gate_up(x[r]))) for the rows of every run, each expert's weights read once.
-// Tasks are (run, column block) pairs, so one token's eight experts keep both cores busy.
+// Each phase runs all experts' products at once (run_products), so one token's experts keep every core busy.
 static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::vector<Run>& runs, const float* x,
                         int64_t R, float* y) {
-  const int64_t D = p.D, F = p.F, gu_blocks = blocks(2 * F), dn_blocks = blocks(D);
+  const int64_t D = p.D, F = p.F;
   std::vector<float> h(R * 2 * F), act(R * F);
   QuantizedInputs gu_quantized, dn_quantized;
   const Inputs gu_in = gu_quantized.of(x, D, R, D, p.gu.group, p.gu_int8_dot && p.gu.quantized(), rows_on(pool));
-  parallel_for(pool, runs.size() * gu_blocks, [&](int64_t i) {
-    const Run& r = runs[i / gu_blocks];
-    gemm_block(gu_in.from_row(r.row0), r.rows, p.gu.slot(r.slot), i % gu_blocks, h.data() + r.row0 * 2 * F, 2 * F);
-  });
+  std::vector<Product> products;
+  for (const Run& r : runs)
+    products.push_back({gu_in.from_row(r.row0), r.rows, p.gu.slot(r.slot), h.data() + r.row0 * 2 * F, 2 * F});
+  run_products(pool, products);
   parallel_for(pool, runs.size(), [&](int64_t i) {
     const Run& r = runs[i];
     const float* bias = p.gu_bias ? p.gu_bias + r.slot * 2 * F : nullptr;
@@ -453,18 +555,16 @@ static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::
   });
   const Inputs dn_in = dn_quantized.of(act.data(), F, R, F, p.dn.group, p.dn_int8_dot && p.dn.quantized(),
                                        rows_on(pool));
-  parallel_for(pool, runs.size() * dn_blocks, [&](int64_t i) {
-    const Run& r = runs[i / dn_blocks];
-    const int64_t b = i % dn_blocks;
-    float* yr = y + r.row0 * D;
-    gemm_block(dn_in.from_row(r.row0), r.rows, p.dn.slot(r.slot), b, yr, D);
-    if (p.dn_bias) {
+  products.clear();
+  for (const Run& r : runs)
+    products.push_back({dn_in.from_row(r.row0), r.rows, p.dn.slot(r.slot), y + r.row0 * D, D});
+  run_products(pool, products);
+  if (p.dn_bias)
+    for (const Run& r : runs) {
       const float* bias = p.dn_bias + r.slot * D;
-      const int64_t n0 = b * kBlock, n1 = std::min<int64_t>(D, n0 + kBlock);
-      for (int64_t m = 0; m < r.rows; ++m)
-        for (int64_t c = n0; c < n1; ++c) yr[m * D + c] += bias[c];
+      for (int64_t m = r.row0; m < r.row0 + r.rows; ++m)
+        for (int64_t c = 0; c < D; ++c) y[m * D + c] += bias[c];
     }
-  });
 }
 
 // pallas_kernels.expert_ffn's contract: rows [R, D] in blocks of block_rows, block b through the
