@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, warp
+from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, greedy_tokens, warp
 
 
 def hf_processed(logits: np.ndarray, history: torch.Tensor | None, opts: SamplingOptions) -> np.ndarray:
@@ -115,3 +115,17 @@ def test_seeds_use_all_64_bits():
     data = {s: tuple(np.asarray(jax.random.key_data(k)).ravel().tolist()) for s, k in keys.items()}
     assert len(set(data.values())) == len(data)  # no two seeds share a stream
     assert data[1] == tuple(np.asarray(jax.random.key_data(jax.random.key(1))).ravel().tolist())
+
+
+def test_greedy_tokens_take_the_first_largest_logit_as_argmax_does():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((6, 5000)).astype(np.float32)
+    logits[1, [7, 4000]] = 9.0  # a tie: the first index wins
+    logits[2, :] = -np.inf  # nothing allowed: index 0, as argmax
+    logits[3, 4999] = np.inf
+    logits[4] = np.round(logits[4])  # many ties
+    got = np.asarray(greedy_tokens(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got.dtype == np.int32
+    nan_row = np.asarray(greedy_tokens(jnp.full((1, 10), jnp.nan)))
+    assert 0 <= int(nan_row[0]) < 10

@@ -103,9 +103,21 @@ def warp(logits, temperature, top_k, one_minus_top_p):
     return top_p_filter(top_k_filter(logits / temperature, top_k), one_minus_top_p)
 
 
+def greedy_tokens(logits):
+    """logits [..., V] -> the first index of each row's largest logit, int32 (jnp.argmax's choice).
+
+    A max, then the smallest index holding it: two plain reductions, which XLA:CPU vectorises,
+    where argmax's paired (value, index) reduction runs a scalar loop (0.7 ms per row of 151,936
+    logits). A row without a largest value (NaN) gives the last index."""
+    V = logits.shape[-1]
+    best = logits.max(-1, keepdims=True)
+    first = jnp.where(logits == best, jnp.arange(V, dtype=jnp.int32), V).min(-1)
+    return jnp.minimum(first, V - 1)
+
+
 def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, *, greedy: bool):
     """logits [B, V] float32, seen [B, V] bool -> next tokens [B] int32."""
     logits = apply_repetition_penalty(logits, seen, penalty)
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits)
     return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p), axis=-1).astype(jnp.int32)

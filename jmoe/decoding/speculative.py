@@ -42,7 +42,7 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, prompt_history, warp
+from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, greedy_tokens, prompt_history, warp
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 from jmoe.tiers import TIER_CODES, TIER_NAMES, tier_name
@@ -160,7 +160,7 @@ def _processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p,
 def _processed(logits, seen, temperature, top_k, one_minus_top_p, penalty):
     """Next-token probabilities [B, V] and greedy choice [B] after the penalty and the warpers."""
     penalized = apply_repetition_penalty(logits, seen, penalty)
-    return jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p), axis=-1), jnp.argmax(penalized, -1)
+    return jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p), axis=-1), greedy_tokens(penalized)
 
 
 class LookaheadBuffer:
