@@ -33,7 +33,11 @@ constexpr int kMinPieceRows = 256;    // the fewest K rows of a piece when a pro
 constexpr int kPlainPanelRows = 64;   // K rows per panel for unquantized weights
 constexpr int kMaxPanelRows = 128;    // the largest group size
 constexpr int kFusedRows = 16;        // rows up to which weights are decoded in registers
-constexpr int kPlainPrefetchRows = 16;  // bf16/float32 rows fetched ahead by the few-row path
+// The few-row paths fetch the rows they will read a few passes ahead into L2 (prefetcht1: L1's
+// few miss buffers would cap the fetches in flight); distances measured at Qwen3-30B-A3B shapes.
+constexpr int kPlainPrefetchRows = 32;  // bf16/float32 rows ahead (four passes of eight)
+constexpr int kCodePrefetchRows = 64;   // byte rows of codes ahead (two int4 groups of 64)
+constexpr int kToL2 = 2;                // __builtin_prefetch's locality for prefetcht1
 
 // One K-major weight [K, N] (one pool slot, or a dense parameter).
 struct Weight {
