@@ -130,6 +130,10 @@ static inline float int8_code(float x, float step) {
   return std::min(127.0f, std::max(-127.0f, std::nearbyint(x / step)));
 }
 
+// One group of n inputs onto its int8 grid: codes, step * code into out, the codes' sum into *sum;
+// returns the step (vectorised where the CPU has AVX-512: prefill rounds every input of a layer).
+static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum);
+
 // The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (QuantizedInputs::of) each
 // row's K groups of G are also held as int8 codes with one float step per group, the way
 // llama.cpp's Q8 blocks are (int8_step, int8_code), and x then holds step * code, so every path
@@ -160,10 +164,11 @@ struct Inputs {
 
 // Owns the quantized copy behind an Inputs (plain float inputs need none).
 struct QuantizedInputs {
-  std::vector<float> x;
-  std::vector<int8_t> codes;
-  std::vector<float> steps;
-  std::vector<int32_t> sums;
+  // Left uninitialised (every element is written, the codes' padding too): zeroing them first
+  // took a single-threaded pass over fresh pages, as long as the rounding itself at prefill sizes.
+  std::unique_ptr<float[]> x, steps;
+  std::unique_ptr<int8_t[]> codes;
+  std::unique_ptr<int32_t[]> sums;
 
   // Inputs for x[M, K] multiplying a weight with groups of `group` rows: quantized when `quantize`
   // (rows spread over `for_rows`, the caller's parallel loop).
@@ -172,23 +177,19 @@ struct QuantizedInputs {
     Inputs in;
     in.x = xp, in.ld = ld;
     if (!quantize) return in;
-    const int64_t groups = (K + group - 1) / group;
-    x.assign(M * K, 0.0f), codes.assign(M * groups * group, 0), steps.assign(M * groups, 1.0f), sums.assign(M * groups, 0);
+    const int64_t groups = (K + group - 1) / group, padded = groups * group;
+    x.reset(new float[M * K]), codes.reset(new int8_t[M * padded]);
+    steps.reset(new float[M * groups]), sums.reset(new int32_t[M * groups]);
     for_rows(M, [&](int64_t m) {
+      int8_t* row_codes = codes.get() + m * padded;
+      std::fill(row_codes + K, row_codes + padded, int8_t{0});
       for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
-        const float step = int8_step(xp + m * ld + k0, k1 - k0);
-        int32_t sum = 0;
-        for (int64_t k = k0; k < k1; ++k) {
-          const float c = int8_code(xp[m * ld + k], step);
-          codes[m * groups * group + k] = static_cast<int8_t>(c);
-          x[m * K + k] = c * step;
-          sum += static_cast<int32_t>(c);
-        }
-        steps[m * groups + g] = step, sums[m * groups + g] = sum;
+        const int64_t k0 = g * group, n = std::min(K, k0 + group) - k0;
+        steps[m * groups + g] = quantize_group(xp + m * ld + k0, n, x.get() + m * K + k0, row_codes + k0,
+                                               &sums[m * groups + g]);
       }
     });
-    in.x = x.data(), in.ld = K, in.codes = codes.data(), in.steps = steps.data(), in.sums = sums.data();
+    in.x = x.get(), in.ld = K, in.codes = codes.get(), in.steps = steps.get(), in.sums = sums.get();
     in.group = group, in.groups = groups;
     return in;
   }
@@ -218,6 +219,27 @@ static bool int8_dot_tiles(const Inputs& in, int64_t M, const Weight& w, int64_t
                            int64_t ldy);
 #include "gemm.inc"
 #include "int8_dot.inc"
+
+// quantize_group for n a multiple of 16, with int8_step's and int8_code's arithmetic (roundscale
+// rounds half to even, as nearbyint does).
+static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(in + j)));
+  float step = _mm512_reduce_max_ps(amax) / 127.0f;
+  if (step == 0.0f) step = 1.0f;
+  const __m512 vstep = _mm512_set1_ps(step), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n; j += 16) {
+    __m512 c = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(in + j), vstep), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(hi, _mm512_max_ps(lo, c));
+    const __m512i ci = _mm512_cvtps_epi32(c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtsepi32_epi8(ci));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(c, vstep));
+    total = _mm512_add_epi32(total, ci);
+  }
+  *sum = _mm512_reduce_add_epi32(total);
+  return step;
+}
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -303,6 +325,20 @@ static GemmCols pick_gemm_cols() {
 }
 
 static const GemmCols gemm_cols = pick_gemm_cols();
+
+static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum) {
+  if (gemm_cols == avx512::gemm_cols && n % 16 == 0) return avx512::quantize_group(in, n, out, codes, sum);
+  const float step = int8_step(in, n);
+  int32_t total = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const float c = int8_code(in[k], step);
+    codes[k] = static_cast<int8_t>(c);
+    out[k] = c * step;
+    total += static_cast<int32_t>(c);
+  }
+  *sum = total;
+  return step;
+}
 
 extern "C" const char* jmoe_cpu_isa() {
   if (gemm_cols == avx512::gemm_cols) return avx512::has_vnni() ? "avx512-vnni" : "avx512";
