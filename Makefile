@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench gpu gpu-dry-run clean
+.PHONY: demo test bench gpu gpu-dry-run gpu-compile clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard cpu_kernels/src/*)
 	$(PYTHON) -m venv $(VENV)
@@ -44,5 +44,21 @@ gpu:
 gpu-dry-run: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m bench.gpu_suite --dry-run
 
+# The GPU kernels compiled for an H100 without a GPU (bench/gpu_compile.py): a venv of its own with
+# jax, jaxlib and the CUDA 13 plugin at the main venv's jax version, ptxas and NVVM (about 256 MB to
+# download); registers, spills and shared memory per kernel to bench/results/gpu_compile_h100.json.
+GPU_AOT_VENV ?= .venv-gpu-aot
+GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
+
+$(GPU_AOT_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(GPU_AOT_VENV)
+	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
+	$(GPU_AOT_VENV)/bin/pip install --quiet "jax==$$v" "jaxlib==$$v" "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" \
+		nvidia-cuda-nvcc nvidia-nvvm "flax>=0.12" "orbax-checkpoint>=0.11" "transformers>=4.51" "safetensors>=0.4" scipy tqdm
+	touch $(GPU_AOT_STAMP)
+
+gpu-compile: $(GPU_AOT_STAMP)
+	PYTHONPATH=. JAX_PLATFORMS=cpu $(GPU_AOT_VENV)/bin/python -m bench.gpu_compile
+
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(GPU_AOT_VENV) out .pytest_cache

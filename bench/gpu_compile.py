@@ -1,0 +1,199 @@
+"""The GPU expert kernels compiled for an H100 on a machine without a GPU: registers, spills, barriers.
+
+Deviceless ahead-of-time compilation: with the CUDA plugin wheels that match the installed jax
+(`make gpu-compile` builds them into .venv-gpu-aot) and JAX_PLATFORMS=cpu,
+`jax.experimental.topologies.get_topology_desc` gives a compile-only H100 (bench/gpu_aot/
+h100_target_config.pbtxt: sm_90, 132 SMs, 227 KB of opt-in shared memory per block). A jitted
+function whose inputs are ShapeDtypeStructs on it runs `.lower().compile()` through XLA's real GPU
+pipeline: its Triton, PTX, and ptxas for sm_90a. Nothing runs; every figure here is what the
+compiler reports, never a measurement.
+
+For every real model shape (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B with biases and the clamped
+SwiGLU, DeepSeek-V2-Lite), every expert tier (bf16, and the converter's int8 / int4 / int2 formats)
+and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), it compiles
+`expert_ffn_pallas` with `--xla_gpu_fail_ptx_compilation_on_register_spilling=true` and records,
+per kernel, what ptxas says (registers, spill bytes, barriers, shared memory) or why compilation
+failed (register spilling, shared memory over the limit, anything else).
+
+    make gpu-compile                         # builds .venv-gpu-aot once, then runs this
+    python -m bench.gpu_compile --out bench/results/gpu_compile_h100.json
+
+Exits 1 when any case fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TARGET_CONFIG = HERE / "gpu_aot" / "h100_target_config.pbtxt"
+
+# hidden D, expert width F, top_k, and whether the family adds biases and the clamped SwiGLU
+MODELS = {
+    "qwen3-30b-a3b": dict(D=2048, F=768, top_k=8, gpt_oss=False),
+    "mixtral-8x7b": dict(D=4096, F=14336, top_k=2, gpt_oss=False),
+    "gpt-oss-20b": dict(D=2880, F=2880, top_k=4, gpt_oss=True),
+    "deepseek-v2-lite": dict(D=2048, F=1408, top_k=6, gpt_oss=False),
+}
+POOL_SLOTS = 16  # the pool's slot count does not change the kernels, only their base offsets
+PREFILL_BLOCKS = 16
+
+
+def _setup_environment() -> None:
+    """Before jax is imported: CPU as the only runtime platform, spills fail compilation, ptxas -v logged."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "fail_ptx_compilation_on_register_spilling" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_fail_ptx_compilation_on_register_spilling=true").strip()
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
+
+
+@contextmanager
+def captured_stderr():
+    """Everything written to file descriptor 2 (XLA's C++ logging) while inside, as a list of one string."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    out = []
+    with tempfile.TemporaryFile(mode="w+b") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            out.append(f.read().decode(errors="replace"))
+
+
+PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+
+
+def parse_ptxas(log: str) -> dict[str, dict]:
+    """ptxas -v output -> {entry function: registers, spill stores/loads, stack, barriers, static smem}."""
+    kernels, current = {}, None
+    for line in log.splitlines():
+        if m := PTXAS_ENTRY.search(line):
+            current = kernels.setdefault(m.group(1), {})
+        elif current is not None and (m := PTXAS_SPILLS.search(line)):
+            current.update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)),
+                           spill_load_bytes=int(m.group(3)))
+        elif current is not None and (m := PTXAS_USED.search(line)):
+            current.update(registers=int(m.group(1)), barriers=int(m.group(2) or 0),
+                           static_smem_bytes=int(m.group(3) or 0))
+    return kernels
+
+
+def failure_kind(message: str) -> str:
+    if "register spilling" in message:
+        return "register spilling"
+    if "Shared memory size limit exceeded" in message:
+        return "shared memory over the limit"
+    return "compile error"
+
+
+def compile_only_device():
+    import jax
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIG.read_text(),
+                                            topology="1x1x1")
+    return topology.devices[0], jax
+
+
+def case_inputs(model: dict, tier: str, block_rows: int, device):
+    """ShapeDtypeStructs on `device` for expert_ffn_pallas at a model's shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from jmoe.tiers import DEFAULT_FORMATS
+    from pallas_kernels.qarray import template
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    on = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)  # noqa: E731
+    D, F = model["D"], model["F"]
+    if tier == "bf16":
+        gate_up = jax.ShapeDtypeStruct((POOL_SLOTS, D, 2 * F), jnp.bfloat16)
+        down = jax.ShapeDtypeStruct((POOL_SLOTS, F, D), jnp.bfloat16)
+    else:
+        fmt = DEFAULT_FORMATS[tier]
+        gate_up, down = template(fmt, D, 2 * F, (POOL_SLOTS,)), template(fmt, F, D, (POOL_SLOTS,))
+    blocks = model["top_k"] if block_rows == 1 else PREFILL_BLOCKS
+    rows = jax.ShapeDtypeStruct((blocks * block_rows, D), jnp.bfloat16)
+    block_slot = jax.ShapeDtypeStruct((blocks,), jnp.int32)
+    biases = {}
+    if model["gpt_oss"]:
+        biases = dict(gate_up_bias=jax.ShapeDtypeStruct((POOL_SLOTS, 2 * F), jnp.float32),
+                      down_bias=jax.ShapeDtypeStruct((POOL_SLOTS, D), jnp.float32))
+    args = jax.tree.map(on, (rows, block_slot, gate_up, down))
+    return args, jax.tree.map(on, biases)
+
+
+def compile_case(name: str, model: dict, tier: str, block_rows: int, device) -> dict:
+    import jax
+
+    from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, supports
+    from pallas_kernels.glu import SILU, GatedActivation
+
+    args, biases = case_inputs(model, tier, block_rows, device)
+    activation = GatedActivation("clamped_swiglu") if model["gpt_oss"] else SILU
+    record = dict(model=name, tier=tier, plan="decode" if block_rows == 1 else "prefill", block_rows=block_rows,
+                  rows=args[0].shape[0])
+    if not supports(*args[:1], *args[2:], block_rows, **biases):
+        return dict(record, status="unsupported")
+    f = functools.partial(expert_ffn_pallas, block_rows=block_rows, activation=activation)
+    kernel = jax.jit(lambda rows, slots, gu, dn, b: f(rows, slots, gu, dn, **b))
+    start = time.perf_counter()
+    with captured_stderr() as log:
+        try:
+            kernel.trace(*args, biases).lower().compile()
+            error = None
+        except Exception as e:  # noqa: BLE001 - every compile failure is a result here
+            error = f"{type(e).__name__}: {e}"
+    record["compile_s"] = round(time.perf_counter() - start, 2)
+    record["kernels"] = {k: v for k, v in parse_ptxas(log[0]).items() if k.startswith("expert_")}
+    if error:
+        return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
+    return dict(record, status="ok")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tiers", default="bf16,int8,int4,int2")
+    parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile_h100.json"))
+    args = parser.parse_args(argv)
+    _setup_environment()
+    device, jax = compile_only_device()
+    results = []
+    for name in args.models.split(","):
+        for tier in args.tiers.split(","):
+            for block_rows in (1, 32):
+                r = compile_case(name, MODELS[name], tier, block_rows, device)
+                results.append(r)
+                regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
+                                 for k, v in r.get("kernels", {}).items())
+                print(f"{name:17s} {tier:5s} {r['plan']:8s} {r['status']:28s} {regs}", flush=True)
+    failed = [r for r in results if r["status"] not in ("ok", "unsupported")]
+    out = dict(device=str(device.device_kind), jax=jax.__version__, target_config=TARGET_CONFIG.name,
+               xla_flags=os.environ["XLA_FLAGS"], failed=len(failed), cases=results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}: {len(results)} cases, {len(failed)} failed to compile")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
