@@ -10,7 +10,8 @@ compiler reports, never a measurement.
 
 For every real model shape (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B with biases and the clamped
 SwiGLU, DeepSeek-V2-Lite), every expert tier (bf16, and the converter's int8 / int4 / int2 formats)
-and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), it compiles
+and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), and for
+the test suite's lowering matrix (every format, float32 and bf16 rows, toy widths), it compiles
 `expert_ffn_pallas` with `--xla_gpu_fail_ptx_compilation_on_register_spilling=true` and records,
 per kernel, what ptxas says (registers, spill bytes, barriers, shared memory) or why compilation
 failed (register spilling, shared memory over the limit, anything else).
@@ -24,6 +25,7 @@ Exits 1 when any case fails to compile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -43,6 +45,21 @@ MODELS = {
     "mixtral-8x7b": dict(D=4096, F=14336, top_k=2, gpt_oss=False),
     "gpt-oss-20b": dict(D=2880, F=2880, top_k=4, gpt_oss=True),
     "deepseek-v2-lite": dict(D=2048, F=1408, top_k=6, gpt_oss=False),
+}
+# The test suite's lowering matrix (tests/test_kernels.py): every format the converter can write,
+# float32 and bf16 rows, at toy widths (K = 192 pads to a group of 128).
+MATRIX_SHAPE = dict(D=128, F=192, top_k=4, gpt_oss=False)
+MATRIX_FORMATS = {
+    "bf16": None,
+    "int8-g128": dict(bits=8, group_size=128, symmetric=True),
+    "int8-g32-asym": dict(bits=8, group_size=32, symmetric=False),
+    "int4-g64-asym": dict(bits=4, group_size=64, symmetric=False),
+    "int4-g32": dict(bits=4, group_size=32, symmetric=True),
+    "int2-g64-asym": dict(bits=2, group_size=64, symmetric=False),
+    "int2-g32": dict(bits=2, group_size=32, symmetric=True),
+    "int2-g128": dict(bits=2, group_size=128, symmetric=True),
+    "int4-smooth": dict(bits=4, group_size=64, symmetric=False, smooth=True),
+    "w8a8-smooth": dict(bits=8, group_size=128, symmetric=True, act_bits=8, smooth=True),
 }
 POOL_SLOTS = 16  # the pool's slot count does not change the kernels, only their base offsets
 PREFILL_BLOCKS = 16
@@ -113,25 +130,35 @@ def compile_only_device():
     return topology.devices[0], jax
 
 
-def case_inputs(model: dict, tier: str, block_rows: int, device):
+def tier_format(tier: str):
+    """A tier name (the converter's defaults) or a MATRIX_FORMATS name -> QuantFormat, None for bf16."""
+    from jmoe.tiers import DEFAULT_FORMATS
+    from pallas_kernels.qarray import QuantFormat
+
+    if tier in DEFAULT_FORMATS:
+        return DEFAULT_FORMATS[tier]
+    return None if MATRIX_FORMATS[tier] is None else QuantFormat(**MATRIX_FORMATS[tier])
+
+
+def case_inputs(model: dict, tier: str, block_rows: int, device, rows_dtype="bfloat16"):
     """ShapeDtypeStructs on `device` for expert_ffn_pallas at a model's shapes."""
     import jax
     import jax.numpy as jnp
 
-    from jmoe.tiers import DEFAULT_FORMATS
     from pallas_kernels.qarray import template
 
     sharding = jax.sharding.SingleDeviceSharding(device)
     on = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)  # noqa: E731
     D, F = model["D"], model["F"]
-    if tier == "bf16":
+    fmt = tier_format(tier)
+    if fmt is None:
         gate_up = jax.ShapeDtypeStruct((POOL_SLOTS, D, 2 * F), jnp.bfloat16)
         down = jax.ShapeDtypeStruct((POOL_SLOTS, F, D), jnp.bfloat16)
-    else:
-        fmt = DEFAULT_FORMATS[tier]
-        gate_up, down = template(fmt, D, 2 * F, (POOL_SLOTS,)), template(fmt, F, D, (POOL_SLOTS,))
+    else:  # smoothing scales the gate/up inputs only
+        gate_up = template(fmt, D, 2 * F, (POOL_SLOTS,))
+        down = template(dataclasses.replace(fmt, smooth=False), F, D, (POOL_SLOTS,))
     blocks = model["top_k"] if block_rows == 1 else PREFILL_BLOCKS
-    rows = jax.ShapeDtypeStruct((blocks * block_rows, D), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((blocks * block_rows, D), jnp.dtype(rows_dtype))
     block_slot = jax.ShapeDtypeStruct((blocks,), jnp.int32)
     biases = {}
     if model["gpt_oss"]:
@@ -141,16 +168,16 @@ def case_inputs(model: dict, tier: str, block_rows: int, device):
     return args, jax.tree.map(on, biases)
 
 
-def compile_case(name: str, model: dict, tier: str, block_rows: int, device) -> dict:
+def compile_case(name: str, model: dict, tier: str, block_rows: int, device, rows_dtype="bfloat16") -> dict:
     import jax
 
     from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, supports
     from pallas_kernels.glu import SILU, GatedActivation
 
-    args, biases = case_inputs(model, tier, block_rows, device)
+    args, biases = case_inputs(model, tier, block_rows, device, rows_dtype)
     activation = GatedActivation("clamped_swiglu") if model["gpt_oss"] else SILU
     record = dict(model=name, tier=tier, plan="decode" if block_rows == 1 else "prefill", block_rows=block_rows,
-                  rows=args[0].shape[0])
+                  rows=args[0].shape[0], rows_dtype=rows_dtype)
     if not supports(*args[:1], *args[2:], block_rows, **biases):
         return dict(record, status="unsupported")
     f = functools.partial(expert_ffn_pallas, block_rows=block_rows, activation=activation)
@@ -173,19 +200,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tiers", default="bf16,int8,int4,int2")
+    parser.add_argument("--no-matrix", dest="matrix", action="store_false",
+                        help="leave out the test suite's lowering matrix (toy widths, float32 and bf16 rows)")
     parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile_h100.json"))
     args = parser.parse_args(argv)
     _setup_environment()
     device, jax = compile_only_device()
+    cases = [(name, MODELS[name], tier, block_rows, "bfloat16") for name in args.models.split(",")
+             for tier in args.tiers.split(",") for block_rows in (1, 32)]
+    if args.matrix:
+        cases += [("test-matrix", MATRIX_SHAPE, tier, block_rows, dtype) for tier in MATRIX_FORMATS
+                  for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
     results = []
-    for name in args.models.split(","):
-        for tier in args.tiers.split(","):
-            for block_rows in (1, 32):
-                r = compile_case(name, MODELS[name], tier, block_rows, device)
-                results.append(r)
-                regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
-                                 for k, v in r.get("kernels", {}).items())
-                print(f"{name:17s} {tier:5s} {r['plan']:8s} {r['status']:28s} {regs}", flush=True)
+    for case in cases:
+        r = compile_case(*case[:4], device, case[4])
+        results.append(r)
+        regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
+                         for k, v in r.get("kernels", {}).items())
+        print(f"{case[0]:17s} {case[2]:13s} {r['rows_dtype']:8s} {r['plan']:8s} {r['status']:22s} {regs}", flush=True)
     failed = [r for r in results if r["status"] not in ("ok", "unsupported")]
     out = dict(device=str(device.device_kind), jax=jax.__version__, target_config=TARGET_CONFIG.name,
                xla_flags=os.environ["XLA_FLAGS"], failed=len(failed), cases=results)

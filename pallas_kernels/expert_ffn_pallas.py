@@ -64,6 +64,10 @@ DECODE_PARAMS = dict(num_warps=4, num_stages=3)
 # outside the kernel. Mixtral-8x7B's down projection otherwise runs 224 K steps in 128 programs.
 TARGET_PROGRAMS = 4 * 132
 PREFILL_PARAMS = dict(num_warps=4, num_stages=3)
+# int8 codes at prefill: the gate/up tile (gate and up float32 accumulators and the dequantised
+# int8 step) needs more than 255 registers per thread at 4 warps and spills (compiled for an H100,
+# bench/gpu_compile.py); 8 warps halve each thread's share.
+PREFILL_INT8_PARAMS = dict(num_warps=8, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -413,7 +417,7 @@ def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows
     if step is not None:
         in_specs.append(pl.BlockSpec((block_rows,), lambda b, n, k: (b,)))
     in_specs += [_whole(a.shape) for a in operands[len(in_specs):]]
-    params = DECODE_PARAMS if plan.gemv else PREFILL_PARAMS
+    params = DECODE_PARAMS if plan.gemv else PREFILL_INT8_PARAMS if plan.bits == 8 else PREFILL_PARAMS
     if plan.splits == 1:
         out_spec = pl.BlockSpec((block_rows, plan.block_n), lambda b, n, k: (b, n))
         out_shape = jax.ShapeDtypeStruct((R, n_out), out_dtype)
