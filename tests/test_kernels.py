@@ -228,6 +228,17 @@ def pool_shapes(quant: QuantFormat | None, D: int, F: int, slots: int = SLOTS):
     return template(quant, D, 2 * F, (slots,)), template(dataclasses.replace(quant, smooth=False), F, D, (slots,))
 
 
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+
+def lower_for_cuda(jitted, *args):
+    """Trace and lower a jitted function for CUDA on a machine without a GPU. From jax 0.11 the
+    Pallas Triton lowering asks for the GPU it targets: an abstract mesh, active while tracing,
+    names one (an H100); jax 0.10 takes it as well."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)):
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def triton_calls(lowered) -> int:
     return lowered.as_text().count("__gpu$xla.gpu.triton")
 
@@ -243,7 +254,7 @@ def test_every_variant_lowers_for_cuda(name, block_rows, dtype):
     block_slot = jax.ShapeDtypeStruct((4,), jnp.int32)
     assert supports(rows, gate_up, down, block_rows)
     f = functools.partial(expert_ffn_pallas, block_rows=block_rows)
-    lowered = jax.jit(f).trace(rows, block_slot, gate_up, down).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(jax.jit(f), rows, block_slot, gate_up, down)
     assert triton_calls(lowered) == 2  # gate/up + SiLU, then down
 
 
@@ -254,7 +265,7 @@ def test_model_path_lowers_for_cuda(tokens):
     routing = Routing(jax.ShapeDtypeStruct((tokens, 2), jnp.int32), jax.ShapeDtypeStruct((tokens, 2), jnp.float32))
     valid = jax.ShapeDtypeStruct((tokens,), jnp.bool_)
     run = jax.jit(lambda h, r, v, s: run_experts(h, r, v, s.layer(0)))
-    lowered = run.trace(h, routing, valid, state).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(run, h, routing, valid, state)
     assert triton_calls(lowered) == 4  # two tiers, two kernels each
 
 
@@ -339,7 +350,7 @@ def test_biased_clamped_variants_lower_for_cuda(name, block_rows):
         return expert_ffn_pallas(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
                                  down_bias=down_bias, activation=CLAMPED)
 
-    lowered = jax.jit(f).trace(rows, block_slot, gate_up, down, *biases).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(jax.jit(f), rows, block_slot, gate_up, down, *biases)
     assert triton_calls(lowered) == 2
 
 
@@ -457,7 +468,7 @@ def test_no_kernel_indexes_a_pool_with_overflowing_32bit_offsets(shape, quant, s
     rows = jax.ShapeDtypeStruct((4 * block_rows, D), jnp.bfloat16)
     block_slot = jax.ShapeDtypeStruct((4,), jnp.int32)
     f = functools.partial(expert_ffn, block_rows=block_rows, backend="pallas")
-    irs = triton_irs(jax.jit(f).trace(rows, block_slot, gate_up, down).lower(lowering_platforms=("cuda",)))
+    irs = triton_irs(lower_for_cuda(jax.jit(f), rows, block_slot, gate_up, down))
     for ttir, pool in zip(irs, (gate_up, down)):
         arrays = [pool] if quant is None else [a for a in (pool.values, pool.scales, pool.offsets) if a is not None]
         widths = offset_widths(ttir)
@@ -529,7 +540,7 @@ def test_decode_down_projection_splits_k_to_fill_the_gpu():
     # the lowered Mixtral down kernel runs a third grid axis of that many splits
     gate_up, down = pool_shapes(fmt(4, 64), MIXTRAL["D"], MIXTRAL["F"], 8)
     rows = jax.ShapeDtypeStruct((2, MIXTRAL["D"]), jnp.bfloat16)
-    lowered = jax.jit(functools.partial(expert_ffn_pallas, block_rows=1)).trace(
-        rows, jax.ShapeDtypeStruct((2,), jnp.int32), gate_up, down).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(jax.jit(functools.partial(expert_ffn_pallas, block_rows=1)),
+                             rows, jax.ShapeDtypeStruct((2,), jnp.int32), gate_up, down)
     expected = _splits(_plan(down, 1, MIXTRAL["D"], None, jnp.bfloat16), 2, MIXTRAL["D"])
     assert f"grid_z = {expected} : i32" in lowered.as_text()
