@@ -380,8 +380,7 @@ struct Product {
 };
 
 // Runs a phase's products on the pool as tasks of one column block each: kFewRowBlock columns for
-// few rows (each task reads long runs of every weight row it touches, which the hardware
-// prefetcher follows), kBlock for many. Where the blocks alone would leave threads idle (one
+// few rows (each task reads long runs of every weight row it touches), kBlock for many. Where the blocks alone would leave threads idle (one
 // expert, or a projection of 512 or 2048 columns) few-row products are also split over K into
 // pieces of whole groups, each written to a partial buffer and summed afterwards.
 static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& products) {
@@ -430,8 +429,6 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
   parallel_for(pool, tasks.size(), [&](int64_t t) {
     const Task& task = tasks[t];
     const Product& p = products[task.product];
-    if (task.k0 == 0 && task.k1 == p.w.k)
-      return gemm_cols(p.in, p.M, p.w, task.n0, task.n1, task.y, task.ldy);
     gemm_cols(p.in.from_k(task.k0), p.M, p.w.rows(task.k0, task.k1), task.n0, task.n1, task.y, task.ldy);
   });
   for (size_t i = 0; i < products.size(); ++i) {
