@@ -54,7 +54,7 @@ $(GPU_AOT_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(GPU_AOT_VENV)
 	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
 	$(GPU_AOT_VENV)/bin/pip install --quiet "jax==$$v" "jaxlib==$$v" "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" \
-		nvidia-cuda-nvcc nvidia-nvvm "flax>=0.12" "orbax-checkpoint>=0.11" "transformers>=4.51" "safetensors>=0.4" scipy tqdm
+		nvidia-cuda-nvcc nvidia-nvvm -e .
 	touch $(GPU_AOT_STAMP)
 
 gpu-compile: $(GPU_AOT_STAMP)
