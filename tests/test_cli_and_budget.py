@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -44,6 +45,8 @@ def test_parse_size_rejects_garbage(bad):
 def test_budget_too_small_names_the_minimum(tiny_converted):
     with pytest.raises(BudgetError, match=r"needs [0-9.]+ MiB before any expert \(dense .*kv_cache .*workspace"):
         jmoe.load(tiny_converted, device_budget="4MiB")
+    # the tokenizer, loading in a thread of its own, is waited for: nothing of the failed load runs on
+    assert not any(t.name == "jmoe-tokenizer" for t in threading.enumerate())
     with pytest.raises(BudgetError, match=r"too small for policy 'resident'.*needs at least [0-9.]+ MiB"):
         jmoe.load(tiny_converted, device_budget="56MiB", policy="resident")
     assert jmoe.load(tiny_converted, device_budget="56MiB").policy.name == "lru+prefetch"  # offloads by default

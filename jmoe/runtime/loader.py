@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,51 +331,55 @@ def load(
     tier = resolve_tier(manifest, tier)
     store = ExpertStore(root, manifest, cfg)
     tokenizer = start_tokenizer(root, manifest)
+    try:
 
-    int8_dot = cpu_dot == "int8" and device_is_host(jax.devices()[0])  # the step's own matmuls
-    graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
-    memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
-                          None if draft is None else check_draft(manifest, draft), None)
-    all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
-    fixed = sum(memory.values())
-    if policy is None:
-        policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
-    chosen = policy if isinstance(policy, Policy) else make_policy(policy, tier)
-    chosen.check()
-    for pool_tier in chosen.pools():
-        store.record_nbytes(pool_tier)
-    if budget is not None and fixed > budget:
-        parts = ", ".join(f"{k} {format_size(v)}" for k, v in memory.items())
-        raise BudgetError(
-            f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
-            f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
-        )
-    device = jax.devices()[0]
-    warn_if_host_too_small(device, budget if budget is not None else
-                           fixed + (all_experts if chosen.everything_resident else 0))
-    tracker = BudgetTracker(budget)
-    for purpose, nbytes in memory.items():
-        tracker.reserve(purpose, nbytes)
-    dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, device)
-    if chosen.everything_resident:
-        if budget is not None and fixed + all_experts > budget:
+        int8_dot = cpu_dot == "int8" and device_is_host(jax.devices()[0])  # the step's own matmuls
+        graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
+        memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
+                              None if draft is None else check_draft(manifest, draft), None)
+        all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
+        fixed = sum(memory.values())
+        if policy is None:
+            policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
+        chosen = policy if isinstance(policy, Policy) else make_policy(policy, tier)
+        chosen.check()
+        for pool_tier in chosen.pools():
+            store.record_nbytes(pool_tier)
+        if budget is not None and fixed > budget:
+            parts = ", ".join(f"{k} {format_size(v)}" for k, v in memory.items())
             raise BudgetError(
-                f"device budget {format_size(budget)} is too small for policy 'resident' at tier {tier}: needs at least "
-                f"{format_size(fixed + all_experts)} (experts {format_size(all_experts)} + {format_size(fixed)} fixed); "
-                f"raise the budget, lower max_seq_len / max_batch, or pick an offloading policy such as 'lru+prefetch'"
+                f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
+                f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
             )
-        tracker.reserve("experts", all_experts)
-        residency = AllResident(store, tier, device, backend=kernel_backend, int8_dot=int8_dot)
-    else:
-        plan = plan_pools(store, chosen, fixed, budget)  # staging as reservations() counts it
-        residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
-                              cpu_critical_tokens=cpu_critical_tokens, progress=progress, cpu_dot=cpu_dot)
-    if trace:
-        residency.trace = Trace()
-        if residency.offloading:
-            residency.cache.trace = residency.trace
-    drafts = {draft: make_draft(store, draft, residency, kernel_backend)} if draft is not None else {}
-    memory = dict(tracker.reserved)
+        device = jax.devices()[0]
+        warn_if_host_too_small(device, budget if budget is not None else
+                               fixed + (all_experts if chosen.everything_resident else 0))
+        tracker = BudgetTracker(budget)
+        for purpose, nbytes in memory.items():
+            tracker.reserve(purpose, nbytes)
+        dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, device)
+        if chosen.everything_resident:
+            if budget is not None and fixed + all_experts > budget:
+                raise BudgetError(
+                    f"device budget {format_size(budget)} is too small for policy 'resident' at tier {tier}: needs at least "
+                    f"{format_size(fixed + all_experts)} (experts {format_size(all_experts)} + {format_size(fixed)} fixed); "
+                    f"raise the budget, lower max_seq_len / max_batch, or pick an offloading policy such as 'lru+prefetch'"
+                )
+            tracker.reserve("experts", all_experts)
+            residency = AllResident(store, tier, device, backend=kernel_backend, int8_dot=int8_dot)
+        else:
+            plan = plan_pools(store, chosen, fixed, budget)  # staging as reservations() counts it
+            residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
+                                  cpu_critical_tokens=cpu_critical_tokens, progress=progress, cpu_dot=cpu_dot)
+        if trace:
+            residency.trace = Trace()
+            if residency.offloading:
+                residency.cache.trace = residency.trace
+        drafts = {draft: make_draft(store, draft, residency, kernel_backend)} if draft is not None else {}
+        memory = dict(tracker.reserved)
+    except BaseException:
+        wait([tokenizer])  # no thread of a failed load outlives it
+        raise
     tokenizer = tokenizer.result()  # its errors are load's
     return JmoeModel(
         path=root,
