@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +38,24 @@ def test_native_library_is_built_and_chosen_on_the_cpu():
     assert native.loaded(), "cpu_kernels._native was not built by the package's build"
     assert native.isa() in ("avx512-vnni", "avx512", "avx2", "portable")
     assert default_backend() == "cpu"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_narrower_instruction_sets_compute_the_same(isa):
+    """JMOE_CPU_ISA picks a narrower path than this CPU's widest: the products a CPU without AVX-512
+    (or without AVX2) runs, checked here in a process of their own (the path is chosen at load)."""
+    if os.environ.get("JMOE_CPU_KERNELS", "on").lower() in ("off", "0", "false") or not native.loaded():
+        pytest.skip("native kernels switched off or not built")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JMOE_CPU_ISA=isa)
+    chosen = subprocess.run([sys.executable, "-c", "from cpu_kernels import native; print(native.isa())"],
+                            cwd=root, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert chosen == isa
+    tests = "test_ragged_widths_and_padded_groups or (test_expert_ffn_qwen3_widths and (int4 or bf16))"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                          cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "5 passed" in done.stdout
 
 
 def _weight(rng, k, n, fmt, act_scale=None):
