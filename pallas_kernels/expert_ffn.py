@@ -89,9 +89,11 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
         from cpu_kernels import expert_ffn as cpu_expert_ffn
 
         return cpu_expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
-    if backend != "xla" and not int8_dot and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
+    interpret = backend == "interpret"
+    if backend != "xla" and not int8_dot and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias,
+                                                      interpret=interpret):
         return expert_ffn_pallas(
-            rows, block_slot, gate_up, down, block_rows=block_rows, interpret=backend == "interpret", **extra
+            rows, block_slot, gate_up, down, block_rows=block_rows, interpret=interpret, **extra
         )
     if backend != "xla":
         _warn_offsets(gate_up, down)

@@ -25,18 +25,27 @@ happen there: the per-token int8 scale needs the whole smoothed row, and both to
 row against K x N weight bytes.
 
 Two contraction paths:
-- decode (block_rows == 1, memory-bound): GEMV by broadcast-multiply and sum over K; tl.dot needs
-  M >= 16, and a single row gains nothing from tensor cores.
+- decode (block_rows == 1, memory-bound): GEMV by broadcast-multiply-add into a [step, BN] float32
+  accumulator that stays in registers across K and is summed over its rows once, after the loop: no
+  cross-warp reduction (and so no barrier) inside the K loop. Each loop iteration first loads
+  DECODE_UNROLL steps of weights, then uses them, so that many steps of loads are in flight. tl.dot
+  needs M >= 16, and a single row gains nothing from tensor cores.
 - prefill (block_rows >= 16): jnp.dot on [BT, BK] x [BK, BN] tiles with float32 accumulation;
   W8A8 runs int8 x int8 dots with int32 accumulation per quantization group.
 
 Tile choices (GPU):
-- BN (output columns per program): 64 for decode, to spread a handful of experts over enough
-  programs to fill the SMs; 128 for prefill, where each weight tile is reused by BT rows. Capped
-  at the largest power of two dividing N, so no program needs masked loads or stores.
-- K step: one quantization group for quantized weights, so one scale (and offset) row applies to
-  the whole step; on the dot path at least 16 packed rows (int2 with groups of 32 has 8 per group,
-  so two groups are taken per step). 64 rows for plain weights.
+- BN (output columns per program): for decode, 128 bytes of every weight row (128 packed columns,
+  64 of 16-bit weights), whole memory transactions; 128 for prefill, where each weight tile is
+  reused by BT rows. Capped at the largest power of two dividing N, so no program needs masked
+  loads or stores.
+- K step: for decode, at most 64 packed rows and never more than a quantization group, so one scale
+  (and offset) row applies to the whole step; on the dot path one group, and at least 16 packed rows
+  (int2 with groups of 32 has 8 per group, so two groups are taken per step). 64 rows for plain
+  weights.
+- Decode grid: a handful of experts times N / BN tiles leaves most of an H100's 132 SMs idle, so K is
+  split over programs (float32 partial sums, added outside the kernel) until there are about
+  TARGET_PROGRAMS programs. For gate/up the gated activation then runs outside too, on the summed
+  partials (it is not linear).
 """
 
 from __future__ import annotations
@@ -54,14 +63,17 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, int8_per_token
 
-DECODE_BLOCK_N = 64
+DECODE_ROW_BYTES = 128  # bytes of each weight row a decode program reads per step: one memory transaction
+DECODE_STEP_ROWS = 64  # packed weight rows per decode K step (at most; never more than a group)
+DECODE_UNROLL = 2  # decode K steps whose loads are issued before the first of them is used
+# Decode accumulators ([step, BN] float32, two for gate/up) take step * BN / (32 * warps) registers
+# per thread each; warps are chosen to keep that at this many, so that nothing spills.
+DECODE_ACC_PER_THREAD = 32
 PREFILL_BLOCK_N = 128
 PLAIN_BLOCK_K = 64
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
-DECODE_PARAMS = dict(num_warps=4, num_stages=3)
-# Decode's down projection (no nonlinearity after it) splits K over this many programs when the
-# (blocks x N tiles) grid alone would leave an H100's 132 SMs idle: partial sums per split, added
-# outside the kernel. Mixtral-8x7B's down projection otherwise runs 224 K steps in 128 programs.
+# Decode splits K over programs when the (blocks x N tiles) grid alone would leave an H100's 132 SMs
+# idle: about this many programs (several resident per SM), partial sums per split added outside.
 TARGET_PROGRAMS = 4 * 132
 PREFILL_PARAMS = dict(num_warps=4, num_stages=3)
 # int8 codes at prefill: the gate/up tile (gate and up float32 accumulators and the dequantised
@@ -97,7 +109,19 @@ class _Plan:
 
     @property
     def groups_per_step(self) -> int:
-        return self.step_rows // self.plane
+        return max(1, self.step_rows // self.plane)
+
+    @property
+    def partial_gate_up(self) -> bool:
+        """Stage 1 with K split: the kernel writes float32 gate and up partial sums, and the bias and
+        the gated activation are applied outside, after the partials are added."""
+        return self.up_offset is not None and self.splits > 1
+
+    @property
+    def unroll(self) -> int:
+        """K steps per loop iteration: DECODE_UNROLL for decode where it divides the program's steps."""
+        steps = self.num_steps // self.splits
+        return DECODE_UNROLL if self.gemv and steps % DECODE_UNROLL == 0 else 1
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -117,17 +141,24 @@ def _packed_rows(w) -> int:
     return w.values.shape[-2] if isinstance(w, QArray) else w.shape[-2]
 
 
-def _block_n(n_out: int, gemv: bool) -> int:
+def _stored_itemsize(w) -> int:
+    """Bytes per stored weight element: 1 for packed codes, the float's size for plain weights."""
+    return 1 if isinstance(w, QArray) else jnp.dtype(w.dtype).itemsize
+
+
+def _block_n(w, n_out: int, gemv: bool) -> int:
     """Output columns per program: a power of two dividing N, so no tile needs masking."""
-    return _largest_pow2_divisor(n_out, DECODE_BLOCK_N if gemv else PREFILL_BLOCK_N)
+    cap = DECODE_ROW_BYTES // _stored_itemsize(w) if gemv else PREFILL_BLOCK_N
+    return _largest_pow2_divisor(n_out, cap)
 
 
 def _step_rows(w, gemv: bool) -> int:
-    """Packed weight rows per K step: one group (two for int2/G32 dots), or PLAIN_BLOCK_K rows."""
+    """Packed weight rows per K step. Plain weights: PLAIN_BLOCK_K. Quantized: for decode at most
+    DECODE_STEP_ROWS within one group; on the dot path one group (two for int2/G32)."""
     if not isinstance(w, QArray):
         return _largest_pow2_divisor(w.shape[-2], PLAIN_BLOCK_K)
     plane = w.fmt.group_size // w.fmt.pack
-    return plane if gemv else max(plane, MIN_DOT_DIM)
+    return min(plane, DECODE_STEP_ROWS) if gemv else max(plane, MIN_DOT_DIM)
 
 
 def _plan(w, block_rows: int, n_out: int, up_offset: int | None, dtype) -> _Plan:
@@ -137,7 +168,7 @@ def _plan(w, block_rows: int, n_out: int, up_offset: int | None, dtype) -> _Plan
     fmt = w.fmt if quantized else None
     return _Plan(
         block_rows=block_rows,
-        block_n=_block_n(n_out, gemv),
+        block_n=_block_n(w, n_out, gemv),
         step_rows=step_rows,
         num_steps=_packed_rows(w) // step_rows,
         pack=fmt.pack if quantized else 1,
@@ -156,17 +187,20 @@ def _pool_supported(w, block_rows: int, n_out: int) -> bool:
     if not (isinstance(w, QArray) or jnp.issubdtype(w.dtype, jnp.floating)):
         return False
     gemv = block_rows == 1
-    block_n = _block_n(n_out, gemv)
+    block_n = _block_n(w, n_out, gemv)
     step_rows = _step_rows(w, gemv)
     if block_n < MIN_DOT_DIM or step_rows < (1 if gemv else MIN_DOT_DIM):
         return False
     return _packed_rows(w) % step_rows == 0
 
 
-def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=None) -> bool:
+def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=None, *,
+             interpret: bool = False) -> bool:
     """Whether `expert_ffn_pallas` handles these inputs (else use the reference).
 
-    Needs float32/bfloat16 rows; block_rows 1 (GEMV) or a power of two >= 16 (tl.dot needs M >= 16);
+    Needs float32/bfloat16 rows (float32 on the dot path only in interpret mode: compiled for an
+    H100, its HIGHEST-precision dots need more than 255 registers per thread and spill, see
+    bench/gpu_compile.py, so the XLA reference runs float32 prefill on a GPU); block_rows 1 (GEMV) or a power of two >= 16 (tl.dot needs M >= 16);
     output widths F and D with a power-of-two factor >= 16 (unmasked N tiles). On the dot path K
     steps must reach 16 rows: plain weights need a power-of-two factor >= 16 in K, and int2 with
     groups of 32 (8 packed rows per group, two groups per step) an even number of groups. Bias
@@ -175,6 +209,8 @@ def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=
     if jnp.dtype(rows.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return False
     if not (block_rows == 1 or (block_rows >= MIN_DOT_DIM and block_rows & (block_rows - 1) == 0)):
+        return False
+    if block_rows > 1 and jnp.dtype(rows.dtype) == jnp.float32 and not interpret:
         return False
     if rows.ndim != 2 or rows.shape[0] % block_rows:
         return False
@@ -249,9 +285,8 @@ def _prepare_activations(x, block_slot, w, block_rows: int):
 
 
 def _load_x(x_ref, field: int, r0, plan: _Plan):
-    """Bit field `field`'s activations for packed rows [r0, r0 + step): [BT, step] ([step] for GEMV)."""
-    rows = pl.ds(r0, plan.step_rows)
-    return x_ref[0, field, rows] if plan.gemv else x_ref[:, field, rows]
+    """Dot path: bit field `field`'s activations for packed rows [r0, r0 + step): [BT, step]."""
+    return x_ref[:, field, pl.ds(r0, plan.step_rows)]
 
 
 def _group_row(ref, slot, group, col, plan: _Plan):
@@ -273,19 +308,15 @@ def _group_rows(ref, slot, g0, col, plan: _Plan):
 
 
 def _contract(x, w, plan: _Plan):
-    """x [BT, K] @ w [K, BN] -> [BT, BN] (x [K] -> [BN] for GEMV), float32 or int32."""
+    """Dot path: x [BT, K] @ w [K, BN] -> [BT, BN], float32 or int32."""
     if plan.int8_activations:
-        if plan.gemv:
-            return jnp.sum(x.astype(jnp.int32)[:, None] * w.astype(jnp.int32), axis=0)
         return jnp.dot(x, w, preferred_element_type=jnp.int32)
-    if plan.gemv:
-        return jnp.sum(x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
     precision = jax.lax.Precision.HIGHEST if plan.float32 else None
     return jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _step_plain(x_ref, w_ref, slot, r0, col, plan: _Plan):
-    """One K step over plain weights: [BT, BN] float32."""
+    """Dot path: one K step over plain weights: [BT, BN] float32."""
     x = _load_x(x_ref, 0, r0, plan)
     w = w_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)]
     if plan.plain_dtype is not None:
@@ -294,7 +325,7 @@ def _step_plain(x_ref, w_ref, slot, r0, col, plan: _Plan):
 
 
 def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
-    """One K step (one group, or two for int2/G32 dots): unpack every bit field, dequantize, contract."""
+    """Dot path: one K step (one group, or two for int2/G32): unpack every bit field, dequantize, contract."""
     values_ref, scales_ref, offsets_ref = q_refs
     g0 = r0 // plan.plane
     packed = values_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)].astype(jnp.int32)
@@ -318,10 +349,62 @@ def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
     return total
 
 
+def _gemv_load(x_ref, w_refs, slot, r0, columns, plan: _Plan):
+    """Everything one decode K step reads: the activations of every bit field ([step, 1] float32:
+    loaded in the shape they are broadcast in, since a 1-D load broadcast afterwards costs a layout
+    conversion through shared memory, with barriers, inside the K loop) and, per column tile, (weight
+    tile [step, BN], the group's scale row [BN], offset row or None)."""
+    rows = pl.ds(r0, plan.step_rows)
+    xs = [x_ref[0, field, rows, :].astype(jnp.float32) for field in range(plan.pack)]
+    if not plan.quantized:
+        return xs, [(w_refs[0][slot, rows, pl.ds(col, plan.block_n)], None, None) for col in columns]
+    values_ref, scales_ref, offsets_ref = w_refs
+    group = r0 // plan.plane  # a decode step never crosses a group
+    tiles = [(values_ref[slot, rows, pl.ds(col, plan.block_n)], _group_row(scales_ref, slot, group, col, plan),
+              None if plan.symmetric else _group_row(offsets_ref, slot, group, col, plan)) for col in columns]
+    return xs, tiles
+
+
+def _gemv_update(acc, xs, tile, plan: _Plan):
+    """acc [step, BN] += x * w elementwise, w dequantized in float32: no reduction over K here."""
+    w, scale, offset = tile
+    if not plan.quantized:
+        if plan.plain_dtype is not None:
+            w = jax.lax.bitcast_convert_type(w, jnp.dtype(plan.plain_dtype))
+        return acc + xs[0] * w.astype(jnp.float32)
+    # w = code * scale + zero: symmetric codes have their midpoint (W8A8's int8 codes are stored + 128)
+    zero = offset if offset is not None else scale * float(-(1 << (plan.bits - 1)))
+    scale, zero = scale[None, :], zero[None, :]
+    packed = w.astype(jnp.int32)
+    for field in range(plan.pack):
+        codes = packed if plan.pack == 1 else (packed >> (field * plan.bits)) & ((1 << plan.bits) - 1)
+        acc = acc + xs[field] * (codes.astype(jnp.float32) * scale + zero)
+    return acc
+
+
+def _gemv_accumulate(x_ref, w_refs, slot, columns, plan: _Plan, first_step):
+    """Decode: tuple of [BN] float32 sums over this program's K steps, one per column tile. The
+    [step, BN] accumulators are reduced over their rows once, after the loop."""
+    init = tuple(jnp.zeros((plan.step_rows, plan.block_n), jnp.float32) for _ in columns)
+
+    def body(i, accs):
+        first = first_step + i * plan.unroll
+        loaded = [_gemv_load(x_ref, w_refs, slot, pl.multiple_of((first + u) * plan.step_rows, plan.step_rows),
+                             columns, plan) for u in range(plan.unroll)]  # every load before any use
+        for xs, tiles in loaded:
+            accs = tuple(_gemv_update(a, xs, t, plan) for a, t in zip(accs, tiles))
+        return accs
+
+    accs = jax.lax.fori_loop(0, plan.num_steps // plan.splits // plan.unroll, body, init)
+    return tuple(jnp.sum(a, axis=0) for a in accs)
+
+
 def _accumulate(x_ref, w_refs, slot, columns, plan: _Plan, first_step=0):
     """Sum over this program's K steps of every column tile in `columns`: tuple of [BT, BN] ([BN]
     for GEMV) float32. Steps [first_step, first_step + plan.num_steps / plan.splits)."""
-    acc_shape = (plan.block_n,) if plan.gemv else (plan.block_rows, plan.block_n)
+    if plan.gemv:
+        return _gemv_accumulate(x_ref, w_refs, slot, columns, plan, first_step)
+    acc_shape = (plan.block_rows, plan.block_n)
 
     def body(step, accs):
         r0 = pl.multiple_of((first_step + step) * plan.step_rows, plan.step_rows)
@@ -342,8 +425,10 @@ def _bias_tile(bias_ref, slot, col, plan: _Plan):
 
 
 def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
-    """One (row block, N tile) program: load the block's slot, multiply, write [BT, BN]."""
-    *in_refs, o_ref = refs
+    """One (row block, N tile, K split) program: load the block's slot, multiply, write [BT, BN]
+    (with plan.partial_gate_up: the gate and up partial sums, to two outputs)."""
+    outputs = 2 if plan.partial_gate_up else 1
+    in_refs, out_refs = list(refs[:-outputs]), refs[-outputs:]
     step_ref = in_refs.pop(0) if plan.int8_activations else None
     bias_ref = in_refs.pop() if plan.bias else None
     if plan.quantized:
@@ -359,7 +444,8 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
 
     @pl.when(slot < 0)
     def _empty_block():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        for o_ref in out_refs:
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
     @pl.when(slot >= 0)
     def _expert_block():
@@ -368,6 +454,10 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
         if step_ref is not None:
             step = step_ref[0] if plan.gemv else step_ref[...][:, None]  # per-row int8 step
             accs = tuple(a * step for a in accs)
+        if plan.partial_gate_up:  # bias and activation follow the sum over splits, outside
+            for o_ref, acc in zip(out_refs, accs):
+                o_ref[...] = acc.reshape(o_ref.shape)
+            return
         if bias_ref is not None:
             biases = [_bias_tile(bias_ref, slot, c, plan) for c in columns]
             if bias_share is not None:
@@ -378,7 +468,7 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
         else:
             gate, up = accs
             out = plan.activation.in_kernel(gate, up)
-        o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
+        out_refs[0][...] = out.reshape(out_refs[0].shape).astype(out_refs[0].dtype)
 
 
 # ----------------------------------------------------------------------------- pallas_call
@@ -406,41 +496,65 @@ def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows
     R = x.shape[0]
     nb = block_slot.shape[0]
     plan = _plan(w, block_rows, n_out, up_offset, x.dtype)
-    plan = dataclasses.replace(plan, splits=_splits(plan, nb, n_out), bias=bias is not None, activation=activation)
+    plan = dataclasses.replace(plan, splits=_splits(plan, nb, n_out), activation=activation)
+    kernel_bias = None if plan.partial_gate_up else bias
+    plan = dataclasses.replace(plan, bias=kernel_bias is not None)
     x_planar, step = _prepare_activations(x, block_slot, w, block_rows)  # [R, pack, Kp / pack]
+    if plan.gemv:  # a trailing unit axis: each step's activations load as a [step, 1] column
+        x_planar = x_planar[..., None]
     operands = [block_slot, x_planar] + ([] if step is None else [step]) + _weight_operands(w, plan)
-    operands += [] if bias is None else [bias]
+    operands += [] if kernel_bias is None else [kernel_bias]
     in_specs = [
         _whole(block_slot.shape),
-        pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n, k: (b, 0, 0)),
+        pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n, k: (b,) + (0,) * (x_planar.ndim - 1)),
     ]
     if step is not None:
         in_specs.append(pl.BlockSpec((block_rows,), lambda b, n, k: (b,)))
     in_specs += [_whole(a.shape) for a in operands[len(in_specs):]]
-    params = DECODE_PARAMS if plan.gemv else PREFILL_INT8_PARAMS if plan.bits == 8 else PREFILL_PARAMS
     if plan.splits == 1:
-        out_spec = pl.BlockSpec((block_rows, plan.block_n), lambda b, n, k: (b, n))
+        out_specs = pl.BlockSpec((block_rows, plan.block_n), lambda b, n, k: (b, n))
         out_shape = jax.ShapeDtypeStruct((R, n_out), out_dtype)
     else:  # float32 partial sums per split, added below
-        out_spec = pl.BlockSpec((None, block_rows, plan.block_n), lambda b, n, k: (k, b, n))
+        out_specs = pl.BlockSpec((None, block_rows, plan.block_n), lambda b, n, k: (k, b, n))
         out_shape = jax.ShapeDtypeStruct((plan.splits, R, n_out), jnp.float32)
+        if plan.partial_gate_up:
+            out_specs, out_shape = (out_specs, out_specs), (out_shape, out_shape)
     out = pl.pallas_call(
         functools.partial(_kernel, plan=plan),
         grid=(nb, n_out // plan.block_n, plan.splits),
         in_specs=in_specs,
-        out_specs=out_spec,
+        out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(**params),
+        compiler_params=plgpu.CompilerParams(**compiler_params(plan)),
         interpret=interpret,
         name=f"expert_gate_up_{activation.kind}" if up_offset is not None else "expert_down",
     )(*operands)
-    return out if plan.splits == 1 else out.sum(axis=0).astype(out_dtype)
+    if plan.splits == 1:
+        return out
+    if not plan.partial_gate_up:
+        return out.sum(axis=0).astype(out_dtype)
+    gate, up = (part.sum(axis=0) for part in out)  # [R, F] float32 each (block_rows == 1: a row per block)
+    if bias is not None:
+        row_bias = bias[jnp.maximum(block_slot, 0)]
+        gate, up = gate + row_bias[:, :n_out], up + row_bias[:, n_out:]
+    h = activation.in_kernel(gate, up)
+    return jnp.where((block_slot >= 0)[:, None], h, 0.0).astype(out_dtype)
+
+
+def compiler_params(plan: _Plan) -> dict:
+    """Triton warps and stages for a plan. Decode: enough warps that each thread holds about
+    DECODE_ACC_PER_THREAD accumulator values; one stage (its loads are unrolled by hand, not
+    pipelined through shared memory)."""
+    if plan.gemv:
+        warps = plan.step_rows * plan.block_n // (32 * DECODE_ACC_PER_THREAD)
+        return dict(num_warps=min(8, max(4, warps)), num_stages=1)
+    return PREFILL_INT8_PARAMS if plan.bits == 8 else PREFILL_PARAMS
 
 
 def _splits(plan: _Plan, blocks: int, n_out: int) -> int:
-    """Split-K factor: only decode's down projection (a plain sum over K); enough programs to fill
-    the GPU, a divisor of the K steps so every split runs the same number."""
-    if not plan.gemv or plan.up_offset is not None:
+    """Split-K factor, decode only: enough programs to fill the GPU, a divisor of the K steps so
+    every split runs the same number."""
+    if not plan.gemv:
         return 1
     programs = blocks * (n_out // plan.block_n)
     want = min(plan.num_steps, -(-TARGET_PROGRAMS // programs))
@@ -464,7 +578,7 @@ def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, inter
     Returns:
       [R, D] in rows.dtype, equal to `expert_ffn_reference` within rounding.
     """
-    if not supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
+    if not supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias, interpret=interpret):
         raise ValueError("expert_ffn_pallas does not support these shapes/formats; see supports()")
     D = rows.shape[1]
     F = _weight_k(down)

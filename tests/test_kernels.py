@@ -121,7 +121,7 @@ def case_inputs(name: str, seed: int = 0):
 @pytest.mark.parametrize("name", list(PARITY_CASES))
 def test_interpret_matches_reference(name):
     rows, block_slot, gate_up, down, block_rows = case_inputs(name)
-    assert supports(rows, gate_up, down, block_rows)
+    assert supports(rows, gate_up, down, block_rows, interpret=True)
     kernel = jax.jit(functools.partial(expert_ffn_pallas, block_rows=block_rows, interpret=True))
     reference = jax.jit(functools.partial(expert_ffn_reference, block_rows=block_rows))
     ours = kernel(rows, block_slot, gate_up, down)
@@ -142,11 +142,15 @@ def test_supports_excludes_what_the_kernel_cannot_tile():
     assert supports(rows[:6], gate_up, down, block_rows=1)
     assert not supports(rows, gate_up, down, block_rows=16)  # F=96: 3 int2 groups of 8 packed rows, K < 16
     gate_up, down = make_pools(rng, None, 64, 96, "rtn")
-    assert supports(rows, gate_up, down, block_rows=16)
-    assert not supports(rows, gate_up, down, block_rows=8)  # tl.dot needs M >= 16
-    assert not supports(rows.astype(jnp.float16), gate_up, down, block_rows=16)
+    assert supports(rows, gate_up, down, block_rows=16, interpret=True)
+    # compiled, float32 dots spill (bench/gpu_compile.py): float32 prefill runs the reference on a GPU
+    assert not supports(rows, gate_up, down, block_rows=16)
+    assert supports(rows.astype(jnp.bfloat16), gate_up, down, block_rows=16)
+    assert supports(rows[:6], gate_up, down, block_rows=1)  # float32 decode compiles without spills
+    assert not supports(rows, gate_up, down, block_rows=8, interpret=True)  # tl.dot needs M >= 16
+    assert not supports(rows.astype(jnp.float16), gate_up, down, block_rows=16, interpret=True)
     gate_up, down = make_pools(rng, None, 64, 40, "rtn")
-    assert not supports(rows, gate_up, down, block_rows=16)  # N tile of F=40 would be 8 wide
+    assert not supports(rows, gate_up, down, block_rows=16, interpret=True)  # N tile of F=40 would be 8 wide
 
 
 def test_dispatch_routes_to_the_kernel_or_falls_back():
@@ -252,6 +256,10 @@ def test_every_variant_lowers_for_cuda(name, block_rows, dtype):
     gate_up, down = pool_shapes(LOWERING_FORMATS[name], 128, 192)  # K=192 pads to G=128: Kp=256
     rows = jax.ShapeDtypeStruct((4 * block_rows, 128), dtype)
     block_slot = jax.ShapeDtypeStruct((4,), jnp.int32)
+    if dtype == jnp.float32 and block_rows > 1:  # compiled float32 dots spill: the reference runs these
+        assert not supports(rows, gate_up, down, block_rows) and supports(rows, gate_up, down, block_rows,
+                                                                           interpret=True)
+        return
     assert supports(rows, gate_up, down, block_rows)
     f = functools.partial(expert_ffn_pallas, block_rows=block_rows)
     lowered = lower_for_cuda(jax.jit(f), rows, block_slot, gate_up, down)
@@ -289,7 +297,7 @@ def bias_pools(rng, gate_up, down, slots: int = SLOTS) -> tuple[jax.Array, jax.A
 def test_biases_and_gated_activation_match_reference(name, activation):
     rows, block_slot, gate_up, down, block_rows = case_inputs(name)
     gate_up_bias, down_bias = bias_pools(np.random.default_rng(5), gate_up, down)
-    assert supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias)
+    assert supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias, interpret=True)
     kw = dict(block_rows=block_rows, activation=activation)
     kernel = jax.jit(functools.partial(expert_ffn_pallas, interpret=True, **kw))
     reference = jax.jit(functools.partial(expert_ffn_reference, **kw))
@@ -323,10 +331,11 @@ def test_gated_activations_follow_their_formulas():
 def test_supports_checks_bias_pools():
     rows, block_slot, gate_up, down, block_rows = case_inputs("int4-g32-prefill-f32")
     gate_up_bias, down_bias = bias_pools(np.random.default_rng(7), gate_up, down)
-    assert supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias)
-    assert not supports(rows, gate_up, down, block_rows, gate_up_bias[:, :-16], down_bias)  # wrong width
-    assert not supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias[:3])  # wrong slot count
-    assert not supports(rows, gate_up, down, block_rows, gate_up_bias.astype(jnp.bfloat16), down_bias)
+    check = functools.partial(supports, rows, gate_up, down, block_rows, interpret=True)
+    assert check(gate_up_bias, down_bias)
+    assert not check(gate_up_bias[:, :-16], down_bias)  # wrong width
+    assert not check(gate_up_bias, down_bias[:3])  # wrong slot count
+    assert not check(gate_up_bias.astype(jnp.bfloat16), down_bias)
 
 
 def biased_expert_state(backend: str | None) -> tuple[ExpertState, int]:
@@ -523,19 +532,19 @@ def test_other_errors_are_not_taken_for_kernel_failures():
 # ----------------------------------------------------------------------------- split-K in decode
 
 
-def test_decode_down_projection_splits_k_to_fill_the_gpu():
+def test_decode_splits_k_to_fill_the_gpu():
     from pallas_kernels.expert_ffn_pallas import TARGET_PROGRAMS, _plan, _splits
 
     for shape, experts, quant in ((MIXTRAL, 2, fmt(4, 64)), (QWEN3_30B, 8, fmt(4, 64)), (MIXTRAL, 2, None)):
         D, F = shape["D"], shape["F"]
-        _, down = pool_shapes(quant, D, F, 8)
-        plan = _plan(down, 1, D, None, jnp.bfloat16)
-        splits = _splits(plan, experts, D)
-        programs = experts * (D // plan.block_n)
-        assert splits > 1 and plan.num_steps % splits == 0
-        assert programs * splits <= max(TARGET_PROGRAMS, programs) * 2  # not wildly beyond the target
-        gate_up, _ = pool_shapes(quant, D, F, 8)
-        assert _splits(_plan(gate_up, 1, F, F, jnp.bfloat16), experts, F) == 1  # SwiGLU needs the whole sum
+        gate_up, down = pool_shapes(quant, D, F, 8)
+        # both stages: the gate/up partials are summed (and activated) outside the kernel
+        for w, n_out, up_offset in ((down, D, None), (gate_up, F, F)):
+            plan = _plan(w, 1, n_out, up_offset, jnp.bfloat16)
+            splits = _splits(plan, experts, n_out)
+            programs = experts * (n_out // plan.block_n)
+            assert splits > 1 and plan.num_steps % splits == 0
+            assert programs * splits <= max(TARGET_PROGRAMS, programs) * 2  # not wildly beyond the target
         assert _splits(_plan(down, 32, D, None, jnp.bfloat16), experts, D) == 1  # prefill has programs enough
     # the lowered Mixtral down kernel runs a third grid axis of that many splits
     gate_up, down = pool_shapes(fmt(4, 64), MIXTRAL["D"], MIXTRAL["F"], 8)
