@@ -41,6 +41,7 @@ PROMPTS = ROOT / "tests" / "data"
 QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128)
 TOY = dict(hidden=256, moe_intermediate=128, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=64)
 POLICIES = ("lru", "lru+prefetch", "dymoe")
+PARTS = ("tests", "bandwidth", "kernels", "resident", "offloaded")
 
 
 def run_gpu_tests(dry_run: bool) -> dict:
@@ -152,30 +153,45 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on any backend: checks the suite itself")
     parser.add_argument("--layers", type=int, default=4, help="layers of the synthetic Qwen3-30B-A3B model")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"a subset of {','.join(PARTS)} (a subset writes gpu_suite_<parts>_gpu.json)")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     dry = args.dry_run
     backend = jax.default_backend()
     if backend != "gpu" and not dry:
         parser.error(f"no GPU here (jax backend {backend!r}); use --dry-run to check the suite on this machine")
     dtype = "bfloat16" if backend == "gpu" else "float32"
     started = time.perf_counter()
-    result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "dry_run": dry,
-              "gpu_tests": run_gpu_tests(dry)}
-    copy_gbps = copy_bandwidth(8 << 20 if dry else 1 << 30)
-    result["bandwidth"] = {"device_copy_gb_per_s": copy_gbps, "h2d": h2d_bandwidth(8 << 20 if dry else 1 << 30)}
+    result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "dry_run": dry, "parts": parts}
+    if "tests" in parts:
+        result["gpu_tests"] = run_gpu_tests(dry)
+    copy_gbps = copy_bandwidth(8 << 20 if dry else 1 << 30)  # every later part is judged against it
+    result["bandwidth"] = {"device_copy_gb_per_s": copy_gbps}
+    if "bandwidth" in parts:
+        result["bandwidth"]["h2d"] = h2d_bandwidth(8 << 20 if dry else 1 << 30)
     print("bandwidth", json.dumps(result["bandwidth"]), flush=True)
-    result["kernels"] = kernels(dry, copy_gbps)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = synthetic_model(Path(tmp), 2 if dry else args.layers, TOY if dry else QWEN3_30B_A3B, "bf16,int4,int2")
-        new_tokens = 4 if dry else args.new_tokens
-        result["resident_decode"] = resident_decode(path, copy_gbps, new_tokens, dtype)
-        result["offloaded_decode"] = offloaded_decode(path, new_tokens, dtype)
+    if "kernels" in parts:
+        result["kernels"] = kernels(dry, copy_gbps)
+    if "resident" in parts or "offloaded" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = synthetic_model(Path(tmp), 2 if dry else args.layers, TOY if dry else QWEN3_30B_A3B,
+                                   "bf16,int4,int2")
+            new_tokens = 4 if dry else args.new_tokens
+            if "resident" in parts:
+                result["resident_decode"] = resident_decode(path, copy_gbps, new_tokens, dtype)
+            if "offloaded" in parts:
+                result["offloaded_decode"] = offloaded_decode(path, new_tokens, dtype)
     result["seconds"] = time.perf_counter() - started
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("gpu_suite_gpu.json" if not dry else f"gpu_suite_dry_run_{backend}.json")
+    name = "gpu_suite" if parts == list(PARTS) else "gpu_suite_" + "_".join(parts)
+    out = RESULTS / (f"{name}_gpu.json" if not dry else f"{name}_dry_run_{backend}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)} in {result['seconds']:.0f} s")
-    if result["gpu_tests"]["returncode"] not in (0, 5):  # 5: no tests collected
+    if "tests" in parts and result["gpu_tests"]["returncode"] not in (0, 5):  # 5: no tests collected
         sys.exit(1)
 
 
