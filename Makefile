@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (convert the bundled model, generate under a device budget)
-# and `make test` (the test suite). Both create .venv and install everything on first use.
+# and `make test` (the GPU kernels compiled for an H100, then the test suite). Both create their
+# venvs and install everything on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/jmoe convert examples/tiny-qwen3-moe -o out/tiny-qwen3-moe --force
 	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 56MiB --stats
 
-test: $(STAMP)
+test: $(STAMP) gpu-compile
 	$(BIN)/python -m pytest
 
 # Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
@@ -46,7 +47,8 @@ gpu-dry-run: $(STAMP)
 
 # The GPU kernels compiled for an H100 without a GPU (bench/gpu_compile.py): a venv of its own with
 # jax, jaxlib and the CUDA 13 plugin at the main venv's jax version, ptxas and NVVM (about 256 MB to
-# download); registers, spills and shared memory per kernel to bench/results/gpu_compile_h100.json.
+# download); registers, spills, shared memory, grids and decode-loop checks per kernel to
+# bench/results/gpu_compile_h100.json. Fails on any spill or compile error (part of `make test`).
 GPU_AOT_VENV ?= .venv-gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
 

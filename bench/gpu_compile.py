@@ -13,13 +13,20 @@ SwiGLU, DeepSeek-V2-Lite), every expert tier (bf16, and the converter's int8 / i
 and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), and for
 the test suite's lowering matrix (every format, float32 and bf16 rows, toy widths), it compiles
 `expert_ffn_pallas` with `--xla_gpu_fail_ptx_compilation_on_register_spilling=true` and records,
-per kernel, what ptxas says (registers, spill bytes, barriers, shared memory) or why compilation
-failed (register spilling, shared memory over the limit, anything else).
+per kernel, what ptxas says (registers, spill bytes, barriers, shared memory), the launch grid,
+threads and dynamic shared memory XLA gives it, and for decode kernels a static check of the K
+loop in their PTX (barriers and global loads per loop iteration, and how many of the iteration's
+vector loads are issued before its first multiply-add); or why compilation failed (register
+spilling, shared memory over the limit, anything else).
+
+A canary case compiles a block that is known to spill (float32 rows on the dot path, which
+`supports()` sends to the XLA reference); it must fail with "register spilling", or the spill
+check itself is broken and the run fails.
 
     make gpu-compile                         # builds .venv-gpu-aot once, then runs this
     python -m bench.gpu_compile --out bench/results/gpu_compile_h100.json
 
-Exits 1 when any case fails to compile.
+Exits 1 when any case fails to compile, or the canary compiles.
 """
 
 from __future__ import annotations
@@ -113,6 +120,62 @@ def parse_ptxas(log: str) -> dict[str, dict]:
     return kernels
 
 
+THUNK_KERNEL = re.compile(r"kCustomKernel .*?\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+"
+                          r"shared_memory: (\d+) bytes")
+
+
+def parse_thunks(text: str) -> dict[str, dict]:
+    """XLA's thunk sequence -> {kernel: grid, threads, dynamic shared memory} (the last launch of a name)."""
+    launches = {}
+    for m in THUNK_KERNEL.finditer(text):
+        launches[m.group(1)] = dict(grid=[int(g) for g in m.group(2, 3, 4)], threads=int(m.group(5)),
+                                    dynamic_smem_bytes=int(m.group(8)))
+    return launches
+
+
+PTX_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+PTX_BRANCH = re.compile(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def ptx_loops(ptx: str) -> list[list[str]]:
+    """The bodies of the loops of a PTX function: the lines from a label to a later branch back to it."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := PTX_LABEL.match(line))}
+    loops = []
+    for i, line in enumerate(lines):
+        if (m := PTX_BRANCH.search(line)) and labels.get(m.group(1), i) < i:
+            loops.append(lines[labels[m.group(1)]:i])
+    return loops
+
+
+def decode_loop_check(ptx: str) -> dict | None:
+    """Static check of a decode kernel's K loop (its longest loop): barriers, global loads (all, and
+    16-byte vector loads of weight tiles), and the vector loads issued before the first multiply-add,
+    i.e. how many loads are in flight before the iteration waits on any of them."""
+    loops = ptx_loops(ptx)
+    if not loops:
+        return None
+    body = max(loops, key=len)
+    first_fma = next((i for i, line in enumerate(body) if line.startswith("fma.")), len(body))
+    vector = [i for i, line in enumerate(body) if "ld.global.v4" in line]
+    return dict(loop_ptx_lines=len(body), barriers=sum("bar.sync" in line for line in body),
+                global_loads=sum("ld.global" in line for line in body), vector_loads=len(vector),
+                vector_loads_before_first_fma=sum(i < first_fma for i in vector))
+
+
+def dumped_kernels(dump_dir: str) -> tuple[dict, dict]:
+    """From an --xla_dump_to directory: ({kernel: launch}, {kernel: PTX text}) for the expert kernels."""
+    launches, ptx = {}, {}
+    for path in Path(dump_dir).iterdir():
+        if path.name.endswith("thunk_sequence.txt"):
+            launches.update(parse_thunks(path.read_text()))
+        elif path.suffix == ".ptx":
+            text = path.read_text()
+            for name in re.findall(r"\.entry (expert_\w+)\(", text):
+                ptx[name] = text
+    return launches, ptx
+
+
 def failure_kind(message: str) -> str:
     if "register spilling" in message:
         return "register spilling"
@@ -182,18 +245,44 @@ def compile_case(name: str, model: dict, tier: str, block_rows: int, device, row
         return dict(record, status="unsupported")
     f = functools.partial(expert_ffn_pallas, block_rows=block_rows, activation=activation)
     kernel = jax.jit(lambda rows, slots, gu, dn, b: f(rows, slots, gu, dn, **b))
+    return dict(record, **compile_and_read(kernel, (*args, biases), decode=block_rows == 1))
+
+
+def compile_and_read(jitted, args, decode: bool) -> dict:
+    """Compile for the H100; what ptxas, the thunk sequence and (decode) the PTX's K loop say."""
     start = time.perf_counter()
-    with captured_stderr() as log:
+    with tempfile.TemporaryDirectory() as dump, captured_stderr() as log:
         try:
-            kernel.trace(*args, biases).lower().compile()
+            jitted.trace(*args).lower().compile(compiler_options={"xla_dump_to": dump})
             error = None
         except Exception as e:  # noqa: BLE001 - every compile failure is a result here
             error = f"{type(e).__name__}: {e}"
-    record["compile_s"] = round(time.perf_counter() - start, 2)
-    record["kernels"] = {k: v for k, v in parse_ptxas(log[0]).items() if k.startswith("expert_")}
+        launches, ptx = dumped_kernels(dump)
+    record = dict(compile_s=round(time.perf_counter() - start, 2))
+    record["kernels"] = kernels = {k: v for k, v in parse_ptxas(log[0]).items() if k.startswith("expert_")}
+    for name, info in kernels.items():
+        info.update(launches.get(name, {}))
+        if decode and name in ptx:
+            info["decode_loop"] = decode_loop_check(ptx[name])
     if error:
         return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
     return dict(record, status="ok")
+
+
+def spill_canary(device) -> dict:
+    """Compiles a block known to spill: float32 rows on the dot path (HIGHEST-precision dots), the
+    test matrix's int2-g128 down projection, bypassing supports(). Must fail with register spilling."""
+    import jax
+
+    from pallas_kernels.expert_ffn_pallas import _grouped_matmul
+
+    (rows, block_slot, _, down), _ = case_inputs(MATRIX_SHAPE, "int2-g128", 32, device, "float32")
+    h = jax.ShapeDtypeStruct((rows.shape[0], MATRIX_SHAPE["F"]), rows.dtype, sharding=rows.sharding)
+    f = functools.partial(_grouped_matmul, n_out=MATRIX_SHAPE["D"], up_offset=None, out_dtype=rows.dtype,
+                          block_rows=32, interpret=False)
+    record = dict(model="canary", tier="int2-g128", plan="prefill", block_rows=32, rows_dtype="float32",
+                  expected="register spilling")
+    return dict(record, **compile_and_read(jax.jit(f), (h, block_slot, down), decode=False))
 
 
 def main(argv=None) -> int:
@@ -216,15 +305,21 @@ def main(argv=None) -> int:
         r = compile_case(*case[:4], device, case[4])
         results.append(r)
         regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
-                         for k, v in r.get("kernels", {}).items())
+                         + (f", loop: {v['decode_loop']['barriers']} bar.sync, "
+                            f"{v['decode_loop']['vector_loads_before_first_fma']}/{v['decode_loop']['vector_loads']} "
+                            "vector loads before the first fma" if v.get("decode_loop") else "")
+                         for k, v in sorted(r.get("kernels", {}).items()))
         print(f"{case[0]:17s} {case[2]:13s} {r['rows_dtype']:8s} {r['plan']:8s} {r['status']:22s} {regs}", flush=True)
     failed = [r for r in results if r["status"] not in ("ok", "unsupported")]
+    canary = spill_canary(device)
+    canary_ok = canary["status"] == canary["expected"]
+    print(f"canary (a block known to spill): {canary['status']}" + ("" if canary_ok else " -- the spill check is broken"))
     out = dict(device=str(device.device_kind), jax=jax.__version__, target_config=TARGET_CONFIG.name,
-               xla_flags=os.environ["XLA_FLAGS"], failed=len(failed), cases=results)
+               xla_flags=os.environ["XLA_FLAGS"], failed=len(failed), canary=canary, cases=results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}: {len(results)} cases, {len(failed)} failed to compile")
-    return 1 if failed else 0
+    return 1 if failed or not canary_ok else 0
 
 
 if __name__ == "__main__":

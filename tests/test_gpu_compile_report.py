@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gpu_compile import failure_kind, parse_ptxas
+from bench.gpu_compile import decode_loop_check, failure_kind, parse_ptxas, parse_thunks
 
 PTXAS_LOG = """\
 I1124 05:08:28.298485    7164 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
@@ -32,3 +32,38 @@ def test_compile_failures_are_named():
     assert failure_kind("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 294912, available 232448") \
         == "shared memory over the limit"
     assert failure_kind("INTERNAL: ptxas exited with non-zero error code") == "compile error"
+
+
+THUNKS = """\
+001: kCustomKernel [source       | next=002 (1)] loop_transpose_fusion_1 grid: [128, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+002: kCustomKernel [prev=001 (1) | next=003 (1)] expert_gate_up_silu grid: [8, 6, 8] threads: [256, 1, 1]  shared_memory: 512 bytes
+"""
+
+# a K loop of two steps: four 16-byte loads, then the multiply-adds, one barrier after them
+PTX = """\
+.visible .entry expert_down(
+$L__BB0_1:
+\tld.global.b32 { %r1 }, [ %rd1 + 0 ];
+$L__BB0_2:
+\tld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd2 + 0 ];
+\tld.global.v4.b32 { %r6, %r7, %r8, %r9 }, [ %rd3 + 0 ];
+\tfma.rn.f32 %r10, %r2, %r1, %r10;
+\tld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd4 + 0 ];
+\tbar.sync 0;
+\t@%p1 bra $L__BB0_2;
+\tst.global.b32 [ %rd5 + 0 ], { %r10 };
+"""
+
+
+def test_thunk_sequence_gives_each_kernels_launch():
+    launches = parse_thunks(THUNKS)
+    assert launches["expert_gate_up_silu"] == dict(grid=[8, 6, 8], threads=256, dynamic_smem_bytes=512)
+    assert launches["loop_transpose_fusion_1"]["grid"] == [128, 1, 1]
+
+
+def test_decode_loop_check_counts_barriers_and_loads_before_the_first_use():
+    check = decode_loop_check(PTX)
+    assert check["barriers"] == 1
+    assert check["vector_loads"] == 3 and check["global_loads"] == 3  # the load before the loop is not in it
+    assert check["vector_loads_before_first_fma"] == 2
+    assert decode_loop_check(".visible .entry expert_down(\n\tret;\n") is None  # no loop
