@@ -19,6 +19,12 @@ loop in their PTX (barriers and global loads per loop iteration, and how many of
 vector loads are issued before its first multiply-add); or why compilation failed (register
 spilling, shared memory over the limit, anything else).
 
+Whole steps, too: the jitted forward step (engine._forward: every layer, attention, router, the
+expert kernels and the LM head) of a 2-layer slice of each model, with abstract weights on the
+compile-only H100: decode with every expert resident at int4, and decode, 512-token prefill and
+the speculative verify step (4 drafts) with a DyMoE plan's two pools (bf16 and int4, a quarter of
+the experts each, as an offloaded ExpertState holds them).
+
 A canary case compiles a block that is known to spill (float32 rows on the dot path, which
 `supports()` sends to the XLA reference); it must fail with "register spilling", or the spill
 check itself is broken and the run fails.
@@ -79,6 +85,7 @@ def _setup_environment() -> None:
     if "fail_ptx_compilation_on_register_spilling" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_fail_ptx_compilation_on_register_spilling=true").strip()
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    os.environ["JMOE_CPU_KERNELS"] = "off"  # dense products as on a GPU (jnp.dot), not the host's FFI kernels
     os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
 
 
@@ -248,25 +255,84 @@ def compile_case(name: str, model: dict, tier: str, block_rows: int, device, row
     return dict(record, **compile_and_read(kernel, (*args, biases), decode=block_rows == 1))
 
 
-def compile_and_read(jitted, args, decode: bool) -> dict:
-    """Compile for the H100; what ptxas, the thunk sequence and (decode) the PTX's K loop say."""
+def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> dict:
+    """Compile for the H100; what ptxas, the thunk sequence and (decode) the PTX's K loop say.
+
+    A whole step also holds XLA's own fusions; a spill there fails the step's compile only when
+    it is in an expert kernel (XLA's are listed as xla_fusion_spills: not this project's code)."""
     start = time.perf_counter()
+    options = {"xla_dump_to": None}
+    if whole_step:
+        options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = False
     with tempfile.TemporaryDirectory() as dump, captured_stderr() as log:
+        options["xla_dump_to"] = dump
         try:
-            jitted.trace(*args).lower().compile(compiler_options={"xla_dump_to": dump})
+            jitted.trace(*args).lower().compile(compiler_options=options)
             error = None
         except Exception as e:  # noqa: BLE001 - every compile failure is a result here
             error = f"{type(e).__name__}: {e}"
         launches, ptx = dumped_kernels(dump)
     record = dict(compile_s=round(time.perf_counter() - start, 2))
-    record["kernels"] = kernels = {k: v for k, v in parse_ptxas(log[0]).items() if k.startswith("expert_")}
+    # the expert kernels, and any other kernel of the step that spills
+    record["kernels"] = kernels = {k: v for k, v in parse_ptxas(log[0]).items()
+                                   if k.startswith("expert_") or v.get("spill_store_bytes")}
     for name, info in kernels.items():
         info.update(launches.get(name, {}))
         if decode and name in ptx:
             info["decode_loop"] = decode_loop_check(ptx[name])
     if error:
         return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
+    if whole_step:
+        record["xla_fusion_spills"] = {k: v["spill_store_bytes"] for k, v in kernels.items()
+                                       if not k.startswith("expert_")}
+        if any(v.get("spill_store_bytes") for k, v in kernels.items() if k.startswith("expert_")):
+            return dict(record, status="register spilling")
     return dict(record, status="ok")
+
+
+STEP_LAYERS = 2
+STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool)
+    ("decode, resident int4", "decode", {"int4": 1.0}),
+    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}),
+    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}),
+    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}),
+)
+
+
+def compile_step(model: str, case: str, phase: str, pool_fractions: dict, device) -> dict:
+    """The model's jitted forward step for a 2-layer slice, abstract weights on `device`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bench.random_checkpoint import model_named
+    from jmoe.decoding.engine import _forward, new_cache
+    from jmoe.layers.experts import ExpertState, Selection
+    from jmoe.layers.transformer import abstract_model
+    from jmoe.models import config_from_hf
+    from jmoe.tiers import expert_template
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    cfg = config_from_hf(model_named(model).config_for(STEP_LAYERS))
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    dense = jax.tree.map(lambda s: on(s.shape, s.dtype), nnx.to_pure_dict(state))
+    layers, experts = cfg.num_moe_layers, cfg.num_experts
+    pools = {tier: jax.tree.map(lambda s, n=max(1, round(f * experts)): on((n, *s.shape), s.dtype),
+                                expert_template(cfg, tier, tier_format(tier)))
+             for tier, f in pool_fractions.items()}
+    tables = {tier: on((layers, experts), jnp.int32) for tier in pools}
+    selection = Selection(on((layers, experts), jnp.int32), on((layers, experts), jnp.int32), on((layers,), jnp.float32),
+                          on((), jnp.float32))
+    state = ExpertState(tables, pools, selection, "pallas").for_phase(phase)
+    tokens = {"decode": on((1,), jnp.int32), "prefill": on((1, 512), jnp.int32), "verify": on((1, 5), jnp.int32)}[phase]
+    cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
+    start, key_start = on((1,), jnp.int32), on((1,), jnp.int32)
+    step = jax.jit(functools.partial(_forward, graphdef, last_only=phase == "prefill", want_importance=False))
+    record = dict(model=model, tier="+".join(pools), plan=f"step: {case}", layers=STEP_LAYERS,
+                  pool_slots={t: jax.tree.leaves(p)[0].shape[0] for t, p in pools.items()})
+    return dict(record, **compile_and_read(step, (dense, state, tokens, cache, start, key_start),
+                                           decode=phase == "decode", whole_step=True))
 
 
 def spill_canary(device) -> dict:
@@ -291,6 +357,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiers", default="bf16,int8,int4,int2")
     parser.add_argument("--no-matrix", dest="matrix", action="store_false",
                         help="leave out the test suite's lowering matrix (toy widths, float32 and bf16 rows)")
+    parser.add_argument("--no-steps", dest="steps", action="store_false",
+                        help="leave out the whole jitted steps of 2-layer model slices")
     parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile_h100.json"))
     args = parser.parse_args(argv)
     _setup_environment()
@@ -301,15 +369,20 @@ def main(argv=None) -> int:
         cases += [("test-matrix", MATRIX_SHAPE, tier, block_rows, dtype) for tier in MATRIX_FORMATS
                   for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
     results = []
-    for case in cases:
-        r = compile_case(*case[:4], device, case[4])
+    runs = [functools.partial(compile_case, *case[:4], device, case[4]) for case in cases]
+    if args.steps:
+        runs += [functools.partial(compile_step, name, *case, device) for name in args.models.split(",")
+                 for case in STEP_CASES]
+    for run in runs:
+        r = run()
         results.append(r)
         regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
                          + (f", loop: {v['decode_loop']['barriers']} bar.sync, "
                             f"{v['decode_loop']['vector_loads_before_first_fma']}/{v['decode_loop']['vector_loads']} "
                             "vector loads before the first fma" if v.get("decode_loop") else "")
                          for k, v in sorted(r.get("kernels", {}).items()))
-        print(f"{case[0]:17s} {case[2]:13s} {r['rows_dtype']:8s} {r['plan']:8s} {r['status']:22s} {regs}", flush=True)
+        print(f"{r['model']:17s} {r['tier']:13s} {r.get('rows_dtype', ''):8s} {r['plan']:8s} {r['status']:22s} {regs}",
+              flush=True)
     failed = [r for r in results if r["status"] not in ("ok", "unsupported")]
     canary = spill_canary(device)
     canary_ok = canary["status"] == canary["expected"]
