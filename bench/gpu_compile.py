@@ -170,6 +170,29 @@ def decode_loop_check(ptx: str) -> dict | None:
                 vector_loads_before_first_fma=sum(i < first_fma for i in vector))
 
 
+# What the model of a decode kernel's bandwidth assumes about an H100 SXM (not measured here).
+H100_SMS, H100_REGISTERS_PER_SM, H100_THREADS_PER_SM = 132, 65536, 2048
+H100_HBM_BYTES_PER_S = 3.35e12  # the datasheet's peak
+HBM_LATENCY_S = 700e-9  # a load's round trip to HBM under load, roughly
+
+
+def modelled_decode_bandwidth(info: dict) -> dict | None:
+    """MODELLED, never measured: a decode kernel's weight bandwidth from the bytes it has in flight.
+    Each resident program issues its loop iteration's 16-byte vector loads before their first use;
+    programs per SM are bounded by registers, threads and the grid; Little's law turns the bytes in
+    flight over the HBM latency into bytes per second, capped at the datasheet's peak."""
+    loop, grid, threads, registers = info.get("decode_loop"), info.get("grid"), info.get("threads"), info.get("registers")
+    if not (loop and grid and threads and registers):
+        return None
+    programs = grid[0] * grid[1] * grid[2]
+    per_sm = min(H100_REGISTERS_PER_SM // (registers * threads), H100_THREADS_PER_SM // threads,
+                 -(-programs // H100_SMS))
+    in_flight = min(programs, per_sm * H100_SMS) * threads * 16 * loop["vector_loads_before_first_fma"]
+    return dict(programs=programs, programs_per_sm=per_sm, bytes_in_flight=in_flight,
+                modelled_GBps=round(min(H100_HBM_BYTES_PER_S, in_flight / HBM_LATENCY_S) / 1e9),
+                assumptions=f"{HBM_LATENCY_S * 1e9:.0f} ns HBM latency, {H100_HBM_BYTES_PER_S / 1e12} TB/s peak")
+
+
 def dumped_kernels(dump_dir: str) -> tuple[dict, dict]:
     """From an --xla_dump_to directory: ({kernel: launch}, {kernel: PTX text}) for the expert kernels."""
     launches, ptx = {}, {}
@@ -280,6 +303,7 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
         info.update(launches.get(name, {}))
         if decode and name in ptx:
             info["decode_loop"] = decode_loop_check(ptx[name])
+            info["modelled"] = modelled_decode_bandwidth(info)
     if error:
         return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
     if whole_step:

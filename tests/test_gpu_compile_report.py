@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gpu_compile import decode_loop_check, failure_kind, parse_ptxas, parse_thunks
+from bench.gpu_compile import decode_loop_check, failure_kind, modelled_decode_bandwidth, parse_ptxas, parse_thunks
 
 PTXAS_LOG = """\
 I1124 05:08:28.298485    7164 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
@@ -67,3 +67,13 @@ def test_decode_loop_check_counts_barriers_and_loads_before_the_first_use():
     assert check["vector_loads"] == 3 and check["global_loads"] == 3  # the load before the loop is not in it
     assert check["vector_loads_before_first_fma"] == 2
     assert decode_loop_check(".visible .entry expert_down(\n\tret;\n") is None  # no loop
+
+
+def test_modelled_bandwidth_follows_the_bytes_in_flight():
+    info = dict(registers=128, threads=256, grid=[8, 6, 8], decode_loop=dict(vector_loads_before_first_fma=8))
+    model = modelled_decode_bandwidth(info)
+    assert model["programs"] == 384 and model["programs_per_sm"] == 2  # 65536 registers / (128 x 256)
+    assert model["bytes_in_flight"] == 264 * 256 * 16 * 8
+    fewer = modelled_decode_bandwidth(dict(info, decode_loop=dict(vector_loads_before_first_fma=1)))
+    assert fewer["modelled_GBps"] < model["modelled_GBps"]
+    assert modelled_decode_bandwidth(dict(info, decode_loop=None)) is None
