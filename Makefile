@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench gpu gpu-dry-run gpu-compile clean
+.PHONY: demo test bench gpu gpu-dry-run gpu-compile gpu-compile-jax0.11 clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard cpu_kernels/src/*)
 	$(PYTHON) -m venv $(VENV)
@@ -62,5 +62,20 @@ $(GPU_AOT_STAMP): $(STAMP)
 gpu-compile: $(GPU_AOT_STAMP)
 	PYTHONPATH=. JAX_PLATFORMS=cpu $(GPU_AOT_VENV)/bin/python -m bench.gpu_compile
 
+# The same against the GPU machines' versions (jax 0.11.2, CUDA 13): jaxlib 0.11 has no wheel for
+# Python 3.11, so this needs a Python 3.12 (PYTHON312; with pyenv: PYENV_VERSION=3.12.1). Not part of
+# `make test`. Writes bench/results/gpu_compile_h100_jax0.11.2.json (its XLA dumps no PTX: no loop checks).
+PYTHON312 ?= python3.12
+GPU_AOT_NEXT_VENV ?= .venv-gpu-aot-jax0.11
+$(GPU_AOT_NEXT_VENV)/.installed:
+	$(PYTHON312) -m venv $(GPU_AOT_NEXT_VENV)
+	$(GPU_AOT_NEXT_VENV)/bin/pip install --quiet "jax==0.11.2" "jaxlib==0.11.2" "jax-cuda13-plugin==0.11.2" \
+		"jax-cuda13-pjrt==0.11.2" nvidia-cuda-nvcc nvidia-nvvm -e .
+	touch $@
+
+gpu-compile-jax0.11: $(GPU_AOT_NEXT_VENV)/.installed
+	PYTHONPATH=. JAX_PLATFORMS=cpu $(GPU_AOT_NEXT_VENV)/bin/python -m bench.gpu_compile \
+		--out bench/results/gpu_compile_h100_jax0.11.2.json
+
 clean:
-	rm -rf $(VENV) $(GPU_AOT_VENV) out .pytest_cache
+	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out .pytest_cache

@@ -214,6 +214,15 @@ def failure_kind(message: str) -> str:
     return "compile error"
 
 
+def abstract_h100():
+    """An abstract mesh naming an H100: from jax 0.11 the Pallas Triton lowering asks for the GPU it
+    targets even when the inputs already sit on a compile-only device; jax 0.10 takes it as well."""
+    import jax
+
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))
+
+
 def compile_only_device():
     import jax
     from jax.experimental import topologies
@@ -290,7 +299,9 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
     with tempfile.TemporaryDirectory() as dump, captured_stderr() as log:
         options["xla_dump_to"] = dump
         try:
-            jitted.trace(*args).lower().compile(compiler_options=options)
+            with abstract_h100():  # the Pallas Triton lowering asks for the GPU it targets (jax 0.11)
+                lowered = jitted.trace(*args).lower()
+            lowered.compile(compiler_options=options)
             error = None
         except Exception as e:  # noqa: BLE001 - every compile failure is a result here
             error = f"{type(e).__name__}: {e}"
