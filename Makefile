@@ -19,8 +19,12 @@ demo: $(STAMP)
 	$(BIN)/jmoe convert examples/tiny-qwen3-moe -o out/tiny-qwen3-moe --force
 	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 56MiB --stats
 
+# PYTHONNODEBUGRANGES: Python 3.11's traceback formatting parses source lines (ast.parse) to place
+# its carets, and two threads doing that at once (a library's background thread reporting an error
+# while pytest reports a failure) can corrupt the ast module's recursion counter, which turns the
+# report of a failing test into a pytest INTERNALERROR that hides it.
 test: $(STAMP) gpu-compile
-	$(BIN)/python -m pytest
+	PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest
 
 # Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
 bench: $(STAMP)
