@@ -40,6 +40,20 @@ def test_native_library_is_built_and_chosen_on_the_cpu():
     assert default_backend() == "cpu"
 
 
+def test_a_library_this_jaxlib_refuses_falls_back_to_the_reference(monkeypatch, caplog):
+    """A handler built for a newer XLA FFI API than the running jaxlib's is refused at registration:
+    the kernels are then unavailable, with a warning, and the XLA reference runs."""
+    def refuse(name, capsule, platform):
+        raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: the handler's API version (0.5) is incompatible")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
+    with caplog.at_level("WARNING"):
+        assert not native.loaded()
+    assert "native CPU kernels unavailable" in caplog.text and "API version" in caplog.text
+    assert native.isa() is None
+
+
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_narrower_instruction_sets_compute_the_same(isa):
     """JMOE_CPU_ISA picks a narrower path than this CPU's widest: the products a CPU without AVX-512
