@@ -55,12 +55,13 @@ gpu-dry-run: $(STAMP)
 # bench/results/gpu_compile_h100.json. Fails on any spill or compile error (part of `make test`).
 GPU_AOT_VENV ?= .venv-gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
+# What a compile-only venv holds besides the project: $(call gpu_aot_wheels,JAX_VERSION)
+gpu_aot_wheels = "jax==$(1)" "jaxlib==$(1)" "jax-cuda13-plugin==$(1)" "jax-cuda13-pjrt==$(1)" nvidia-cuda-nvcc nvidia-nvvm
 
 $(GPU_AOT_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(GPU_AOT_VENV)
 	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
-	$(GPU_AOT_VENV)/bin/pip install --quiet "jax==$$v" "jaxlib==$$v" "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" \
-		nvidia-cuda-nvcc nvidia-nvvm -e .
+	$(GPU_AOT_VENV)/bin/pip install --quiet $(call gpu_aot_wheels,$$v) -e .
 	touch $(GPU_AOT_STAMP)
 
 gpu-compile: $(GPU_AOT_STAMP)
@@ -73,8 +74,7 @@ PYTHON312 ?= python3.12
 GPU_AOT_NEXT_VENV ?= .venv-gpu-aot-jax0.11
 $(GPU_AOT_NEXT_VENV)/.installed:
 	$(PYTHON312) -m venv $(GPU_AOT_NEXT_VENV)
-	$(GPU_AOT_NEXT_VENV)/bin/pip install --quiet "jax==0.11.2" "jaxlib==0.11.2" "jax-cuda13-plugin==0.11.2" \
-		"jax-cuda13-pjrt==0.11.2" nvidia-cuda-nvcc nvidia-nvvm -e .
+	$(GPU_AOT_NEXT_VENV)/bin/pip install --quiet $(call gpu_aot_wheels,0.11.2) -e .
 	touch $@
 
 gpu-compile-jax0.11: $(GPU_AOT_NEXT_VENV)/.installed

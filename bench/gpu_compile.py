@@ -293,11 +293,10 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
     A whole step also holds XLA's own fusions; a spill there fails the step's compile only when
     it is in an expert kernel (XLA's are listed as xla_fusion_spills: not this project's code)."""
     start = time.perf_counter()
-    options = {"xla_dump_to": None}
-    if whole_step:
-        options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = False
     with tempfile.TemporaryDirectory() as dump, captured_stderr() as log:
-        options["xla_dump_to"] = dump
+        options = {"xla_dump_to": dump}
+        if whole_step:
+            options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = False
         try:
             with abstract_h100():  # the Pallas Triton lowering asks for the GPU it targets (jax 0.11)
                 lowered = jitted.trace(*args).lower()

@@ -25,16 +25,13 @@ import numpy as np
 
 from bench.common import RESULTS, in_graph_seconds, machine
 from bench.kernels import TIERS, expert_bytes, max_relative_error, random_pool
+from bench.random_checkpoint import model_named
+from jmoe.layers.experts import expert_activation
+from jmoe.models import config_from_hf
 from pallas_kernels import expert_ffn_pallas, expert_ffn_reference
-from pallas_kernels.glu import SILU, GatedActivation
 
-# hidden D, expert width F, experts, top_k, GPT-OSS biases and clamped SwiGLU
-SHAPES = {
-    "qwen3-30b-a3b": (2048, 768, 128, 8, False),
-    "mixtral-8x7b": (4096, 14336, 8, 2, False),
-    "gpt-oss-20b": (2880, 2880, 32, 4, True),
-    "deepseek-v2-lite": (2048, 1408, 64, 6, False),
-}
+# the real models' configs (bench/random_checkpoint.py) give every shape, bias and activation
+MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "deepseek-v2-lite")
 
 
 def load_module(path: str):
@@ -46,7 +43,8 @@ def load_module(path: str):
 
 
 def decode_case(model: str, tier: str, seed: int = 0):
-    D, F, experts, top_k, gpt_oss = SHAPES[model]
+    cfg = config_from_hf(model_named(model).config_for(2))  # DeepSeek-V2-Lite: layer 1 is the first MoE layer
+    D, F, experts, top_k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     fmt = TIERS[tier]
     keys = jax.random.split(jax.random.key(seed), 4)
     gate_up = random_pool(keys[0], experts, D, 2 * F, fmt)
@@ -54,11 +52,10 @@ def decode_case(model: str, tier: str, seed: int = 0):
     rng = np.random.default_rng(seed)
     slots = jnp.asarray(rng.choice(experts, size=top_k, replace=False), jnp.int32)
     rows = jnp.asarray(rng.normal(size=(top_k, D)), jnp.bfloat16)
-    extra = {}
-    if gpt_oss:
-        extra = dict(gate_up_bias=jax.random.normal(keys[2], (experts, 2 * F), jnp.float32) * 0.02,
-                     down_bias=jax.random.normal(keys[3], (experts, D), jnp.float32) * 0.02,
-                     activation=GatedActivation("clamped_swiglu"))
+    extra = dict(activation=expert_activation(cfg))
+    if cfg.expert_bias:
+        extra.update(gate_up_bias=jax.random.normal(keys[2], (experts, 2 * F), jnp.float32) * 0.02,
+                     down_bias=jax.random.normal(keys[3], (experts, D), jnp.float32) * 0.02)
     unique = top_k * (expert_bytes(gate_up) + expert_bytes(down))
     return (rows, slots, gate_up, down), extra, unique
 
@@ -74,10 +71,10 @@ def main() -> None:
         parser.error("needs a GPU")
     before = load_module(args.before).expert_ffn_pallas
     rows_out = []
-    for model in SHAPES:
+    for model in MODELS:
         for tier in args.tiers.split(","):
             operands, extra, unique = decode_case(model, tier)
-            act = extra.pop("activation", SILU)
+            act = extra.pop("activation")
             row = dict(model=model, tier=tier, unique_weight_bytes=unique)
             ref = None
             for name, impl in (("reference", expert_ffn_reference), ("before", before), ("after", expert_ffn_pallas)):

@@ -200,8 +200,8 @@ def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=
 
     Needs float32/bfloat16 rows (float32 on the dot path only in interpret mode: compiled for an
     H100, its HIGHEST-precision dots need more than 255 registers per thread and spill, see
-    bench/gpu_compile.py, so the XLA reference runs float32 prefill on a GPU); block_rows 1 (GEMV) or a power of two >= 16 (tl.dot needs M >= 16);
-    output widths F and D with a power-of-two factor >= 16 (unmasked N tiles). On the dot path K
+    bench/gpu_compile.py, so the XLA reference runs float32 prefill on a GPU); block_rows 1 (GEMV)
+    or a power of two >= 16 (tl.dot needs M >= 16); output widths F and D with a power-of-two factor >= 16 (unmasked N tiles). On the dot path K
     steps must reach 16 rows: plain weights need a power-of-two factor >= 16 in K, and int2 with
     groups of 32 (8 packed rows per group, two groups per step) an even number of groups. Bias
     pools, where given, must be float32 [S, 2F] and [S, D] for the pools' S slots.

@@ -387,9 +387,10 @@ struct Product {
 };
 
 // Runs a phase's products on the pool as tasks of one column block each: kFewRowBlock columns for
-// few rows (each task reads long runs of every weight row it touches), kBlock for many. Where the blocks alone would leave threads idle (one
-// expert, or a projection of 512 or 2048 columns) few-row products are also split over K into
-// pieces of whole groups, each written to a partial buffer and summed afterwards.
+// few rows (each task reads long runs of every weight row it touches), kBlock for many. Where the
+// blocks alone would leave threads idle (one expert, or a projection of 512 or 2048 columns)
+// few-row products are also split over K into pieces of whole groups, each written to a partial
+// buffer and summed afterwards.
 static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& products) {
   struct Task {
     int64_t product, n0, n1, k0, k1;
