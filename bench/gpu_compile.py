@@ -17,7 +17,8 @@ per kernel, what ptxas says (registers, spill bytes, barriers, shared memory), t
 threads and dynamic shared memory XLA gives it, and for decode kernels a static check of the K
 loop in their PTX (barriers and global loads per loop iteration, and how many of the iteration's
 vector loads are issued before its first multiply-add); or why compilation failed (register
-spilling, shared memory over the limit, anything else).
+spilling, shared memory over the limit, anything else). A decode kernel with a barrier inside its
+K loop fails its case too.
 
 Whole steps, too: the jitted forward step (engine._forward: every layer, attention, router, the
 expert kernels and the LM head) of a 2-layer slice of each model, with abstract weights on the
@@ -32,7 +33,7 @@ check itself is broken and the run fails.
     make gpu-compile                         # builds .venv-gpu-aot once, then runs this
     python -m bench.gpu_compile --out bench/results/gpu_compile_h100.json
 
-Exits 1 when any case fails to compile, or the canary compiles.
+Exits 1 when any case fails to compile or has a barrier in a decode K loop, or the canary compiles.
 """
 
 from __future__ import annotations
@@ -168,6 +169,13 @@ def decode_loop_check(ptx: str) -> dict | None:
     return dict(loop_ptx_lines=len(body), barriers=sum("bar.sync" in line for line in body),
                 global_loads=sum("ld.global" in line for line in body), vector_loads=len(vector),
                 vector_loads_before_first_fma=sum(i < first_fma for i in vector))
+
+
+def decode_loop_barriers(kernels: dict) -> dict[str, int]:
+    """{kernel: bar.sync per iteration} for the decode kernels with a barrier inside their K loop:
+    each one stalls every warp of the program until the slowest has its loads back."""
+    return {k: v["decode_loop"]["barriers"] for k, v in kernels.items()
+            if (v.get("decode_loop") or {}).get("barriers")}
 
 
 # What the model of a decode kernel's bandwidth assumes about an H100 SXM (not measured here).
@@ -316,6 +324,8 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
             info["modelled"] = modelled_decode_bandwidth(info)
     if error:
         return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
+    if loop_barriers := decode_loop_barriers(kernels):
+        return dict(record, status="barrier in the decode loop", error=f"bar.sync per K loop iteration: {loop_barriers}")
     if whole_step:
         record["xla_fusion_spills"] = {k: v["spill_store_bytes"] for k, v in kernels.items()
                                        if not k.startswith("expert_")}

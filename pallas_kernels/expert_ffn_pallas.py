@@ -69,6 +69,12 @@ DECODE_UNROLL = 2  # decode K steps whose loads are issued before the first of t
 # Decode accumulators ([step, BN] float32, two for gate/up) take step * BN / (32 * warps) registers
 # per thread each; warps are chosen to keep that at this many, so that nothing spills.
 DECODE_ACC_PER_THREAD = 32
+# Packed codes at decode in full 128-byte rows: at 4 warps Triton gives the code tile a thread
+# layout that the scale and offset rows and the unpacked fields do not share, and converts between
+# them through shared memory, with barriers, inside the K loop; at 8 warps the layouts agree and the
+# loop has none. Narrower code tiles (GPT-OSS's 64 columns) have none at 4 warps and keep their
+# 16-byte loads there (every format and real shape compiled for an H100 by bench/gpu_compile.py).
+DECODE_WIDE_CODE_WARPS = 8
 PREFILL_BLOCK_N = 128
 PLAIN_BLOCK_K = 64
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
@@ -542,10 +548,12 @@ def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows
 
 
 def compiler_params(plan: _Plan) -> dict:
-    """Triton warps and stages for a plan. Decode: enough warps that each thread holds about
-    DECODE_ACC_PER_THREAD accumulator values; one stage (its loads are unrolled by hand, not
-    pipelined through shared memory)."""
+    """Triton warps and stages for a plan. Decode: one stage (its loads are unrolled by hand, not
+    pipelined through shared memory); full-width code tiles at DECODE_WIDE_CODE_WARPS, others with
+    enough warps that each thread holds about DECODE_ACC_PER_THREAD accumulator values."""
     if plan.gemv:
+        if plan.quantized and plan.block_n == DECODE_ROW_BYTES:
+            return dict(num_warps=DECODE_WIDE_CODE_WARPS, num_stages=1)
         warps = plan.step_rows * plan.block_n // (32 * DECODE_ACC_PER_THREAD)
         return dict(num_warps=min(8, max(4, warps)), num_stages=1)
     return PREFILL_INT8_PARAMS if plan.bits == 8 else PREFILL_PARAMS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gpu_compile import decode_loop_check, failure_kind, modelled_decode_bandwidth, parse_ptxas, parse_thunks
+from bench.gpu_compile import decode_loop_barriers, decode_loop_check, failure_kind, modelled_decode_bandwidth, parse_ptxas, parse_thunks
 
 PTXAS_LOG = """\
 I1124 05:08:28.298485    7164 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
@@ -67,6 +67,15 @@ def test_decode_loop_check_counts_barriers_and_loads_before_the_first_use():
     assert check["vector_loads"] == 3 and check["global_loads"] == 3  # the load before the loop is not in it
     assert check["vector_loads_before_first_fma"] == 2
     assert decode_loop_check(".visible .entry expert_down(\n\tret;\n") is None  # no loop
+
+
+def test_a_barrier_in_a_decode_loop_is_named():
+    kernels = parse_ptxas(PTXAS_LOG)
+    assert decode_loop_barriers(kernels) == {}  # prefill: no loop check at all
+    kernels["expert_down"]["decode_loop"] = decode_loop_check(PTX)
+    assert decode_loop_barriers(kernels) == {"expert_down": 1}
+    kernels["expert_down"]["decode_loop"]["barriers"] = 0
+    assert decode_loop_barriers(kernels) == {}
 
 
 def test_modelled_bandwidth_follows_the_bytes_in_flight():
