@@ -10,9 +10,10 @@ compiler reports, never a measurement.
 
 For every real model shape (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B with biases and the clamped
 SwiGLU, DeepSeek-V2-Lite), every expert tier (bf16, and the converter's int8 / int4 / int2 formats)
-and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), and for
-the test suite's lowering matrix (every format, float32 and bf16 rows, toy widths), it compiles
-`expert_ffn_pallas` with `--xla_gpu_fail_ptx_compilation_on_register_spilling=true` and records,
+and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), for two
+tiers in one decode launch (bf16+int4, int8+int2: a tier index per block), and for the test
+suite's lowering matrix (every format, float32 and bf16 rows, toy widths), it compiles
+`expert_ffn_pallas_tiers` with `--xla_gpu_fail_ptx_compilation_on_register_spilling=true` and records,
 per kernel, what ptxas says (registers, spill bytes, barriers, shared memory), the launch grid,
 threads and dynamic shared memory XLA gives it, and for decode kernels a static check of the K
 loop in their PTX (barriers and global loads per loop iteration, and how many of the iteration's
@@ -75,6 +76,8 @@ MATRIX_FORMATS = {
     "int4-smooth": dict(bits=4, group_size=64, symmetric=False, smooth=True),
     "w8a8-smooth": dict(bits=8, group_size=128, symmetric=True, act_bits=8, smooth=True),
 }
+# Several pools in one decode launch (a tier index per block), as a DyMoE or DynaExq step runs them.
+TIER_MIXES = ("bf16+int4", "int8+int2")
 POOL_SLOTS = 16  # the pool's slot count does not change the kernels, only their base offsets
 PREFILL_BLOCKS = 16
 
@@ -157,16 +160,18 @@ def ptx_loops(ptx: str) -> list[list[str]]:
 
 
 def decode_loop_check(ptx: str) -> dict | None:
-    """Static check of a decode kernel's K loop (its longest loop): barriers, global loads (all, and
-    16-byte vector loads of weight tiles), and the vector loads issued before the first multiply-add,
-    i.e. how many loads are in flight before the iteration waits on any of them."""
+    """Static check of a decode kernel's K loop (its longest loop; a launch over several tiers has
+    one per tier): barriers (the most in any loop), global loads (all, and 16-byte vector loads of
+    weight tiles), and the vector loads issued before the first multiply-add, i.e. how many loads
+    are in flight before the iteration waits on any of them."""
     loops = ptx_loops(ptx)
     if not loops:
         return None
     body = max(loops, key=len)
     first_fma = next((i for i, line in enumerate(body) if line.startswith("fma.")), len(body))
     vector = [i for i, line in enumerate(body) if "ld.global.v4" in line]
-    return dict(loop_ptx_lines=len(body), barriers=sum("bar.sync" in line for line in body),
+    barriers = max(sum("bar.sync" in line for line in loop) for loop in loops)
+    return dict(loops=len(loops), loop_ptx_lines=len(body), barriers=barriers,
                 global_loads=sum("ld.global" in line for line in body), vector_loads=len(vector),
                 vector_loads_before_first_fma=sum(i < first_fma for i in vector))
 
@@ -279,20 +284,26 @@ def case_inputs(model: dict, tier: str, block_rows: int, device, rows_dtype="bfl
 
 
 def compile_case(name: str, model: dict, tier: str, block_rows: int, device, rows_dtype="bfloat16") -> dict:
+    """One tier's kernels, or with tier "a+b" the decode kernels that run several tiers in one launch."""
     import jax
+    import jax.numpy as jnp
 
-    from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, supports
+    from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas_tiers, supports_tiers
     from pallas_kernels.glu import SILU, GatedActivation
 
-    args, biases = case_inputs(model, tier, block_rows, device, rows_dtype)
+    tiers = []
+    for one in tier.split("+"):
+        (rows, block_slot, gate_up, down), biases = case_inputs(model, one, block_rows, device, rows_dtype)
+        tiers.append((gate_up, down, biases.get("gate_up_bias"), biases.get("down_bias")))
+    block_tier = None if len(tiers) == 1 else jax.ShapeDtypeStruct(block_slot.shape, jnp.int32,
+                                                                   sharding=block_slot.sharding)
     activation = GatedActivation("clamped_swiglu") if model["gpt_oss"] else SILU
     record = dict(model=name, tier=tier, plan="decode" if block_rows == 1 else "prefill", block_rows=block_rows,
-                  rows=args[0].shape[0], rows_dtype=rows_dtype)
-    if not supports(*args[:1], *args[2:], block_rows, **biases):
+                  rows=rows.shape[0], rows_dtype=rows_dtype)
+    if not supports_tiers(rows, tiers, block_rows):
         return dict(record, status="unsupported")
-    f = functools.partial(expert_ffn_pallas, block_rows=block_rows, activation=activation)
-    kernel = jax.jit(lambda rows, slots, gu, dn, b: f(rows, slots, gu, dn, **b))
-    return dict(record, **compile_and_read(kernel, (*args, biases), decode=block_rows == 1))
+    f = functools.partial(expert_ffn_pallas_tiers, block_rows=block_rows, activation=activation)
+    return dict(record, **compile_and_read(jax.jit(f), (rows, block_tier, block_slot, tiers), decode=block_rows == 1))
 
 
 def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> dict:
@@ -392,7 +403,7 @@ def spill_canary(device) -> dict:
                           block_rows=32, interpret=False)
     record = dict(model="canary", tier="int2-g128", plan="prefill", block_rows=32, rows_dtype="float32",
                   expected="register spilling")
-    return dict(record, **compile_and_read(jax.jit(f), (h, block_slot, down), decode=False))
+    return dict(record, **compile_and_read(jax.jit(f), (h, None, block_slot, [down]), decode=False))
 
 
 def main(argv=None) -> int:
@@ -409,6 +420,7 @@ def main(argv=None) -> int:
     device, jax = compile_only_device()
     cases = [(name, MODELS[name], tier, block_rows, "bfloat16") for name in args.models.split(",")
              for tier in args.tiers.split(",") for block_rows in (1, 32)]
+    cases += [(name, MODELS[name], mix, 1, "bfloat16") for name in args.models.split(",") for mix in TIER_MIXES]
     if args.matrix:
         cases += [("test-matrix", MATRIX_SHAPE, tier, block_rows, dtype) for tier in MATRIX_FORMATS
                   for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]

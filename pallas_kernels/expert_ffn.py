@@ -14,7 +14,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, offsets_fit, pool_arrays, supports
+from pallas_kernels.expert_ffn_pallas import (expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays,
+                                             supports, supports_tiers)
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
 
@@ -98,6 +99,30 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
     if backend != "xla":
         _warn_offsets(gate_up, down)
     return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
+
+
+def expert_ffn_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, backend: str | None = None,
+                     activation: GatedActivation = SILU, int8_dot: bool = False):
+    """`expert_ffn` over several pools at once: block b reads slot block_slot[b] (-1: none) of
+    tiers[block_tier[b]], tiers a sequence of (gate_up, down, gate_up_bias, down_bias) pools.
+
+    Where the Pallas kernels take every tier (decode), each stage is one launch for all of them (a
+    tier index per block); otherwise each tier runs on its own blocks and the results are added
+    (every block is zero in all tiers but its own).
+    """
+    backend = backend or default_backend()
+    interpret = backend == "interpret"
+    if (backend in ("pallas", "interpret") and not int8_dot and len(tiers) > 1
+            and supports_tiers(rows, tiers, block_rows, interpret=interpret)):
+        return expert_ffn_pallas_tiers(rows, block_tier, block_slot, tiers, block_rows=block_rows,
+                                       interpret=interpret, activation=activation)
+    out = None
+    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(tiers):
+        slots = jnp.where(block_tier == t, block_slot, -1)
+        y = expert_ffn(rows, slots, gate_up, down, block_rows=block_rows, backend=backend, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+        out = y if out is None else out + y
+    return out
 
 
 def _warn_offsets(gate_up, down) -> None:

@@ -16,6 +16,13 @@ weights and added to the float32 accumulators before the activation (stage 1) or
 Every program loads its block's slot id from `block_slot` and indexes the whole pool ref with it,
 so no weights are gathered or copied outside the kernel; a block with slot -1 writes zeros.
 
+Several tiers in one launch (decode, `expert_ffn_pallas_tiers`): a step whose experts sit in
+several pools (a DyMoE plan's bf16 and int4) passes every pool's operands to one kernel per stage
+and a tier index per block (`block_tier`). The kernel holds one program body per tier and each
+program runs its block's; the grid is tiled at the narrowest tier's BN (a program past the last N
+tile of a wider tier does nothing), the output block is the whole row, and the K split is one that
+divides every tier's steps. Prefill keeps a launch per tier (its blocks are grouped by slot anyway).
+
 Quantized weights are unpacked inside the kernel. The activations are brought into the packed
 layout outside it instead: with planar packing, bit field j of packed rows [r0, r0 + n) holds K rows
 that are contiguous per group, so x is permuted once per call to [R, pack, Kp / pack] (x_planar[:, j,
@@ -430,28 +437,44 @@ def _bias_tile(bias_ref, slot, col, plan: _Plan):
     return tile if plan.gemv else tile[None, :]
 
 
-def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
-    """One (row block, N tile, K split) program: load the block's slot, multiply, write [BT, BN]
-    (with plan.partial_gate_up: the gate and up partial sums, to two outputs)."""
-    outputs = 2 if plan.partial_gate_up else 1
-    in_refs, out_refs = list(refs[:-outputs]), refs[-outputs:]
-    step_ref = in_refs.pop(0) if plan.int8_activations else None
-    bias_ref = in_refs.pop() if plan.bias else None
-    if plan.quantized:
-        w_refs = (in_refs[0], in_refs[1], None if plan.symmetric else in_refs[2])
+def _tier_refs(refs, plans: tuple[_Plan, ...]) -> list[tuple]:
+    """The kernel's input refs split per tier: (x_ref, step_ref or None, weight refs, bias_ref or None)."""
+    refs, out = list(refs), []
+    for plan in plans:
+        x_ref = refs.pop(0)
+        step_ref = refs.pop(0) if plan.int8_activations else None
+        weights = 1 if not plan.quantized else (2 if plan.symmetric else 3)
+        w_refs = [refs.pop(0) for _ in range(weights)]
+        if plan.quantized and plan.symmetric:
+            w_refs.append(None)  # no offsets
+        bias_ref = refs.pop(0) if plan.bias else None
+        out.append((x_ref, step_ref, tuple(w_refs), bias_ref))
+    return out
+
+
+def _store(o_ref, value, col, plan: _Plan, whole_rows: bool):
+    """Write a program's [BT, BN] result: the whole output block, or (whole_rows: the block holds the
+    full row, as tiers of different BN share one launch) its N tile."""
+    if whole_rows:
+        o_ref[:, pl.ds(col, plan.block_n)] = value.reshape(plan.block_rows, plan.block_n).astype(o_ref.dtype)
     else:
-        w_refs = (in_refs[0],)
-    block = pl.program_id(0)
-    col = pl.multiple_of(pl.program_id(1) * plan.block_n, plan.block_n)
-    slot = slot_ref[block]
-    first = pl.program_id(2) * (plan.num_steps // plan.splits) if plan.splits > 1 else 0  # this split's K steps
+        o_ref[...] = value.reshape(o_ref.shape).astype(o_ref.dtype)
+
+
+def _tier_program(tier_refs, out_refs, slot, tile, split, plan: _Plan, whole_rows: bool):
+    """Program (row block, N tile `tile`, K split `split`) of one tier: multiply, write [BT, BN]
+    (with plan.partial_gate_up: the gate and up partial sums, to two outputs); zeros for an empty
+    block. (Program ids are read by the caller: interpret mode resolves them only outside branches.)"""
+    x_ref, step_ref, w_refs, bias_ref = tier_refs
+    col = pl.multiple_of(tile * plan.block_n, plan.block_n)
+    first = split * (plan.num_steps // plan.splits) if plan.splits > 1 else 0  # this split's K steps
     # partial sums over K splits: only the first split adds the bias
-    bias_share = (pl.program_id(2) == 0).astype(jnp.float32) if plan.splits > 1 else None
+    bias_share = (split == 0).astype(jnp.float32) if plan.splits > 1 else None
 
     @pl.when(slot < 0)
     def _empty_block():
         for o_ref in out_refs:
-            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+            _store(o_ref, jnp.zeros((plan.block_rows, plan.block_n), jnp.float32), col, plan, whole_rows)
 
     @pl.when(slot >= 0)
     def _expert_block():
@@ -462,19 +485,33 @@ def _kernel(slot_ref, x_ref, *refs, plan: _Plan):
             accs = tuple(a * step for a in accs)
         if plan.partial_gate_up:  # bias and activation follow the sum over splits, outside
             for o_ref, acc in zip(out_refs, accs):
-                o_ref[...] = acc.reshape(o_ref.shape)
+                _store(o_ref, acc, col, plan, whole_rows)
             return
         if bias_ref is not None:
             biases = [_bias_tile(bias_ref, slot, c, plan) for c in columns]
             if bias_share is not None:
                 biases = [b * bias_share for b in biases]
             accs = tuple(a + b for a, b in zip(accs, biases))
-        if plan.up_offset is None:
-            out = accs[0]
+        out = accs[0] if plan.up_offset is None else plan.activation.in_kernel(*accs)
+        _store(out_refs[0], out, col, plan, whole_rows)
+
+
+def _kernel(*refs, plans: tuple[_Plan, ...], n_out: int):
+    """Load the block's slot (and, with several tiers, its tier) and run that tier's program. Tiers
+    may tile N differently: a program whose N tile lies past its tier's last one does nothing."""
+    outputs = 2 if plans[0].partial_gate_up else 1
+    refs, out_refs = list(refs[:-outputs]), refs[-outputs:]
+    tier_ref = refs.pop(0) if len(plans) > 1 else None
+    slot_ref = refs.pop(0)
+    block, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slot_ref[block]
+    tier = tier_ref[block] if tier_ref is not None else None
+    for t, (plan, tier_refs) in enumerate(zip(plans, _tier_refs(refs, plans))):
+        program = functools.partial(_tier_program, tier_refs, out_refs, slot, tile, split, plan)
+        if tier is None:
+            program(whole_rows=False)
         else:
-            gate, up = accs
-            out = plan.activation.in_kernel(gate, up)
-        out_refs[0][...] = out.reshape(out_refs[0].shape).astype(out_refs[0].dtype)
+            pl.when((tier == t) & (tile < n_out // plan.block_n))(functools.partial(program, whole_rows=True))
 
 
 # ----------------------------------------------------------------------------- pallas_call
@@ -495,78 +532,97 @@ def _weight_operands(w, plan: _Plan):
     return [w.values, w.scales] + ([] if plan.symmetric else [w.offsets])
 
 
-def _grouped_matmul(x, block_slot, w, *, n_out, up_offset, out_dtype, block_rows, interpret, bias=None,
-                    activation: GatedActivation = SILU):
-    """Per row block: x [R, K] @ w[block_slot[b]] (+ bias[block_slot[b]]) -> [R, n_out] (stage 1
-    with up_offset: the gated activation of the gate and up halves)."""
-    R = x.shape[0]
-    nb = block_slot.shape[0]
-    plan = _plan(w, block_rows, n_out, up_offset, x.dtype)
-    plan = dataclasses.replace(plan, splits=_splits(plan, nb, n_out), activation=activation)
-    kernel_bias = None if plan.partial_gate_up else bias
-    plan = dataclasses.replace(plan, bias=kernel_bias is not None)
-    x_planar, step = _prepare_activations(x, block_slot, w, block_rows)  # [R, pack, Kp / pack]
+def _tier_operands(x, tier_slot, w, bias, plan: _Plan):
+    """One tier's operands and BlockSpecs: its activations in the tier's packing layout (and int8
+    step), its weight arrays, its bias pool. tier_slot: the block's slot where the block is this
+    tier's, else -1 (smoothing reads a slot of this tier's pool)."""
+    x_planar, step = _prepare_activations(x, tier_slot, w, plan.block_rows)  # [R, pack, Kp / pack]
     if plan.gemv:  # a trailing unit axis: each step's activations load as a [step, 1] column
         x_planar = x_planar[..., None]
-    operands = [block_slot, x_planar] + ([] if step is None else [step]) + _weight_operands(w, plan)
-    operands += [] if kernel_bias is None else [kernel_bias]
-    in_specs = [
-        _whole(block_slot.shape),
-        pl.BlockSpec((block_rows, *x_planar.shape[1:]), lambda b, n, k: (b,) + (0,) * (x_planar.ndim - 1)),
-    ]
+    operands = [x_planar] + ([] if step is None else [step])
+    specs = [pl.BlockSpec((plan.block_rows, *x_planar.shape[1:]),
+                          lambda b, n, k: (b,) + (0,) * (x_planar.ndim - 1))]
     if step is not None:
-        in_specs.append(pl.BlockSpec((block_rows,), lambda b, n, k: (b,)))
-    in_specs += [_whole(a.shape) for a in operands[len(in_specs):]]
-    if plan.splits == 1:
-        out_specs = pl.BlockSpec((block_rows, plan.block_n), lambda b, n, k: (b, n))
+        specs.append(pl.BlockSpec((plan.block_rows,), lambda b, n, k: (b,)))
+    weights = _weight_operands(w, plan) + ([bias] if plan.bias else [])
+    return operands + weights, specs + [_whole(a.shape) for a in weights]
+
+
+def _grouped_matmul(x, block_tier, block_slot, ws, *, n_out, up_offset, out_dtype, block_rows, interpret,
+                    biases=None, activation: GatedActivation = SILU):
+    """Per row block: x [R, K] @ w[block_slot[b]] (+ bias[block_slot[b]]) -> [R, n_out] (stage 1
+    with up_offset: the gated activation of the gate and up halves), w and bias those of the
+    block's tier: ws[block_tier[b]] (block_tier None: one tier, ws[0]). One launch for every tier."""
+    R = x.shape[0]
+    nb = block_slot.shape[0]
+    biases = list(biases or [None] * len(ws))
+    plans = [_plan(w, block_rows, n_out, up_offset, x.dtype) for w in ws]
+    splits = _splits(plans, nb, n_out)
+    plans = tuple(dataclasses.replace(p, splits=splits, activation=activation) for p in plans)
+    partial = plans[0].partial_gate_up
+    plans = tuple(dataclasses.replace(p, bias=b is not None and not partial) for p, b in zip(plans, biases))
+    whole_rows = len(plans) > 1
+    operands, in_specs = [block_slot], [_whole(block_slot.shape)]
+    if whole_rows:
+        operands, in_specs = [block_tier] + operands, [_whole(block_tier.shape)] + in_specs
+    for t, (w, bias, plan) in enumerate(zip(ws, biases, plans)):
+        tier_slot = block_slot if not whole_rows else jnp.where(block_tier == t, block_slot, -1)
+        tier_ops, tier_specs = _tier_operands(x, tier_slot, w, bias, plan)
+        operands, in_specs = operands + tier_ops, in_specs + tier_specs
+    block_n = n_out if whole_rows else plans[0].block_n
+    if splits == 1:
+        out_specs = pl.BlockSpec((block_rows, block_n), lambda b, n, k: (b, 0 if whole_rows else n))
         out_shape = jax.ShapeDtypeStruct((R, n_out), out_dtype)
     else:  # float32 partial sums per split, added below
-        out_specs = pl.BlockSpec((None, block_rows, plan.block_n), lambda b, n, k: (k, b, n))
-        out_shape = jax.ShapeDtypeStruct((plan.splits, R, n_out), jnp.float32)
-        if plan.partial_gate_up:
+        out_specs = pl.BlockSpec((None, block_rows, block_n), lambda b, n, k: (k, b, 0 if whole_rows else n))
+        out_shape = jax.ShapeDtypeStruct((splits, R, n_out), jnp.float32)
+        if partial:
             out_specs, out_shape = (out_specs, out_specs), (out_shape, out_shape)
     out = pl.pallas_call(
-        functools.partial(_kernel, plan=plan),
-        grid=(nb, n_out // plan.block_n, plan.splits),
+        functools.partial(_kernel, plans=plans, n_out=n_out),
+        grid=(nb, n_out // min(p.block_n for p in plans), splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(**compiler_params(plan)),
+        compiler_params=plgpu.CompilerParams(**compiler_params(plans)),
         interpret=interpret,
         name=f"expert_gate_up_{activation.kind}" if up_offset is not None else "expert_down",
     )(*operands)
-    if plan.splits == 1:
+    if splits == 1:
         return out
-    if not plan.partial_gate_up:
+    if not partial:
         return out.sum(axis=0).astype(out_dtype)
     gate, up = (part.sum(axis=0) for part in out)  # [R, F] float32 each (block_rows == 1: a row per block)
-    if bias is not None:
-        row_bias = bias[jnp.maximum(block_slot, 0)]
-        gate, up = gate + row_bias[:, :n_out], up + row_bias[:, n_out:]
+    for t, bias in enumerate(biases):
+        if bias is not None:
+            row_bias = bias[jnp.maximum(block_slot, 0)]
+            if whole_rows:
+                row_bias = jnp.where((block_tier == t)[:, None], row_bias, 0.0)
+            gate, up = gate + row_bias[:, :n_out], up + row_bias[:, n_out:]
     h = activation.in_kernel(gate, up)
     return jnp.where((block_slot >= 0)[:, None], h, 0.0).astype(out_dtype)
 
 
-def compiler_params(plan: _Plan) -> dict:
-    """Triton warps and stages for a plan. Decode: one stage (its loads are unrolled by hand, not
-    pipelined through shared memory); full-width code tiles at DECODE_WIDE_CODE_WARPS, others with
-    enough warps that each thread holds about DECODE_ACC_PER_THREAD accumulator values."""
-    if plan.gemv:
-        if plan.quantized and plan.block_n == DECODE_ROW_BYTES:
-            return dict(num_warps=DECODE_WIDE_CODE_WARPS, num_stages=1)
-        warps = plan.step_rows * plan.block_n // (32 * DECODE_ACC_PER_THREAD)
-        return dict(num_warps=min(8, max(4, warps)), num_stages=1)
-    return PREFILL_INT8_PARAMS if plan.bits == 8 else PREFILL_PARAMS
+def compiler_params(plans: tuple[_Plan, ...]) -> dict:
+    """Triton warps and stages for a launch (the most warps any of its tiers wants). Decode: one
+    stage (its loads are unrolled by hand, not pipelined through shared memory); full-width code
+    tiles at DECODE_WIDE_CODE_WARPS, others with enough warps that each thread holds about
+    DECODE_ACC_PER_THREAD accumulator values."""
+    if plans[0].gemv:
+        warps = [DECODE_WIDE_CODE_WARPS if plan.quantized and plan.block_n == DECODE_ROW_BYTES
+                 else min(8, max(4, plan.step_rows * plan.block_n // (32 * DECODE_ACC_PER_THREAD))) for plan in plans]
+        return dict(num_warps=max(warps), num_stages=1)
+    return PREFILL_INT8_PARAMS if any(plan.bits == 8 for plan in plans) else PREFILL_PARAMS
 
 
-def _splits(plan: _Plan, blocks: int, n_out: int) -> int:
-    """Split-K factor, decode only: enough programs to fill the GPU, a divisor of the K steps so
-    every split runs the same number."""
-    if not plan.gemv:
+def _splits(plans, blocks: int, n_out: int) -> int:
+    """Split-K factor, decode only: enough programs to fill the GPU (counted at the widest N tile,
+    which has the fewest), a divisor of every tier's K steps so every split runs the same number."""
+    if not plans[0].gemv:
         return 1
-    programs = blocks * (n_out // plan.block_n)
-    want = min(plan.num_steps, -(-TARGET_PROGRAMS // programs))
-    return max(d for d in range(1, want + 1) if plan.num_steps % d == 0)
+    programs = blocks * (n_out // max(p.block_n for p in plans))
+    want = min(min(p.num_steps for p in plans), -(-TARGET_PROGRAMS // programs))
+    return max(d for d in range(1, want + 1) if all(p.num_steps % d == 0 for p in plans))
 
 
 def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, interpret: bool = False,
@@ -586,12 +642,37 @@ def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, inter
     Returns:
       [R, D] in rows.dtype, equal to `expert_ffn_reference` within rounding.
     """
-    if not supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias, interpret=interpret):
+    return expert_ffn_pallas_tiers(rows, None, block_slot, [(gate_up, down, gate_up_bias, down_bias)],
+                                   block_rows=block_rows, interpret=interpret, activation=activation)
+
+
+def supports_tiers(rows, tiers, block_rows: int, *, interpret: bool = False) -> bool:
+    """Whether `expert_ffn_pallas_tiers` takes these tiers in one launch per stage: every tier
+    supported on its own, and several tiers only in decode (block_rows 1)."""
+    return (len(tiers) == 1 or block_rows == 1) and all(
+        supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias, interpret=interpret)
+        for gate_up, down, gate_up_bias, down_bias in tiers)
+
+
+def expert_ffn_pallas_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, interpret: bool = False,
+                            activation: GatedActivation = SILU):
+    """`expert_ffn_pallas` over several pools (tiers) at once: block b reads slot block_slot[b] of
+    tiers[block_tier[b]], each tier in its own format, one launch per stage for all of them.
+
+    tiers: sequence of (gate_up, down, gate_up_bias, down_bias) pools (jmoe's ExpertWeights is one);
+    block_tier: [R / block_rows] int32 index into tiers (None with a single tier). Several tiers
+    need block_rows 1 (decode), see supports_tiers.
+    """
+    if not supports_tiers(rows, tiers, block_rows, interpret=interpret):
         raise ValueError("expert_ffn_pallas does not support these shapes/formats; see supports()")
+    if len(tiers) > 1 and block_tier is None:
+        raise ValueError("several tiers need block_tier")
     D = rows.shape[1]
-    F = _weight_k(down)
+    F = _weight_k(tiers[0][1])
     block_slot = block_slot.astype(jnp.int32)
-    h = _grouped_matmul(rows, block_slot, gate_up, n_out=F, up_offset=F, out_dtype=rows.dtype,
-                        block_rows=block_rows, interpret=interpret, bias=gate_up_bias, activation=activation)  # [R, F]
-    return _grouped_matmul(h, block_slot, down, n_out=D, up_offset=None, out_dtype=rows.dtype,
-                           block_rows=block_rows, interpret=interpret, bias=down_bias)  # [R, D]
+    block_tier = None if len(tiers) == 1 else jnp.clip(block_tier.astype(jnp.int32), 0, len(tiers) - 1)
+    stage = functools.partial(_grouped_matmul, block_rows=block_rows, interpret=interpret, out_dtype=rows.dtype)
+    h = stage(rows, block_tier, block_slot, [t[0] for t in tiers], n_out=F, up_offset=F,
+              biases=[t[2] for t in tiers], activation=activation)  # [R, F]
+    return stage(h, block_tier, block_slot, [t[1] for t in tiers], n_out=D, up_offset=None,
+                 biases=[t[3] for t in tiers])  # [R, D]

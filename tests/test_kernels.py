@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from convert.quantizers.rtn import quantize_rtn
-from jmoe.layers.experts import ExpertState, Routing, run_experts
+from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
-from pallas_kernels import expert_ffn, expert_ffn_pallas, expert_ffn_reference, supports
+from pallas_kernels import (expert_ffn, expert_ffn_pallas, expert_ffn_pallas_tiers, expert_ffn_reference,
+                            expert_ffn_tiers, supports, supports_tiers)
 from pallas_kernels.expert_ffn_pallas import offsets_fit
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template
@@ -274,7 +275,8 @@ def test_model_path_lowers_for_cuda(tokens):
     valid = jax.ShapeDtypeStruct((tokens,), jnp.bool_)
     run = jax.jit(lambda h, r, v, s: run_experts(h, r, v, s.layer(0)))
     lowered = lower_for_cuda(run, h, routing, valid, state)
-    assert triton_calls(lowered) == 4  # two tiers, two kernels each
+    # decode: one launch per stage for both tiers (a tier index per row); prefill: two per tier
+    assert triton_calls(lowered) == (2 if tokens * 2 <= GATHER_MAX_ASSIGNMENTS else 4)
 
 
 # ----------------------------------------------------------------------------- expert biases, gated activations
@@ -541,15 +543,98 @@ def test_decode_splits_k_to_fill_the_gpu():
         # both stages: the gate/up partials are summed (and activated) outside the kernel
         for w, n_out, up_offset in ((down, D, None), (gate_up, F, F)):
             plan = _plan(w, 1, n_out, up_offset, jnp.bfloat16)
-            splits = _splits(plan, experts, n_out)
+            splits = _splits([plan], experts, n_out)
             programs = experts * (n_out // plan.block_n)
             assert splits > 1 and plan.num_steps % splits == 0
             assert programs * splits <= max(TARGET_PROGRAMS, programs) * 2  # not wildly beyond the target
-        assert _splits(_plan(down, 32, D, None, jnp.bfloat16), experts, D) == 1  # prefill has programs enough
+        assert _splits([_plan(down, 32, D, None, jnp.bfloat16)], experts, D) == 1  # prefill has programs enough
     # the lowered Mixtral down kernel runs a third grid axis of that many splits
     gate_up, down = pool_shapes(fmt(4, 64), MIXTRAL["D"], MIXTRAL["F"], 8)
     rows = jax.ShapeDtypeStruct((2, MIXTRAL["D"]), jnp.bfloat16)
     lowered = lower_for_cuda(jax.jit(functools.partial(expert_ffn_pallas, block_rows=1)),
                              rows, jax.ShapeDtypeStruct((2,), jnp.int32), gate_up, down)
-    expected = _splits(_plan(down, 1, MIXTRAL["D"], None, jnp.bfloat16), 2, MIXTRAL["D"])
+    expected = _splits([_plan(down, 1, MIXTRAL["D"], None, jnp.bfloat16)], 2, MIXTRAL["D"])
     assert f"grid_z = {expected} : i32" in lowered.as_text()
+
+
+# ----------------------------------------------------------------------------- several tiers in one launch
+
+# (tier formats (None: bf16), rows dtype, biases and the clamped SwiGLU): tiers whose N tiles and
+# K steps differ (bf16 64 columns vs packed 128; int2/G32 has twice the K steps of int4/G64)
+TIER_MIXES = {
+    "bf16+int4-asym-f32": ((None, fmt(4, 64, False)), jnp.float32, False),
+    "int8+int2-g32-bf16": ((fmt(8, 128), fmt(2, 32)), jnp.bfloat16, False),
+    "w8a8-smooth+int4-smooth+bf16-f32": ((fmt(8, 64, act_bits=8, smooth=True), fmt(4, 64, False, smooth=True), None),
+                                         jnp.float32, False),
+    "bf16+int4-biased-clamped-f32": ((None, fmt(4, 32)), jnp.float32, True),
+}
+TIER_OF_BLOCK = (1, 0, 1, 2, 1, 2, 0)  # taken modulo the number of tiers
+SLOT_OF_BLOCK = (3, 6, -1, 0, 3, 5, 2)  # an empty block; one slot in both tiers
+
+
+@pytest.mark.parametrize("name", list(TIER_MIXES))
+def test_several_tiers_in_one_launch_match_each_tier_alone(name):
+    formats, dtype, biased = TIER_MIXES[name]
+    D, F = 128, 96  # K = 96 pads to 128 for int8/G128
+    rng = np.random.default_rng(11)
+    tiers = []
+    for quant in formats:
+        gate_up, down = make_pools(rng, quant, D, F, "rtn")
+        tiers.append((gate_up, down, *(bias_pools(rng, gate_up, down) if biased else (None, None))))
+    block_tier = jnp.asarray([t % len(formats) for t in TIER_OF_BLOCK], jnp.int32)
+    block_slot = jnp.asarray(SLOT_OF_BLOCK, jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(len(SLOT_OF_BLOCK), D)), dtype)
+    activation = CLAMPED if biased else SILU
+    assert supports_tiers(rows, tiers, 1, interpret=True)
+    kernel = jax.jit(functools.partial(expert_ffn_pallas_tiers, block_rows=1, interpret=True, activation=activation))
+    jaxpr = str(jax.make_jaxpr(kernel)(rows, block_tier, block_slot, tiers))
+    assert jaxpr.count("pallas_call") == 2  # one launch per stage, whatever the tiers
+    ours = np.asarray(kernel(rows, block_tier, block_slot, tiers), np.float32)
+    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(tiers):
+        mine = np.asarray(block_tier) == t
+        slots = jnp.where(mine, block_slot, -1)
+        ref = np.asarray(expert_ffn_reference(rows, slots, gate_up, down, block_rows=1, gate_up_bias=gate_up_bias,
+                                              down_bias=down_bias, activation=activation), np.float32)
+        w8a8 = isinstance(gate_up, QArray) and gate_up.fmt.act_bits == 8
+        tolerance = W8A8_BF16_TOLERANCE if w8a8 and dtype == jnp.bfloat16 else TOLERANCE[jnp.dtype(dtype).name]
+        written = mine & (np.asarray(block_slot) >= 0)
+        assert relative_error(ours[written], ref[written]) < tolerance
+    assert np.all(ours[np.asarray(block_slot) < 0] == 0)
+    # the dispatcher takes the same launch, and the per-tier fallback (XLA) agrees with it
+    both = functools.partial(expert_ffn_tiers, block_rows=1, activation=activation)
+    np.testing.assert_allclose(np.asarray(both(rows, block_tier, block_slot, tiers, backend="interpret"), np.float32),
+                               ours, rtol=1e-6, atol=1e-6)
+    xla = np.asarray(both(rows, block_tier, block_slot, tiers, backend="xla"), np.float32)
+    assert relative_error(ours, xla) < TOLERANCE[jnp.dtype(dtype).name] * (2 if w8a8 else 1)
+
+
+def test_several_tiers_lower_as_one_launch_for_cuda():
+    tiers = [(*pool_shapes(quant, QWEN3_30B["D"], QWEN3_30B["F"], 8), None, None) for quant in (None, fmt(4, 64, False))]
+    rows = jax.ShapeDtypeStruct((8, QWEN3_30B["D"]), jnp.bfloat16)
+    blocks = jax.ShapeDtypeStruct((8,), jnp.int32)
+    assert supports_tiers(rows, tiers, 1) and not supports_tiers(jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16),
+                                                                 tiers, 32)  # prefill: a launch per tier
+    lowered = lower_for_cuda(jax.jit(functools.partial(expert_ffn_pallas_tiers, block_rows=1)), rows, blocks, blocks,
+                             tiers)
+    assert triton_calls(lowered) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TIER_MIXES))
+def test_compiled_tiers_in_one_launch_match_the_reference_on_gpu(name):
+    formats, _, biased = TIER_MIXES[name]
+    D, F = (2880, 2880) if biased else (2048, 768)  # GPT-OSS's widths with biases, else Qwen3-30B-A3B's
+    rng = np.random.default_rng(12)
+    tiers = []
+    for quant in formats:
+        gate_up, down = make_pools(rng, quant, D, F, "random")
+        tiers.append((gate_up, down, *(bias_pools(rng, gate_up, down) if biased else (None, None))))
+    block_tier = jnp.asarray([t % len(formats) for t in TIER_OF_BLOCK], jnp.int32)
+    block_slot = jnp.asarray(SLOT_OF_BLOCK, jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(len(SLOT_OF_BLOCK), D)), jnp.bfloat16)
+    activation = CLAMPED if biased else SILU
+    ours = jax.jit(functools.partial(expert_ffn_pallas_tiers, block_rows=1, activation=activation))(
+        rows, block_tier, block_slot, tiers)
+    ref = expert_ffn_tiers(rows, block_tier, block_slot, tiers, block_rows=1, backend="xla", activation=activation)
+    w8a8 = any(isinstance(t[0], QArray) and t[0].fmt.act_bits == 8 for t in tiers)
+    assert relative_error(ours, ref) < (W8A8_BF16_TOLERANCE if w8a8 else TOLERANCE["bfloat16"])

@@ -24,7 +24,7 @@ from cpu_kernels import routed_expert_ffn
 from jmoe.config import ModelConfig
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
-from pallas_kernels import expert_ffn
+from pallas_kernels import expert_ffn, expert_ffn_tiers
 from pallas_kernels.expert_ffn import default_backend
 from pallas_kernels.glu import SILU, GatedActivation
 
@@ -272,6 +272,8 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
     activation: the model's gated activation (`expert_activation(cfg)`).
     """
     num_experts = layer.hi.shape[0]
+    if len(layer.pools) > 1 and gathers(layer, *chosen.shape):
+        return _gathered_across_tiers(h, routing, chosen, token_valid, layer, activation)
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
         active = (chosen == TIER_CODES[name]) & token_valid[:, None]
@@ -281,6 +283,32 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
     return out.astype(h.dtype)
+
+
+def gathers(layer: LayerExperts, tokens: int, top_k: int) -> bool:
+    """Whether a step gives every assignment its own weight read (decode) on a device kernel path
+    (the CPU kernels group by expert themselves)."""
+    A = tokens * top_k
+    return ((layer.backend or default_backend()) != "cpu" and A <= GATHER_MAX_ASSIGNMENTS
+            and not (layer.group_rows and tokens > 1))
+
+
+def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
+                           activation: GatedActivation) -> jax.Array:
+    """routed_experts for a decode step with several pools: one row per assignment, each reading
+    its chosen tier's pool (a tier index per row), one kernel launch per stage for every tier."""
+    N, k = chosen.shape
+    tier = jnp.zeros(chosen.shape, jnp.int32)
+    slot = jnp.full(chosen.shape, NO_SLOT, jnp.int32)
+    for i, name in enumerate(layer.pools):
+        runs_here = (chosen == TIER_CODES[name]) & token_valid[:, None]
+        tier = jnp.where(runs_here, i, tier)
+        slot = jnp.where(runs_here, layer.slots[name][routing.ids], slot)
+    token = jnp.arange(N * k, dtype=jnp.int32) // k
+    y = expert_ffn_tiers(h[token], tier.reshape(-1), slot.reshape(-1), list(layer.pools.values()), block_rows=1,
+                         backend=layer.backend, activation=activation, int8_dot=layer.int8_dot)  # [N * k, D]
+    w = jnp.where(slot != NO_SLOT, routing.weights, 0.0)
+    return (w[..., None] * y.reshape(N, k, -1).astype(jnp.float32)).sum(axis=1).astype(h.dtype)
 
 
 def run_experts(h, routing: Routing, token_valid, layer: LayerExperts, token_importance=None,
