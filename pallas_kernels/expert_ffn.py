@@ -16,10 +16,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.expert_ffn_pallas import (expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays,
                                              supports, supports_tiers)
+from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, supports_mosaic
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
 
-BACKENDS = ("xla", "pallas", "interpret", "cpu")
+BACKENDS = ("xla", "pallas", "mosaic", "interpret", "cpu")
 log = logging.getLogger("jmoe.kernels")
 _warned: set = set()
 
@@ -77,7 +78,8 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
     """Entry point the model calls; dispatches to a kernel where one supports the inputs.
 
     "pallas" runs the compiled Pallas kernel, "interpret" the same kernel in interpret mode; either
-    falls back to the XLA reference for inputs the kernel does not support. "cpu" runs the native
+    falls back to the XLA reference for inputs the kernel does not support. "mosaic" runs int4
+    decode on the Pallas Mosaic GPU kernel (expert_ffn_mosaic) and everything else as "pallas". "cpu" runs the native
     CPU kernel (cpu_kernels; the XLA reference where it is not built). int8_dot (the CPU kernels'
     per-group int8 inputs) is honoured by the CPU kernel and the reference, which the Pallas
     kernels then leave to.
@@ -90,6 +92,9 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str
         from cpu_kernels import expert_ffn as cpu_expert_ffn
 
         return cpu_expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
+    if backend == "mosaic" and not int8_dot and supports_mosaic(rows, gate_up, down, block_rows, gate_up_bias,
+                                                                 down_bias):
+        return expert_ffn_mosaic(rows, block_slot, gate_up, down, block_rows=block_rows, **extra)
     interpret = backend == "interpret"
     if backend != "xla" and not int8_dot and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias,
                                                       interpret=interpret):

@@ -638,3 +638,71 @@ def test_compiled_tiers_in_one_launch_match_the_reference_on_gpu(name):
     ref = expert_ffn_tiers(rows, block_tier, block_slot, tiers, block_rows=1, backend="xla", activation=activation)
     w8a8 = any(isinstance(t[0], QArray) and t[0].fmt.act_bits == 8 for t in tiers)
     assert relative_error(ours, ref) < (W8A8_BF16_TOLERANCE if w8a8 else TOLERANCE["bfloat16"])
+
+
+# ----------------------------------------------------------------------------- Mosaic GPU (kernel_backend="mosaic")
+
+# (format, rows dtype, biases and the clamped SwiGLU): scale rows per K step of 64 packed rows are
+# 4 (G32), 2 (G64) and a fraction (G128: one group spans two steps); the gate/up stage splits K
+MOSAIC_CASES = {
+    "int4-g64-asym-f32": (fmt(4, 64, False), jnp.float32, False),
+    "int4-g32-bf16": (fmt(4, 32), jnp.bfloat16, False),
+    "int4-g128-asym-biased-clamped-f32": (fmt(4, 128, False), jnp.float32, True),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_mosaic_kernel_matches_reference_in_interpret_mode(name):
+    from pallas_kernels.expert_ffn_mosaic import _matmul_partials, expert_ffn_mosaic, supports_mosaic
+
+    quant, dtype, biased = MOSAIC_CASES[name]
+    D, F = 256, 128
+    rng = np.random.default_rng(13)
+    gate_up, down = make_pools(rng, quant, D, F, "random")
+    biases = dict(zip(("gate_up_bias", "down_bias"), bias_pools(rng, gate_up, down))) if biased else {}
+    activation = CLAMPED if biased else SILU
+    block_slot = jnp.asarray(DECODE_SLOTS, jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(len(DECODE_SLOTS), D)), dtype)
+    assert supports_mosaic(rows, gate_up, down, 1, **biases)
+    partials = _matmul_partials(rows, block_slot, gate_up, interpret=True, name="gate_up")
+    assert partials.shape[0] > 1  # this shape splits K over programs
+    ours = jax.jit(functools.partial(expert_ffn_mosaic, interpret=True, activation=activation))(
+        rows, block_slot, gate_up, down, **biases)
+    ref = expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=1, activation=activation, **biases)
+    assert ours.dtype == rows.dtype and relative_error(ours, ref) < TOLERANCE[jnp.dtype(dtype).name]
+    assert np.all(np.asarray(ours, np.float32)[np.asarray(block_slot) < 0] == 0)
+
+
+def test_mosaic_backend_takes_int4_decode_and_leaves_the_rest_to_triton():
+    from pallas_kernels.expert_ffn_mosaic import supports_mosaic
+
+    rng = np.random.default_rng(14)
+    rows = jnp.zeros((6, 256), jnp.bfloat16)
+    int4 = make_pools(rng, fmt(4, 64, False), 256, 128, "random")
+    assert supports_mosaic(rows, *int4, 1)
+    assert not supports_mosaic(jnp.zeros((32, 256), jnp.bfloat16), *int4, 16)  # prefill
+    assert not supports_mosaic(rows, *make_pools(rng, fmt(8, 128), 256, 128, "random"), 1)
+    assert not supports_mosaic(rows, *make_pools(rng, fmt(4, 64, False, smooth=True), 256, 128, "random"), 1)
+    assert not supports_mosaic(jnp.zeros((6, 192), jnp.bfloat16), *make_pools(rng, fmt(4, 64), 192, 96, "random"),
+                               1)  # widths not a multiple of 128 (GPT-OSS's 2880)
+    slots = jnp.asarray(DECODE_SLOTS, jnp.int32)
+    traced = lambda pools: str(jax.make_jaxpr(  # noqa: E731
+        functools.partial(expert_ffn, block_rows=1, backend="mosaic"))(rows, slots, *pools))
+    assert "expert_gate_up_mosaic" in traced(int4) and "expert_down_mosaic" in traced(int4)
+    int8 = make_pools(rng, fmt(8, 128), 256, 128, "random")
+    assert "expert_gate_up_silu" in traced(int8) and "mosaic" not in traced(int8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3_30B, MIXTRAL], ids=["qwen3", "mixtral"])
+def test_compiled_mosaic_kernel_matches_the_reference_on_gpu(shape):
+    from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic
+
+    rng = np.random.default_rng(15)
+    gate_up, down = make_pools(rng, fmt(4, 64, False), shape["D"], shape["F"], "random")
+    block_slot = jnp.asarray((5, -1, 0, 6, 5, 2, 3, 1), jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(block_slot.shape[0], shape["D"])), jnp.bfloat16)
+    ours = jax.jit(expert_ffn_mosaic)(rows, block_slot, gate_up, down)
+    ref = expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=1)
+    assert relative_error(ours, ref) < TOLERANCE["bfloat16"]
+    assert np.all(np.asarray(ours, np.float32)[np.asarray(block_slot) < 0] == 0)

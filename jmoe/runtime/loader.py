@@ -283,8 +283,9 @@ def load(
         is resident; a step that lacked one runs again layer-wise), "layerwise" (the host between
         layers, fetching as it goes) or "resident" (one jit per step, replayed after fetching what
         it lacked). All three give the same tokens.
-      kernel_backend: expert kernels: "pallas", "interpret", "cpu" (native CPU kernels) or "xla"; default Pallas
-        on GPU, the native kernels on CPU (XLA where they are not built).
+      kernel_backend: expert kernels: "pallas", "mosaic" (int4 decode on Pallas' Mosaic GPU backend, the
+        rest as "pallas"), "interpret", "cpu" (native CPU kernels) or "xla"; default Pallas on GPU, the
+        native kernels on CPU (XLA where they are not built).
       cpu_dot: how the CPU multiplies quantized weights (experts at int8/int4/int2, a quantized dense
         tier): "float" (the inputs as they are) or "int8" (the inputs rounded to int8 per weight group,
         as llama.cpp's Q8 dot does, and multiplied in integers where the CPU has AVX-512 VNNI: about
