@@ -23,9 +23,14 @@ K loop fails its case too.
 
 Whole steps, too: the jitted forward step (engine._forward: every layer, attention, router, the
 expert kernels and the LM head) of a 2-layer slice of each model, with abstract weights on the
-compile-only H100: decode with every expert resident at int4, and decode, 512-token prefill and
-the speculative verify step (4 drafts) with a DyMoE plan's two pools (bf16 and int4, a quarter of
-the experts each, as an offloaded ExpertState holds them).
+compile-only H100: decode with every expert resident at int4 (Triton kernels, and the Mosaic GPU
+ones), and decode, 512-token prefill and the speculative verify step (4 drafts) with a DyMoE
+plan's two pools (bf16 and int4, a quarter of the experts each, as an offloaded ExpertState holds
+them; decode runs both in one launch per stage).
+
+The int4 decode kernels written for Pallas' Mosaic GPU backend (kernel_backend="mosaic") compile
+at every real shape they support (not GPT-OSS-20B's 2880-wide projections); their PTX comes from
+Mosaic GPU's own dump, and their modelled bandwidth from the TMA copies they keep in flight.
 
 A canary case compiles a block that is known to spill (float32 rows on the dot path, which
 `supports()` sends to the XLA reference); it must fail with "register spilling", or the spill
@@ -91,6 +96,9 @@ def _setup_environment() -> None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     os.environ["JMOE_CPU_KERNELS"] = "off"  # dense products as on a GPU (jnp.dot), not the host's FFI kernels
     os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
+    # Mosaic GPU kernels compile outside XLA's pipeline: their PTX goes to a directory of their own
+    os.environ["MOSAIC_GPU_DUMP_TO"] = tempfile.mkdtemp(prefix="jmoe-mosaic-gpu-")
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
 
 
 @contextmanager
@@ -172,6 +180,7 @@ def decode_loop_check(ptx: str) -> dict | None:
     vector = [i for i, line in enumerate(body) if "ld.global.v4" in line]
     barriers = max(sum("bar.sync" in line for line in loop) for loop in loops)
     return dict(loops=len(loops), loop_ptx_lines=len(body), barriers=barriers,
+                tma_copies=sum("cp.async.bulk.tensor" in line for line in ptx.splitlines()),
                 global_loads=sum("ld.global" in line for line in body), vector_loads=len(vector),
                 vector_loads_before_first_fma=sum(i < first_fma for i in vector))
 
@@ -186,6 +195,7 @@ def decode_loop_barriers(kernels: dict) -> dict[str, int]:
 # What the model of a decode kernel's bandwidth assumes about an H100 SXM (not measured here).
 H100_SMS, H100_REGISTERS_PER_SM, H100_THREADS_PER_SM = 132, 65536, 2048
 H100_HBM_BYTES_PER_S = 3.35e12  # the datasheet's peak
+H100_SMEM_PER_SM = 228 * 1024
 HBM_LATENCY_S = 700e-9  # a load's round trip to HBM under load, roughly
 
 
@@ -306,12 +316,59 @@ def compile_case(name: str, model: dict, tier: str, block_rows: int, device, row
     return dict(record, **compile_and_read(jax.jit(f), (rows, block_tier, block_slot, tiers), decode=block_rows == 1))
 
 
+def compile_mosaic_case(name: str, model: dict, device) -> dict:
+    """The int4 decode kernels on Pallas' Mosaic GPU backend (kernel_backend="mosaic"): TMA copies
+    into shared memory, every K step of a program in flight at once. Modelled bandwidth from those bytes."""
+    import jax
+
+    from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, launch_plan, supports_mosaic
+    from pallas_kernels.glu import SILU, GatedActivation
+
+    (rows, block_slot, gate_up, down), biases = case_inputs(model, "int4", 1, device)
+    activation = GatedActivation("clamped_swiglu") if model["gpt_oss"] else SILU
+    record = dict(model=name, tier="int4", plan="decode, mosaic", block_rows=1, rows=rows.shape[0],
+                  rows_dtype="bfloat16")
+    if not supports_mosaic(rows, gate_up, down, 1, **biases):
+        return dict(record, status="unsupported")
+    f = functools.partial(expert_ffn_mosaic, activation=activation)
+    result = compile_and_read(jax.jit(lambda r, s, gu, dn, b: f(r, s, gu, dn, **b)),
+                              (rows, block_slot, gate_up, down, biases), decode=True)
+    plans = {"expert_gate_up_mosaic": launch_plan(rows.shape[0], gate_up),
+             "expert_down_mosaic": launch_plan(rows.shape[0], down)}
+    for kernel, info in result.get("kernels", {}).items():
+        plan = plans.get(kernel.removesuffix("_mosaic_gpu_kernel"))
+        if plan:
+            info.update(grid=list(plan["grid"]), threads=128, pipeline_stages=plan["steps"],
+                        step_bytes=plan["step_bytes"])
+            info["modelled"] = modelled_tma_bandwidth(info)
+    return dict(record, **result)
+
+
+def modelled_tma_bandwidth(info: dict) -> dict | None:
+    """MODELLED, never measured: a Mosaic GPU decode kernel's weight bandwidth from its TMA copies in
+    flight (pipeline stages x bytes per K step per resident program), as modelled_decode_bandwidth."""
+    grid, registers = info.get("grid"), info.get("registers")
+    if not (grid and registers):
+        return None
+    programs = grid[0] * grid[1] * grid[2]
+    smem = info["pipeline_stages"] * info["step_bytes"]
+    per_sm = min(H100_REGISTERS_PER_SM // (registers * 128), H100_THREADS_PER_SM // 128, H100_SMEM_PER_SM // smem,
+                 -(-programs // H100_SMS))
+    in_flight = min(programs, per_sm * H100_SMS) * smem
+    return dict(programs=programs, programs_per_sm=per_sm, bytes_in_flight=in_flight,
+                modelled_GBps=round(min(H100_HBM_BYTES_PER_S, in_flight / HBM_LATENCY_S) / 1e9),
+                assumptions=f"{HBM_LATENCY_S * 1e9:.0f} ns HBM latency, {H100_HBM_BYTES_PER_S / 1e12} TB/s peak")
+
+
 def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> dict:
     """Compile for the H100; what ptxas, the thunk sequence and (decode) the PTX's K loop say.
 
     A whole step also holds XLA's own fusions; a spill there fails the step's compile only when
     it is in an expert kernel (XLA's are listed as xla_fusion_spills: not this project's code)."""
     start = time.perf_counter()
+    mosaic_dump = Path(os.environ["MOSAIC_GPU_DUMP_TO"])
+    for old in mosaic_dump.iterdir():  # only this case's Mosaic GPU kernels
+        old.unlink()
     with tempfile.TemporaryDirectory() as dump, captured_stderr() as log:
         options = {"xla_dump_to": dump}
         if whole_step:
@@ -324,6 +381,7 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
         except Exception as e:  # noqa: BLE001 - every compile failure is a result here
             error = f"{type(e).__name__}: {e}"
         launches, ptx = dumped_kernels(dump)
+        ptx.update(dumped_kernels(str(mosaic_dump))[1])
     record = dict(compile_s=round(time.perf_counter() - start, 2))
     # the expert kernels, and any other kernel of the step that spills
     record["kernels"] = kernels = {k: v for k, v in parse_ptxas(log[0]).items()
@@ -335,6 +393,8 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
             info["modelled"] = modelled_decode_bandwidth(info)
     if error:
         return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
+    if any(v.get("spill_store_bytes") for k, v in kernels.items() if k.startswith("expert_") and not whole_step):
+        return dict(record, status="register spilling")  # Mosaic GPU runs its own ptxas, without XLA's flag
     if loop_barriers := decode_loop_barriers(kernels):
         return dict(record, status="barrier in the decode loop", error=f"bar.sync per K loop iteration: {loop_barriers}")
     if whole_step:
@@ -346,15 +406,16 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> di
 
 
 STEP_LAYERS = 2
-STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool)
-    ("decode, resident int4", "decode", {"int4": 1.0}),
-    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}),
-    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}),
-    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}),
+STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool, kernel backend)
+    ("decode, resident int4", "decode", {"int4": 1.0}, "pallas"),
+    ("decode, resident int4, Mosaic GPU", "decode", {"int4": 1.0}, "mosaic"),
+    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}, "pallas"),
+    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}, "pallas"),
+    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}, "pallas"),
 )
 
 
-def compile_step(model: str, case: str, phase: str, pool_fractions: dict, device) -> dict:
+def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backend: str, device) -> dict:
     """The model's jitted forward step for a 2-layer slice, abstract weights on `device`."""
     import jax
     import jax.numpy as jnp
@@ -379,7 +440,7 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, device
     tables = {tier: on((layers, experts), jnp.int32) for tier in pools}
     selection = Selection(on((layers, experts), jnp.int32), on((layers, experts), jnp.int32), on((layers,), jnp.float32),
                           on((), jnp.float32))
-    state = ExpertState(tables, pools, selection, "pallas").for_phase(phase)
+    state = ExpertState(tables, pools, selection, backend).for_phase(phase)
     tokens = {"decode": on((1,), jnp.int32), "prefill": on((1, 512), jnp.int32), "verify": on((1, 5), jnp.int32)}[phase]
     cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
     start, key_start = on((1,), jnp.int32), on((1,), jnp.int32)
@@ -426,6 +487,7 @@ def main(argv=None) -> int:
                   for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
     results = []
     runs = [functools.partial(compile_case, *case[:4], device, case[4]) for case in cases]
+    runs += [functools.partial(compile_mosaic_case, name, MODELS[name], device) for name in args.models.split(",")]
     if args.steps:
         runs += [functools.partial(compile_step, name, *case, device) for name in args.models.split(",")
                  for case in STEP_CASES]

@@ -2,7 +2,9 @@
 decode and prefill shapes of Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE-A2.7B.
 
 On a GPU the kernel is compiled (Triton) and both sides are timed per call within a jitted chain of
-calls (median after warm-up), and also one call alone with its dispatch; the payload has weight bytes read, achieved GB/s and kernel / reference. On a CPU the
+calls (median after warm-up), and also one call alone with its dispatch; the payload has weight
+bytes read, achieved GB/s and kernel / reference, and for int4 decode the Mosaic GPU kernel
+(kernel_backend="mosaic") timed the same way. On a CPU the
 kernel runs in Pallas interpret mode: a correctness run (max relative error) whose wall times say
 nothing about kernel speed; the pool then holds only the slots the routing uses, prefill uses fewer
 tokens, and Mixtral prefill runs one tier (the others are listed as skipped in the payload).
@@ -26,6 +28,7 @@ from bench.common import in_graph_seconds, timed, write_result
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, PREFILL_BLOCK_ROWS, block_layout
 from jmoe.tiers import tier_format
 from pallas_kernels import expert_ffn_pallas, expert_ffn_reference, supports
+from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, supports_mosaic
 from pallas_kernels.qarray import QArray, QuantFormat
 
 
@@ -143,7 +146,13 @@ def run_case(model: str, phase: str, tier: str, tokens: int, on_gpu: bool, repea
         t = time.perf_counter()
         jax.block_until_ready(kernel(*args))
         return {**result, "interpret_compile_and_run_s": first_call, "interpret_run_s": time.perf_counter() - t}
-    return {**result, **gpu_timings(kernel, reference, args, case, gate_up, down, repeat)}
+    result.update(gpu_timings(kernel, reference, args, case, gate_up, down, repeat))
+    if supports_mosaic(case.rows, gate_up, down, case.block_rows):  # int4 decode: the Mosaic GPU kernel too
+        mosaic = jax.jit(expert_ffn_mosaic)
+        result["mosaic_max_rel_error"] = max_relative_error(jax.block_until_ready(mosaic(*args)), ref)
+        result["mosaic_ms"] = in_graph_seconds(mosaic, args, repeat=repeat) * 1e3
+        result["mosaic_unique_GBps"] = result["unique_weight_bytes"] / result["mosaic_ms"] / 1e6
+    return result
 
 
 def gpu_timings(kernel, reference, args, case: Case, gate_up, down, repeat: int) -> dict:
