@@ -1,0 +1,324 @@
+"""Continuous batching: one engine thread runs every request's decode steps together.
+
+The engine owns a KV cache of `max_batch` rows ("slots") and one context length. Requests wait in
+a bounded queue; between steps each free slot takes the oldest waiting request: its prompt is
+prefilled alone (a one-row cache of the same length, in chunks, its length bucketed), and that row
+is copied into the slot without touching the other rows. Every step then decodes one token for
+every slot at once, each row at its own cache position (the Decoder's per-row positions): a
+batched step reads each expert once for all the rows routed to it. A free slot's row is marked as
+padding (its key start past its position), so it attends to nothing and routes to no expert.
+
+Each request samples with its own key and history, as `jmoe.generate` of that prompt alone would:
+greedy output is the same whatever else is in the batch, sampled output the same for a seed. A
+row leaves on EOS, a stop string, its token limit, the context's end, or a cancel (a client that
+went away), and its slot is free for the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe import validate
+from jmoe.decoding.decoder import Decoder
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.decoding.generation import RowText, Sampler, stop_strings
+from jmoe.decoding.sampling import SamplingOptions, prompt_history
+from jmoe.errors import InputError
+from jmoe.runtime.stats import RequestClock
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: the caller should retry later."""
+
+
+@dataclass
+class Request:
+    """What one request asks for; `prompt` is token ids."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stop: list[str] = field(default_factory=list)
+    as_text: bool = True  # pieces are text deltas (else token ids)
+
+
+class Stream:
+    """A submitted request's output: iterate for its pieces (text deltas or token ids); afterwards
+    `finish_reason` and `usage` say how it ended. cancel() frees its slot at the next step."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.usage = dict(prompt_tokens=len(request.prompt), completion_tokens=0)
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._events: queue.Queue = queue.Queue()
+        self._drained = False  # the reader has seen the end
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def __iter__(self) -> Iterator:
+        while not self._drained:
+            kind, value = self._events.get()
+            if kind == "done":
+                self._drained = True
+                return
+            yield value
+
+    def text(self) -> str:
+        """Everything (text requests): blocks until the request ends."""
+        return "".join(self)
+
+    def _put(self, piece) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._events.put(("piece", piece))
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+        self._events.put(("done", reason))
+
+
+@dataclass
+class _Row:
+    """A running request in a slot."""
+
+    stream: Stream
+    sampler: Sampler
+    text: RowText | None
+    clock: RequestClock
+    token: int = 0  # the last token drawn, fed to the next step
+    generated: int = 0
+
+
+def _insert_row(cache, row_cache, slot):
+    """The batch cache with row `slot` replaced by a one-row cache's row."""
+    return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0], slot, 0), cache, row_cache)
+
+
+_insert_row_jit = jax.jit(_insert_row, donate_argnums=0)
+
+
+class CompileCounter:
+    """XLA compilations in this process since it started counting (jax's backend-compile events)."""
+
+    _count = 0
+    _registered = False
+    _lock = threading.Lock()
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with cls._lock:
+                cls._count += 1
+
+    @classmethod
+    def count(cls) -> int:
+        with cls._lock:
+            if not cls._registered:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._registered = True
+            return cls._count
+
+
+class BatchEngine:
+    """Runs submitted requests in one continuously batched decode loop on its own thread.
+
+    model: what jmoe.load returned. max_batch: slots (rows of the KV cache). max_waiting: the
+    waiting queue's bound (submit raises QueueFull past it). context: tokens per slot (prompt and
+    output; default the model's max_seq_len).
+    """
+
+    def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None):
+        self.model = model
+        self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
+        self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
+        context = model.max_seq_len if context is None else validate.integer("context", context, minimum=2)
+        self.context = min(context, model.max_seq_len)
+        model.check_batch_fits(self.max_batch, self.context)
+        cfg = model.config
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.eos = set(model.eos_token_ids)
+        self.cache = new_cache(cfg, self.max_batch, self.context, model.compute_dtype)
+        self.pos = np.zeros(self.max_batch, np.int32)
+        self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
+        self.rows: list[_Row | None] = [None] * self.max_batch
+        self.waiting: deque[Stream] = deque()
+        self.steps = 0
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="jmoe-batch-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    def submit(self, request: Request) -> Stream:
+        """Queue a request (checked first: its prompt must leave room for output in the context)."""
+        if not request.prompt:
+            raise InputError("the prompt is empty")
+        if len(request.prompt) >= self.context:
+            raise InputError(f"the prompt has {len(request.prompt)} tokens; a slot holds {self.context} "
+                             "(leave room for output)")
+        validate.integer("max_tokens", request.max_tokens, minimum=1)
+        request = dataclasses.replace(request, stop=stop_strings(request.stop))
+        stream = Stream(request)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already")
+            self.waiting.append(stream)
+            self._wake.notify()
+        return stream
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def close(self) -> None:
+        """Stop the loop; running and waiting requests end as cancelled."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._closed and not self.waiting and self.running == 0:
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                self._drop_cancelled()
+                self._admit()
+                if self.running:
+                    self._step()
+        except Exception as error:  # noqa: BLE001 - every request learns why, none hangs
+            self._fail_all(f"{type(error).__name__}: {error}")
+            raise
+        self._fail_all(None)
+
+    def _fail_all(self, error: str | None) -> None:
+        reason = "cancelled" if error is None else "error"
+        for b, row in enumerate(self.rows):
+            if row is not None:
+                self._free(b, reason, error)
+        with self._wake:
+            self._closed = True
+            while self.waiting:
+                self.waiting.popleft()._finish(reason, error)
+
+    def _drop_cancelled(self) -> None:
+        for b, row in enumerate(self.rows):
+            if row is not None and row.stream.cancelled:
+                self._free(b, "cancelled")
+        with self._wake:
+            kept = [s for s in self.waiting if not s.cancelled]
+            for s in self.waiting:
+                if s.cancelled:
+                    s._finish("cancelled")
+            self.waiting = deque(kept)
+
+    def _admit(self) -> None:
+        """Each free slot takes the oldest waiting request: prefill it alone, copy its row in."""
+        for b in range(self.max_batch):
+            if self.rows[b] is not None:
+                continue
+            with self._wake:
+                if not self.waiting:
+                    return
+                stream = self.waiting.popleft()
+            self._start(b, stream)
+
+    def _start(self, b: int, stream: Stream) -> None:
+        request, model = stream.request, self.model
+        prompt_len = bucket(len(request.prompt), MIN_PROMPT_BUCKET, self.context)
+        if prompt_len + 1 > self.context:  # no room after bucket padding: no padding then
+            prompt_len = len(request.prompt)
+        decoder = Decoder(model, [request.prompt], prompt_len, self.context)
+        sampler = Sampler(model.engine, request.sampling,
+                          prompt_history([request.prompt], model.config.vocab_size, request.sampling))
+        clock = RequestClock()
+        logits = decoder.prefill()
+        self.cache = _insert_row_jit(self.cache, decoder.cache, b)
+        self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
+        text = RowText(model.tokenizer, request.stop) if request.as_text else None
+        row = _Row(stream, sampler, text, clock)
+        self.rows[b] = row
+        self._emit(b, int(np.asarray(sampler(logits))[0]))
+
+    def _step(self) -> None:
+        """One decode step of every slot (free ones as padding), then each running row's next token."""
+        tokens = np.asarray([r.token if r is not None else self.pad for r in self.rows], np.int32)
+        pos = np.where([r is not None for r in self.rows], self.pos, 0).astype(np.int32)
+        logits, self.cache, pending = self.model.step(jnp.asarray(tokens), self.cache, pos, self.key_start,
+                                                      last_only=True, phase="decode", defer=True)
+        if pending is not None:
+            corrected, self.cache = self.model.settle(pending, self.cache)
+            logits = logits if corrected is None else corrected
+        self.steps += 1
+        for b, row in enumerate(self.rows):
+            if row is None:
+                continue
+            self.pos[b] += 1
+            self._emit(b, int(np.asarray(row.sampler(logits[b:b + 1]))[0]))
+
+    def _emit(self, b: int, token: int) -> None:
+        """Hand a row's new token to its stream, or end the row (EOS, stop string, limits)."""
+        row = self.rows[b]
+        with self.model.lock:
+            row.clock.tick(self.model.stats, 1)
+        if token in self.eos:
+            if row.text is not None and (tail := row.text.flush()):
+                row.stream._put(tail)
+            self._free(b, "stop")
+            return
+        row.token = token
+        row.generated += 1
+        row.stream.usage["completion_tokens"] = row.generated
+        if row.text is None:
+            row.stream._put(token)
+        else:
+            delta = row.text.push(token)
+            if delta:
+                row.stream._put(delta)
+            if row.text.stopped:
+                self._free(b, "stop")
+                return
+        if row.generated >= row.stream.request.max_tokens or self.pos[b] >= self.context:  # no slot to write it
+            if row.text is not None and (tail := row.text.flush()):
+                row.stream._put(tail)
+            self._free(b, "length")
+
+    def _free(self, b: int, reason: str, error: str | None = None) -> None:
+        row, self.rows[b] = self.rows[b], None
+        self.pos[b], self.key_start[b] = 0, self.context
+        row.stream._finish(reason, error)

@@ -1,0 +1,90 @@
+"""Continuous batching (jmoe/serving/batcher.py): requests join and leave one running batch, and
+each gets what `jmoe.generate` of its prompt alone gives."""
+
+from __future__ import annotations
+
+import pytest
+
+import jmoe
+from jmoe.decoding.sampling import SamplingOptions
+from jmoe.errors import InputError
+from jmoe.serving import BatchEngine, QueueFull, Request
+from jmoe.serving.batcher import CompileCounter
+
+PROMPTS = ["The quick brown fox", "def main():\n    ", "12 + 35 =", "Python is", "import os\nimport",
+           "Beware of", "class Stack:", "7 * 8 ="]
+
+
+def encode(model, text: str) -> list[int]:
+    return model.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("budgeted", [False, True], ids=["resident", "offloaded"])
+def test_each_request_gets_what_it_gets_alone(tiny_converted, budgeted):
+    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=256, max_batch=3)
+    budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3 if budgeted else None
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget, max_seq_len=256, max_batch=3)
+    alone = [jmoe.generate(model, p, max_new_tokens=20) for p in PROMPTS]
+    sampled = jmoe.generate(model, PROMPTS[0], max_new_tokens=20, temperature=0.9, top_k=40, seed=7)
+    ids = jmoe.generate(model, encode(model, PROMPTS[2]), max_new_tokens=12)
+    with BatchEngine(model, max_batch=3, context=256) as engine:  # 8 requests through 3 slots
+        streams = [engine.submit(Request(encode(model, p), max_tokens=20)) for p in PROMPTS]
+        streams.append(engine.submit(Request(encode(model, PROMPTS[0]), max_tokens=20,
+                                             sampling=SamplingOptions(temperature=0.9, top_k=40, seed=7))))
+        streams.append(engine.submit(Request(encode(model, PROMPTS[2]), max_tokens=12, as_text=False)))
+        texts = [s.text() for s in streams[:-1]]
+        token_ids = list(streams[-1])
+        assert engine.running == 0
+    assert texts == alone + [sampled]
+    assert token_ids == ids
+    assert all(s.finish_reason == "length" and s.usage["completion_tokens"] == 20 for s in streams[:8])
+
+
+def test_stop_strings_and_eos_end_a_row(tiny_model):
+    with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
+        full = engine.submit(Request(encode(tiny_model, "12 + 35 ="), max_tokens=30)).text()
+        stop = full[5:8]
+        cut = engine.submit(Request(encode(tiny_model, "12 + 35 ="), max_tokens=30, stop=[stop]))
+        assert cut.text() == full[:full.index(stop)] and cut.finish_reason == "stop"
+        assert cut.text() == ""  # a finished stream yields nothing more
+
+
+def test_cancelled_requests_free_their_slots_for_waiting_ones(tiny_model):
+    with BatchEngine(tiny_model, max_batch=2, context=256) as engine:
+        long_ones = [engine.submit(Request(encode(tiny_model, p), max_tokens=200)) for p in PROMPTS[:2]]
+        waiting = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=5))
+        for s in long_ones:
+            next(iter(s))  # running: a first piece arrived
+            s.cancel()
+        assert waiting.text() != "" and waiting.finish_reason == "length"
+        for s in long_ones:
+            list(s)
+            assert s.finish_reason == "cancelled" and s.usage["completion_tokens"] < 200
+        assert engine.running == 0
+
+
+def test_no_compile_after_warm_up(tiny_model):
+    with BatchEngine(tiny_model, max_batch=4, context=128) as engine:
+        # warm up: prefill of a 16-token prompt bucket, the batched step, sampling
+        first = [engine.submit(Request(encode(tiny_model, p), max_tokens=6)) for p in PROMPTS[:4]]
+        assert all(s.text() for s in first)
+        compiled = CompileCounter.count()
+        later = [engine.submit(Request(encode(tiny_model, p), max_tokens=9)) for p in PROMPTS[4:]]
+        assert all(s.text() for s in later)
+        assert CompileCounter.count() == compiled
+
+
+def test_bad_requests_and_a_full_queue_are_refused(tiny_model):
+    with BatchEngine(tiny_model, max_batch=1, max_waiting=0, context=64) as engine:
+        with pytest.raises(InputError, match="empty"):
+            engine.submit(Request([], max_tokens=4))
+        with pytest.raises(InputError, match="leave room"):
+            engine.submit(Request(list(range(64)), max_tokens=4))
+        with pytest.raises(InputError, match="max_tokens"):
+            engine.submit(Request([5, 6], max_tokens=0))
+        with pytest.raises(InputError, match="stop"):
+            engine.submit(Request([5, 6], max_tokens=4, stop=[3]))
+        with pytest.raises(QueueFull):
+            engine.submit(Request([5, 6], max_tokens=4))
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(Request([5, 6], max_tokens=4))
