@@ -1,4 +1,4 @@
-"""The `jmoe` command: convert a Hugging Face checkpoint, generate text, describe a converted model."""
+"""The `jmoe` command: convert a Hugging Face checkpoint, generate text, serve it over HTTP, describe a model."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a converted model")
     gen.add_argument("model", help="directory written by `jmoe convert`")
     gen.add_argument("prompt", help="prompt text")
+    add_model_options(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -50,31 +51,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--device-budget", default=None, help="device memory cap, e.g. 12GiB")
-    gen.add_argument("--policy", default=None,
-                     help="expert residency: resident, ondemand, lru, lru+prefetch, lru+cpu, lru+prefetch+cpu, "
-                          "dymoe, dynaexq (default: resident if every expert fits the budget, else lru+prefetch)")
-    gen.add_argument("--hi", default=None, help="dymoe/dynaexq: the high tier (default: --tier, else int4)")
-    gen.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips)")
-    gen.add_argument("--r", type=float, default=None, help="dymoe: mean share of routed experts at --hi (0.5-1)")
-    gen.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer (default: budget)")
-    gen.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
-                     help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
-                          "layer-wise (host between layers), or one jit with replay (resident)")
     gen.add_argument("--speculative", default=None, metavar="TIER",
                      help="speculative decoding with the model's own copy at TIER (int4, int2) as the draft")
     gen.add_argument("--draft-k", type=int, default=None, help="tokens drafted per cycle (default: chosen per cycle)")
     gen.add_argument("--stats", action="store_true", help="print offload statistics (JSON) to stderr at the end")
-    gen.add_argument("--tier", default=None, help="expert precision tier")
-    gen.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
-    gen.add_argument("--max-seq-len", type=int, default=None, help="context to plan memory for")
-    gen.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
-                     help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
-                          "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
+
+    serve = sub.add_parser("serve", help="serve a converted model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model", help="directory written by `jmoe convert`")
+    add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
+    serve.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those (then: 429)")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
 
     info = sub.add_parser("info", help="describe a converted model (tiers, bytes per expert)")
     info.add_argument("model")
     return parser
+
+
+def add_model_options(p) -> None:
+    """How a converted model is loaded: the options `generate` and `serve` share."""
+    p.add_argument("--device-budget", default=None, help="device memory cap, e.g. 12GiB")
+    p.add_argument("--policy", default=None,
+                   help="expert residency: resident, ondemand, lru, lru+prefetch, lru+cpu, lru+prefetch+cpu, "
+                        "dymoe, dynaexq (default: resident if every expert fits the budget, else lru+prefetch)")
+    p.add_argument("--hi", default=None, help="dymoe/dynaexq: the high tier (default: --tier, else int4)")
+    p.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips)")
+    p.add_argument("--r", type=float, default=None, help="dymoe: mean share of routed experts at --hi (0.5-1)")
+    p.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer (default: budget)")
+    p.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
+                   help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
+                        "layer-wise (host between layers), or one jit with replay (resident)")
+    p.add_argument("--tier", default=None, help="expert precision tier")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context to plan memory for")
+    p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
+                   help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
+                        "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
 
 
 def cmd_convert(args) -> None:
@@ -114,6 +128,29 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
     if args.stats:
         print(json.dumps(jmoe.stats(model), indent=1), file=sys.stderr)
+
+
+def cmd_serve(args) -> None:
+    from pathlib import Path
+
+    import jmoe
+    from jmoe.serving import BatchEngine
+
+    try:
+        import uvicorn
+
+        from jmoe.serving.openai_api import create_app
+    except ImportError as e:
+        raise InputError(f"jmoe serve needs the serve extra: pip install 'jmoe[serve]' ({e})") from None
+    max_batch = validate.integer("max_batch", args.max_batch, minimum=1)
+    validate.integer("port", args.port, minimum=0, maximum=65535)
+    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
+                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
+                      cpu_dot=args.cpu_dot, max_batch=max_batch)
+    name = args.served_model_name or Path(args.model).resolve().name
+    with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting) as engine:
+        print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({max_batch} at once)", file=sys.stderr)
+        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
 
 
 def cli_speculative(args):
@@ -178,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a bad argument already reported in one line
         return e.code if isinstance(e.code, int) else 2
     try:
-        {"convert": cmd_convert, "generate": cmd_generate, "info": cmd_info}[args.command](args)
+        {"convert": cmd_convert, "generate": cmd_generate, "serve": cmd_serve, "info": cmd_info}[args.command](args)
     except (JmoeError, OSError) as e:  # OSError: disk full, permission denied, a closed pipe
         message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
         print(f"jmoe: error: {message}", file=sys.stderr)

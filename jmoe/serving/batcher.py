@@ -116,6 +116,8 @@ def _insert_row(cache, row_cache, slot):
 
 
 _insert_row_jit = jax.jit(_insert_row, donate_argnums=0)
+# one row of the step's logits [1, V]; the row index traced, so no row compiles a slice of its own
+_row_jit = jax.jit(lambda logits, b: jax.lax.dynamic_slice_in_dim(logits, b, 1))
 
 
 class CompileCounter:
@@ -158,7 +160,10 @@ class BatchEngine:
         cfg = model.config
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.eos = set(model.eos_token_ids)
-        self.cache = new_cache(cfg, self.max_batch, self.context, model.compute_dtype)
+        # committed to the device, as every later cache (a jitted step's output) is: the first
+        # insert then compiles what every later one runs
+        self.cache = jax.device_put(new_cache(cfg, self.max_batch, self.context, model.compute_dtype),
+                                    jax.devices()[0])
         self.pos = np.zeros(self.max_batch, np.int32)
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
@@ -268,7 +273,7 @@ class BatchEngine:
                           prompt_history([request.prompt], model.config.vocab_size, request.sampling))
         clock = RequestClock()
         logits = decoder.prefill()
-        self.cache = _insert_row_jit(self.cache, decoder.cache, b)
+        self.cache = _insert_row_jit(self.cache, decoder.cache, np.int32(b))
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
         text = RowText(model.tokenizer, request.stop) if request.as_text else None
         row = _Row(stream, sampler, text, clock)
@@ -289,7 +294,7 @@ class BatchEngine:
             if row is None:
                 continue
             self.pos[b] += 1
-            self._emit(b, int(np.asarray(row.sampler(logits[b:b + 1]))[0]))
+            self._emit(b, int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0]))
 
     def _emit(self, b: int, token: int) -> None:
         """Hand a row's new token to its stream, or end the row (EOS, stop string, limits)."""
