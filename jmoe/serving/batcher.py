@@ -32,7 +32,7 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, new_cache
 from jmoe.decoding.generation import RowText, Sampler, stop_strings
-from jmoe.decoding.sampling import SamplingOptions, prompt_history
+from jmoe.decoding.sampling import SamplingOptions, greedy_tokens, prompt_history
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 
@@ -65,6 +65,7 @@ class Stream:
         self.usage = dict(prompt_tokens=len(request.prompt), completion_tokens=0)
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
+        self.finished_at: float | None = None
         self._events: queue.Queue = queue.Queue()
         self._drained = False  # the reader has seen the end
         self._cancelled = threading.Event()
@@ -94,7 +95,7 @@ class Stream:
         self._events.put(("piece", piece))
 
     def _finish(self, reason: str, error: str | None = None) -> None:
-        self.finish_reason, self.error = reason, error
+        self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         self._events.put(("done", reason))
 
 
@@ -109,6 +110,12 @@ class _Row:
     token: int = 0  # the last token drawn, fed to the next step
     generated: int = 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without a repetition penalty: its token comes from the step's one argmax call."""
+        sampling = self.stream.request.sampling
+        return sampling.greedy and sampling.repetition_penalty == 1.0
+
 
 def _insert_row(cache, row_cache, slot):
     """The batch cache with row `slot` replaced by a one-row cache's row."""
@@ -118,6 +125,9 @@ def _insert_row(cache, row_cache, slot):
 _insert_row_jit = jax.jit(_insert_row, donate_argnums=0)
 # one row of the step's logits [1, V]; the row index traced, so no row compiles a slice of its own
 _row_jit = jax.jit(lambda logits, b: jax.lax.dynamic_slice_in_dim(logits, b, 1))
+# every row's greedy token in one call: what the sampler draws for a greedy request without a
+# repetition penalty (the penalty of 1 leaves the logits exactly as they are)
+_greedy_jit = jax.jit(greedy_tokens)
 
 
 class CompileCounter:
@@ -290,11 +300,15 @@ class BatchEngine:
             corrected, self.cache = self.model.settle(pending, self.cache)
             logits = logits if corrected is None else corrected
         self.steps += 1
+        greedy = np.asarray(_greedy_jit(logits)) if any(r is not None and r.plain_greedy for r in self.rows) else None
         for b, row in enumerate(self.rows):
             if row is None:
                 continue
             self.pos[b] += 1
-            self._emit(b, int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0]))
+            if row.plain_greedy:
+                self._emit(b, int(greedy[b]))
+            else:
+                self._emit(b, int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0]))
 
     def _emit(self, b: int, token: int) -> None:
         """Hand a row's new token to its stream, or end the row (EOS, stop string, limits)."""
