@@ -148,7 +148,8 @@ def cmd_serve(args) -> None:
                       compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
                       cpu_dot=args.cpu_dot, max_batch=max_batch)
     name = args.served_model_name or Path(args.model).resolve().name
-    with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting) as engine:
+    print("jmoe: compiling the serving steps", file=sys.stderr)
+    with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting, warm_up=True) as engine:
         print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({max_batch} at once)", file=sys.stderr)
         uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
 

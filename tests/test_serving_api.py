@@ -28,7 +28,7 @@ NAME = "tiny"
 def served(tiny_converted):
     """(base URL, engine, model): a server on an ephemeral port, stopped after the module."""
     model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=256, max_batch=4)
-    engine = BatchEngine(model, max_batch=4, max_waiting=64, context=256)
+    engine = BatchEngine(model, max_batch=4, max_waiting=64, context=256, warm_up=True)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -40,6 +40,15 @@ def test_each_request_gets_what_it_gets_alone(tiny_converted, budgeted):
     assert all(s.finish_reason == "length" and s.usage["completion_tokens"] == 20 for s in streams[:8])
 
 
+def test_rows_leaving_out_of_order_are_compacted_without_changing_anyones_text(tiny_model):
+    limits = [5, 20, 9, 14, 3, 20, 11, 7]  # rows leave mid-batch; the live ones move to the front slots
+    alone = [jmoe.generate(tiny_model, p, max_new_tokens=n) for p, n in zip(PROMPTS, limits)]
+    with BatchEngine(tiny_model, max_batch=4, context=128) as engine:
+        streams = [engine.submit(Request(encode(tiny_model, p), max_tokens=n)) for p, n in zip(PROMPTS, limits)]
+        assert [s.text() for s in streams] == alone
+        assert engine.bucket(1) == 1 and engine.bucket(3) == 4 and engine.bucket(4) == 4
+
+
 def test_stop_strings_and_eos_end_a_row(tiny_model):
     with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
         full = engine.submit(Request(encode(tiny_model, "12 + 35 ="), max_tokens=30)).text()

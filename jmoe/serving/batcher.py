@@ -123,6 +123,17 @@ def _insert_row(cache, row_cache, slot):
 
 
 _insert_row_jit = jax.jit(_insert_row, donate_argnums=0)
+def _move_row(cache, src, dst):
+    """The batch cache with row `dst` replaced by row `src` (compacting live rows to the front)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_update_index_in_dim(
+        a, jax.lax.dynamic_index_in_dim(a, src, 0, keepdims=False), dst, 0), cache)
+
+
+_move_row_jit = jax.jit(_move_row, donate_argnums=0)
+# the first n rows of the batch cache, and the batch cache with them written back
+_take_rows_jit = jax.jit(lambda cache, n: jax.tree.map(lambda a: a[:n], cache), static_argnums=1)
+_put_rows_jit = jax.jit(lambda cache, rows: jax.tree.map(
+    lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, 0, 0), cache, rows), donate_argnums=0)
 # one row of the step's logits [1, V]; the row index traced, so no row compiles a slice of its own
 _row_jit = jax.jit(lambda logits, b: jax.lax.dynamic_slice_in_dim(logits, b, 1))
 # every row's greedy token in one call: what the sampler draws for a greedy request without a
@@ -160,7 +171,8 @@ class BatchEngine:
     output; default the model's max_seq_len).
     """
 
-    def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None):
+    def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
+                 warm_up: bool = False):
         self.model = model
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
@@ -181,8 +193,36 @@ class BatchEngine:
         self.steps = 0
         self._wake = threading.Condition()
         self._closed = False
+        if warm_up:
+            self.warm_up()
         self._thread = threading.Thread(target=self._loop, name="jmoe-batch-engine", daemon=True)
         self._thread.start()
+
+    def warm_up(self) -> None:
+        """Compile, before any request, what requests will run: a step at every batch bucket (all
+        rows padding), a prefill at every prompt-length bucket, and the row copies between them."""
+        prompt_len = MIN_PROMPT_BUCKET
+        while prompt_len < self.context:
+            decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context)
+            _greedy_jit(decoder.prefill())
+            self.cache = _insert_row_jit(self.cache, decoder.cache, np.int32(0))
+            prompt_len *= 2
+        self.cache = _move_row_jit(self.cache, np.int32(0), np.int32(0))
+        n = 1
+        while True:
+            cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
+            tokens = jnp.full((n,), self.pad, jnp.int32)
+            logits, cache = self.model.step(tokens, cache, np.zeros(n, np.int32), np.full(n, self.context, np.int32),
+                                            last_only=True, phase="decode")
+            _greedy_jit(logits)
+            _row_jit(logits, np.int32(0))
+            self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
+            if n == self.max_batch:
+                break
+            n = self.bucket(n + 1)
+        vocab = self.model.config.vocab_size
+        for sampling in (SamplingOptions(), SamplingOptions(temperature=1.0)):  # a penalised and a sampled draw
+            Sampler(self.model.engine, sampling, np.zeros((1, vocab), bool))(_row_jit(logits, np.int32(0)))
 
     # ------------------------------------------------------------------ public
 
@@ -262,11 +302,20 @@ class BatchEngine:
                     s._finish("cancelled")
             self.waiting = deque(kept)
 
+    def _compact(self) -> None:
+        """Move the live rows to the front slots (in order), so a step runs only the first ones."""
+        live = [b for b, row in enumerate(self.rows) if row is not None]
+        for dst, src in enumerate(live):
+            if src != dst:
+                self.cache = _move_row_jit(self.cache, np.int32(src), np.int32(dst))
+                self.rows[dst], self.rows[src] = self.rows[src], None
+                self.pos[dst], self.key_start[dst] = self.pos[src], self.key_start[src]
+                self.pos[src], self.key_start[src] = 0, self.context
+
     def _admit(self) -> None:
         """Each free slot takes the oldest waiting request: prefill it alone, copy its row in."""
-        for b in range(self.max_batch):
-            if self.rows[b] is not None:
-                continue
+        self._compact()
+        for b in range(self.running, self.max_batch):
             with self._wake:
                 if not self.waiting:
                     return
@@ -290,18 +339,29 @@ class BatchEngine:
         self.rows[b] = row
         self._emit(b, int(np.asarray(sampler(logits))[0]))
 
+    def bucket(self, live: int) -> int:
+        """Rows a step runs for `live` live rows (compacted to the front): the smallest power of two
+        that holds them, at most max_batch. Each bucket compiles once."""
+        return min(self.max_batch, 1 << max(0, live - 1).bit_length())
+
     def _step(self) -> None:
-        """One decode step of every slot (free ones as padding), then each running row's next token."""
-        tokens = np.asarray([r.token if r is not None else self.pad for r in self.rows], np.int32)
-        pos = np.where([r is not None for r in self.rows], self.pos, 0).astype(np.int32)
-        logits, self.cache, pending = self.model.step(jnp.asarray(tokens), self.cache, pos, self.key_start,
-                                                      last_only=True, phase="decode", defer=True)
+        """One decode step of the first bucket(live) slots (free ones as padding), then each live
+        row's next token."""
+        self._compact()
+        n = self.bucket(self.running)
+        rows = self.rows[:n]
+        tokens = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
+        pos = np.where([r is not None for r in rows], self.pos[:n], 0).astype(np.int32)
+        cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
+        logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, self.key_start[:n].copy(),
+                                                 last_only=True, phase="decode", defer=True)
         if pending is not None:
-            corrected, self.cache = self.model.settle(pending, self.cache)
+            corrected, cache = self.model.settle(pending, cache)
             logits = logits if corrected is None else corrected
+        self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
         self.steps += 1
-        greedy = np.asarray(_greedy_jit(logits)) if any(r is not None and r.plain_greedy for r in self.rows) else None
-        for b, row in enumerate(self.rows):
+        greedy = np.asarray(_greedy_jit(logits)) if any(r is not None and r.plain_greedy for r in rows) else None
+        for b, row in enumerate(rows):
             if row is None:
                 continue
             self.pos[b] += 1
