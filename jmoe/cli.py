@@ -65,6 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those (then: 429)")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
 
+    chat = sub.add_parser("chat", help="chat with a converted model in the terminal")
+    chat.add_argument("model", help="directory written by `jmoe convert`")
+    add_model_options(chat)
+    chat.add_argument("--max-tokens", type=int, default=256, help="longest answer (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+
+    bench = sub.add_parser("bench", help="prefill (pp) and decode (tg) tokens/s, as llama-bench reports them")
+    bench.add_argument("model", help="directory written by `jmoe convert`")
+    add_model_options(bench)
+    bench.add_argument("-p", "--prompt-lengths", default="512", help="comma-separated prompt lengths (pp rows)")
+    bench.add_argument("-n", "--gen-lengths", default="128", help="comma-separated generation lengths (tg rows)")
+    bench.add_argument("-b", "--batches", default="1", help="comma-separated batch sizes for the tg rows")
+    bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs per row (after one untimed)")
+    bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+
     info = sub.add_parser("info", help="describe a converted model (tiers, bytes per expert)")
     info.add_argument("model")
     return parser
@@ -154,6 +173,46 @@ def cmd_serve(args) -> None:
         uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
 
 
+def cmd_chat(args) -> None:
+    import jmoe
+    from jmoe.decoding.sampling import SamplingOptions
+    from jmoe.serving import BatchEngine
+    from jmoe.serving.chat import chat_loop
+
+    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, 1.0, args.seed)
+    max_tokens = validate.integer("max_tokens", args.max_tokens, minimum=1)
+    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
+                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
+                      cpu_dot=args.cpu_dot)
+    with BatchEngine(model, max_batch=1) as engine:
+        chat_loop(engine, max_tokens=max_tokens, sampling=sampling, system=args.system)
+
+
+def int_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise InputError(f"{name} is empty")
+    return values
+
+
+def cmd_bench(args) -> None:
+    import jmoe
+    from jmoe import bench
+
+    lengths = dict(prompt_lengths=int_list("--prompt-lengths", args.prompt_lengths),
+                   gen_lengths=int_list("--gen-lengths", args.gen_lengths),
+                   batches=int_list("--batches", args.batches))
+    validate.integer("repetitions", args.repetitions, minimum=1)
+    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
+                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
+                      cpu_dot=args.cpu_dot, max_batch=max(lengths["batches"]))
+    rows = bench.run(model, repetitions=args.repetitions, **lengths)
+    print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else bench.table(rows))
+
+
 def cli_speculative(args):
     from jmoe.decoding.speculative import SpeculativeOptions
 
@@ -216,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a bad argument already reported in one line
         return e.code if isinstance(e.code, int) else 2
     try:
-        {"convert": cmd_convert, "generate": cmd_generate, "serve": cmd_serve, "info": cmd_info}[args.command](args)
+        commands = {"convert": cmd_convert, "generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat,
+                    "bench": cmd_bench, "info": cmd_info}
+        commands[args.command](args)
     except (JmoeError, OSError) as e:  # OSError: disk full, permission denied, a closed pipe
         message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
         print(f"jmoe: error: {message}", file=sys.stderr)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
 from jmoe.serving.batcher import BatchEngine, QueueFull, Request, Stream
+from jmoe.serving.chat import chat_prompt
 from jmoe.tokenizer import encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
@@ -188,11 +189,8 @@ def _messages(body: dict, model) -> list[int]:
         if not isinstance(m.get("content"), str):
             raise ApiError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
     chat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
-    if not getattr(model.tokenizer, "chat_template", None):
-        # a base model without a chat template (the bundled tiny one): a plain transcript
-        chat = "".join(f"{m['role']}: {m['content']}\n" for m in chat) + "assistant:"
     try:
-        return encode(model.tokenizer, chat, model.config.vocab_size)
+        return chat_prompt(model, chat)
     except InputError as e:
         raise ApiError(str(e), "messages") from None
 
