@@ -152,3 +152,24 @@ def test_bad_chat_messages_are_refused(served):
                               ([{"role": "user", "content": 5}], "content"), ([3], "messages[0]")):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=messages), timeout=30)
         assert response.status_code == 400 and culprit in response.json()["error"]["message"]
+
+
+def test_metrics_count_requests_tokens_and_latencies(served):
+    base, engine, _ = served
+    before = httpx.get(f"{base}/metrics", timeout=10).text
+    c = client(base)
+    c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0)
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+
+    def value(exposition: str, name: str) -> float:
+        lines = [line for line in exposition.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    assert value(text, 'jmoe_requests_total{finish_reason="length"}') == value(
+        before, 'jmoe_requests_total{finish_reason="length"}') + 1
+    assert value(text, "jmoe_generated_tokens_total") == value(before, "jmoe_generated_tokens_total") + 5
+    assert value(text, "jmoe_time_to_first_token_seconds_count") == value(
+        before, "jmoe_time_to_first_token_seconds_count") + 1
+    assert value(text, "jmoe_inter_token_latency_seconds_count") >= 4
+    assert value(text, "jmoe_step_seconds_count") > 0 and value(text, "jmoe_requests_running") == 0
+    assert "jmoe_compiles" in text and "jmoe_expert_hit_rate" in text

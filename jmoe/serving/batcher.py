@@ -94,6 +94,12 @@ class Stream:
             self.first_token_at = time.perf_counter()
         self._events.put(("piece", piece))
 
+    def _since_last_token(self) -> float:
+        """Seconds since this stream's previous token (or since it was submitted); resets the mark."""
+        now = time.perf_counter()
+        last, self._last_token_at = getattr(self, "_last_token_at", self.submitted), now
+        return now - last
+
     def _finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         self._events.put(("done", reason))
@@ -172,7 +178,7 @@ class BatchEngine:
     """
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
-                 warm_up: bool = False):
+                 warm_up: bool = False, observer=None):
         self.model = model
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
@@ -191,6 +197,9 @@ class BatchEngine:
         self.rows: list[_Row | None] = [None] * self.max_batch
         self.waiting: deque[Stream] = deque()
         self.steps = 0
+        # told of every step (seconds, live rows), token (stream, seconds since its previous one or
+        # since submit) and finished stream: how /metrics counts (jmoe/serving/metrics.py)
+        self.observer = observer
         self._wake = threading.Condition()
         self._closed = False
         if warm_up:
@@ -210,13 +219,10 @@ class BatchEngine:
         self.cache = _move_row_jit(self.cache, np.int32(0), np.int32(0))
         n = 1
         while True:
-            cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
-            tokens = jnp.full((n,), self.pad, jnp.int32)
-            logits, cache = self.model.step(tokens, cache, np.zeros(n, np.int32), np.full(n, self.context, np.int32),
-                                            last_only=True, phase="decode")
+            logits = self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
+                                    np.full(n, self.context, np.int32))
             _greedy_jit(logits)
             _row_jit(logits, np.int32(0))
-            self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
             if n == self.max_batch:
                 break
             n = self.bucket(n + 1)
@@ -289,7 +295,7 @@ class BatchEngine:
         with self._wake:
             self._closed = True
             while self.waiting:
-                self.waiting.popleft()._finish(reason, error)
+                self._end(self.waiting.popleft(), reason, error)
 
     def _drop_cancelled(self) -> None:
         for b, row in enumerate(self.rows):
@@ -299,7 +305,7 @@ class BatchEngine:
             kept = [s for s in self.waiting if not s.cancelled]
             for s in self.waiting:
                 if s.cancelled:
-                    s._finish("cancelled")
+                    self._end(s, "cancelled")
             self.waiting = deque(kept)
 
     def _compact(self) -> None:
@@ -348,18 +354,15 @@ class BatchEngine:
         """One decode step of the first bucket(live) slots (free ones as padding), then each live
         row's next token."""
         self._compact()
+        started = time.perf_counter()
         n = self.bucket(self.running)
         rows = self.rows[:n]
         tokens = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
         pos = np.where([r is not None for r in rows], self.pos[:n], 0).astype(np.int32)
-        cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
-        logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, self.key_start[:n].copy(),
-                                                 last_only=True, phase="decode", defer=True)
-        if pending is not None:
-            corrected, cache = self.model.settle(pending, cache)
-            logits = logits if corrected is None else corrected
-        self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
+        logits = self._run_step(tokens, pos, self.key_start[:n].copy())
         self.steps += 1
+        if self.observer is not None:
+            self.observer.step(time.perf_counter() - started, self.running)
         greedy = np.asarray(_greedy_jit(logits)) if any(r is not None and r.plain_greedy for r in rows) else None
         for b, row in enumerate(rows):
             if row is None:
@@ -370,11 +373,26 @@ class BatchEngine:
             else:
                 self._emit(b, int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0]))
 
+    def _run_step(self, tokens, pos, key_start):
+        """The model's decode step over the first len(tokens) rows of the batch cache (taken out and
+        written back when they are not all of it), settled: logits [n, V]."""
+        n = len(tokens)
+        cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
+        logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, key_start, last_only=True,
+                                                 phase="decode", defer=True)
+        if pending is not None:
+            corrected, cache = self.model.settle(pending, cache)
+            logits = logits if corrected is None else corrected
+        self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
+        return logits
+
     def _emit(self, b: int, token: int) -> None:
         """Hand a row's new token to its stream, or end the row (EOS, stop string, limits)."""
         row = self.rows[b]
         with self.model.lock:
             row.clock.tick(self.model.stats, 1)
+        if self.observer is not None:
+            self.observer.token(row.stream, row.stream._since_last_token())
         if token in self.eos:
             if row.text is not None and (tail := row.text.flush()):
                 row.stream._put(tail)
@@ -400,4 +418,9 @@ class BatchEngine:
     def _free(self, b: int, reason: str, error: str | None = None) -> None:
         row, self.rows[b] = self.rows[b], None
         self.pos[b], self.key_start[b] = 0, self.context
-        row.stream._finish(reason, error)
+        self._end(row.stream, reason, error)
+
+    def _end(self, stream: Stream, reason: str, error: str | None = None) -> None:
+        stream._finish(reason, error)
+        if self.observer is not None:
+            self.observer.finished(stream)

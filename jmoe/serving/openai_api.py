@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP API over a BatchEngine (FastAPI; `pip install 'jmoe[serve]'`).
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events in the OpenAI chunk
-format, ending with `data: [DONE]`, or answered whole), GET /v1/models and GET /health. Every
+format, ending with `data: [DONE]`, or answered whole), GET /v1/models, GET /health and GET /metrics
+(Prometheus). Every
 request body is checked field by field before anything is queued; a bad one gets an OpenAI-style
 error (status 400, or 404 for an unknown model) naming the field, a full queue 429 with
 Retry-After. A streaming client that goes away cancels its requests, freeing their slots.
@@ -16,6 +17,7 @@ from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
 from jmoe.serving.batcher import BatchEngine, QueueFull, Request, Stream
 from jmoe.serving.chat import chat_prompt
+from jmoe.serving.metrics import EngineMetrics
 from jmoe.tokenizer import encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
@@ -221,7 +223,7 @@ def create_app(engine: BatchEngine, model_name: str):
     """The FastAPI application serving `engine`'s model as `model_name`."""
     import anyio
     from fastapi import FastAPI, Request as HttpRequest
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="jmoe", docs_url=None, redoc_url=None)
@@ -232,6 +234,13 @@ def create_app(engine: BatchEngine, model_name: str):
     async def _api_error(_, error: ApiError):
         headers = {"Retry-After": "1"} if error.status in (429, 503) else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    metrics = EngineMetrics(engine)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health():
