@@ -475,7 +475,7 @@ ROWS = [
     Row("cli-convert-deep-config", lambda c: ["convert", str(c.hf(raw("config.json", deep()))), "-o", str(c.out)],
         CLI, "nested too deeply"),
     Row("cli-info-missing", lambda c: ["info", str(c.tmp / "nowhere")], CLI, "nowhere"),
-    Row("cli-unknown-command", lambda c: ["serve"], CLI, "invalid choice"),
+    Row("cli-unknown-command", lambda c: ["fly"], CLI, "invalid choice"),
     Row("cli-r-without-dymoe", lambda c: ["generate", str(c.tiny), "x", "--r", "0.7"], CLI, "--r only apply"),
     Row("cli-dymoe-r-out-of-range", lambda c: ["generate", str(c.tiny), "x", "--policy", "dymoe", "--r", "3"], CLI,
         "r must be"),

@@ -1,0 +1,23 @@
+"""A short bounded load on the server (bench/serve_load.py runs the long one): 12 clients for 10
+seconds with random lengths, streamed and whole answers, hang-ups mid-stream, over an offloaded
+model. No failure, every slot free after, the offload cache's bookkeeping intact, the budget held,
+and the server still answering as jmoe.generate does."""
+
+from __future__ import annotations
+
+import jmoe
+from bench.serve_load import serve_and_drive
+
+
+def test_a_bounded_load_leaves_no_error_no_slot_and_intact_bookkeeping(tiny_converted):
+    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=512, max_batch=6)
+    budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget, max_seq_len=512, max_batch=6)
+    result = serve_and_drive(model, "tiny", seconds=10, streams=12, max_batch=6)
+    assert result["failures"] == 0, result["failure_examples"]
+    assert result["requests"] >= 12 and result["hung_up"] > 0 and result["tokens"] > 0
+    assert result["running_after"] == 0 and result["waiting_after"] == 0
+    model.residency.cache.check()
+    assert sum(model.memory.values()) <= budget
+    assert jmoe.stats(model)["peak_resident_expert_bytes"] <= model.memory["experts"]
+    assert result["final_text"] == jmoe.generate(model, "12 + 35 =", max_new_tokens=12)
