@@ -79,10 +79,9 @@ def drive(base: str, model_name: str, *, seconds: float, streams: int, seed: int
     threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
     for t in threads:
         t.start()
-    while any(t.is_alive() for t in threads):
+    while alive := [t for t in threads if t.is_alive()]:
         samples.append(rss_bytes())
-        for t in threads:
-            t.join(timeout=1.0)  # one RSS sample a second while the clients run
+        alive[0].join(timeout=1.0)  # one RSS sample a second while the clients run
     return dict(counts, failure_examples=failures[:5], rss_samples=samples)
 
 

@@ -97,3 +97,35 @@ def test_bad_requests_and_a_full_queue_are_refused(tiny_model):
             engine.submit(Request([5, 6], max_tokens=4))
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(Request([5, 6], max_tokens=4))
+
+
+class StepLog:
+    """An engine observer noting the decode steps each stream's first token came after."""
+
+    def __init__(self, engine):
+        self.engine, self.first_token_step = engine, {}
+
+    def step(self, seconds, rows):
+        pass
+
+    def token(self, stream, seconds):
+        self.first_token_step.setdefault(id(stream), self.engine.steps)
+
+    def finished(self, stream):
+        pass
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(tiny_model):
+    text = (PROMPTS[0] + " jumps over the lazy dog. ") * 120
+    long_prompt = encode(tiny_model, text)[:1500]  # a 2048-token bucket: four 512-token prefill chunks
+    alone = jmoe.generate(tiny_model, long_prompt, max_new_tokens=6)
+    with BatchEngine(tiny_model, max_batch=2, context=2560, prefill_per_step=512) as engine:
+        log = engine.observer = StepLog(engine)
+        running = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=60))
+        next(iter(running))
+        submitted_at_step = engine.steps
+        long = engine.submit(Request(long_prompt, max_tokens=6, as_text=False))
+        assert list(long) == alone
+        # the running row kept decoding while the long prompt went in, a chunk per step
+        assert log.first_token_step[id(long)] - submitted_at_step >= 3
+        assert running.text() != ""

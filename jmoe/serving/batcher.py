@@ -30,7 +30,7 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.decoding.generation import RowText, Sampler, stop_strings
 from jmoe.decoding.sampling import SamplingOptions, greedy_tokens, prompt_history
 from jmoe.errors import InputError
@@ -123,6 +123,37 @@ class _Row:
         return sampling.greedy and sampling.repetition_penalty == 1.0
 
 
+class _Prefill:
+    """A waiting request's prompt on its way in: prefilled alone, one chunk at a time (the chunks
+    Decoder.prefill takes), so a long prompt shares the engine's time with the running rows."""
+
+    def __init__(self, model, stream: Stream, context: int):
+        prompt = stream.request.prompt
+        prompt_len = bucket(len(prompt), MIN_PROMPT_BUCKET, context)
+        if prompt_len + 1 > context:  # no room after bucket padding: no padding then
+            prompt_len = len(prompt)
+        self.stream = stream
+        self.clock = RequestClock()  # time to first token counts the prefill
+        self.decoder = Decoder(model, [prompt], prompt_len, context)
+        self.chunk = min(prompt_len, PREFILL_CHUNK)
+        self.start = 0
+        self.logits = None
+
+    @property
+    def done(self) -> bool:
+        return self.start >= self.decoder.prompt_len
+
+    def advance(self) -> int:
+        """Prefill the next chunk: its tokens."""
+        d = self.decoder
+        tokens = jnp.asarray(d.prompt[:, self.start:self.start + self.chunk])
+        self.logits = d.step(tokens, last_only=True, phase="prefill")[:, -1]
+        n = min(self.chunk, d.prompt_len - self.start)
+        d.advance(n)
+        self.start += self.chunk
+        return n
+
+
 def _insert_row(cache, row_cache, slot):
     """The batch cache with row `slot` replaced by a one-row cache's row."""
     return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0], slot, 0), cache, row_cache)
@@ -178,7 +209,7 @@ class BatchEngine:
     """
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
-                 warm_up: bool = False, observer=None):
+                 prefill_per_step: int = PREFILL_CHUNK, warm_up: bool = False, observer=None):
         self.model = model
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
@@ -196,6 +227,10 @@ class BatchEngine:
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
         self.waiting: deque[Stream] = deque()
+        self.prefilling: deque[_Prefill] = deque()  # admitted, prompt not all in yet (oldest first)
+        # prompt tokens prefilled between two decode steps, at most (at least one chunk): a long
+        # prompt arriving does not stall the running streams for its whole prefill
+        self.prefill_per_step = validate.integer("prefill_per_step", prefill_per_step, minimum=1)
         self.steps = 0
         # told of every step (seconds, live rows), token (stream, seconds since its previous one or
         # since submit) and finished stream: how /metrics counts (jmoe/serving/metrics.py)
@@ -274,7 +309,7 @@ class BatchEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._closed and not self.waiting and self.running == 0:
+                    while not self._closed and not self.waiting and not self.prefilling and self.running == 0:
                         self._wake.wait()
                     if self._closed:
                         break
@@ -292,6 +327,8 @@ class BatchEngine:
         for b, row in enumerate(self.rows):
             if row is not None:
                 self._free(b, reason, error)
+        while self.prefilling:
+            self._end(self.prefilling.popleft().stream, reason, error)
         with self._wake:
             self._closed = True
             while self.waiting:
@@ -301,6 +338,9 @@ class BatchEngine:
         for b, row in enumerate(self.rows):
             if row is not None and row.stream.cancelled:
                 self._free(b, "cancelled")
+        for p in [p for p in self.prefilling if p.stream.cancelled]:
+            self.prefilling.remove(p)
+            self._end(p.stream, "cancelled")
         with self._wake:
             kept = [s for s in self.waiting if not s.cancelled]
             for s in self.waiting:
@@ -319,31 +359,34 @@ class BatchEngine:
                 self.pos[src], self.key_start[src] = 0, self.context
 
     def _admit(self) -> None:
-        """Each free slot takes the oldest waiting request: prefill it alone, copy its row in."""
+        """Oldest first, while rows are free: waiting requests start prefilling; then up to
+        prefill_per_step prompt tokens are prefilled, and each prompt that is all in takes a row."""
         self._compact()
-        for b in range(self.running, self.max_batch):
+        while self.running + len(self.prefilling) < self.max_batch:
             with self._wake:
                 if not self.waiting:
-                    return
+                    break
                 stream = self.waiting.popleft()
-            self._start(b, stream)
+            self.prefilling.append(_Prefill(self.model, stream, self.context))
+        budget = self.prefill_per_step
+        while self.prefilling and budget > 0:
+            p = self.prefilling[0]
+            budget -= p.advance()
+            if p.done:
+                self.prefilling.popleft()
+                self._start(self.running, p)
 
-    def _start(self, b: int, stream: Stream) -> None:
-        request, model = stream.request, self.model
-        prompt_len = bucket(len(request.prompt), MIN_PROMPT_BUCKET, self.context)
-        if prompt_len + 1 > self.context:  # no room after bucket padding: no padding then
-            prompt_len = len(request.prompt)
-        decoder = Decoder(model, [request.prompt], prompt_len, self.context)
+    def _start(self, b: int, prefill: _Prefill) -> None:
+        """A prefilled request takes row b (the first free one): its cache row copied in, its first token."""
+        stream, decoder, model = prefill.stream, prefill.decoder, self.model
+        request = stream.request
         sampler = Sampler(model.engine, request.sampling,
                           prompt_history([request.prompt], model.config.vocab_size, request.sampling))
-        clock = RequestClock()
-        logits = decoder.prefill()
         self.cache = _insert_row_jit(self.cache, decoder.cache, np.int32(b))
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
         text = RowText(model.tokenizer, request.stop) if request.as_text else None
-        row = _Row(stream, sampler, text, clock)
-        self.rows[b] = row
-        self._emit(b, int(np.asarray(sampler(logits))[0]))
+        self.rows[b] = _Row(stream, sampler, text, prefill.clock)
+        self._emit(b, int(np.asarray(sampler(prefill.logits))[0]))
 
     def bucket(self, live: int) -> int:
         """Rows a step runs for `live` live rows (compacted to the front): the smallest power of two
