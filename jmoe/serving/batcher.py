@@ -63,7 +63,7 @@ class Stream:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.usage = dict(prompt_tokens=len(request.prompt), completion_tokens=0)
-        self.submitted = time.perf_counter()
+        self.submitted = self._last_token_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._events: queue.Queue = queue.Queue()
@@ -97,7 +97,7 @@ class Stream:
     def _since_last_token(self) -> float:
         """Seconds since this stream's previous token (or since it was submitted); resets the mark."""
         now = time.perf_counter()
-        last, self._last_token_at = getattr(self, "_last_token_at", self.submitted), now
+        last, self._last_token_at = self._last_token_at, now
         return now - last
 
     def _finish(self, reason: str, error: str | None = None) -> None:
@@ -160,6 +160,8 @@ def _insert_row(cache, row_cache, slot):
 
 
 _insert_row_jit = jax.jit(_insert_row, donate_argnums=0)
+
+
 def _move_row(cache, src, dst):
     """The batch cache with row `dst` replaced by row `src` (compacting live rows to the front)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_update_index_in_dim(
