@@ -25,13 +25,9 @@ DEV = ROOT / "tests" / "data"
 
 def rss_bytes() -> int:
     """This process's resident set now (Linux /proc), else its peak."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from jmoe.runtime.host_memory import process_memory
+
+    return process_memory().get("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def drive(base: str, model_name: str, *, seconds: float, streams: int, seed: int = 0) -> dict:
