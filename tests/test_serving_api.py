@@ -173,3 +173,11 @@ def test_metrics_count_requests_tokens_and_latencies(served):
     assert value(text, "jmoe_inter_token_latency_seconds_count") >= 4
     assert value(text, "jmoe_step_seconds_count") > 0 and value(text, "jmoe_requests_running") == 0
     assert "jmoe_compiles" in text and "jmoe_expert_hit_rate" in text
+
+
+def test_an_oversize_body_without_a_length_is_cut_off(served):
+    base = served[0]
+    chunks = (b"x" * (1 << 16) for _ in range(MAX_BODY_BYTES // (1 << 16) + 2))  # chunked: no Content-Length
+    response = httpx.post(f"{base}/v1/completions", content=chunks, timeout=60)
+    assert response.status_code == 413 and "bytes" in response.json()["error"]["message"]
+    assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"

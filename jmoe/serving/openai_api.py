@@ -271,8 +271,20 @@ def create_app(engine: BatchEngine, model_name: str):
             raise ApiError(str(e)) from None
         return streams
 
+    async def read_body(http: HttpRequest) -> bytes:
+        """The request body, refused (413) as soon as it is known to pass MAX_BODY_BYTES."""
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(f"the request body has {declared} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
+        body = bytearray()
+        async for part in http.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(f"the request body passes {MAX_BODY_BYTES} bytes, the most accepted", status=413)
+        return bytes(body)
+
     async def complete(http: HttpRequest, chat: bool):
-        parsed = parse_request(parse_body(await http.body()), model, model_name, chat=chat)
+        parsed = parse_request(parse_body(await read_body(http)), model, model_name, chat=chat)
         streams = submit(parsed)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -283,6 +295,8 @@ def create_app(engine: BatchEngine, model_name: str):
             finally:
                 for s in streams:
                     s.cancel()  # a no-op for finished ones; frees the slots if the client went away
+            if failed := [s.error for s in streams if s.finish_reason == "error"]:
+                raise ApiError(f"the engine failed: {failed[0]}", status=500, kind="server_error")
             return {**head, "choices": [_choice(chat, i, t, _finish(s)) for i, (t, s) in enumerate(zip(texts, streams))],
                     "usage": _usage(streams)}
         return StreamingResponse(_events(head, streams, chat, parsed.include_usage), media_type="text/event-stream")
