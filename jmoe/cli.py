@@ -110,6 +110,15 @@ def add_model_options(p) -> None:
                         "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
 
 
+def load_model(args, **extra):
+    """jmoe.load with the model options `add_model_options` gave the command."""
+    import jmoe
+
+    return jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
+                     compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
+                     cpu_dot=args.cpu_dot, **extra)
+
+
 def cmd_convert(args) -> None:
     from convert import convert_checkpoint  # the converter lives beside the runtime
 
@@ -132,10 +141,7 @@ def cmd_generate(args) -> None:
     validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
     stop_strings(args.stop)
     speculative = cli_speculative(args)
-    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
-                      cpu_dot=args.cpu_dot,
-                      draft=speculative.draft if speculative else None)
+    model = load_model(args, draft=speculative.draft if speculative else None)
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop or None, stream=True,
@@ -152,7 +158,6 @@ def cmd_generate(args) -> None:
 def cmd_serve(args) -> None:
     from pathlib import Path
 
-    import jmoe
     from jmoe.serving import BatchEngine
 
     try:
@@ -163,9 +168,7 @@ def cmd_serve(args) -> None:
         raise InputError(f"jmoe serve needs the serve extra: pip install 'jmoe[serve]' ({e})") from None
     max_batch = validate.integer("max_batch", args.max_batch, minimum=1)
     validate.integer("port", args.port, minimum=0, maximum=65535)
-    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
-                      cpu_dot=args.cpu_dot, max_batch=max_batch)
+    model = load_model(args, max_batch=max_batch)
     name = args.served_model_name or Path(args.model).resolve().name
     print("jmoe: compiling the serving steps", file=sys.stderr)
     with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting, warm_up=True) as engine:
@@ -174,16 +177,13 @@ def cmd_serve(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    import jmoe
     from jmoe.decoding.sampling import SamplingOptions
     from jmoe.serving import BatchEngine
     from jmoe.serving.chat import chat_loop
 
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, 1.0, args.seed)
     max_tokens = validate.integer("max_tokens", args.max_tokens, minimum=1)
-    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
-                      cpu_dot=args.cpu_dot)
+    model = load_model(args)
     with BatchEngine(model, max_batch=1) as engine:
         chat_loop(engine, max_tokens=max_tokens, sampling=sampling, system=args.system)
 
@@ -199,16 +199,13 @@ def int_list(name: str, text: str) -> list[int]:
 
 
 def cmd_bench(args) -> None:
-    import jmoe
     from jmoe import bench
 
     lengths = dict(prompt_lengths=int_list("--prompt-lengths", args.prompt_lengths),
                    gen_lengths=int_list("--gen-lengths", args.gen_lengths),
                    batches=int_list("--batches", args.batches))
     validate.integer("repetitions", args.repetitions, minimum=1)
-    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
-                      cpu_dot=args.cpu_dot, max_batch=max(lengths["batches"]))
+    model = load_model(args, max_batch=max(lengths["batches"]))
     rows = bench.run(model, repetitions=args.repetitions, **lengths)
     print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else bench.table(rows))
 
