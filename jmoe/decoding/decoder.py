@@ -74,13 +74,21 @@ class Decoder:
         if (self.pos < self.key_start).any():
             raise InputError("a row cannot move back into its prompt padding")
 
-    def prefill(self) -> jnp.ndarray:
-        """The prompts, in chunks of at most PREFILL_CHUNK tokens: logits of each row's last token [B, V]."""
+    def prefill_chunks(self):
+        """The prompts, in chunks of at most PREFILL_CHUNK tokens, one per iteration: yields (tokens
+        taken in, logits of each row's last token so far [B, V]); a caller may interleave other work."""
         chunk = min(self.prompt_len, PREFILL_CHUNK)
         for start in range(0, self.prompt_len, chunk):
             logits = self.step(jnp.asarray(self.prompt[:, start:start + chunk]), last_only=True, phase="prefill")
-            self.advance(min(chunk, self.prompt_len - start))
-        return logits[:, -1]
+            taken = min(chunk, self.prompt_len - start)
+            self.advance(taken)
+            yield taken, logits[:, -1]
+
+    def prefill(self) -> jnp.ndarray:
+        """The whole prompts: logits of each row's last token [B, V]."""
+        for _, logits in self.prefill_chunks():
+            pass
+        return logits
 
     def decode(self, tokens, *, residency=None, defer: bool = False) -> jnp.ndarray:
         """One token per row [B] at each row's position, then advance: logits [B, V]."""

@@ -124,7 +124,7 @@ class _Row:
 
 
 class _Prefill:
-    """A waiting request's prompt on its way in: prefilled alone, one chunk at a time (the chunks
+    """A waiting request's prompt on its way in: prefilled alone, a chunk per advance() (the chunks
     Decoder.prefill takes), so a long prompt shares the engine's time with the running rows."""
 
     def __init__(self, model, stream: Stream, context: int):
@@ -135,23 +135,17 @@ class _Prefill:
         self.stream = stream
         self.clock = RequestClock()  # time to first token counts the prefill
         self.decoder = Decoder(model, [prompt], prompt_len, context)
-        self.chunk = min(prompt_len, PREFILL_CHUNK)
-        self.start = 0
+        self._chunks = self.decoder.prefill_chunks()
         self.logits = None
 
     @property
     def done(self) -> bool:
-        return self.start >= self.decoder.prompt_len
+        return self.decoder.pos[0] >= self.decoder.prompt_len
 
     def advance(self) -> int:
         """Prefill the next chunk: its tokens."""
-        d = self.decoder
-        tokens = jnp.asarray(d.prompt[:, self.start:self.start + self.chunk])
-        self.logits = d.step(tokens, last_only=True, phase="prefill")[:, -1]
-        n = min(self.chunk, d.prompt_len - self.start)
-        d.advance(n)
-        self.start += self.chunk
-        return n
+        taken, self.logits = next(self._chunks)
+        return taken
 
 
 def _insert_row(cache, row_cache, slot):
