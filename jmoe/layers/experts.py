@@ -197,7 +197,7 @@ def grouped_expert_ffn(
         return y.reshape(N, k, -1)
     extra = dict(backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
                  int8_dot=int8_dot)
-    if A <= GATHER_MAX_ASSIGNMENTS and not (group_rows and N > 1):
+    if gathers(N, k, group_rows):
         y = expert_ffn(h[token], jnp.where(active, slots, -1), pool.gate_up, pool.down, block_rows=1, **extra)
         return y.reshape(N, k, -1)
     block_rows = group_rows or PREFILL_BLOCK_ROWS
@@ -272,7 +272,8 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
     activation: the model's gated activation (`expert_activation(cfg)`).
     """
     num_experts = layer.hi.shape[0]
-    if len(layer.pools) > 1 and gathers(layer, *chosen.shape):
+    on_device = (layer.backend or default_backend()) != "cpu"
+    if len(layer.pools) > 1 and on_device and gathers(*chosen.shape, layer.group_rows):
         return _gathered_across_tiers(h, routing, chosen, token_valid, layer, activation)
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
@@ -285,12 +286,10 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
     return out.astype(h.dtype)
 
 
-def gathers(layer: LayerExperts, tokens: int, top_k: int) -> bool:
-    """Whether a step gives every assignment its own weight read (decode) on a device kernel path
-    (the CPU kernels group by expert themselves)."""
-    A = tokens * top_k
-    return ((layer.backend or default_backend()) != "cpu" and A <= GATHER_MAX_ASSIGNMENTS
-            and not (layer.group_rows and tokens > 1))
+def gathers(tokens: int, top_k: int, group_rows: int) -> bool:
+    """Whether a device kernel path gives every assignment its own weight read (decode) rather than
+    grouping them by slot into row blocks (the CPU kernels group by expert themselves)."""
+    return tokens * top_k <= GATHER_MAX_ASSIGNMENTS and not (group_rows and tokens > 1)
 
 
 def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
