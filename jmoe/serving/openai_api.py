@@ -101,8 +101,7 @@ class Parsed:
 
 
 def parse_body(raw: bytes) -> dict:
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
+    """The JSON object of a body read_body has already bounded."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
