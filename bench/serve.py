@@ -89,6 +89,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="a converted model (default: the bundled tiny one)")
     p.add_argument("--tier", default=None)
+    p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
+                   help="how the CPU kernels multiply quantized weights (jmoe.load's cpu_dot)")
     p.add_argument("--label", default="tiny")
     p.add_argument("--streams", default="1,4,16")
     p.add_argument("--tokens", type=int, default=32, help="new tokens per request")
@@ -105,16 +107,17 @@ def main(argv=None) -> None:
     runs = {}
     for placement in ["resident"] + (["offloaded"] if args.offloaded else []):
         kw = dict(tier=args.tier, max_seq_len=256, max_batch=max(streams))
+        load_kw = dict(cpu_dot=args.cpu_dot) if args.cpu_dot != "float" else {}
         if placement == "offloaded":
             plan = jmoe.memory_plan(path, **kw)
             kw["device_budget"] = (plan["dense"] + plan["kv_cache"] + plan["workspace"]
                                    + int(plan["all_experts"] * args.offloaded))
-        model = jmoe.load(path, **kw)
+        model = jmoe.load(path, **kw, **load_kw)
         print(f"{args.label}, {placement}:", flush=True)
         runs[placement] = measure(model, streams, args.tokens)
         del model
     write_result(f"serve_{args.label}",
-                 dict(model=args.label, tier=args.tier, new_tokens=args.tokens, runs=runs))
+                 dict(model=args.label, tier=args.tier, cpu_dot=args.cpu_dot, new_tokens=args.tokens, runs=runs))
 
 
 if __name__ == "__main__":

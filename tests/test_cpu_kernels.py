@@ -88,7 +88,7 @@ def _dense(w):
 @pytest.mark.parametrize("name", FORMATS)
 # (1, 600, 4200) and (4, 1100, 520): few rows split over K (not a whole number of groups) and a ragged last tile
 @pytest.mark.parametrize("m,k,n", [(1, 256, 128), (2, 2048, 1536), (3, 200, 100), (9, 768, 2048), (40, 96, 64),
-                                   (1, 600, 4200), (4, 1100, 520)])
+                                   (1, 600, 4200), (4, 1100, 520), (33, 2048, 1536)])
 def test_matmul_matches_float64(name, m, k, n):
     rng = np.random.default_rng(m * 1000 + k)
     w = _weight(rng, k, n, FORMATS[name])
@@ -230,10 +230,10 @@ def _groups_int8(x, group):
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (3, 200, 100), (5, 768, 2048), (9, 2880, 128), (40, 96, 64),
-                                   (1, 600, 4200), (4, 1100, 520)])
+                                   (1, 600, 4200), (4, 1100, 520), (33, 2048, 1536)])
 def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
-    """The int8 dot (integer VNNI sums for few rows, the float path for many or without VNNI) is x on
-    its per-group int8 grid times the weight; bf16 weights take x as it is."""
+    """The int8 dot (integer VNNI sums for any number of rows, prefill's too; the float path without
+    VNNI) is x on its per-group int8 grid times the weight; bf16 weights take x as it is."""
     rng = np.random.default_rng(m * 100 + k)
     w = _weight(rng, k, n, FORMATS[name])
     x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)
