@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
     serve.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those (then: 429)")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
+    serve.add_argument("--reader-timeout", type=float, default=30.0,
+                       help="seconds a request's output may wait unread (a client that stopped reading) before "
+                            "the request is cut off and its slot freed (default 30)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds after which a request ends wherever it is (finish reason 'length'; default: none)")
 
     chat = sub.add_parser("chat", help="chat with a converted model in the terminal")
     chat.add_argument("model", help="directory written by `jmoe convert`")
@@ -168,12 +173,17 @@ def cmd_serve(args) -> None:
         raise InputError(f"jmoe serve needs the serve extra: pip install 'jmoe[serve]' ({e})") from None
     max_batch = validate.integer("max_batch", args.max_batch, minimum=1)
     validate.integer("port", args.port, minimum=0, maximum=65535)
+    validate.real("reader_timeout", args.reader_timeout, above=0.0)
+    if args.request_timeout is not None:
+        validate.real("request_timeout", args.request_timeout, above=0.0)
     model = load_model(args, max_batch=max_batch)
     name = args.served_model_name or Path(args.model).resolve().name
     print("jmoe: compiling the serving steps", file=sys.stderr)
-    with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting, warm_up=True) as engine:
+    with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
+                     warm_up=True) as engine:
         print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({max_batch} at once)", file=sys.stderr)
-        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(engine, name, request_timeout=args.request_timeout), host=args.host, port=args.port,
+                    log_level="warning")
 
 
 def cmd_chat(args) -> None:

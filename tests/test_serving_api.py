@@ -130,7 +130,8 @@ BAD = [
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"stream_options": 3}, "stream_options"),
     ({"model": "gpt-9"}, "model"), ({"model": 7}, "model"), ({"prompt": ""}, "prompt"), ({"prompt": None}, "prompt"),
     ({"prompt": 42}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo"),
+    ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"echo": True}, "echo"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     (b"{not json", "JSON"), (b"[1, 2]", "object"), (b"x" * (MAX_BODY_BYTES + 1), "body"),
 ]
@@ -152,6 +153,48 @@ def test_bad_chat_messages_are_refused(served):
                               ([{"role": "user", "content": 5}], "content"), ([3], "messages[0]")):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=messages), timeout=30)
         assert response.status_code == 400 and culprit in response.json()["error"]["message"]
+    hello = [{"role": "user", "content": "Hi"}]
+    for extra, culprit in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 3}, "logprobs"),
+                           ({"logprobs": True, "top_logprobs": 50}, "top_logprobs")):
+        response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=hello, **extra), timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == culprit
+
+
+def test_logprobs_are_the_models_log_softmax(served):
+    """Completions' logprobs (whole) and chat's (streamed) against a teacher-forced forward pass of
+    the prompt and the answer: each token's logprob and its alternatives are the log-softmax of the
+    logits before it; greedy picks the most likely."""
+    import numpy as np
+
+    from jmoe.decoding.evaluate import forward
+
+    base, _, model = served
+    c = client(base)
+    whole = c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=8, temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert "".join(lp.tokens) == whole.choices[0].text and len(lp.token_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    prompt = model.tokenizer.encode(PROMPTS[4])
+    answer = model.tokenizer.encode(PROMPTS[4] + whole.choices[0].text)[len(prompt):]
+    logits = np.asarray(forward(model, prompt + answer), np.float64)
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    for j, (token, logprob, top) in enumerate(zip(answer, lp.token_logprobs, lp.top_logprobs)):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(logprob - row[token]) < 2e-3
+        assert len(top) == 3 and abs(max(top.values()) - logprob) < 1e-6  # greedy: the most likely token
+        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(row)[::-1][:3], abs=2e-3)
+    streamed = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=10,
+                                         temperature=0, stream=True, logprobs=True, top_logprobs=2,
+                                         stream_options={"include_usage": True})
+    content, entries, usage = "", [], None
+    for chunk in streamed:
+        usage = chunk.usage or usage
+        if chunk.choices and chunk.choices[0].logprobs:
+            entries += chunk.choices[0].logprobs.content
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+    assert len(entries) == usage.completion_tokens and "".join(e.token for e in entries) == content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in entries)
 
 
 def test_metrics_count_requests_tokens_and_latencies(served):

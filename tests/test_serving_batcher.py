@@ -129,3 +129,24 @@ def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(tiny_model):
         # the running row kept decoding while the long prompt went in, a chunk per step
         assert log.first_token_step[id(long)] - submitted_at_step >= 3
         assert running.text() != ""
+
+
+def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
+    import time
+
+    with BatchEngine(tiny_model, max_batch=2, context=1024, reader_timeout=0.5) as engine:
+        stalled = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=1000))
+        next(iter(stalled))  # one piece read, then no more
+        read = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=30, as_text=False, logprobs=2))
+        pairs = list(read.with_logprobs())  # a reader that keeps reading is not cut
+        assert read.finish_reason == "length" and len(pairs) == 30
+        assert all(len(lp) == 1 and lp[0].token == piece and len(lp[0].top) == 2 for piece, lp in pairs)
+        deadline = time.monotonic() + 60
+        while stalled.finish_reason is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stalled.finish_reason == "cancelled" and stalled.usage["completion_tokens"] < 1000
+        late = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=30, timeout=0.0))
+        assert late.text() == "" and late.finish_reason == "timeout"
+        with pytest.raises(InputError, match="logprobs"):
+            engine.submit(Request([5, 6], max_tokens=4, logprobs=21))
+        assert engine.running == 0

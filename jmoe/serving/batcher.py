@@ -36,7 +36,8 @@ from jmoe.decoding.sampling import SamplingOptions, greedy_tokens, prompt_histor
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")
+MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's bound)
 
 
 class QueueFull(Exception):
@@ -52,6 +53,18 @@ class Request:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stop: list[str] = field(default_factory=list)
     as_text: bool = True  # pieces are text deltas (else token ids)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    timeout: float | None = None  # seconds from submit after which the request ends ("timeout")
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (its logits before temperature and
+    filtering) and the `top` most likely tokens with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class Stream:
@@ -64,6 +77,7 @@ class Stream:
         self.error: str | None = None
         self.usage = dict(prompt_tokens=len(request.prompt), completion_tokens=0)
         self.submitted = self._last_token_at = time.perf_counter()
+        self.unread_since: float | None = None  # when the oldest piece the reader has not taken was put
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._events: queue.Queue = queue.Queue()
@@ -78,21 +92,31 @@ class Stream:
         return self._cancelled.is_set()
 
     def __iter__(self) -> Iterator:
+        return (piece for piece, _ in self.with_logprobs())
+
+    def with_logprobs(self) -> Iterator[tuple]:
+        """The pieces, each with the TokenLogprobs of the tokens it holds (empty unless the request
+        asked for logprobs)."""
         while not self._drained:
-            kind, value = self._events.get()
+            kind, value, logprobs = self._events.get()
             if kind == "done":
                 self._drained = True
                 return
-            yield value
+            # what is left was put before now: it has waited unread since then at the latest
+            self.unread_since = time.perf_counter() if self._events.qsize() else None
+            yield value, logprobs
 
     def text(self) -> str:
         """Everything (text requests): blocks until the request ends."""
         return "".join(self)
 
-    def _put(self, piece) -> None:
+    def _put(self, piece, logprobs: list | None = None) -> None:
+        now = time.perf_counter()
         if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self._events.put(("piece", piece))
+            self.first_token_at = now
+        if self.unread_since is None:
+            self.unread_since = now
+        self._events.put(("piece", piece, logprobs or []))
 
     def _since_last_token(self) -> float:
         """Seconds since this stream's previous token (or since it was submitted); resets the mark."""
@@ -102,7 +126,7 @@ class Stream:
 
     def _finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
-        self._events.put(("done", reason))
+        self._events.put(("done", reason, []))
 
 
 @dataclass
@@ -115,6 +139,12 @@ class _Row:
     clock: RequestClock
     token: int = 0  # the last token drawn, fed to the next step
     generated: int = 0
+    logprobs: list = field(default_factory=list)  # of tokens whose text has not gone out yet
+
+    def put(self, piece) -> None:
+        """A piece to the stream, with the logprobs of the tokens behind it."""
+        self.stream._put(piece, self.logprobs)
+        self.logprobs = []
 
     @property
     def plain_greedy(self) -> bool:
@@ -174,6 +204,28 @@ _row_jit = jax.jit(lambda logits, b: jax.lax.dynamic_slice_in_dim(logits, b, 1))
 _greedy_jit = jax.jit(greedy_tokens)
 
 
+@jax.jit
+def _logprobs_jit(logits, tokens):
+    """Per row: the log-probability of tokens[b] and the MAX_TOP_LOGPROBS most likely tokens with theirs."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
+    top, ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logprobs.shape[-1]))
+    return chosen, top, ids
+
+
+def token_logprobs(logits, tokens: dict[int, int], wanted: dict[int, int]) -> dict[int, TokenLogprob]:
+    """TokenLogprobs of the rows in `wanted` (row -> alternatives) for their drawn `tokens`, from a
+    step's logits [n, V]: one device call for every row."""
+    if not wanted:
+        return {}
+    drawn = np.zeros(logits.shape[0], np.int32)
+    for b, token in tokens.items():
+        drawn[b] = token
+    chosen, top, ids = (np.asarray(a) for a in _logprobs_jit(logits, drawn))
+    return {b: TokenLogprob(tokens[b], float(chosen[b]), [(int(i), float(v)) for i, v in zip(ids[b, :k], top[b, :k])])
+            for b, k in wanted.items()}
+
+
 class CompileCounter:
     """XLA compilations in this process since it started counting (jax's backend-compile events)."""
 
@@ -201,11 +253,14 @@ class BatchEngine:
 
     model: what jmoe.load returned. max_batch: slots (rows of the KV cache). max_waiting: the
     waiting queue's bound (submit raises QueueFull past it). context: tokens per slot (prompt and
-    output; default the model's max_seq_len).
+    output; default the model's max_seq_len). reader_timeout: seconds a running request's output
+    may wait unread before the request is cut off (default: no bound). A request's own `timeout`
+    ends it that long after submit, wherever it is.
     """
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
-                 prefill_per_step: int = PREFILL_CHUNK, warm_up: bool = False, observer=None):
+                 prefill_per_step: int = PREFILL_CHUNK, reader_timeout: float | None = None, warm_up: bool = False,
+                 observer=None):
         self.model = model
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
@@ -227,6 +282,10 @@ class BatchEngine:
         # prompt tokens prefilled between two decode steps, at most (at least one chunk): a long
         # prompt arriving does not stall the running streams for its whole prefill
         self.prefill_per_step = validate.integer("prefill_per_step", prefill_per_step, minimum=1)
+        # a running request whose reader has left output untaken this long is cut off ("cancelled"):
+        # a client that stops reading does not hold its slot until max_tokens
+        self.reader_timeout = None if reader_timeout is None else validate.real(
+            "reader_timeout", reader_timeout, minimum=0.0)
         self.steps = 0
         # told of every step (seconds, live rows), token (stream, seconds since its previous one or
         # since submit) and finished stream: how /metrics counts (jmoe/serving/metrics.py)
@@ -254,6 +313,7 @@ class BatchEngine:
                                     np.full(n, self.context, np.int32))
             _greedy_jit(logits)
             _row_jit(logits, np.int32(0))
+            _logprobs_jit(logits, np.zeros(n, np.int32))
             if n == self.max_batch:
                 break
             n = self.bucket(n + 1)
@@ -271,6 +331,10 @@ class BatchEngine:
             raise InputError(f"the prompt has {len(request.prompt)} tokens; a slot holds {self.context} "
                              "(leave room for output)")
         validate.integer("max_tokens", request.max_tokens, minimum=1)
+        if request.logprobs is not None:
+            validate.integer("logprobs", request.logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        if request.timeout is not None:
+            validate.real("timeout", request.timeout, minimum=0.0)
         request = dataclasses.replace(request, stop=stop_strings(request.stop))
         stream = Stream(request)
         with self._wake:
@@ -331,18 +395,35 @@ class BatchEngine:
                 self._end(self.waiting.popleft(), reason, error)
 
     def _drop_cancelled(self) -> None:
+        """End the requests that were cancelled, ran past their timeout, or whose reader stalled."""
+        now = time.perf_counter()
         for b, row in enumerate(self.rows):
-            if row is not None and row.stream.cancelled:
-                self._free(b, "cancelled")
-        for p in [p for p in self.prefilling if p.stream.cancelled]:
-            self.prefilling.remove(p)
-            self._end(p.stream, "cancelled")
+            if row is not None and (reason := self._ending(row.stream, now, running=True)):
+                self._free(b, reason)
+        for p in list(self.prefilling):
+            if reason := self._ending(p.stream, now):
+                self.prefilling.remove(p)
+                self._end(p.stream, reason)
         with self._wake:
-            kept = [s for s in self.waiting if not s.cancelled]
+            kept = deque()
             for s in self.waiting:
-                if s.cancelled:
-                    self._end(s, "cancelled")
-            self.waiting = deque(kept)
+                if reason := self._ending(s, now):
+                    self._end(s, reason)
+                else:
+                    kept.append(s)
+            self.waiting = kept
+
+    def _ending(self, stream: Stream, now: float, running: bool = False) -> str | None:
+        """Why `stream` should end now, if it should."""
+        if stream.cancelled:
+            return "cancelled"
+        timeout = stream.request.timeout
+        if timeout is not None and now - stream.submitted > timeout:
+            return "timeout"
+        if (running and self.reader_timeout is not None and stream.unread_since is not None
+                and now - stream.unread_since > self.reader_timeout):
+            return "cancelled"
+        return None
 
     def _compact(self) -> None:
         """Move the live rows to the front slots (in order), so a step runs only the first ones."""
@@ -382,7 +463,9 @@ class BatchEngine:
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
         text = RowText(model.tokenizer, request.stop) if request.as_text else None
         self.rows[b] = _Row(stream, sampler, text, prefill.clock)
-        self._emit(b, int(np.asarray(sampler(prefill.logits))[0]))
+        token = int(np.asarray(sampler(prefill.logits))[0])
+        logprob = token_logprobs(prefill.logits, {0: token}, self._wanted([self.rows[b]]))
+        self._emit(b, token, logprob.get(0))
 
     def bucket(self, live: int) -> int:
         """Rows a step runs for `live` live rows (compacted to the front): the smallest power of two
@@ -403,14 +486,24 @@ class BatchEngine:
         if self.observer is not None:
             self.observer.step(time.perf_counter() - started, self.running)
         greedy = np.asarray(_greedy_jit(logits)) if any(r is not None and r.plain_greedy for r in rows) else None
+        tokens = {}
         for b, row in enumerate(rows):
             if row is None:
                 continue
             self.pos[b] += 1
             if row.plain_greedy:
-                self._emit(b, int(greedy[b]))
+                tokens[b] = int(greedy[b])
             else:
-                self._emit(b, int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0]))
+                tokens[b] = int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0])
+        logprobs = token_logprobs(logits, tokens, self._wanted(rows))
+        for b, token in tokens.items():
+            self._emit(b, token, logprobs.get(b))
+
+    @staticmethod
+    def _wanted(rows) -> dict[int, int]:
+        """Row -> alternatives, for the rows whose requests ask for logprobs."""
+        return {b: row.stream.request.logprobs for b, row in enumerate(rows)
+                if row is not None and row.stream.request.logprobs is not None}
 
     def _run_step(self, tokens, pos, key_start):
         """The model's decode step over the first len(tokens) rows of the batch cache (taken out and
@@ -425,34 +518,43 @@ class BatchEngine:
         self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
         return logits
 
-    def _emit(self, b: int, token: int) -> None:
-        """Hand a row's new token to its stream, or end the row (EOS, stop string, limits)."""
+    def _emit(self, b: int, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Hand a row's new token (and its logprob, when asked for) to its stream, or end the row
+        (EOS, stop string, limits)."""
         row = self.rows[b]
         with self.model.lock:
             row.clock.tick(self.model.stats, 1)
         if self.observer is not None:
             self.observer.token(row.stream, row.stream._since_last_token())
         if token in self.eos:
-            if row.text is not None and (tail := row.text.flush()):
-                row.stream._put(tail)
+            self._flush(row)
             self._free(b, "stop")
             return
         row.token = token
         row.generated += 1
         row.stream.usage["completion_tokens"] = row.generated
+        if logprob is not None:
+            row.logprobs.append(logprob)
         if row.text is None:
-            row.stream._put(token)
+            row.put(token)
         else:
             delta = row.text.push(token)
             if delta:
-                row.stream._put(delta)
+                row.put(delta)
             if row.text.stopped:
+                self._flush(row)
                 self._free(b, "stop")
                 return
         if row.generated >= row.stream.request.max_tokens or self.pos[b] >= self.context:  # no slot to write it
-            if row.text is not None and (tail := row.text.flush()):
-                row.stream._put(tail)
+            self._flush(row)
             self._free(b, "length")
+
+    @staticmethod
+    def _flush(row: _Row) -> None:
+        """What a finishing row still holds back: text, and logprobs of tokens whose text is out."""
+        tail = row.text.flush() if row.text is not None else ""
+        if tail or row.logprobs:
+            row.put(tail)
 
     def _free(self, b: int, reason: str, error: str | None = None) -> None:
         row, self.rows[b] = self.rows[b], None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
-from jmoe.serving.batcher import BatchEngine, QueueFull, Request, Stream
+from jmoe.serving.batcher import MAX_TOP_LOGPROBS, BatchEngine, QueueFull, Request, Stream, TokenLogprob
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.metrics import EngineMetrics
 from jmoe.tokenizer import encode
@@ -25,7 +25,7 @@ MAX_N = 8  # completions per request (each takes a slot)
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 DEFAULT_MAX_TOKENS = 256
 # fields this server does not implement, and the value each may still take (it asks for nothing)
-UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None, "tools": None,
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None,
                "functions": None, "tool_choice": None, "response_format": None}
 
 
@@ -98,6 +98,7 @@ class Parsed:
     max_tokens: int
     sampling: SamplingOptions
     stop: list[str]
+    logprobs: int | None  # alternatives per token, None: no logprobs
 
 
 def parse_body(raw: bytes) -> dict:
@@ -153,7 +154,19 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool) -> Parsed:
     except InputError as e:
         raise ApiError(str(e)) from None
     return Parsed(prompt, _int(body, "n", 1, minimum=1, maximum=MAX_N), stream, include_usage, max_tokens,
-                  sampling, _stop(body))
+                  sampling, _stop(body), _logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs carry (None: no logprobs). Completions ask with
+    `logprobs: N`; chat with `logprobs: true` and `top_logprobs: N`."""
+    if not chat:
+        return _int(body, "logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _prompt(body: dict, model) -> list[int]:
@@ -206,20 +219,57 @@ def _usage(streams: list[Stream]) -> dict:
 
 
 def _finish(stream: Stream) -> str:
-    return "length" if stream.finish_reason == "length" else "stop"
+    return "length" if stream.finish_reason in ("length", "timeout") else "stop"
 
 
-def _choice(chat: bool, index: int, text: str, finish: str | None, delta: bool = False) -> dict:
+class LogprobFormat:
+    """TokenLogprobs in the OpenAI shapes: chat's `content` list, or completions' parallel lists
+    (`text_offset` counted from `offset`, the length of the text before them)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def __call__(self, entries: list[TokenLogprob], offset: int = 0) -> dict | None:
+        if not entries:
+            return None
+        if self.chat:
+            def item(token: int, logprob: float) -> dict:
+                text = self.text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+        tokens = [self.text(e.token) for e in entries]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def _choice(chat: bool, index: int, text: str, finish: str | None, delta: bool = False, logprobs=None) -> dict:
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if delta:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish}
 
 
-def create_app(engine: BatchEngine, model_name: str):
-    """The FastAPI application serving `engine`'s model as `model_name`."""
+def _collect(stream: Stream) -> tuple[str, list[TokenLogprob]]:
+    """A whole answer: its text and its tokens' logprobs (blocks until the request ends)."""
+    text, entries = [], []
+    for piece, logprobs in stream.with_logprobs():
+        text.append(piece)
+        entries.extend(logprobs)
+    return "".join(text), entries
+
+
+def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float | None = None):
+    """The FastAPI application serving `engine`'s model as `model_name`; a request still running
+    `request_timeout` seconds after it arrived ends there (finish reason "length")."""
     import anyio
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -258,7 +308,8 @@ def create_app(engine: BatchEngine, model_name: str):
                 if i:  # the n answers of one request differ by their seeds
                     sampling = SamplingOptions(sampling.temperature, sampling.top_k, sampling.top_p,
                                                sampling.repetition_penalty, (sampling.seed + i) % (MAX_SEED + 1))
-                streams.append(engine.submit(Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop)))
+                streams.append(engine.submit(Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop,
+                                                     logprobs=parsed.logprobs, timeout=request_timeout)))
         except QueueFull:
             for s in streams:
                 s.cancel()
@@ -288,19 +339,22 @@ def create_app(engine: BatchEngine, model_name: str):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
+        logprobs = LogprobFormat(model.tokenizer, chat)
         if not parsed.stream:
             try:
-                texts = [await run_in_threadpool(s.text) for s in streams]
+                answers = [await run_in_threadpool(_collect, s) for s in streams]
             finally:
                 for s in streams:
                     s.cancel()  # a no-op for finished ones; frees the slots if the client went away
             if failed := [s.error for s in streams if s.finish_reason == "error"]:
                 raise ApiError(f"the engine failed: {failed[0]}", status=500, kind="server_error")
-            return {**head, "choices": [_choice(chat, i, t, _finish(s)) for i, (t, s) in enumerate(zip(texts, streams))],
+            return {**head, "choices": [_choice(chat, i, text, _finish(s), logprobs=logprobs(entries))
+                                        for i, ((text, entries), s) in enumerate(zip(answers, streams))],
                     "usage": _usage(streams)}
-        return StreamingResponse(_events(head, streams, chat, parsed.include_usage), media_type="text/event-stream")
+        return StreamingResponse(_events(head, streams, chat, parsed.include_usage, logprobs),
+                                 media_type="text/event-stream")
 
-    async def _events(head: dict, streams: list[Stream], chat: bool, include_usage: bool):
+    async def _events(head: dict, streams: list[Stream], chat: bool, include_usage: bool, logprobs: LogprobFormat):
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def event(choices, usage=None) -> str:
@@ -316,25 +370,27 @@ def create_app(engine: BatchEngine, model_name: str):
             send, receive = anyio.create_memory_object_stream(64)
 
             async def pump(i: int, stream: Stream):
-                iterator = iter(stream)
+                iterator = stream.with_logprobs()
                 # a cancelled wait (the client went away) leaves its thread, which the stream's
                 # cancel below ends at the next step
-                while (piece := await anyio.to_thread.run_sync(next, iterator, None, abandon_on_cancel=True)) is not None:
-                    await send.send((i, piece))
-                await send.send((i, None))
+                while (item := await anyio.to_thread.run_sync(next, iterator, None, abandon_on_cancel=True)) is not None:
+                    await send.send((i, *item))
+                await send.send((i, None, []))
 
+            sent = [0] * len(streams)  # text so far per choice: completions' text offsets
             async with anyio.create_task_group() as tasks:
                 for i, s in enumerate(streams):
                     tasks.start_soon(pump, i, s)
                 open_streams = len(streams)
-                async for i, piece in receive:
+                async for i, piece, entries in receive:
                     if piece is None:
                         yield event([_choice(chat, i, "", _finish(streams[i]), delta=True)])
                         open_streams -= 1
                         if not open_streams:
                             break
                     else:
-                        yield event([_choice(chat, i, piece, None, delta=True)])
+                        yield event([_choice(chat, i, piece, None, delta=True, logprobs=logprobs(entries, sent[i]))])
+                        sent[i] += len(piece)
             if include_usage:
                 yield f"data: {json.dumps({**chunk_head, 'choices': [], 'usage': _usage(streams)})}\n\n"
             yield "data: [DONE]\n\n"
