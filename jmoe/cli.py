@@ -51,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--speculative", default=None, metavar="TIER",
-                     help="speculative decoding with the model's own copy at TIER (int4, int2) as the draft")
-    gen.add_argument("--draft-k", type=int, default=None, help="tokens drafted per cycle (default: chosen per cycle)")
+    add_speculative_options(gen, "default: chosen per cycle")
     gen.add_argument("--stats", action="store_true", help="print offload statistics (JSON) to stderr at the end")
 
     serve = sub.add_parser("serve", help="serve a converted model over an OpenAI-compatible HTTP API")
@@ -63,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
     serve.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those (then: 429)")
+    add_speculative_options(serve, "default 3")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
     serve.add_argument("--reader-timeout", type=float, default=30.0,
                        help="seconds a request's output may wait unread (a client that stopped reading) before "
@@ -113,6 +112,12 @@ def add_model_options(p) -> None:
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
+
+
+def add_speculative_options(p, k_default: str) -> None:
+    p.add_argument("--speculative", default=None, metavar="TIER",
+                   help="speculative decoding with the model's own copy at TIER (int4, int2) as the draft")
+    p.add_argument("--draft-k", type=int, default=None, help=f"tokens drafted per cycle ({k_default})")
 
 
 def load_model(args, **extra):
@@ -176,10 +181,12 @@ def cmd_serve(args) -> None:
     validate.real("reader_timeout", args.reader_timeout, above=0.0)
     if args.request_timeout is not None:
         validate.real("request_timeout", args.request_timeout, above=0.0)
-    model = load_model(args, max_batch=max_batch)
+    speculative = cli_speculative(args)
+    model = load_model(args, max_batch=max_batch, draft=speculative.draft if speculative else None)
     name = args.served_model_name or Path(args.model).resolve().name
     print("jmoe: compiling the serving steps", file=sys.stderr)
     with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
+                     speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),
                      warm_up=True) as engine:
         print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({max_batch} at once)", file=sys.stderr)
         uvicorn.run(create_app(engine, name, request_timeout=args.request_timeout), host=args.host, port=args.port,

@@ -150,3 +150,4 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
         with pytest.raises(InputError, match="logprobs"):
             engine.submit(Request([5, 6], max_tokens=4, logprobs=21))
         assert engine.running == 0
+

@@ -247,3 +247,28 @@ def test_governor_stops_drafting_when_it_cannot_pay():
         choices.append(k)
         g.update(k, np.array([min(k, 3)]), draft_s=k * 0.01, verify_s=0.01, missing_bytes=0)
     assert choices.count(0) >= 28 and max(choices) >= 1  # plain steps, with a look at drafting now and then
+
+
+def test_the_serving_engine_speculates_with_the_same_texts(three_tiers, plain_greedy):
+    """jmoe serve --speculative: greedy rows keep what the target agrees with (the plain greedy
+    tokens), a sampled row draws from the verification's first position (its seeded tokens), and
+    logprobs come from the verification's logits; drafts were accepted."""
+    from jmoe.serving import BatchEngine, Request
+    from jmoe.serving.batcher import CompileCounter
+
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", max_seq_len=128, max_batch=4)
+    prompts = [PROMPT, PROMPT[3:], PROMPT[::-1], [9, 8, 7, 6, 5]]
+    alone = [jmoe.generate(model, p, max_new_tokens=NEW) for p in prompts[1:]]
+    sampled = jmoe.generate(model, PROMPT, max_new_tokens=NEW, temperature=0.9, top_k=40, seed=7)
+    with BatchEngine(model, max_batch=4, context=128, speculative=dict(draft="int4", k=3), warm_up=True) as engine:
+        compiled = CompileCounter.count()
+        streams = [engine.submit(Request(p, NEW, as_text=False, logprobs=1)) for p in prompts]
+        streams.append(engine.submit(Request(PROMPT, NEW, SamplingOptions(temperature=0.9, top_k=40, seed=7),
+                                             as_text=False)))
+        pairs = [list(s.with_logprobs()) for s in streams]
+        assert CompileCounter.count() == compiled  # warm-up compiled the draft and verification shapes too
+    assert [p for p, _ in pairs[0]] == plain_greedy
+    assert [[p for p, _ in row] for row in pairs[1:4]] == alone
+    assert [p for p, _ in pairs[4]] == sampled
+    assert all(lp[0].token == p and lp[0].top[0][0] == p for row in pairs[:4] for p, lp in row)  # greedy: likeliest
+    assert model.stats.spec.accepted > 0

@@ -33,10 +33,12 @@ from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.decoding.generation import RowText, Sampler, stop_strings
 from jmoe.decoding.sampling import SamplingOptions, greedy_tokens, prompt_history
+from jmoe.decoding.speculative import SpeculativeOptions, padded
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")
+DEFAULT_ENGINE_DRAFT_K = 3  # drafted tokens per cycle when speculative k is "auto" (a fixed k: few shapes)
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's bound)
 
 
@@ -255,12 +257,13 @@ class BatchEngine:
     waiting queue's bound (submit raises QueueFull past it). context: tokens per slot (prompt and
     output; default the model's max_seq_len). reader_timeout: seconds a running request's output
     may wait unread before the request is cut off (default: no bound). A request's own `timeout`
-    ends it that long after submit, wherever it is.
+    ends it that long after submit, wherever it is. speculative: as jmoe.generate's (a draft tier or
+    dict(draft=..., k=...)); the engine drafts a fixed k per cycle (default 3 for "auto").
     """
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
-                 prefill_per_step: int = PREFILL_CHUNK, reader_timeout: float | None = None, warm_up: bool = False,
-                 observer=None):
+                 prefill_per_step: int = PREFILL_CHUNK, reader_timeout: float | None = None, speculative=None,
+                 warm_up: bool = False, observer=None):
         self.model = model
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
@@ -286,6 +289,12 @@ class BatchEngine:
         # a client that stops reading does not hold its slot until max_tokens
         self.reader_timeout = None if reader_timeout is None else validate.real(
             "reader_timeout", reader_timeout, minimum=0.0)
+        # speculative decoding (jmoe/decoding/speculative.py): a cycle drafts k tokens per row with
+        # the model's low-precision copy and verifies them in one pass; greedy rows keep the prefix
+        # the target agrees with, other rows draw one token from the verification's first position
+        options = SpeculativeOptions.parse(speculative)
+        self.draft = model.draft(options.draft) if options else None
+        self.draft_k = (options.k or DEFAULT_ENGINE_DRAFT_K) if options else 0
         self.steps = 0
         # told of every step (seconds, live rows), token (stream, seconds since its previous one or
         # since submit) and finished stream: how /metrics counts (jmoe/serving/metrics.py)
@@ -314,12 +323,23 @@ class BatchEngine:
             _greedy_jit(logits)
             _row_jit(logits, np.int32(0))
             _logprobs_jit(logits, np.zeros(n, np.int32))
+            if self.draft is not None:
+                self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
+                               np.full(n, self.context, np.int32), residency=self.draft)
+                for width in sorted({2, padded(np.zeros((1, self.draft_k + 1)), self.context).shape[1]}):
+                    verify = self._run_step(np.full((n, width), self.pad, np.int32), np.zeros(n, np.int32),
+                                            np.full(n, self.context, np.int32), last_only=False, phase="verify")
+                    _greedy_jit(verify)
+                    _row_jit(verify[:, 0], np.int32(0))
+                    _logprobs_jit(verify.reshape(-1, verify.shape[-1]), np.zeros(n * width, np.int32))
             if n == self.max_batch:
                 break
             n = self.bucket(n + 1)
         vocab = self.model.config.vocab_size
         for sampling in (SamplingOptions(), SamplingOptions(temperature=1.0)):  # a penalised and a sampled draw
-            Sampler(self.model.engine, sampling, np.zeros((1, vocab), bool))(_row_jit(logits, np.int32(0)))
+            sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), bool))
+            for _ in range(2):  # the first draw takes host arrays, later ones the device's it returned
+                sampler(_row_jit(logits, np.int32(0)))
 
     # ------------------------------------------------------------------ public
 
@@ -376,7 +396,7 @@ class BatchEngine:
                 self._drop_cancelled()
                 self._admit()
                 if self.running:
-                    self._step()
+                    self._speculative_step() if self.draft is not None else self._step()
         except Exception as error:  # noqa: BLE001 - every request learns why, none hangs
             self._fail_all(f"{type(error).__name__}: {error}")
             raise
@@ -505,13 +525,66 @@ class BatchEngine:
         return {b: row.stream.request.logprobs for b, row in enumerate(rows)
                 if row is not None and row.stream.request.logprobs is not None}
 
-    def _run_step(self, tokens, pos, key_start):
-        """The model's decode step over the first len(tokens) rows of the batch cache (taken out and
-        written back when they are not all of it), settled: logits [n, V]."""
+    def _speculative_step(self) -> None:
+        """One speculative cycle over the first bucket(live) slots: the draft decodes k tokens per
+        row, the target verifies them with each row's last token in one pass, and each row emits
+        what it keeps (a plain step when no row is plain greedy or there is no room to draft)."""
+        self._compact()
+        n = self.bucket(self.running)
+        rows = self.rows[:n]
+        live = np.asarray([r is not None for r in rows])
+        greedy = [b for b, r in enumerate(rows) if r is not None and r.plain_greedy]
+        pos = np.where(live, self.pos[:n], 0).astype(np.int32)
+        need = max(r.stream.request.max_tokens - r.generated for r in rows if r is not None)
+        k = min(self.draft_k, self.context - 1 - int(pos[live].max()), need - 1)
+        if not greedy or k <= 0:
+            return self._step()
+        started = time.perf_counter()
+        key_start = self.key_start[:n].copy()
+        token = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
+        drafts = []
+        for j in range(k):
+            token = np.asarray(_greedy_jit(self._run_step(token, pos + j, key_start, residency=self.draft)), np.int32)
+            drafts.append(token)
+        block = np.stack([[r.token if r is not None else self.pad for r in rows], *drafts], axis=1).astype(np.int32)
+        block = padded(block, self.context - int(pos.max()))
+        verify = self._run_step(block, pos, key_start, last_only=False, phase="verify")  # [n, W, V]
+        picks = np.asarray(_greedy_jit(verify))  # [n, W]
+        self.steps += 1
+        if self.observer is not None:
+            self.observer.step(time.perf_counter() - started, self.running)
+        emitted, accepted = {}, []
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            if row.plain_greedy:
+                kept = 0
+                while kept < k and picks[b, kept] == block[b, kept + 1]:
+                    kept += 1
+                accepted.append(kept)
+                emitted[b] = [int(t) for t in block[b, 1:kept + 1]] + [int(picks[b, kept])]
+            else:
+                emitted[b] = [int(np.asarray(row.sampler(_row_jit(verify[:, 0], np.int32(b))))[0])]
+        self.model.stats.spec.count(k, np.asarray(accepted))
+        width = verify.shape[1]
+        flat = {b * width + j: t for b, tokens in emitted.items() for j, t in enumerate(tokens)}
+        wanted = {b * width + j: k_top for b, k_top in self._wanted(rows).items() for j in range(len(emitted[b]))}
+        logprobs = token_logprobs(verify.reshape(n * width, -1), flat, wanted)
+        for b, tokens in emitted.items():
+            for j, t in enumerate(tokens):
+                if self.rows[b] is None:  # ended on an earlier token of its block
+                    break
+                self.pos[b] += 1
+                self._emit(b, t, logprobs.get(b * width + j))
+
+    def _run_step(self, tokens, pos, key_start, *, residency=None, last_only: bool = True, phase: str = "decode"):
+        """The model's step over the first len(tokens) rows of the batch cache (taken out and written
+        back when they are not all of it), settled: logits [n, V] (a decode step: tokens [n]), or
+        [n, T, V] with last_only=False (tokens [n, T]). `residency`: the draft's experts."""
         n = len(tokens)
         cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
-        logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, key_start, last_only=True,
-                                                 phase="decode", defer=True)
+        logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, key_start, last_only=last_only,
+                                                 phase=phase, residency=residency, defer=True)
         if pending is not None:
             corrected, cache = self.model.settle(pending, cache)
             logits = logits if corrected is None else corrected
