@@ -1,5 +1,5 @@
 """A bounded load test of `jmoe serve`: many concurrent clients with random prompt and answer
-lengths, streamed or whole, some hanging up mid-stream, for a fixed time. Afterwards every slot
+lengths, streamed or whole, some asking for logprobs, some hanging up mid-stream, for a fixed time. Afterwards every slot
 must be free, the offload cache's bookkeeping intact (cache.check()), the device budget held, and
 the server still answering as `jmoe.generate` does; the process's RSS is sampled throughout.
 
@@ -47,6 +47,8 @@ def drive(base: str, model_name: str, *, seconds: float, streams: int, seed: int
                 start = rng.randrange(0, len(text) - 400)
                 body = dict(model=model_name, prompt=text[start:start + rng.randrange(8, 300)],
                             max_tokens=rng.randrange(1, 48), temperature=rng.choice([0, 0.8]), seed=rng.randrange(1000))
+                if rng.random() < 0.2:  # some ask for log-probabilities too
+                    body["logprobs"] = rng.randrange(0, 6)
                 stream = rng.random() < 0.6
                 hang_up = stream and rng.random() < 0.3
                 try:
@@ -111,7 +113,8 @@ def serve_and_drive(model, name: str, *, seconds: float, streams: int, max_batch
     from jmoe.serving.batcher import BatchEngine
     from jmoe.serving.openai_api import create_app
 
-    engine = BatchEngine(model, max_batch=max_batch, max_waiting=4 * streams, context=512, warm_up=True)
+    engine = BatchEngine(model, max_batch=max_batch, max_waiting=4 * streams, context=512, reader_timeout=30.0,
+                         warm_up=True)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name), host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -123,6 +123,25 @@ def test_named_policies_and_their_options_are_checked():
         make_policy("lru", "int4", r=0.5)
 
 
+@pytest.mark.parametrize("policy", ["dymoe-r1", "dynaexq", "dymoe"])
+def test_the_serving_engine_runs_the_precision_policies(int4_int2, uniform_int4, policy):
+    """Four requests through three rows of jmoe serve's engine: where a policy runs every expert at
+    hi (DyMoE with r = 1, DynaExq with room for all), each answer is the uniform-int4 one; DyMoE's
+    default mix runs some experts at int2 and every request still completes."""
+    from jmoe.serving import BatchEngine, Request
+
+    made = {"dymoe-r1": DyMoE(r=1.0), "dynaexq": DynaExq(), "dymoe": DyMoE()}[policy]
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=made, max_seq_len=128, max_batch=3)
+    with BatchEngine(model, max_batch=3, context=128) as engine:
+        streams = [engine.submit(Request(list(IDS), 16, as_text=False)) for _ in range(4)]
+        outputs = [list(s) for s in streams]
+    if policy == "dymoe":
+        assert all(len(o) == 16 and s.finish_reason == "length" for o, s in zip(outputs, streams))
+        assert jmoe.stats(model)["uses_by_tier"]["int2"] > 0
+    else:
+        assert outputs == [uniform_int4] * 4
+
+
 # ---------------------------------------------------------------- DynaExq
 
 

@@ -151,3 +151,17 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
             engine.submit(Request([5, 6], max_tokens=4, logprobs=21))
         assert engine.running == 0
 
+
+
+@pytest.mark.parametrize("policy, execution", [("lru+cpu", "auto"), ("lru", "layerwise"), ("lru+prefetch", "resident")])
+def test_offloaded_policies_and_execution_paths_serve_what_generate_gives(tiny_converted, policy, execution):
+    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=128, max_batch=2)
+    budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3
+    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget, policy=policy,
+                      execution=execution, max_seq_len=128, max_batch=2)
+    alone = [jmoe.generate(model, p, max_new_tokens=12) for p in PROMPTS[:3]]
+    with BatchEngine(model, max_batch=2, context=128) as engine:  # three requests through two rows
+        texts = [s.text() for s in [engine.submit(Request(encode(model, p), max_tokens=12)) for p in PROMPTS[:3]]]
+    assert texts == alone
+    model.residency.cache.check()
+    assert jmoe.stats(model)["peak_resident_expert_bytes"] <= model.memory["experts"]

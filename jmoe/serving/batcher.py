@@ -10,8 +10,11 @@ padding (its key start past its position), so it attends to nothing and routes t
 
 Each request samples with its own key and history, as `jmoe.generate` of that prompt alone would:
 greedy output is the same whatever else is in the batch, sampled output the same for a seed. A
-row leaves on EOS, a stop string, its token limit, the context's end, or a cancel (a client that
-went away), and its slot is free for the next step.
+row leaves on EOS, a stop string, its token limit, the context's end, its timeout, a cancel (a
+client that went away) or a reader that left its output untaken too long, and its slot is free for
+the next step. Log-probabilities, when asked for, come from the same step's logits in one device
+call for all rows. With a speculative draft each step is a cycle: k drafted tokens per row, one
+verification pass, and each greedy row keeps what the target agrees with.
 """
 
 from __future__ import annotations
