@@ -256,11 +256,11 @@ def test_the_serving_engine_speculates_with_the_same_texts(three_tiers, plain_gr
     from jmoe.serving import BatchEngine, Request
     from jmoe.serving.batcher import CompileCounter
 
-    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", max_seq_len=128, max_batch=4)
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", max_seq_len=128, max_batch=2)
     prompts = [PROMPT, PROMPT[3:], PROMPT[::-1], [9, 8, 7, 6, 5]]
     alone = [jmoe.generate(model, p, max_new_tokens=NEW) for p in prompts[1:]]
     sampled = jmoe.generate(model, PROMPT, max_new_tokens=NEW, temperature=0.9, top_k=40, seed=7)
-    with BatchEngine(model, max_batch=4, context=128, speculative=dict(draft="int4", k=3), warm_up=True) as engine:
+    with BatchEngine(model, max_batch=2, context=128, speculative=dict(draft="int4", k=3), warm_up=True) as engine:
         compiled = CompileCounter.count()
         streams = [engine.submit(Request(p, NEW, as_text=False, logprobs=1)) for p in prompts]
         streams.append(engine.submit(Request(PROMPT, NEW, SamplingOptions(temperature=0.9, top_k=40, seed=7),
