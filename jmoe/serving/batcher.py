@@ -158,6 +158,17 @@ class _Row:
         return sampling.greedy and sampling.repetition_penalty == 1.0
 
 
+@dataclass
+class _Dispatched:
+    """A decode step on its way: its logits (not yet read back), the rows by slot it ran for, their
+    positions, and when it started."""
+
+    logits: jax.Array
+    rows: list
+    pos: np.ndarray
+    started: float
+
+
 class _Prefill:
     """A waiting request's prompt on its way in: prefilled alone, a chunk per advance() (the chunks
     Decoder.prefill takes), so a long prompt shares the engine's time with the running rows."""
@@ -299,6 +310,7 @@ class BatchEngine:
         self.draft = model.draft(options.draft) if options else None
         self.draft_k = (options.k or DEFAULT_ENGINE_DRAFT_K) if options else 0
         self.steps = 0
+        self._inflight: _Dispatched | None = None  # a step dispatched ahead of reading the last one back
         # told of every step (seconds, live rows), token (stream, seconds since its previous one or
         # since submit) and finished stream: how /metrics counts (jmoe/serving/metrics.py)
         self.observer = observer
@@ -323,7 +335,8 @@ class BatchEngine:
         while True:
             logits = self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
                                     np.full(n, self.context, np.int32))
-            _greedy_jit(logits)
+            # the next step dispatched from this one's tokens still on the device (_step's overlap)
+            self._run_step(_greedy_jit(logits), np.zeros(n, np.int32), np.full(n, self.context, np.int32))
             _row_jit(logits, np.int32(0))
             _logprobs_jit(logits, np.zeros(n, np.int32))
             if self.draft is not None:
@@ -497,30 +510,56 @@ class BatchEngine:
 
     def _step(self) -> None:
         """One decode step of the first bucket(live) slots (free ones as padding), then each live
-        row's next token."""
+        row's next token. Where every row of the step is plain greedy, the next step is dispatched
+        with the step's argmax tokens while they are still on the device, before this step's tokens
+        are read back and handed out: the host's work overlaps the device's."""
         self._compact()
-        started = time.perf_counter()
-        n = self.bucket(self.running)
-        rows = self.rows[:n]
-        tokens = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
-        pos = np.where([r is not None for r in rows], self.pos[:n], 0).astype(np.int32)
-        logits = self._run_step(tokens, pos, self.key_start[:n].copy())
+        step, self._inflight = self._inflight, None
+        if step is None:
+            n = self.bucket(self.running)
+            rows = self.rows[:n]
+            tokens = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
+            step = self._dispatch(tokens, rows, np.where([r is not None for r in rows], self.pos[:n], 0))
+        rows = step.rows
+        greedy = _greedy_jit(step.logits) if any(r is not None and r.plain_greedy for r in rows) else None
+        if greedy is not None and self._can_overlap(step):
+            live = np.asarray([r is not None for r in rows])
+            self._inflight = self._dispatch(greedy, rows, np.where(live, step.pos + 1, 0))
         self.steps += 1
         if self.observer is not None:
-            self.observer.step(time.perf_counter() - started, self.running)
-        greedy = np.asarray(_greedy_jit(logits)) if any(r is not None and r.plain_greedy for r in rows) else None
+            self.observer.step(time.perf_counter() - step.started, self.running)
+        greedy = None if greedy is None else np.asarray(greedy)
+        slot = {id(r): b for b, r in enumerate(self.rows) if r is not None}  # rows may have moved since dispatch
         tokens = {}
-        for b, row in enumerate(rows):
-            if row is None:
+        for i, row in enumerate(rows):
+            if row is None or slot.get(id(row)) is None:  # padding, or a row that ended meanwhile
                 continue
-            self.pos[b] += 1
+            self.pos[slot[id(row)]] += 1
             if row.plain_greedy:
-                tokens[b] = int(greedy[b])
+                tokens[i] = int(greedy[i])
             else:
-                tokens[b] = int(np.asarray(row.sampler(_row_jit(logits, np.int32(b))))[0])
-        logprobs = token_logprobs(logits, tokens, self._wanted(rows))
-        for b, token in tokens.items():
-            self._emit(b, token, logprobs.get(b))
+                tokens[i] = int(np.asarray(row.sampler(_row_jit(step.logits, np.int32(i))))[0])
+        logprobs = token_logprobs(step.logits, tokens, self._wanted(rows))
+        for i, token in tokens.items():
+            self._emit(slot[id(rows[i])], token, logprobs.get(i))
+        if self.running == 0:
+            self._inflight = None  # every row it ran for has ended
+
+    def _dispatch(self, tokens, rows: list, pos) -> "_Dispatched":
+        """Start a decode step of slots [0, len(rows)) (rows: who is in each, None for padding)."""
+        started = time.perf_counter()
+        n = len(rows)
+        logits = self._run_step(tokens, np.asarray(pos, np.int32), self.key_start[:n].copy())
+        return _Dispatched(logits, list(rows), np.asarray(pos, np.int32), started)
+
+    def _can_overlap(self, step: "_Dispatched") -> bool:
+        """Whether the step after `step` may start before its tokens are read back: the same rows in
+        the same slots, nothing else running, all plain greedy, room for one more token each, and no
+        speculative cycles (they draft from host tokens)."""
+        live = [r for r in step.rows if r is not None]
+        return (self.draft is None and all(r.plain_greedy for r in live) and len(live) == self.running
+                and all(a is b for a, b in zip(self.rows, step.rows))
+                and bool((step.pos[[r is not None for r in step.rows]] + 1 < self.context).all()))
 
     @staticmethod
     def _wanted(rows) -> dict[int, int]:
