@@ -138,8 +138,10 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
         stalled = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=1000))
         next(iter(stalled))  # one piece read, then no more
         read = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=30, as_text=False, logprobs=2))
+        short = engine.submit(Request(encode(tiny_model, PROMPTS[3]), max_tokens=3, logprobs=0))
         pairs = list(read.with_logprobs())  # a reader that keeps reading is not cut
         assert read.finish_reason == "length" and len(pairs) == 30
+        assert short.finish_reason == "length" and short.usage["completion_tokens"] == 3
         assert all(len(lp) == 1 and lp[0].token == piece and len(lp[0].top) == 2 for piece, lp in pairs)
         deadline = time.monotonic() + 60
         while stalled.finish_reason is None and time.monotonic() < deadline:

@@ -539,7 +539,8 @@ class BatchEngine:
                 tokens[i] = int(greedy[i])
             else:
                 tokens[i] = int(np.asarray(row.sampler(_row_jit(step.logits, np.int32(i))))[0])
-        logprobs = token_logprobs(step.logits, tokens, self._wanted(rows))
+        wanted = {i: k for i, k in self._wanted(rows).items() if i in tokens}  # not rows that ended meanwhile
+        logprobs = token_logprobs(step.logits, tokens, wanted)
         for i, token in tokens.items():
             self._emit(slot[id(rows[i])], token, logprobs.get(i))
         if self.running == 0:
