@@ -107,12 +107,11 @@ def main(argv=None) -> None:
     runs = {}
     for placement in ["resident"] + (["offloaded"] if args.offloaded else []):
         kw = dict(tier=args.tier, max_seq_len=256, max_batch=max(streams))
-        load_kw = dict(cpu_dot=args.cpu_dot) if args.cpu_dot != "float" else {}
         if placement == "offloaded":
             plan = jmoe.memory_plan(path, **kw)
             kw["device_budget"] = (plan["dense"] + plan["kv_cache"] + plan["workspace"]
                                    + int(plan["all_experts"] * args.offloaded))
-        model = jmoe.load(path, **kw, **load_kw)
+        model = jmoe.load(path, **kw, cpu_dot=args.cpu_dot)
         print(f"{args.label}, {placement}:", flush=True)
         runs[placement] = measure(model, streams, args.tokens)
         del model

@@ -1,7 +1,8 @@
 """A bounded load test of `jmoe serve`: many concurrent clients with random prompt and answer
-lengths, streamed or whole, some asking for logprobs, some hanging up mid-stream, for a fixed time. Afterwards every slot
-must be free, the offload cache's bookkeeping intact (cache.check()), the device budget held, and
-the server still answering as `jmoe.generate` does; the process's RSS is sampled throughout.
+lengths, streamed or whole, some asking for logprobs, some hanging up mid-stream, for a fixed
+time. Afterwards every slot must be free, the offload cache's bookkeeping intact (cache.check()),
+the device budget held, and the server still answering as `jmoe.generate` does; the process's RSS
+is sampled throughout.
 
     python -m bench.serve_load [--seconds 120] [--streams 32] [--max-batch 8]
 

@@ -584,12 +584,12 @@ class BatchEngine:
             return self._step()
         started = time.perf_counter()
         key_start = self.key_start[:n].copy()
-        token = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
-        drafts = []
+        last = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
+        drafts = [last]
         for j in range(k):
-            token = np.asarray(_greedy_jit(self._run_step(token, pos + j, key_start, residency=self.draft)), np.int32)
-            drafts.append(token)
-        block = np.stack([[r.token if r is not None else self.pad for r in rows], *drafts], axis=1).astype(np.int32)
+            drafts.append(np.asarray(_greedy_jit(self._run_step(drafts[-1], pos + j, key_start, residency=self.draft)),
+                                     np.int32))
+        block = np.stack(drafts, axis=1)  # [n, k + 1]: each row's last token, then its drafts
         block = padded(block, self.context - int(pos.max()))
         verify = self._run_step(block, pos, key_start, last_only=False, phase="verify")  # [n, W, V]
         picks = np.asarray(_greedy_jit(verify))  # [n, W]

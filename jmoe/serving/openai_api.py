@@ -12,6 +12,7 @@ import json  # (no postponed annotations: FastAPI reads the endpoints' annotatio
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate
 
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
@@ -243,7 +244,7 @@ class LogprobFormat:
             return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                                 for e in entries]}
         tokens = [self.text(e.token) for e in entries]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=offset))
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
