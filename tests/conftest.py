@@ -7,6 +7,11 @@ from pathlib import Path
 import jax
 import pytest
 
+# Eight CPU devices (before any backend starts), for the expert-parallel tests' meshes; everything
+# else runs on the first, as on a one-device machine.
+TEST_CPU_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", TEST_CPU_DEVICES)
+
 # The suite neither reads nor fills the user's persistent compilation cache (jmoe/runtime/compile_cache.py);
 # tests of the cache give their own directory.
 os.environ["JMOE_COMPILATION_CACHE"] = "off"

@@ -188,7 +188,7 @@ def test_promotion_replaces_and_lower_requests_reuse(two_tier_store, two_tier_ho
     assert cache.request(key, "int4") == "started"  # a higher tier is a miss
     assert cache.code_of(key) == TIER_CODES["int2"]  # the old version stays published until the copy lands
     cache.settle()
-    assert cache.code_of(key) == TIER_CODES["int4"] and len(cache.free["int2"]) == 2  # promoted, int2 slot freed
+    assert cache.code_of(key) == TIER_CODES["int4"] and len(cache.free["int2"][0]) == 2  # promoted, int2 slot freed
     assert cache.request(key, "int2") == "hit"  # a lower tier reuses the higher version
     cache.check()
     # the slot really holds the int4 record

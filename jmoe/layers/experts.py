@@ -22,6 +22,8 @@ import numpy as np
 
 from cpu_kernels import routed_expert_ffn
 from jmoe.config import ModelConfig
+from jmoe.distributed.expert_parallel import expert_parallel_sum
+from jmoe.distributed.mesh import ExpertParallel
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn, expert_ffn_tiers
@@ -93,6 +95,7 @@ class LayerExperts:
     backend: str | None = field(default=None, metadata=dict(static=True))
     group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
     int8_dot: bool = field(default=False, metadata=dict(static=True))  # the CPU kernels' int8 dot
+    ep: ExpertParallel | None = field(default=None, metadata=dict(static=True))  # experts over a mesh's ep axis
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +111,7 @@ class ExpertState:
     backend: str | None = field(default=None, metadata=dict(static=True))
     group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
     int8_dot: bool = field(default=False, metadata=dict(static=True))
+    ep: ExpertParallel | None = field(default=None, metadata=dict(static=True))  # experts over a mesh's ep axis
 
     def for_phase(self, phase: str) -> "ExpertState":
         """Verification steps group every assignment by expert (each expert read once)."""
@@ -125,7 +129,7 @@ class ExpertState:
         sel = self.selection
         return LayerExperts({t: s[moe_index] for t, s in self.slots.items()}, self.pools, sel.hi[moe_index],
                             sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend, self.group_rows,
-                            self.int8_dot)
+                            self.int8_dot, self.ep)
 
 
 class BlockLayout(NamedTuple):
@@ -269,9 +273,26 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
     """Weighted sum of each token's top-k experts, each at its chosen tier (0: left out).
 
     h [N, D], routing.ids/weights and chosen [N, k], token_valid [N] -> [N, D] in h's dtype.
-    activation: the model's gated activation (`expert_activation(cfg)`).
+    activation: the model's gated activation (`expert_activation(cfg)`). With layer.ep, each shard
+    of the mesh's ep axis runs its own experts and the float32 partial sums are added (psum).
     """
     num_experts = layer.hi.shape[0]
+
+    def local_sum(h, ids, weights, chosen, token_valid, slots, pools):
+        local = dataclasses.replace(layer, slots=slots, pools=pools, ep=None)
+        return _routed_sum(h, Routing(ids, weights), chosen, token_valid, local, activation, num_experts)
+
+    if layer.ep is None:
+        out = local_sum(h, routing.ids, routing.weights, chosen, token_valid, layer.slots, layer.pools)
+    else:
+        out = expert_parallel_sum(layer.ep, local_sum, h, routing.ids, routing.weights, chosen, token_valid,
+                                  layer.slots, layer.pools)
+    return out.astype(h.dtype)
+
+
+def _routed_sum(h, routing: Routing, chosen, token_valid, layer: LayerExperts, activation: GatedActivation,
+                num_experts: int) -> jax.Array:
+    """routed_experts on one device, as float32 [N, D]."""
     on_device = (layer.backend or default_backend()) != "cpu"
     if len(layer.pools) > 1 and on_device and gathers(*chosen.shape, layer.group_rows):
         return _gathered_across_tiers(h, routing, chosen, token_valid, layer, activation)
@@ -283,7 +304,7 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
                                activation, layer.int8_dot)  # [N, k, D]
         w = jnp.where(active, routing.weights, 0.0)
         out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
-    return out.astype(h.dtype)
+    return out
 
 
 def gathers(tokens: int, top_k: int, group_rows: int) -> bool:
@@ -307,7 +328,7 @@ def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: Laye
     y = expert_ffn_tiers(h[token], tier.reshape(-1), slot.reshape(-1), list(layer.pools.values()), block_rows=1,
                          backend=layer.backend, activation=activation, int8_dot=layer.int8_dot)  # [N * k, D]
     w = jnp.where(slot != NO_SLOT, routing.weights, 0.0)
-    return (w[..., None] * y.reshape(N, k, -1).astype(jnp.float32)).sum(axis=1).astype(h.dtype)
+    return (w[..., None] * y.reshape(N, k, -1).astype(jnp.float32)).sum(axis=1)
 
 
 def run_experts(h, routing: Routing, token_valid, layer: LayerExperts, token_importance=None,

@@ -147,6 +147,9 @@ class Policy:
     # Keep an expert's lower versions resident when a higher one lands (True), or let the higher
     # version replace them (False: DyMoE's no-duplication cache).
     keep_lower: bool = False
+    # Expert shards of a mesh (load sets it): size_pools then sizes one shard's pools (of
+    # num_experts / shards experts per layer) and a policy with its own residency sets keeps one per shard.
+    shards: int = field(default=1, init=False, repr=False, compare=False)
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def pools(self) -> dict[str, float]:

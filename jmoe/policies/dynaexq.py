@@ -2,7 +2,8 @@
 
 Every expert is resident at `lo` (loaded at start: the lo pool is sized for all of them first,
 when the budget allows). What the budget leaves holds `hi` copies: n_l per layer (the hi pool's
-slots over the layers, or `hi_per_layer`). Hotness is router counts per (layer, expert) over an
+slots over the layers, or `hi_per_layer`; on a mesh, per layer and expert shard, each shard's hi
+set chosen among its own experts). Hotness is router counts per (layer, expert) over an
 interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
 a share of the layer's total, folded into an EMA (hot = alpha * hot + (1 - alpha) * share) when
 the interval ends. Each layer's hi set is its top
@@ -64,13 +65,14 @@ class DynaExq(Policy):
             per_layer = (left - total * lo_bytes) // hi_bytes // num_layers
         if self.hi_per_layer is not None:
             per_layer = min(per_layer, self.hi_per_layer)
-        self._start(num_layers, num_experts, int(min(per_layer, num_experts)))
+        self._start(num_layers, num_experts * self.shards, int(min(per_layer, num_experts)))
         return {self.lo: total, self.hi: max(self.n_hi, 1) * num_layers}
 
     def _start(self, num_layers: int, num_experts: int, n_hi: int) -> None:
         shape = (num_layers, num_experts)
         self.hot, self.window = np.zeros(shape), np.zeros(shape)
-        self.members = np.full(shape, n_hi >= num_experts)  # room for every expert: all of them from the start
+        # room for every expert of a shard: all of them from the start
+        self.members = np.full(shape, n_hi >= num_experts // self.shards)
         self.n_hi, self.tokens, self._codes = n_hi, 0, None
 
     def preload(self, num_layers: int, num_experts: int) -> list[tuple[Key, str]]:
@@ -95,10 +97,12 @@ class DynaExq(Policy):
             self._update_members()
 
     def _update_members(self) -> None:
-        """Each layer's top n by hotness, with hysteresis (see the module docstring)."""
+        """Each layer's (and shard's) top n by hotness, with hysteresis (see the module docstring)."""
         changed = False
-        for layer in range(self.hot.shape[0]):
-            hot, members = self.hot[layer], self.members[layer]
+        L, E = self.hot.shape
+        groups_hot = self.hot.reshape(L * self.shards, E // self.shards)
+        groups = self.members.reshape(L * self.shards, E // self.shards)  # a view: changes land in members
+        for hot, members in zip(groups_hot, groups):
             while members.sum() < self.n_hi and (~members).any():  # fill free places with the hottest
                 best = np.flatnonzero(~members)[np.argmax(hot[~members])]
                 if hot[best] <= 0:

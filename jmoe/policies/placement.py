@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 
 from jmoe import validate
+from jmoe.errors import InputError
 from jmoe.policies.base import Key, Policy
 
 STRATEGIES = ("frequency", "paths", "two-stage")
@@ -90,6 +91,8 @@ class StaticPlacement(Policy):
         super().__init__(name=name or f"placement-{strategy}", tier=tier, cpu_execution=cpu_execution)
 
     def size_pools(self, left, slot_nbytes, num_layers, num_experts):
+        if self.shards > 1:
+            raise InputError(f"policy {self.name!r} places experts for one device; on a mesh use another policy")
         total = num_layers * num_experts
         slots = total if left is None else min(total, left // slot_nbytes[self.tier])
         reserve = self.traces.shape[2] if self.reserve is None else self.reserve

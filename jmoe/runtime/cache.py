@@ -11,7 +11,9 @@ Rules (DyMoE's mixed-precision cache, DynaExq's publish-after-copy):
   the handle published, so the forward pass never reads a partial expert and never waits on a
   transfer it does not need;
 - a full pool evicts the version the policy chooses (least recently used by default) among those
-  the current step does not need (pinned).
+  the current step does not need (pinned);
+- on a mesh each pool is partitioned by `ep` shard: an expert takes a slot, and evicts, only in
+  its own shard's part, so each device's residency covers its own experts under its own budget.
 """
 
 from __future__ import annotations
@@ -60,18 +62,23 @@ class CacheManager:
         self.stats = stats
         self.victim, self.evictable = victim, evictable
         self.keep_lower = keep_lower
-        self.target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")  # from pinned host memory
         self.resident: dict[Key, dict[str, int]] = {}  # key -> {tier: slot}
         self.in_tier: dict[str, set[Key]] = {t: set() for t in pools}  # keys with a version in each pool
         # LRU clock: when each (layer, expert) was last used; a landing version counts as a use
         self.clock = 0
         self.last_used = np.zeros(next(iter(handles.slot.values())).shape, np.int64)
-        self.free: dict[str, list[int]] = {t: list(range(p.slots - 1, -1, -1)) for t, p in pools.items()}
+        # free slots per tier and shard, lowest first out
+        self.free: dict[str, list[list[int]]] = {
+            t: [list(range((d + 1) * p.shard_slots - 1, d * p.shard_slots - 1, -1)) for d in range(p.shards)]
+            for t, p in pools.items()}
         self.inflight: dict[Key, Transfer] = {}
         self.retiring: list[tuple[jax.Array, int]] = []  # (write-complete marker, staging bytes)
         self.pinned: set[Key] = set()
         self.prefetched: set[Key] = set()  # landed from a prefetch and not used yet
         self.trace = None  # a jmoe.runtime.trace.Trace when the run is traced
+        # Several processes keep the same books and must decide alike: a transfer is then published
+        # when the next step begins, whether or not it landed early on this process's devices.
+        self.deterministic = jax.process_count() > 1
 
     # -- queries
 
@@ -115,7 +122,7 @@ class CacheManager:
             self.wait([key])  # another version is landing: let it, then load this one
             if self._has(key, tier, exact):
                 return "hit"
-        slot = self._claim_slot(tier)
+        slot = self._claim_slot(tier, key)
         if slot is None:
             return "full"
         nbytes = self.host.nbytes(tier)
@@ -123,13 +130,13 @@ class CacheManager:
         try:
             while not self.staging.try_reserve("transfer", nbytes):
                 if not block or not (self.inflight or self.retiring):
-                    self.free[tier].append(slot)
+                    self._give_back(tier, slot)
                     return "full"
                 self._drain_oldest()
             reserved = True
-            staged = jax.device_put(self.host.record(tier, *key), self.target)
+            staged = self.pools[tier].stage_for(slot, self.host.record(tier, *key))
         except BaseException:  # leave no slot or staging bytes behind
-            self.free[tier].append(slot)
+            self._give_back(tier, slot)
             if reserved:
                 self.staging.release("transfer", nbytes)
             raise
@@ -170,7 +177,13 @@ class CacheManager:
             self.stats.prefetch_used += 1
 
     def poll(self) -> None:
-        """Publish every transfer whose copy has completed; free staging of finished slot writes."""
+        """Publish every transfer whose copy has completed; free staging of finished slot writes
+        (deterministic: every transfer and write, waiting for them)."""
+        if self.deterministic:
+            for t in self.inflight.values():
+                t.staged.block_until_ready()
+            for marker, _ in self.retiring:
+                marker.block_until_ready()
         for key in [k for k, t in self.inflight.items() if t.staged.is_ready()]:
             self._publish(self.inflight[key])
         still = []
@@ -203,7 +216,7 @@ class CacheManager:
         """Evict every version of `key` now (on-demand policies keep nothing between uses)."""
         if key not in self.pinned:
             for tier in list(self.resident.get(key, ())):
-                self.free[tier].append(self._evict(key, tier))
+                self._give_back(tier, self._evict(key, tier))
 
     def settle(self) -> None:
         """Wait for every transfer and slot write (used between requests and in tests)."""
@@ -234,7 +247,7 @@ class CacheManager:
         for other in [o for o in versions if o != t.tier]:
             lower = TIER_CODES[other] < code
             if (lower and not self.keep_lower) or (not lower and t.exact):  # promotion / demotion done
-                self.free[other].append(self._remove(t.key, other))
+                self._give_back(other, self._remove(t.key, other))
         if t.kind == "prefetch":
             self.prefetched.add(t.key)
 
@@ -246,13 +259,21 @@ class CacheManager:
         if key in self.pinned:
             return  # the current step may run it; a later plan asks again
         for other in [t for t in self.resident.get(key, ()) if TIER_CODES[t] > code]:
-            self.free[other].append(self._remove(key, other))
+            self._give_back(other, self._remove(key, other))
             self.stats.demotions += 1
 
-    def _claim_slot(self, tier: str) -> int | None:
-        if self.free[tier]:
-            return self.free[tier].pop()
-        candidates = sorted(self.movable(tier), key=lambda k: (self.last_used[k], k))  # least recently used first
+    def _give_back(self, tier: str, slot: int) -> None:
+        self.free[tier][slot // self.pools[tier].shard_slots].append(slot)
+
+    def _claim_slot(self, tier: str, key: Key) -> int | None:
+        """A free slot of `key`'s shard, else one its victim leaves (a version of the same shard)."""
+        pool = self.pools[tier]
+        shard = pool.owner(key[1])
+        if self.free[tier][shard]:
+            return self.free[tier][shard].pop()
+        movable = self.movable(tier) if pool.shards == 1 else \
+            [k for k in self.movable(tier) if pool.owner(k[1]) == shard]
+        candidates = sorted(movable, key=lambda k: (self.last_used[k], k))  # least recently used first
         if not candidates:
             return None
         key = self.victim(tier, candidates)
@@ -299,8 +320,13 @@ class CacheManager:
         for tier, pool in self.pools.items():
             used = [v[tier] for v in self.resident.values() if tier in v]
             moving = [t.slot for t in self.inflight.values() if t.tier == tier]
-            slots = used + moving + self.free[tier]
+            slots = used + moving + [s for free in self.free[tier] for s in free]
             assert sorted(slots) == list(range(pool.slots)), f"{tier} slots leaked or doubled"
+            for shard, free in enumerate(self.free[tier]):
+                assert all(s // pool.shard_slots == shard for s in free), f"{tier} free slot in another shard's list"
+            for key, versions in self.resident.items():
+                if tier in versions:
+                    assert versions[tier] // pool.shard_slots == pool.owner(key[1]), f"{key} in another shard's slot"
             assert self.in_tier[tier] == {k for k, v in self.resident.items() if tier in v}, f"{tier} key set is stale"
             table = self.handles.slot[tier]
             assert (table >= 0).sum() == len(used), f"a {tier} handle points at no resident version"

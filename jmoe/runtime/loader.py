@@ -16,6 +16,7 @@ from flax import nnx
 from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
+from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
@@ -55,6 +56,8 @@ class JmoeModel:
     device_budget: int | None
     memory: dict[str, int]
     policy: Policy
+    # Where the arrays live: one device, or a mesh whose ep axis partitions the experts
+    placement: Placement = field(default_factory=Placement, repr=False, compare=False)
     # Speculative drafts by tier (AllResident, sharing the dense weights and the KV cache)
     drafts: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # Serialises steps: threads sharing the model interleave step by step, never inside one
@@ -91,7 +94,7 @@ class JmoeModel:
             if self.device_budget is not None:
                 raise InputError(f"speculative draft {tier!r} needs its experts reserved within the device budget: "
                                  f"load the model with draft={tier!r}")
-            self.drafts[tier] = make_draft(self.store, tier, self.residency)
+            self.drafts[tier] = make_draft(self.store, tier, self.residency, placement=self.placement)
             return self.drafts[tier]
 
     @property
@@ -191,22 +194,26 @@ def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_
     }
 
 
-def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None) -> AllResident:
-    """A speculative draft: every expert at `tier` resident; its steps go into the target's trace."""
-    draft = AllResident(store, tier, jax.devices()[0], backend=backend or target.backend, int8_dot=target.int8_dot)
+def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None,
+               placement: Placement | None = None) -> AllResident:
+    """A speculative draft: every expert at `tier` resident (on a mesh, each shard its own); its
+    steps go into the target's trace."""
+    draft = AllResident(store, tier, placement or Placement(), backend=backend or target.backend,
+                        int8_dot=target.int8_dot)
     draft.trace, draft.trace_source = target.trace, "draft"
     return draft
 
 
 def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, max_batch: int, draft: str | None,
-                 policy: Policy | None) -> dict[str, int]:
+                 policy: Policy | None, shards: int = 1) -> dict[str, int]:
     """Every byte load() reserves besides the experts' pools: dense weights, KV cache, workspace, the
     speculative draft's experts ("draft") and, when `policy` offloads, transfer staging ("staging").
-    memory_plan reports exactly these, so a budget computed from it holds the pools it planned."""
+    memory_plan reports exactly these, so a budget computed from it holds the pools it planned.
+    On a mesh of `shards` ep shards these are per device (a device holds its shard's draft experts)."""
     cfg = store.config
     memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
     if draft is not None:
-        memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(draft))
+        memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(draft)) // shards
     if policy is not None and not policy.everything_resident:
         memory["staging"] = staging_nbytes(store, policy.pools())
     return memory
@@ -261,8 +268,9 @@ def load(
     progress: bool | None = None,
     trace: bool = False,
     draft: str | None = None,
+    mesh: str | dict | None = None,
 ) -> JmoeModel:
-    """Load a converted model onto the default device.
+    """Load a converted model onto the default device, or expert-parallel over a device mesh.
 
     Every option is checked (type and range) before anything is read; a bad one raises a
     JmoeError naming it.
@@ -297,6 +305,10 @@ def load(
         bench/gpu_model.py to replay with GPU parameters.
       draft: reserve a speculative draft at this tier ("int4", "int2"): every expert at it resident,
         taken from the budget before the pools are sized (jmoe.generate(..., speculative=draft)).
+      mesh: expert parallelism, "ep=N" or "ep=N,tp=M" (or {"ep": N, "tp": M}): each of N expert
+        shards owns a contiguous range of every layer's experts, with its own pools, residency and
+        host-store part, on its M devices; dense weights are replicated. `device_budget` is then per
+        device. Under jax.distributed the mesh spans every process's devices.
     """
     root = validate.path("path", path)
     compile_cache.enable()  # before the first compile, so a later process finds the steps compiled
@@ -316,6 +328,7 @@ def load(
         validate.choice("draft", draft, TIER_NAMES)
     if progress is not None:
         validate.boolean("progress", progress)
+    placement = Placement.for_mesh(mesh)
     dtype = resolve_compute_dtype(compute_dtype)
     if isinstance(policy, str) and policy not in BASELINES:  # a named dynamic-precision policy: hi = tier
         policy = make_policy(policy, tier)
@@ -328,22 +341,28 @@ def load(
     manifest = read_manifest(root, verify=verify)
     check_files(root, manifest, verify_checksums=verify)
     cfg = ModelConfig.from_dict(manifest["config"])
+    placement.check_experts(cfg.num_experts)
     max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     tier = resolve_tier(manifest, tier)
     store = ExpertStore(root, manifest, cfg)
     tokenizer = start_tokenizer(root, manifest)
     try:
 
-        int8_dot = cpu_dot == "int8" and device_is_host(jax.devices()[0])  # the step's own matmuls
+        device = placement.device
+        int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's own matmuls
         graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
-                              None if draft is None else check_draft(manifest, draft), None)
-        all_experts = all_expert_bytes(cfg, store.record_nbytes(tier))
+                              None if draft is None else check_draft(manifest, draft), None, placement.shards)
+        all_experts = all_expert_bytes(cfg, store.record_nbytes(tier)) // placement.shards  # per device
         fixed = sum(memory.values())
         if policy is None:
             policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
         chosen = policy if isinstance(policy, Policy) else make_policy(policy, tier)
         chosen.check()
+        chosen.shards = placement.shards
+        if placement.mesh is not None and chosen.cpu_execution:
+            raise InputError(f"policy {chosen.name!r} runs cold experts on the host CPU, which a mesh does not do "
+                             "yet: pick a policy without '+cpu'")
         for pool_tier in chosen.pools():
             store.record_nbytes(pool_tier)
         if budget is not None and fixed > budget:
@@ -352,13 +371,12 @@ def load(
                 f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
                 f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
             )
-        device = jax.devices()[0]
         warn_if_host_too_small(device, budget if budget is not None else
                                fixed + (all_experts if chosen.everything_resident else 0))
         tracker = BudgetTracker(budget)
         for purpose, nbytes in memory.items():
             tracker.reserve(purpose, nbytes)
-        dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, device)
+        dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, placement.replicated)
         if chosen.everything_resident:
             if budget is not None and fixed + all_experts > budget:
                 raise BudgetError(
@@ -367,16 +385,16 @@ def load(
                     f"raise the budget, lower max_seq_len / max_batch, or pick an offloading policy such as 'lru+prefetch'"
                 )
             tracker.reserve("experts", all_experts)
-            residency = AllResident(store, tier, device, backend=kernel_backend, int8_dot=int8_dot)
+            residency = AllResident(store, tier, placement, backend=kernel_backend, int8_dot=int8_dot)
         else:
-            plan = plan_pools(store, chosen, fixed, budget)  # staging as reservations() counts it
-            residency = Offloaded(cfg, store, chosen, tracker, plan, device, dtype, backend=kernel_backend,
+            plan = plan_pools(store, chosen, fixed, budget, shards=placement.shards)  # staging as reservations() counts it
+            residency = Offloaded(cfg, store, chosen, tracker, plan, placement, dtype, backend=kernel_backend,
                                   cpu_critical_tokens=cpu_critical_tokens, progress=progress, cpu_dot=cpu_dot)
         if trace:
             residency.trace = Trace()
             if residency.offloading:
                 residency.cache.trace = residency.trace
-        drafts = {draft: make_draft(store, draft, residency, kernel_backend)} if draft is not None else {}
+        drafts = {draft: make_draft(store, draft, residency, kernel_backend, placement)} if draft is not None else {}
         memory = dict(tracker.reserved)
     except BaseException:
         wait([tokenizer])  # no thread of a failed load outlives it
@@ -397,6 +415,7 @@ def load(
         device_budget=budget,
         memory=memory,
         policy=chosen,
+        placement=placement,
         drafts=drafts,
     )
 
@@ -448,10 +467,10 @@ def check_draft(manifest: dict[str, Any], draft: str) -> str:
     return draft
 
 
-def restore_dense(path: Path, abstract_state, device):
+def restore_dense(path: Path, abstract_state, sharding):
+    """The dense weights, each array placed by `sharding` (one device's, or replicated over a mesh)."""
     import orbax.checkpoint as ocp
 
-    sharding = jax.sharding.SingleDeviceSharding(device)
     target = nnx.to_pure_dict(abstract_state)
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), target)
     try:

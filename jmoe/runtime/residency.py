@@ -34,9 +34,10 @@ from jmoe.runtime.budget import BudgetTracker, tree_nbytes
 from jmoe.runtime.cache import CacheManager
 from jmoe.runtime.cpu_exec import CpuExecutor
 from jmoe.runtime.handles import HandleTable
+from jmoe.distributed.mesh import Placement
 from jmoe.runtime.host_memory import device_is_host
 from jmoe.runtime.host_store import HostStore
-from jmoe.runtime.pools import PoolPlan, TierPool, resident_pool
+from jmoe.runtime.pools import PoolPlan, TierPool, resident_pool, resident_slots
 from jmoe.runtime.predictor import rank_predictions
 from jmoe.runtime.stats import Stats
 from jmoe.runtime.store import ExpertStore
@@ -52,14 +53,17 @@ class AllResident:
     offloading = False
 
     def __init__(self, store: ExpertStore, tier: str, device, backend: str | None = None, int8_dot: bool = False):
+        """device: one device or a Placement (a mesh: each ep shard holds its own experts)."""
         L, E = store.num_layers, store.num_experts
+        placement = Placement.of(device)
+        placement.check_experts(E)
         self.tier = tier
         self.stats = Stats()
-        self.pool = resident_pool(store, tier, device)
-        slots = jax.device_put(np.arange(L * E, dtype=np.int32).reshape(L, E), device)
+        self.pool = resident_pool(store, tier, placement)
+        slots = jax.device_put(resident_slots(L, E, placement.shards), placement.replicated)
         self.backend, self.int8_dot = backend, int8_dot
         self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend,
-                                 int8_dot=int8_dot)
+                                 int8_dot=int8_dot, ep=placement.expert_parallel)
         self.signals: StepSignals | None = None  # the last step's, on the device
         self.trace: Trace | None = None
         self.trace_source = "target"  # "draft" for a speculative draft writing into the target's trace
@@ -105,7 +109,11 @@ class Offloaded:
     def __init__(self, cfg: ModelConfig, store: ExpertStore, policy: Policy, tracker: BudgetTracker, plan: PoolPlan,
                  device, compute_dtype, *, backend: str | None = None, cpu_critical_tokens: int | None = None,
                  progress: bool | None = None, cpu_dot: str = "float"):
-        self.cfg, self.policy, self.backend, self.device = cfg, policy, backend, device
+        placement = Placement.of(device)
+        placement.check_experts(cfg.num_experts)
+        self.cfg, self.policy, self.backend, self.placement = cfg, policy, backend, placement
+        self.device = placement.replicated  # where the step's small arrays go (tables, selections)
+        device = placement.device
         self.int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's, on a CPU device
         self.tier = policy.tier
         self.stats = Stats()
@@ -115,8 +123,8 @@ class Offloaded:
         tracker.reserve("staging", plan.staging_nbytes)
         self.tracker = tracker
         self.host = HostStore(store, tuple(plan.slots), device, progress=progress)
-        self.pools = {tier: TierPool(store, tier, slots, device) for tier, slots in plan.slots.items()}
-        self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, tuple(self.pools), device)
+        self.pools = {tier: TierPool(store, tier, slots, placement) for tier, slots in plan.slots.items()}
+        self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, tuple(self.pools), placement.replicated)
         self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
                                   device, victim=policy.victim, evictable=policy.evictable,
                                   keep_lower=policy.keep_lower)
@@ -193,7 +201,8 @@ class Offloaded:
         # the cached state keeps these objects alive, so their ids cannot be reused meanwhile
         key = (id(tables), id(selection), *(id(a) for a in pools.values()))
         if self._state is None or self._state[0] != key:
-            self._state = (key, ExpertState(tables, pools, selection, self.backend, int8_dot=self.int8_dot))
+            self._state = (key, ExpertState(tables, pools, selection, self.backend, int8_dot=self.int8_dot,
+                                            ep=self.placement.expert_parallel))
         return self._state[1]
 
     def pool_arrays(self) -> dict:
@@ -234,12 +243,13 @@ class Offloaded:
 
     def fits(self, wanted: dict[Key, int]) -> bool:
         """Whether every expert of `wanted` can be resident at its wanted tier at once."""
-        need: dict[str, int] = {}
+        need: dict[tuple[str, int], int] = {}  # (tier, shard) -> slots
         for key, code in wanted.items():
             if code != SKIP:
                 tier = self.landing_tier(key, code)
-                need[tier] = need.get(tier, 0) + 1
-        return all(n <= self.pools[tier].slots for tier, n in need.items())
+                part = (tier, self.pools[tier].owner(key[1]))
+                need[part] = need.get(part, 0) + 1
+        return all(n <= self.pools[tier].shard_slots for (tier, _), n in need.items())
 
     def fetch(self, wanted: dict[Key, int], missing: dict[Key, int]) -> None:
         """Make `missing` resident at their wanted tiers (blocking), never evicting any of `wanted`."""
@@ -378,13 +388,19 @@ class Offloaded:
         pool can free (free slots and versions the policy lets go)."""
         resident = [e for e in wanted if self.cache.serves((layer, e), TIER_CODES[wanted[e]])]
         keys = {(layer, e) for e in wanted}
-        room = {tier: len(self.cache.free[tier]) + len(self.cache.movable(tier, keep=keys)) for tier in self.pools}
+        room: dict[tuple[str, int], int] = {}  # (tier, shard) -> slots a pass may fill
+        for tier, pool in self.pools.items():
+            movable = self.cache.movable(tier, keep=keys)
+            for shard in range(pool.shards):
+                room[(tier, shard)] = len(self.cache.free[tier][shard]) + sum(
+                    1 for k in movable if pool.owner(k[1]) == shard)
         passes: list[dict[int, str]] = [{e: wanted[e] for e in resident}] if resident else []
-        used: dict[str, int] = {}
+        used: dict[tuple[str, int], int] = {}
         for expert in (e for e in wanted if e not in resident):
-            pool = self.landing_tier((layer, expert), TIER_CODES[wanted[expert]])
+            tier = self.landing_tier((layer, expert), TIER_CODES[wanted[expert]])
+            pool = (tier, self.pools[tier].owner(expert))
             if room[pool] == 0:
-                raise BudgetError(f"the {pool} pool has no slot the policy lets go for expert {(layer, expert)}")
+                raise BudgetError(f"the {tier} pool has no slot the policy lets go for expert {(layer, expert)}")
             if not passes or used.get(pool, 0) == room[pool]:
                 passes.append({})
                 used = {}
@@ -410,7 +426,8 @@ class Offloaded:
             slots[tier] = row
         sel = self.selection()
         return LayerExperts(jax.device_put(slots, self.device), self.pool_arrays(), sel.hi[layer], sel.lo[layer],
-                            sel.ratio[layer], sel.heavy_hitters, self.backend, int8_dot=self.int8_dot)
+                            sel.ratio[layer], sel.heavy_hitters, self.backend, int8_dot=self.int8_dot,
+                            ep=self.placement.expert_parallel)
 
     def finish_pass(self, keys: list[Key]) -> None:
         self.cache.pinned = set()

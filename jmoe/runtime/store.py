@@ -97,12 +97,13 @@ class ExpertStore:
         read_into(self._fd(tier, layer), expert * n, [out])
         return out
 
-    def read_leaf(self, tier: str, layer: int, leaf: int, out: np.ndarray) -> None:
-        """Copy array number `leaf` of the layer's every expert into out [E, *leaf shape] (C-contiguous)."""
+    def read_leaf(self, tier: str, layer: int, leaf: int, out: np.ndarray, experts: range | None = None) -> None:
+        """Copy array number `leaf` of the layer's experts (all, or the range `experts`) into
+        out [len(experts), *leaf shape] (C-contiguous)."""
         n, spec = self.record_nbytes(tier), self.layouts[tier].leaves[leaf]
         fd = self._fd(tier, layer)
-        for expert in range(self.num_experts):
-            read_into(fd, expert * n + spec.offset, [out[expert]])
+        for i, expert in enumerate(range(self.num_experts) if experts is None else experts):
+            read_into(fd, expert * n + spec.offset, [out[i]])
 
     def release(self, tier: str, layer: int, expert: int) -> None:
         """Unmap the pages of one record that `record` views touched (the page cache keeps them)."""

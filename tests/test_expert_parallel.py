@@ -1,0 +1,188 @@
+"""Expert parallelism over a mesh of the suite's 8 CPU devices: the tokens of one device, for every
+family's MoE layer, resident and offloaded under a per-device budget, with DyMoE and speculation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jmoe
+from convert import convert_checkpoint
+from jmoe.errors import InputError
+from jmoe.runtime.loader import memory_plan
+from tests.conftest import TINY_HF
+from tests.hf_models import make_checkpoint
+from tests.test_family_deepseek import DEEPSEEK_V3, RANDOMIZED
+from tests.test_family_gpt_oss import EVERY_BIAS
+
+PROMPT = "The Python standard library"
+TOKENS = 24
+MESHES = ["ep=2", "ep=4", "ep=8", "ep=4,tp=2"]
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_tiers(tmp_path_factory):
+    return convert_checkpoint(TINY_HF, tmp_path_factory.mktemp("ep") / "tiny", tiers="bf16,int4,int2", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_tiers):
+    return jmoe.generate(jmoe.load(tiny_tiers, compute_dtype="float32", max_seq_len=SEQ), PROMPT,
+                         max_new_tokens=TOKENS)
+
+
+def load(path, **kw):
+    return jmoe.load(path, compute_dtype="float32", max_seq_len=SEQ, **kw)
+
+
+def offload_budget(path, shards: int, tier: str = "bf16", share: int = 3, policy: str = "lru") -> int:
+    """A per-device budget that holds a `share`-th of a device's experts (and everything else)."""
+    plan = memory_plan(path, compute_dtype="float32", max_seq_len=SEQ, tier=tier, policy=policy)
+    return sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"] // shards // share
+
+
+def shard_occupancy(model) -> dict[str, list[int]]:
+    """Resident versions per tier and shard."""
+    cache = model.residency.cache
+    out = {}
+    for tier, pool in cache.pools.items():
+        counts = [0] * pool.shards
+        for key, versions in cache.resident.items():
+            if tier in versions:
+                counts[pool.owner(key[1])] += 1
+        out[tier] = counts
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_tiny_resident_mesh_gives_one_device_tokens(tiny_tiers, tiny_reference, mesh):
+    model = load(tiny_tiers, mesh=mesh)
+    pool = model.residency.pool.gate_up
+    shards = model.placement.shards
+    # each ep shard holds 1/shards of the experts (replicated over tp)
+    assert {s.data.shape[0] for s in pool.addressable_shards} == {pool.shape[0] // shards}
+    assert len(pool.addressable_shards) == len(model.placement.mesh.devices.flat)
+    assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == tiny_reference
+
+
+@pytest.mark.parametrize("mesh,execution", [("ep=2", "auto"), ("ep=4,tp=2", "layerwise"), ("ep=8", "resident")])
+def test_tiny_offloaded_per_device_budget(tiny_tiers, tiny_reference, mesh, execution):
+    shards = int(mesh.split(",")[0].split("=")[1])
+    budget = offload_budget(tiny_tiers, shards)
+    model = load(tiny_tiers, mesh=mesh, device_budget=budget, policy="lru", execution=execution)
+    assert sum(model.memory.values()) <= budget  # what one device holds
+    assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == tiny_reference
+    cache = model.residency.cache
+    cache.check()  # includes: every version sits in its own shard's slots
+    stats = model.stats
+    assert stats.transfers > 0 and stats.evictions > 0  # the budget forced offloading
+    pool = cache.pools["bf16"]
+    assert all(n <= pool.shard_slots for n in shard_occupancy(model)["bf16"])
+    assert pool.shard_slots < model.config.num_moe_layers * model.config.num_experts // shards
+
+
+def test_dymoe_on_a_mesh_gives_one_device_tokens(tiny_tiers):
+    one = load(tiny_tiers, policy="dymoe", tier="int4")
+    want = jmoe.generate(one, PROMPT, max_new_tokens=TOKENS)
+    budget = offload_budget(tiny_tiers, 4, tier="int4", share=1, policy="dymoe")
+    model = load(tiny_tiers, mesh="ep=4", policy="dymoe", tier="int4", device_budget=budget)
+    assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == want
+    model.residency.cache.check()
+    assert model.stats.transfers > 0
+
+
+def test_dynaexq_keeps_a_hi_set_per_shard(tiny_tiers):
+    budget = offload_budget(tiny_tiers, 4, tier="int4", share=1, policy="dynaexq")
+    model = load(tiny_tiers, mesh="ep=4", policy="dynaexq", tier="int4", device_budget=budget)
+    text = jmoe.generate(model, PROMPT * 4, max_new_tokens=TOKENS)
+    assert text
+    policy, cache = model.policy, model.residency.cache
+    cache.check()
+    members = policy.members.reshape(model.config.num_moe_layers, 4, -1)
+    assert (members.sum(axis=2) <= policy.n_hi).all()  # each shard's own hi set
+    assert policy.members.any()
+    assert all(n <= cache.pools["int4"].shard_slots for n in shard_occupancy(model)["int4"])
+
+
+@pytest.mark.parametrize("mesh", ["ep=4", "ep=2,tp=2"])
+def test_speculative_on_a_mesh_gives_greedy_tokens(tiny_tiers, tiny_reference, mesh):
+    model = load(tiny_tiers, mesh=mesh)
+    assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS, speculative="int4") == tiny_reference
+    draft_leaf = jax.tree.leaves(model.draft("int4").pool)[0]
+    assert draft_leaf.sharding == model.placement.experts  # the draft's experts are sharded too
+
+
+FAMILY_CASES = {
+    "qwen3_moe": dict(overrides=None, randomize=()),
+    "deepseek_v3": dict(overrides=DEEPSEEK_V3["grouped-interleaved"], randomize=RANDOMIZED),  # shared experts, sigmoid
+    "gpt_oss": dict(overrides=None, randomize=EVERY_BIAS),  # expert biases, clamped SwiGLU
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CASES))
+def family_model(request, tmp_path_factory):
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    make_checkpoint(family, root / "hf", **FAMILY_CASES[family])
+    out = convert_checkpoint(root / "hf", root / "jmoe", progress=False)
+    prompt = list(range(3, 15))
+    return out, prompt, jmoe.generate(load(out), [prompt], max_new_tokens=16)[0]
+
+
+def test_every_family_on_every_mesh(family_model):
+    out, prompt, want = family_model
+    for mesh in MESHES:
+        got = jmoe.generate(load(out, mesh=mesh), [prompt], max_new_tokens=16)[0]
+        assert got == want, mesh
+    budget = offload_budget(out, 2)
+    model = load(out, mesh="ep=2", device_budget=budget, policy="lru")
+    assert jmoe.generate(model, [prompt], max_new_tokens=16)[0] == want
+    model.residency.cache.check()
+    assert model.stats.transfers > 0
+
+
+@pytest.mark.parametrize("mesh,message", [("ep=3", "divide"), ("ep=16", "devices"), ("dp=2", "unknown axis"),
+                                          ("ep=two", "AXIS=SIZE"), ("ep=2,ep=2", "twice"), ("ep=0", "positive")])
+def test_bad_mesh_names_the_problem(tiny_tiers, mesh, message):
+    with pytest.raises(InputError, match=message):
+        load(tiny_tiers, mesh=mesh)
+
+
+def test_cpu_execution_is_refused_on_a_mesh(tiny_tiers):
+    with pytest.raises(InputError, match=r"\+cpu"):
+        load(tiny_tiers, mesh="ep=2", policy="lru+cpu", device_budget=offload_budget(tiny_tiers, 2))
+
+
+def test_expert_parallel_layer_equals_one_device():
+    """The shard_map'd routed experts against the one-device layer, on random pools and routing."""
+    from jmoe.distributed.mesh import Placement
+    from jmoe.layers.experts import LayerExperts, Routing, routed_experts
+    from jmoe.quant import ExpertWeights
+
+    L_E, D, F, N, k = 8, 16, 24, 5, 2
+    rng = np.random.default_rng(0)
+    gate_up = rng.standard_normal((L_E, D, 2 * F), np.float32) * 0.2
+    down = rng.standard_normal((L_E, F, D), np.float32) * 0.2
+    h = jax.numpy.asarray(rng.standard_normal((N, D), np.float32))
+    ids = jax.numpy.asarray(rng.integers(0, L_E, (N, k)), jax.numpy.int32)
+    routing = Routing(ids, jax.numpy.asarray(rng.random((N, k), np.float32)))
+    chosen = jax.numpy.full((N, k), 4, jax.numpy.int32)  # bf16's code everywhere
+    valid = jax.numpy.ones((N,), bool)
+    codes = jax.numpy.full((L_E,), 4, jax.numpy.int32)
+
+    def layer(pool, slots, ep):
+        return LayerExperts({"bf16": slots}, {"bf16": pool}, codes, codes, jax.numpy.float32(1), jax.numpy.float32(.1),
+                            "xla", ep=ep)
+
+    one = ExpertWeights(jax.numpy.asarray(gate_up), jax.numpy.asarray(down))
+    want = routed_experts(h, routing, chosen, valid, layer(one, jax.numpy.arange(L_E, dtype=jax.numpy.int32), None))
+    placement = Placement.for_mesh("ep=4")
+    sharded = ExpertWeights(jax.device_put(gate_up, placement.experts), jax.device_put(down, placement.experts))
+    got = jax.jit(routed_experts)(h, routing, chosen, valid,
+                                  layer(sharded, jax.numpy.arange(L_E, dtype=jax.numpy.int32), placement.expert_parallel))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    text = jax.jit(routed_experts).lower(h, routing, chosen, valid, layer(
+        sharded, jax.numpy.arange(L_E, dtype=jax.numpy.int32), placement.expert_parallel)).compile().as_text()
+    assert text.count("all-reduce(") + text.count("all-reduce-start(") == 1  # one psum per layer
