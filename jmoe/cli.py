@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from jmoe import validate
@@ -112,6 +113,13 @@ def add_model_options(p) -> None:
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
+    p.add_argument("--mesh", default=None, metavar="ep=N[,tp=M]",
+                   help="expert parallelism: N expert shards (each on M devices); --device-budget is per device")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="run as one process of a jax.distributed job whose process 0 listens here "
+                        "(or JMOE_COORDINATOR; python -m jmoe.launch sets it for local jobs)")
+    p.add_argument("--num-processes", type=int, default=None, help="processes in the job (or JMOE_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="this process's id, 0..N-1 (or JMOE_PROCESS_ID)")
 
 
 def add_speculative_options(p, k_default: str) -> None:
@@ -126,7 +134,7 @@ def load_model(args, **extra):
 
     return jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
-                     cpu_dot=args.cpu_dot, **extra)
+                     cpu_dot=args.cpu_dot, mesh=args.mesh, **extra)
 
 
 def cmd_convert(args) -> None:
@@ -156,12 +164,15 @@ def cmd_generate(args) -> None:
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop or None, stream=True,
                            speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"))
-    sys.stdout.write(args.prompt)
+    from jmoe.distributed.processes import is_main_process
+
+    out = sys.stdout if is_main_process() else open(os.devnull, "w")  # every process generates; one prints
+    out.write(args.prompt)
     for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    if args.stats:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    if args.stats and is_main_process():
         print(json.dumps(jmoe.stats(model), indent=1), file=sys.stderr)
 
 
@@ -224,7 +235,10 @@ def cmd_bench(args) -> None:
     validate.integer("repetitions", args.repetitions, minimum=1)
     model = load_model(args, max_batch=max(lengths["batches"]))
     rows = bench.run(model, repetitions=args.repetitions, **lengths)
-    print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else bench.table(rows))
+    from jmoe.distributed.processes import is_main_process
+
+    if is_main_process():  # every process measured the same steps
+        print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else bench.table(rows))
 
 
 def cli_speculative(args):
@@ -291,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"convert": cmd_convert, "generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat,
                     "bench": cmd_bench, "info": cmd_info}
+        if hasattr(args, "coordinator"):  # a command that loads a model may run as one of several processes
+            from jmoe.distributed.processes import initialize
+
+            joined = initialize(args.coordinator, args.num_processes, args.process_id)
+            if joined and args.command in ("serve", "chat"):
+                raise InputError(f"jmoe {args.command} runs in one process (several processes: generate, bench)")
         commands[args.command](args)
     except (JmoeError, OSError) as e:  # OSError: disk full, permission denied, a closed pipe
         message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")

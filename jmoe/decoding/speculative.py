@@ -43,6 +43,7 @@ import numpy as np
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, greedy_tokens, prompt_history, warp
+from jmoe.distributed.processes import agree
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 from jmoe.tiers import TIER_CODES, TIER_NAMES, tier_name
@@ -251,7 +252,7 @@ def auto_k_max(model, k_max: int) -> int:
 
 def h2d_bandwidth(stats) -> float:
     """Host-to-device bytes/s measured by the waited transfers so far (10 GB/s before any)."""
-    return stats.waited_bytes_per_s or 10e9
+    return agree(stats.waited_bytes_per_s or 10e9)
 
 
 def speculative_steps(model, prompts: list[list[int]], lengths, sampling: SamplingOptions,
@@ -305,7 +306,7 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             block = np.stack([last, *drafts], axis=1)  # [B, k + 1]
             verify_logits = decoder.verify(jnp.asarray(padded(block, lengths.cache - int(decoder.pos.max()))))
             accepted, nxt = accept(verify_logits, block, q_probs, seen, params, sampling.greedy, rng)
-            verify_s = time.perf_counter() - t
+            verify_s = agree(time.perf_counter() - t)
             spec.verify_hits += model.stats.hits - hits
             spec.verify_uses += model.stats.uses - uses
             if k:
@@ -352,9 +353,9 @@ def draft_tokens(decoder, draft, last, seen, k, params, draw, model):
         drafts.append(token)
         q_probs.append(probs)
         seen_j[np.arange(len(token)), token] = True
-        step_s = (time.perf_counter() - t) / (j + 1)
+        step_s = agree((time.perf_counter() - t) / (j + 1))
         buffer.during_draft(buffer.add(draft.signals), bandwidth * step_s)
-    draft_s = time.perf_counter() - t
+    draft_s = agree(time.perf_counter() - t)
     decoder.advance(-k)
     before = model.stats.bytes_h2d
     buffer.before_verify()

@@ -1,0 +1,110 @@
+"""Several local processes as one jax.distributed job (loopback only): the tokens of one process,
+fail-stop when a process dies, and the launcher's exit codes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import jmoe
+from jmoe.distributed.processes import PEER_LOST
+from jmoe.launch import command_line, free_port, launch
+from jmoe.runtime.loader import memory_plan
+
+PROMPT = "The Python standard library"
+SEQ = 256
+JOB_SECONDS = 240  # bound on one whole job (start-up, compile, generation)
+
+
+def generate_command(model, *extra, tokens=24):
+    return ["jmoe", "generate", str(model), PROMPT, "--max-new-tokens", str(tokens), "--max-seq-len", str(SEQ),
+            "--dtype", "float32", *extra]
+
+
+def without_gloo(text: str) -> str:
+    """stdout minus the lines gloo (the CPU collectives) prints when it connects."""
+    return re.sub(r"\[Gloo\][^\n]*\n", "", text)
+
+
+def run_job(cmd, processes=2, devices=2):
+    return subprocess.run([sys.executable, "-m", "jmoe.launch", "-n", str(processes), "--devices-per-process",
+                           str(devices), "--", *cmd], capture_output=True, text=True, timeout=JOB_SECONDS)
+
+
+@pytest.fixture(scope="module")
+def one_process_text(tiny_converted):
+    model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=SEQ)
+    return PROMPT + jmoe.generate(model, PROMPT, max_new_tokens=24) + "\n"
+
+
+def test_two_processes_resident_give_one_process_tokens(tiny_converted, one_process_text):
+    job = run_job(generate_command(tiny_converted, "--mesh", "ep=4"))
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert without_gloo(job.stdout) == one_process_text  # printed once, by process 0
+
+
+def test_two_processes_offloaded_under_a_per_device_budget(tiny_converted, one_process_text):
+    plan = memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=SEQ, policy="lru")
+    budget = sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"] // 4 // 3
+    job = run_job(generate_command(tiny_converted, "--mesh", "ep=4", "--policy", "lru", "--device-budget",
+                                   str(budget), "--stats"))
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert without_gloo(job.stdout) == one_process_text
+    stats = job.stderr[job.stderr.index("{"):]
+    assert '"transfers": 0,' not in stats and '"evictions": 0,' not in stats  # it did offload
+
+
+def test_killing_a_process_stops_the_other_with_a_clear_message(tiny_converted):
+    port = free_port()
+    cmd = command_line(generate_command(tiny_converted, "--mesh", "ep=4", tokens=2000) + ["--max-seq-len", "4096"])
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, JMOE_COORDINATOR=f"127.0.0.1:{port}", JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID=str(i),
+                   JMOE_LOCAL_DEVICES="2", JMOE_PEER_TIMEOUT="3")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        seen, deadline = "", time.monotonic() + JOB_SECONDS
+        while PROMPT not in seen:  # generation has begun: the prompt is printed first
+            assert time.monotonic() < deadline and procs[0].poll() is None, "the job did not start"
+            seen += procs[0].stdout.read(1)
+        procs[1].kill()
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        took = time.monotonic() - killed
+        err = procs[0].stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert code == PEER_LOST, err[-2000:]
+    assert "process 1 of this 2-process job stopped answering" in err
+    assert took < 30
+
+
+def test_launcher_propagates_the_first_failure():
+    fail_one = [sys.executable, "-c", "import os, sys; sys.exit(5 if os.environ['JMOE_PROCESS_ID'] == '1' else 0)"]
+    assert launch(fail_one, 2) == 5
+    assert launch([sys.executable, "-c", "pass"], 3) == 0
+    # a process that hangs after another failed is stopped after the grace period
+    hang_one = [sys.executable, "-c",
+                "import os, sys, time; sys.exit(7) if os.environ['JMOE_PROCESS_ID'] == '0' else time.sleep(600)"]
+    started = time.monotonic()
+    assert launch(hang_one, 2) == 7
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(JMOE_COORDINATOR="127.0.0.1:1", JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID="5"), "process id 5 is not in 0..1"),
+    (dict(JMOE_COORDINATOR="nowhere", JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID="0"), "not HOST:PORT"),
+    (dict(JMOE_COORDINATOR="127.0.0.1:1", JMOE_NUM_PROCESSES="two", JMOE_PROCESS_ID="0"), "JMOE_NUM_PROCESSES"),
+    (dict(JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID="1"), "--coordinator"),
+])
+def test_bad_process_options_are_refused(tiny_converted, env, message):
+    bad = subprocess.run(command_line(["jmoe", "generate", str(tiny_converted), "x"]), env=dict(os.environ, **env),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-1000:]
