@@ -196,9 +196,18 @@ def cmd_serve(args) -> None:
     model = load_model(args, max_batch=max_batch, draft=speculative.draft if speculative else None)
     name = args.served_model_name or Path(args.model).resolve().name
     print("jmoe: compiling the serving steps", file=sys.stderr)
-    with BatchEngine(model, max_batch=max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
-                     speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),
-                     warm_up=True) as engine:
+    engine_options = dict(max_batch=max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
+                          speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),
+                          warm_up=True)
+    import jax
+
+    from jmoe.serving.mirror import Mirror
+
+    mirror = Mirror() if jax.process_count() > 1 else None  # process 0 serves, the others replay its steps
+    if mirror is not None and jax.process_index() != 0:
+        BatchEngine(model, mirror=mirror, follower=True, **engine_options).follow()
+        return
+    with BatchEngine(model, mirror=mirror, **engine_options) as engine:
         print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({max_batch} at once)", file=sys.stderr)
         uvicorn.run(create_app(engine, name, request_timeout=args.request_timeout), host=args.host, port=args.port,
                     log_level="warning")
@@ -309,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             from jmoe.distributed.processes import initialize
 
             joined = initialize(args.coordinator, args.num_processes, args.process_id)
-            if joined and args.command in ("serve", "chat"):
-                raise InputError(f"jmoe {args.command} runs in one process (several processes: generate, bench)")
+            if joined and args.command == "chat":
+                raise InputError("jmoe chat runs in one process (several processes: generate, serve, bench)")
         commands[args.command](args)
     except (JmoeError, OSError) as e:  # OSError: disk full, permission denied, a closed pipe
         message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")

@@ -16,6 +16,9 @@ from tests.hf_models import make_checkpoint
 from tests.test_family_deepseek import DEEPSEEK_V3, RANDOMIZED
 from tests.test_family_gpt_oss import EVERY_BIAS
 
+# meshes of the suite's 8 CPU devices: on a GPU machine the default devices are the GPU's
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU devices only")
+
 PROMPT = "The Python standard library"
 TOKENS = 24
 MESHES = ["ep=2", "ep=4", "ep=8", "ep=4,tp=2"]
@@ -112,6 +115,17 @@ def test_speculative_on_a_mesh_gives_greedy_tokens(tiny_tiers, tiny_reference, m
     assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS, speculative="int4") == tiny_reference
     draft_leaf = jax.tree.leaves(model.draft("int4").pool)[0]
     assert draft_leaf.sharding == model.placement.experts  # the draft's experts are sharded too
+
+
+def test_serving_engine_on_a_mesh_gives_generate_texts(tiny_tiers):
+    from jmoe.serving import BatchEngine, Request
+
+    model = load(tiny_tiers, mesh="ep=4")
+    prompts = ["The Python standard library", "def parse(self, text):", "12 + 35 ="]
+    want = [jmoe.generate(model, p, max_new_tokens=12) for p in prompts]
+    with BatchEngine(model, max_batch=2) as engine:
+        streams = [engine.submit(Request(model.tokenizer.encode(p), 12)) for p in prompts]
+        assert [s.text() for s in streams] == want
 
 
 FAMILY_CASES = {

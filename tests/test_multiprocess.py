@@ -1,5 +1,5 @@
-"""Several local processes as one jax.distributed job (loopback only): the tokens of one process,
-fail-stop when a process dies, and the launcher's exit codes."""
+"""Several local processes as one jax.distributed job (loopback only): the tokens of one process
+from generate and from a served job, fail-stop when a process dies, and the launcher's exit codes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 import jmoe
 from jmoe.distributed.processes import PEER_LOST
 from jmoe.launch import command_line, free_port, launch
 from jmoe.runtime.loader import memory_plan
+
+# jobs of CPU processes: on a GPU machine the default devices are the GPU's
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU devices only")
 
 PROMPT = "The Python standard library"
 SEQ = 256
@@ -108,3 +112,51 @@ def test_bad_process_options_are_refused(tiny_converted, env, message):
     bad = subprocess.run(command_line(["jmoe", "generate", str(tiny_converted), "x"]), env=dict(os.environ, **env),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-1000:]
+
+
+def test_serve_as_two_processes_answers_like_generate(tiny_converted):
+    """Process 0 takes the requests; process 1 replays its engine's decisions. Greedy answers equal
+    generate's, a stream closed early ends on both, and SIGINT stops the job."""
+    import concurrent.futures
+    import signal
+    import urllib.request
+
+    import openai
+
+    port = free_port()
+    job = subprocess.Popen([sys.executable, "-m", "jmoe.launch", "-n", "2", "--devices-per-process", "2", "--",
+                            *command_line(["jmoe", "serve", str(tiny_converted), "--mesh", "ep=4", "--port", str(port),
+                                           "--max-batch", "2", "--max-seq-len", str(SEQ), "--dtype", "float32"])],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + JOB_SECONDS
+        while True:
+            assert job.poll() is None, job.stderr.read()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        name = api.models.list().data[0].id
+        cut = api.completions.create(model=name, prompt=PROMPT, max_tokens=200, temperature=0, stream=True)
+        for i, _ in enumerate(cut):
+            if i == 2:
+                break
+        cut.close()  # ends on process 0 and, through the next iteration's decisions, on process 1
+        prompts = [PROMPT, "def parse(self, text):", "12 + 35 =", "The Python standard library"]
+
+        def ask(prompt):
+            return api.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, prompts))
+        job.send_signal(signal.SIGINT)
+        code = job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=SEQ)
+    assert answers == [jmoe.generate(model, p, max_new_tokens=16) for p in prompts]
+    assert code == 130

@@ -91,7 +91,9 @@ class Placement:
     @classmethod
     def for_mesh(cls, spec) -> "Placement":
         axes = parse_mesh(spec)
-        return cls() if axes is None else cls(mesh=make_mesh(axes[EP], axes[TP]))
+        if axes is None or axes[EP] * axes[TP] == 1:  # one device: no mesh, no collectives
+            return cls()
+        return cls(mesh=make_mesh(axes[EP], axes[TP]))
 
     @property
     def shards(self) -> int:

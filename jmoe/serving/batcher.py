@@ -20,6 +20,7 @@ verification pass, and each greedy row keeps what the target agrees with.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -76,8 +77,11 @@ class Stream:
     """A submitted request's output: iterate for its pieces (text deltas or token ids); afterwards
     `finish_reason` and `usage` say how it ended. cancel() frees its slot at the next step."""
 
-    def __init__(self, request: Request):
+    _ids = itertools.count()
+
+    def __init__(self, request: Request, id: int | None = None):
         self.request = request
+        self.id = next(Stream._ids) if id is None else id  # what process 0 and its followers call it
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.usage = dict(prompt_tokens=len(request.prompt), completion_tokens=0)
@@ -132,6 +136,17 @@ class Stream:
     def _finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         self._events.put(("done", reason, []))
+
+
+class _Replayed(Stream):
+    """A follower's copy of one of process 0's requests: nobody reads it, so it keeps nothing."""
+
+    def _put(self, piece, logprobs: list | None = None) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
 
 
 @dataclass
@@ -277,8 +292,12 @@ class BatchEngine:
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
                  prefill_per_step: int = PREFILL_CHUNK, reader_timeout: float | None = None, speculative=None,
-                 warm_up: bool = False, observer=None):
+                 warm_up: bool = False, observer=None, mirror=None, follower: bool = False):
+        """mirror (jmoe/serving/mirror.py): under jax.distributed, process 0's engine publishes each
+        iteration's decisions through it and the other processes' engines (follower=True: no loop
+        thread; call follow()) replay them."""
         self.model = model
+        self.mirror, self.follower = mirror, follower
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
         context = model.max_seq_len if context is None else validate.integer("context", context, minimum=2)
@@ -290,7 +309,7 @@ class BatchEngine:
         # committed to the device, as every later cache (a jitted step's output) is: the first
         # insert then compiles what every later one runs
         self.cache = jax.device_put(new_cache(cfg, self.max_batch, self.context, model.compute_dtype),
-                                    jax.devices()[0])
+                                    model.placement.replicated)
         self.pos = np.zeros(self.max_batch, np.int32)
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
@@ -319,7 +338,8 @@ class BatchEngine:
         if warm_up:
             self.warm_up()
         self._thread = threading.Thread(target=self._loop, name="jmoe-batch-engine", daemon=True)
-        self._thread.start()
+        if not follower:
+            self._thread.start()
 
     def warm_up(self) -> None:
         """Compile, before any request, what requests will run: a step at every batch bucket (all
@@ -391,7 +411,27 @@ class BatchEngine:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def follow(self) -> None:
+        """A follower's loop: replay process 0's iterations until it closes (see mirror.py)."""
+        while True:
+            d = self.mirror.receive()
+            if d["close"]:
+                break
+            ended = dict(d["end"])
+            for b, row in enumerate(self.rows):
+                if row is not None and row.stream.id in ended:
+                    self._free(b, ended[row.stream.id])
+            for p in [p for p in self.prefilling if p.stream.id in ended]:
+                self.prefilling.remove(p)
+                self._end(p.stream, ended[p.stream.id])
+            self.waiting.extend(_Replayed(request, i) for i, request in d["admit"])
+            self._admit()
+            if self.running:
+                self._speculative_step() if self.draft is not None else self._step()
+        self._fail_all(None)
 
     def __enter__(self):
         return self
@@ -409,13 +449,22 @@ class BatchEngine:
                         self._wake.wait()
                     if self._closed:
                         break
-                self._drop_cancelled()
-                self._admit()
+                ended = self._drop_cancelled()
+                admitting = None
+                if self.mirror is not None:  # the followers learn what happens before it does
+                    self._compact()
+                    with self._wake:
+                        admitting = list(self.waiting)[:max(0, self.max_batch - self.running - len(self.prefilling))]
+                    self.mirror.publish(ended, [(s.id, s.request) for s in admitting])
+                self._admit(None if admitting is None else len(admitting))
                 if self.running:
                     self._speculative_step() if self.draft is not None else self._step()
         except Exception as error:  # noqa: BLE001 - every request learns why, none hangs
             self._fail_all(f"{type(error).__name__}: {error}")
             raise
+        finally:
+            if self.mirror is not None:
+                self.mirror.publish([], [], close=True)
         self._fail_all(None)
 
     def _fail_all(self, error: str | None) -> None:
@@ -430,14 +479,17 @@ class BatchEngine:
             while self.waiting:
                 self._end(self.waiting.popleft(), reason, error)
 
-    def _drop_cancelled(self) -> None:
-        """End the requests that were cancelled, ran past their timeout, or whose reader stalled."""
-        now = time.perf_counter()
+    def _drop_cancelled(self) -> list[tuple[int, str]]:
+        """End the requests that were cancelled, ran past their timeout, or whose reader stalled;
+        (stream id, reason) of those that held a row or were prefilling."""
+        now, ended = time.perf_counter(), []
         for b, row in enumerate(self.rows):
             if row is not None and (reason := self._ending(row.stream, now, running=True)):
+                ended.append((row.stream.id, reason))
                 self._free(b, reason)
         for p in list(self.prefilling):
             if reason := self._ending(p.stream, now):
+                ended.append((p.stream.id, reason))
                 self.prefilling.remove(p)
                 self._end(p.stream, reason)
         with self._wake:
@@ -448,6 +500,7 @@ class BatchEngine:
                 else:
                     kept.append(s)
             self.waiting = kept
+        return ended
 
     def _ending(self, stream: Stream, now: float, running: bool = False) -> str | None:
         """Why `stream` should end now, if it should."""
@@ -471,11 +524,13 @@ class BatchEngine:
                 self.pos[dst], self.key_start[dst] = self.pos[src], self.key_start[src]
                 self.pos[src], self.key_start[src] = 0, self.context
 
-    def _admit(self) -> None:
-        """Oldest first, while rows are free: waiting requests start prefilling; then up to
-        prefill_per_step prompt tokens are prefilled, and each prompt that is all in takes a row."""
+    def _admit(self, limit: int | None = None) -> None:
+        """Oldest first, while rows are free: waiting requests (at most `limit`) start prefilling;
+        then up to prefill_per_step prompt tokens are prefilled, and each prompt that is all in
+        takes a row."""
         self._compact()
-        while self.running + len(self.prefilling) < self.max_batch:
+        while self.running + len(self.prefilling) < self.max_batch and limit != 0:
+            limit = None if limit is None else limit - 1
             with self._wake:
                 if not self.waiting:
                     break
