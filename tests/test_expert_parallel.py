@@ -150,11 +150,12 @@ def test_every_family_on_every_mesh(family_model):
     for mesh in MESHES:
         got = jmoe.generate(load(out, mesh=mesh), [prompt], max_new_tokens=16)[0]
         assert got == want, mesh
-    budget = offload_budget(out, 2)
-    model = load(out, mesh="ep=2", device_budget=budget, policy="lru")
-    assert jmoe.generate(model, [prompt], max_new_tokens=16)[0] == want
-    model.residency.cache.check()
-    assert model.stats.transfers > 0
+        shards = int(mesh.split(",")[0].split("=")[1])
+        # half of a device's experts: with 8 experts over 8 shards, one slot per layer's one expert
+        model = load(out, mesh=mesh, device_budget=offload_budget(out, shards, share=2), policy="lru")
+        assert jmoe.generate(model, [prompt], max_new_tokens=16)[0] == want, f"{mesh}, offloaded"
+        model.residency.cache.check()
+        assert model.stats.transfers > 0 and model.stats.evictions > 0
 
 
 @pytest.mark.parametrize("mesh,message", [("ep=3", "divide"), ("ep=16", "devices"), ("dp=2", "unknown axis"),
