@@ -109,7 +109,7 @@ class LayerwiseRunner:
             return self.pieces.dense_mlp[i](state, x, h), None
         res, cfg, mi = self.res, self.pieces.cfg, self.pieces.moe_index[i]
         flat_importance = None if importance is None else importance.reshape(-1)
-        experts = res.expert_state().for_phase(self.phase).layer(mi)
+        experts = res.layer_experts(mi, self.phase)
         signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, experts)
         lookahead = None
         if res.policy.prefetch and mi + 1 < cfg.num_moe_layers:
@@ -140,8 +140,7 @@ class LayerwiseRunner:
             def run(group=group, p=p, x=x):
                 # one pass and nothing on the CPU: the whole layer's tables (no other routed expert is
                 # resident to run twice); otherwise only this pass's experts are visible
-                visible = res.expert_state().for_phase(self.phase).layer(mi) \
-                    if len(passes) == 1 and not cpu_experts else res.pass_experts(mi, group)
+                visible = res.layer_experts(mi, self.phase, None if len(passes) == 1 and not cpu_experts else group)
                 return self.pieces.experts[i](state, x, h, signals.ids, signals.weights, signals.wanted,
                                               self.valid_dev, visible, shared=p == 0)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from jmoe.config import ModelConfig
 from jmoe.errors import BudgetError
-from jmoe.layers.experts import NO_SLOT, ExpertState, LayerExperts, Selection
+from jmoe.layers.experts import NO_SLOT, VERIFY_BLOCK_ROWS, ExpertState, LayerExperts, Selection
 from jmoe.layers.transformer import StepSignals
 from jmoe.policies.base import (
     ExpertCounters,
@@ -416,18 +416,26 @@ class Offloaded:
                 raise RuntimeError(f"no slot for expert {key} although the pass fits the pools")
         return keys
 
-    def pass_experts(self, layer: int, group: dict[int, str]) -> LayerExperts:
-        """The layer's experts with only `group` visible (a pass of the layer-wise path)."""
-        chosen = np.asarray(list(group), np.int64)
+    def layer_experts(self, layer: int, phase: str, visible=None) -> LayerExperts:
+        """One MoE layer's experts for a piece of the layer-wise path, from the host's tables and
+        plan in one transfer (indexing the step's device arrays would dispatch a gather per array,
+        which a mesh makes slow). `visible`: only these experts' slots (one pass of several)."""
         slots = {}
         for tier, table in self.handles.slot.items():
-            row = np.full(self.cfg.num_experts, NO_SLOT, np.int32)
-            row[chosen] = table[layer, chosen]
+            row = table[layer].copy()  # a copy: the host table changes in place later
+            if visible is not None:
+                shown = np.asarray(list(visible), np.int64)
+                row = np.full(self.cfg.num_experts, NO_SLOT, np.int32)
+                row[shown] = table[layer, shown]
             slots[tier] = row
-        sel = self.selection()
-        return LayerExperts(jax.device_put(slots, self.device), self.pool_arrays(), sel.hi[layer], sel.lo[layer],
-                            sel.ratio[layer], sel.heavy_hitters, self.backend, int8_dot=self.int8_dot,
-                            ep=self.placement.expert_parallel)
+        p = self.plan
+        ratio = 1.0 if p.ratio is None else p.ratio[layer]
+        host = (slots, np.array(p.hi[layer], np.int32), np.array(p.lo[layer], np.int32), np.float32(ratio),
+                np.float32(p.heavy_hitters))
+        slots, hi, lo, ratio, heavy = jax.device_put(host, self.device)
+        group_rows = VERIFY_BLOCK_ROWS if phase == "verify" and visible is None else 0  # as for_phase
+        return LayerExperts(slots, self.pool_arrays(), hi, lo, ratio, heavy, self.backend, group_rows, self.int8_dot,
+                            self.placement.expert_parallel)
 
     def finish_pass(self, keys: list[Key]) -> None:
         self.cache.pinned = set()
