@@ -314,13 +314,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"convert": cmd_convert, "generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat,
                     "bench": cmd_bench, "info": cmd_info}
+        joined = False
         if hasattr(args, "coordinator"):  # a command that loads a model may run as one of several processes
-            from jmoe.distributed.processes import initialize
+            from jmoe.distributed.processes import initialize, native_stdout_to_stderr
 
             joined = initialize(args.coordinator, args.num_processes, args.process_id)
+            if joined:
+                native_stdout_to_stderr()
             if joined and args.command == "chat":
                 raise InputError("jmoe chat runs in one process (several processes: generate, serve, bench)")
-        commands[args.command](args)
+        try:
+            commands[args.command](args)
+        except KeyboardInterrupt:
+            if joined:
+                os._exit(130)  # at once: JAX's shutdown would wait for the other processes
+            raise
+        except BaseException as e:
+            if joined:  # the others cannot go on without this one: stop now, saying why
+                from jmoe.distributed.processes import fail_stop
+
+                fail_stop(e)
+            raise
     except (JmoeError, OSError) as e:  # OSError: disk full, permission denied, a closed pipe
         message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
         print(f"jmoe: error: {message}", file=sys.stderr)

@@ -77,8 +77,35 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                heartbeat_timeout_seconds=max(30, int(4 * timeout)))
     if num_processes > 1:
-        Watchdog(process_id, num_processes, timeout).start()
+        global _watchdog
+        _watchdog = Watchdog(process_id, num_processes, timeout)
+        _watchdog.start()
     return True
+
+
+_watchdog: "Watchdog | None" = None
+
+
+def fail_stop(error: BaseException) -> None:
+    """This process of a job failed: exit now, naming the cause. When another process's death
+    caused it (a collective broke), the watchdog confirms that within its timeout and reports it;
+    otherwise the error is reported. Never returns: JAX's own shutdown would wait for the others."""
+    if _watchdog is not None:
+        deadline = time.monotonic() + _watchdog.timeout + 4 * HEARTBEAT_INTERVAL
+        while time.monotonic() < deadline:  # the watchdog exits the process if a peer is gone
+            time.sleep(0.1)
+    print(f"jmoe: error: {first(error)}; stopping process {jax.process_index()} of the job", file=sys.stderr,
+          flush=True)
+    os._exit(1)
+
+
+def native_stdout_to_stderr() -> None:
+    """Send what native code prints on stdout (gloo announces each connection there) to stderr,
+    keeping Python's sys.stdout on the real stdout: a job's output stays clean."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
 
 
 def is_main_process() -> bool:
