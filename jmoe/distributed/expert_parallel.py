@@ -16,14 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 from jmoe.distributed.mesh import EP, ExpertParallel
 
-NO_SLOT = -1
-
-
 def shard_offset_slots(slots: jax.Array, shard, pool) -> jax.Array:
-    """Global slot table -> this shard's local slots (NO_SLOT stays; other shards' slots are masked
-    by the caller)."""
+    """Global slot table -> this shard's local slots (a negative entry, not resident, stays; other
+    shards' slots are masked by the caller)."""
     local_slots = jax.tree.leaves(pool)[0].shape[0]
-    return jnp.where(slots == NO_SLOT, NO_SLOT, slots - shard * local_slots)
+    return jnp.where(slots < 0, slots, slots - shard * local_slots)
 
 
 def expert_parallel_sum(ep: ExpertParallel, local_sum: Callable, h, ids, weights, chosen, token_valid,

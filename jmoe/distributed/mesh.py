@@ -109,10 +109,6 @@ class Placement:
             return [self.device]
         return list(self.mesh.devices[shard])
 
-    def owner(self, expert: int, num_experts: int) -> int:
-        """The shard owning `expert` (a contiguous range of num_experts / shards per shard)."""
-        return expert // (num_experts // self.shards)
-
     def local_devices(self, shard: int) -> list:
         """This process's devices among shard `shard`'s (all of them in a single process)."""
         return [d for d in self.shard_devices(shard) if d.process_index == jax.process_index()]

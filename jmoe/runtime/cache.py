@@ -251,9 +251,12 @@ class CacheManager:
         if t.kind == "prefetch":
             self.prefetched.add(t.key)
 
-    def movable(self, tier: str, keep=()) -> list[Key]:
-        """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in `keep`)."""
-        return [k for k in self.in_tier[tier] if k not in self.pinned and k not in keep and self.evictable(tier, k)]
+    def movable(self, tier: str, keep=(), shard: int | None = None) -> list[Key]:
+        """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in
+        `keep`; only those of expert shard `shard` when given)."""
+        owner = self.pools[tier].owner
+        return [k for k in self.in_tier[tier] if k not in self.pinned and k not in keep and self.evictable(tier, k)
+                and (shard is None or owner(k[1]) == shard)]
 
     def _drop_above(self, key: Key, code: int) -> None:
         if key in self.pinned:
@@ -271,9 +274,7 @@ class CacheManager:
         shard = pool.owner(key[1])
         if self.free[tier][shard]:
             return self.free[tier][shard].pop()
-        movable = self.movable(tier) if pool.shards == 1 else \
-            [k for k in self.movable(tier) if pool.owner(k[1]) == shard]
-        candidates = sorted(movable, key=lambda k: (self.last_used[k], k))  # least recently used first
+        candidates = sorted(self.movable(tier, shard=shard), key=lambda k: (self.last_used[k], k))  # least recently used first
         if not candidates:
             return None
         key = self.victim(tier, candidates)

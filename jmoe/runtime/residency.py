@@ -390,10 +390,8 @@ class Offloaded:
         keys = {(layer, e) for e in wanted}
         room: dict[tuple[str, int], int] = {}  # (tier, shard) -> slots a pass may fill
         for tier, pool in self.pools.items():
-            movable = self.cache.movable(tier, keep=keys)
             for shard in range(pool.shards):
-                room[(tier, shard)] = len(self.cache.free[tier][shard]) + sum(
-                    1 for k in movable if pool.owner(k[1]) == shard)
+                room[(tier, shard)] = len(self.cache.free[tier][shard]) + len(self.cache.movable(tier, keys, shard))
         passes: list[dict[int, str]] = [{e: wanted[e] for e in resident}] if resident else []
         used: dict[tuple[str, int], int] = {}
         for expert in (e for e in wanted if e not in resident):
@@ -422,8 +420,9 @@ class Offloaded:
         which a mesh makes slow). `visible`: only these experts' slots (one pass of several)."""
         slots = {}
         for tier, table in self.handles.slot.items():
-            row = table[layer].copy()  # a copy: the host table changes in place later
-            if visible is not None:
+            if visible is None:
+                row = table[layer].copy()  # a copy: the host table changes in place later
+            else:
                 shown = np.asarray(list(visible), np.int64)
                 row = np.full(self.cfg.num_experts, NO_SLOT, np.int32)
                 row[shown] = table[layer, shown]

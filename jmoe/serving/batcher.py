@@ -297,7 +297,7 @@ class BatchEngine:
         iteration's decisions through it and the other processes' engines (follower=True: no loop
         thread; call follow()) replay them."""
         self.model = model
-        self.mirror, self.follower = mirror, follower
+        self.mirror = mirror
         self.max_batch = validate.integer("max_batch", max_batch, minimum=1)
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
         context = model.max_seq_len if context is None else validate.integer("context", context, minimum=2)
@@ -421,12 +421,7 @@ class BatchEngine:
             if d["close"]:
                 break
             ended = dict(d["end"])
-            for b, row in enumerate(self.rows):
-                if row is not None and row.stream.id in ended:
-                    self._free(b, ended[row.stream.id])
-            for p in [p for p in self.prefilling if p.stream.id in ended]:
-                self.prefilling.remove(p)
-                self._end(p.stream, ended[p.stream.id])
+            self._end_started(lambda stream, running: ended.get(stream.id))
             self.waiting.extend(_Replayed(request, i) for i, request in d["admit"])
             self._admit()
             if self.running:
@@ -482,16 +477,8 @@ class BatchEngine:
     def _drop_cancelled(self) -> list[tuple[int, str]]:
         """End the requests that were cancelled, ran past their timeout, or whose reader stalled;
         (stream id, reason) of those that held a row or were prefilling."""
-        now, ended = time.perf_counter(), []
-        for b, row in enumerate(self.rows):
-            if row is not None and (reason := self._ending(row.stream, now, running=True)):
-                ended.append((row.stream.id, reason))
-                self._free(b, reason)
-        for p in list(self.prefilling):
-            if reason := self._ending(p.stream, now):
-                ended.append((p.stream.id, reason))
-                self.prefilling.remove(p)
-                self._end(p.stream, reason)
+        now = time.perf_counter()
+        ended = self._end_started(lambda stream, running: self._ending(stream, now, running))
         with self._wake:
             kept = deque()
             for s in self.waiting:
@@ -500,6 +487,21 @@ class BatchEngine:
                 else:
                     kept.append(s)
             self.waiting = kept
+        return ended
+
+    def _end_started(self, reason_of) -> list[tuple[int, str]]:
+        """End each running or prefilling request for which reason_of(stream, running) gives a
+        reason; (stream id, reason) of each."""
+        ended = []
+        for b, row in enumerate(self.rows):
+            if row is not None and (reason := reason_of(row.stream, True)):
+                ended.append((row.stream.id, reason))
+                self._free(b, reason)
+        for p in list(self.prefilling):
+            if reason := reason_of(p.stream, False):
+                ended.append((p.stream.id, reason))
+                self.prefilling.remove(p)
+                self._end(p.stream, reason)
         return ended
 
     def _ending(self, stream: Stream, now: float, running: bool = False) -> str | None:
