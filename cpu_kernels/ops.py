@@ -141,3 +141,34 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
         return jax.vmap(put)(cache, rows, start)
     return native.call(native.WRITE_ROWS, jax.ShapeDtypeStruct(cache.shape, cache.dtype), cache, rows,
                        start.astype(jnp.int32), input_output_aliases={0: 0})
+
+
+def write_slots(pool: jax.Array, values: jax.Array, slots: jax.Array, offset: int | None = None) -> jax.Array:
+    """pool [S, ...] with row slots[i] replaced by values[i] for every slot in [0, S) (others
+    skipped), in place (the result aliases the pool). values: [n, *row shape] in the pool's dtype,
+    or with an `offset`, uint8 [n, nbytes] raw bytes whose bytes [offset, offset + row bytes) are a
+    pool row (an expert record holding the pool's leaf there). XLA's dynamic_update_slice where the
+    kernels do not run."""
+    if available():
+        if offset is None:
+            values = values.astype(pool.dtype)
+        return native.call(native.WRITE_SLOTS, jax.ShapeDtypeStruct(pool.shape, pool.dtype), pool, values,
+                           slots.astype(jnp.int32), input_output_aliases={0: 0}, offset=np.int64(offset or 0))
+    if offset is None:
+        values = values.astype(pool.dtype)
+    else:
+        row_bytes = pool.dtype.itemsize * int(np.prod(pool.shape[1:]))
+        values = _from_raw(values[:, offset : offset + row_bytes], pool.dtype, pool.shape[1:])
+    for i in range(values.shape[0]):
+        keep = (slots[i] >= 0) & (slots[i] < pool.shape[0])
+        slot = jnp.clip(slots[i], 0, pool.shape[0] - 1)
+        pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(keep, values[i], pool[slot]), slot, 0)
+    return pool
+
+
+def _from_raw(raw, dtype, shape):
+    """uint8 [n, nbytes] -> [n, *shape] of `dtype` with the same bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if itemsize > 1:
+        raw = raw.reshape(raw.shape[0], -1, itemsize)
+    return jax.lax.bitcast_convert_type(raw, dtype).reshape(raw.shape[0], *shape)

@@ -298,6 +298,29 @@ def test_write_rows_writes_in_place_what_dynamic_update_slice_writes(dtype):
         assert (np.asarray(got.astype(jnp.float32)) == want).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.uint8])
+def test_write_slots_copies_record_bytes_into_pool_rows_in_place(dtype, monkeypatch):
+    """Rows of a pool replaced by a leaf of raw records (at its offset), slots outside the pool skipped;
+    the native kernel and the XLA path write the same bytes."""
+    rng = np.random.default_rng(3)
+    S, shape = 6, (4, 8)
+    row_bytes = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    pool = rng.integers(0, 60, (S, *shape)).astype(dtype)  # small values: every bit pattern a plain number
+    records = rng.integers(0, 60, (3, 16 + row_bytes + 8), dtype=np.uint8)
+    slots = np.array([4, -1, 1], np.int32)
+    want = np.array(pool)
+    for record, slot in zip(records, slots):
+        if slot >= 0:
+            want[slot] = record[16 : 16 + row_bytes].view(want.dtype).reshape(shape)
+    write = jax.jit(lambda p, r, s: ops.write_slots(p, r, s, offset=16), donate_argnums=0)
+    got = write(jnp.asarray(pool), jnp.asarray(records), jnp.asarray(slots))
+    assert np.asarray(got).tobytes() == want.tobytes()
+    monkeypatch.setattr(ops, "available", lambda: False)
+    fallback = jax.jit(lambda p, r, s: ops.write_slots(p, r, s, offset=16))(jnp.asarray(pool), jnp.asarray(records),
+                                                                            jnp.asarray(slots))
+    assert np.asarray(fallback).tobytes() == want.tobytes()
+
+
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_hf_dir, tmp_path_factory):
     return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("cpu_int4") / "m", tiers="bf16,int4",

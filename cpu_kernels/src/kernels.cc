@@ -713,6 +713,31 @@ static ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi
   return ffi::Error::Success();
 }
 
+// Rows of a pool [S, ...] replaced in place: row slot[i] = bytes [offset, offset + row bytes) of
+// values[i] for every i with 0 <= slot[i] < S (others are skipped). values [n, ...] of any type:
+// an expert record's raw bytes, each leaf of the pool at its offset, need no conversion or slice.
+// XLA:CPU's own dynamic_update_slice converts a bfloat16 array to float32 and back, a copy of the
+// whole pool per write.
+static ffi::Error write_slots_impl(ffi::AnyBuffer pool, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> slot,
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t offset) {
+  const auto pd = pool.dimensions();
+  const int64_t n = static_cast<int64_t>(slot.element_count());
+  if (pd.size() < 1 || pd[0] == 0 || n == 0 || values.size_bytes() % n != 0)
+    return ffi::Error::InvalidArgument("write_slots wants pool [S, ...], values [n, ...] and slot [n]");
+  const int64_t S = pd[0];
+  const size_t row_bytes = pool.size_bytes() / S, stride = values.size_bytes() / n;
+  if (offset < 0 || offset + row_bytes > stride)
+    return ffi::Error::InvalidArgument("write_slots: a pool row does not fit its value row at that offset");
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  if (dst != pool.untyped_data()) std::memcpy(dst, pool.untyped_data(), pool.size_bytes());
+  const auto* src = static_cast<const uint8_t*>(values.untyped_data());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slot.typed_data()[i];
+    if (s >= 0 && s < S) std::memcpy(dst + s * row_bytes, src + i * stride + offset, row_bytes);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jmoe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
@@ -765,6 +790,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteRows, jmoe::write_rows_impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteSlots, jmoe::write_slots_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("offset"));
 
 // A Python extension module of its own (so setuptools builds and installs it); the handlers are
 // read from the shared object with ctypes.

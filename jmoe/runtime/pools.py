@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError
 from jmoe.format import RecordLayout, np_dtype
@@ -33,23 +34,36 @@ def slot_nbytes(store: ExpertStore, tier: str) -> int:
     return tree_nbytes(store.template(tier))
 
 
-def _from_bytes(segment, dtype, shape):
-    """uint8 [n] -> array of `dtype` and `shape` with the same bytes."""
+def from_bytes(segment, dtype, shape):
+    """uint8 [..., n] -> array of `dtype` and shape [..., *shape] with the same bytes."""
     itemsize = np.dtype(dtype).itemsize
+    lead = segment.shape[:-1]
     if itemsize > 1:
-        segment = segment.reshape(-1, itemsize)
-    return jax.lax.bitcast_convert_type(segment, dtype).reshape(shape)
+        segment = segment.reshape(*lead, -1, itemsize)
+    return jax.lax.bitcast_convert_type(segment, dtype).reshape(*lead, *shape)
+
+
+def decode_record(record, layout: RecordLayout, treedef):
+    """uint8 [..., layout.nbytes] records -> the tier's ExpertWeights with leading dims [...]."""
+    return treedef.unflatten([from_bytes(record[..., spec.offset : spec.offset + spec.nbytes], np_dtype(spec.dtype),
+                                         spec.shape) for spec in layout.leaves])
+
+
+def write_records(pool, slots, records, layout: RecordLayout):
+    """pool (a tier's ExpertWeights [S, ...]) with slot slots[i] overwritten by records[i] (uint8
+    [n, layout.nbytes]) for every slot in [0, S) (others skipped); in place when pool is donated.
+    On the CPU the native kernels copy the bytes (cpu_kernels.write_slots says why)."""
+    leaves, treedef = jax.tree.flatten(pool)
+    return treedef.unflatten([cpu_kernels.write_slots(leaf, records, slots, spec.offset)
+                              for leaf, spec in zip(leaves, layout.leaves, strict=True)])
 
 
 @partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def write_slot(pool, slot, record, *, layout: RecordLayout):
     """pool with slot `slot` overwritten by `record` (uint8 [layout.nbytes]); also returns a scalar
     that is ready only once the write has happened."""
-    leaves, treedef = jax.tree.flatten(pool)
-    written = []
-    for leaf, spec in zip(leaves, layout.leaves, strict=True):
-        value = _from_bytes(record[spec.offset : spec.offset + spec.nbytes], np_dtype(spec.dtype), spec.shape)
-        written.append(jax.lax.dynamic_update_index_in_dim(leaf, value.astype(leaf.dtype), slot, 0))
+    written = jax.tree.leaves(write_records(pool, jnp.reshape(slot, (1,)), record[None], layout))
+    treedef = jax.tree.structure(pool)
     done = written[0][slot].reshape(-1)[0].astype(jnp.float32)
     return treedef.unflatten(written), done
 
