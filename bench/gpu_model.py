@@ -9,6 +9,10 @@ This replays that record with stated GPU parameters and the overlap the runtime 
 - transfers go through one copy engine at the host-to-device bandwidth; those the host waited for
   (demand fetches) stall the step, the others (prefetches, background transitions) overlap with
   compute, and copy time beyond the step's compute spills into the next step's queue;
+- a step that fetches experts itself (jmoe/layers/fetch.py) moves what its fetch slots move on an
+  accelerator, used or not: the slots filled before a layer routes (requests, look-ahead) overlap
+  the compute, those of its misses stall it (the layer waits for them); the fetches the traced run
+  needed (kinds "step-demand" / "step-prefetch") are inside those slots and not counted again;
 - each host sync costs `sync_us`; expert-tokens run on the host CPU cost `cpu_us_per_token`.
 
 Defaults describe an H100 SXM (HBM3, 3.35 TB/s) on PCIe Gen5 x16 (about 55 GB/s from pinned host
@@ -42,10 +46,11 @@ def replay(records, *, dense_bytes: int, num_layers: int, params: GpuParams = Gp
     for r in records:
         compute = (dense_bytes + sum(r.expert_bytes.values())) / hbm
         compute += num_layers * params.kernels_per_layer * params.launch_us * 1e-6
-        background = sum(b for b, kind in r.transfers if kind != "demand") / h2d
-        stall = 0.0
-        if r.waited_bytes:  # one copy engine: what the step waits for comes after what is queued
-            stall, backlog = backlog + r.waited_bytes / h2d, 0.0
+        background = (sum(b for b, kind in r.transfers if kind in ("prefetch", "transition"))
+                      + r.slot_bytes_early) / h2d
+        stall = r.slot_bytes_late / h2d
+        if r.waited_bytes or r.slot_bytes_late:  # one copy engine: what a step waits for comes after the queue
+            stall, backlog = stall + backlog + r.waited_bytes / h2d, 0.0
         backlog = max(0.0, backlog + background - compute)  # background copies overlap the compute
         seconds = compute + stall + r.syncs * params.sync_us * 1e-6 + r.cpu_tokens * params.cpu_us_per_token * 1e-6
         steps.append({"phase": r.phase, "tokens": r.tokens, "seconds": seconds})

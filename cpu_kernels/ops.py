@@ -143,13 +143,14 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
                        start.astype(jnp.int32), input_output_aliases={0: 0})
 
 
-def write_slots(pool: jax.Array, values: jax.Array, slots: jax.Array, offset: int | None = None) -> jax.Array:
+def write_slots(pool: jax.Array, values: jax.Array, slots: jax.Array, offset: int | None = None,
+                on_cpu: bool | None = None) -> jax.Array:
     """pool [S, ...] with row slots[i] replaced by values[i] for every slot in [0, S) (others
     skipped), in place (the result aliases the pool). values: [n, *row shape] in the pool's dtype,
     or with an `offset`, uint8 [n, nbytes] raw bytes whose bytes [offset, offset + row bytes) are a
     pool row (an expert record holding the pool's leaf there). XLA's dynamic_update_slice where the
-    kernels do not run."""
-    if available():
+    kernels do not run (`on_cpu`: whether the caller's step runs on the CPU; default `available()`)."""
+    if available() if on_cpu is None else on_cpu:
         if offset is None:
             values = values.astype(pool.dtype)
         return native.call(native.WRITE_SLOTS, jax.ShapeDtypeStruct(pool.shape, pool.dtype), pool, values,

@@ -23,8 +23,10 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
       stream: yield pieces as they are produced instead of returning the whole output.
       speculative: draft with the model's own low-precision copy and verify k + 1 tokens per pass:
         a draft tier ("int4", "int2"), or dict(draft=..., k=int | "auto", k_max=8, max_cycle_s=None).
-        Greedy output is identical to plain greedy; sampled output follows the same distribution.
-        Under a device budget the draft must be reserved at load (jmoe.load(..., draft="int4")).
+        Greedy output is identical to plain greedy; sampled output follows the same distribution
+        (the same tokens for a seed only with a fixed k: with "auto" the draft lengths follow
+        measured times). Under a device budget the draft must be reserved at load
+        (jmoe.load(..., draft="int4")).
 
     Every argument is checked before any work (a bad one raises InputError naming it, also with
     stream=True). A model may be shared between threads: calls interleave step by step.

@@ -42,7 +42,7 @@ def load(path, **kw):
 
 def offload_budget(path, shards: int, tier: str = "bf16", share: int = 3, policy: str = "lru") -> int:
     """A per-device budget that holds a `share`-th of a device's experts (and everything else)."""
-    plan = memory_plan(path, compute_dtype="float32", max_seq_len=SEQ, tier=tier, policy=policy)
+    plan = memory_plan(path, compute_dtype="float32", max_seq_len=SEQ, tier=tier, policy=policy, mesh=f"ep={shards}")
     return sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"] // shards // share
 
 

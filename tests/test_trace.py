@@ -23,7 +23,10 @@ def test_trace_books_every_step_and_every_transferred_byte(tiny_converted, execu
     assert [r.phase for r in records] == ["prefill"] + ["decode"] * (len(records) - 1)
     assert len(records) == 6  # the prefill yields the first token, five decode steps the rest
     assert sum(b for r in records for b, _ in r.transfers) == stats["bytes_h2d"]
-    assert all(kind in ("demand", "prefetch", "transition") for r in records for _, kind in r.transfers)
+    kinds = ("demand", "prefetch", "transition", "step-demand", "step-prefetch")  # step-: fetched by a step itself
+    assert all(kind in kinds for r in records for _, kind in r.transfers)
+    if execution == "auto":  # decode steps fetch inside themselves: what their slots would move on a GPU
+        assert all(r.slot_bytes_late > 0 for r in records[1:]) and records[0].slot_bytes_late == 0
     # every MoE layer read some expert bytes in every step, and the prefill read at least as much
     assert all(len(r.expert_bytes) == model.config.num_layers for r in records)
     assert sum(records[0].expert_bytes.values()) >= max(sum(r.expert_bytes.values()) for r in records[1:])
@@ -68,3 +71,12 @@ def test_replay_overlaps_background_copies_and_stalls_on_waited_ones():
                     _step(expert_bytes={0: 10**9}, transfers=[(10**9, "demand")], waited_bytes=10**9)],
                    dense_bytes=0, num_layers=1, params=params)
     assert spill["modelled_tpot_s"] == pytest.approx((1.0 + (1.0 + 2.0 + 1.0)) / 2)
+
+
+def test_replay_of_a_step_fetching_its_own_experts():
+    """What a step's fetch slots move on a GPU: misses stall it, requests and look-ahead overlap its compute."""
+    params = GpuParams(hbm_gb_per_s=1.0, efficiency=1.0, h2d_gb_per_s=1.0, launch_us=0.0, sync_us=0.0)
+    step = _step(expert_bytes={0: 10**9}, slot_bytes_early=5 * 10**8, slot_bytes_late=2 * 10**8,
+                 transfers=[(10**8, "step-demand")])  # a fetch the run needed: inside the slots, not again
+    modelled = replay([step], dense_bytes=0, num_layers=1, params=params)
+    assert modelled["modelled_tpot_s"] == pytest.approx(1.2)

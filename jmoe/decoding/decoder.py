@@ -31,6 +31,7 @@ class Decoder:
         self.key_start = np.asarray([prompt_len - len(p) for p in prompts], np.int32)
         self.pos = np.zeros(self.batch, np.int32)  # cache slot the next token of each row goes to
         self.cache = new_cache(cfg, self.batch, cache_len, model.compute_dtype)
+        model.count(executions=1, phase="prefill")
         self.unsettled: list = []  # deferred steps, oldest first (None: a step that needs no settling)
 
     def step(self, tokens, *, last_only: bool = False, phase: str = "decode", residency=None, defer: bool = False):
@@ -65,8 +66,40 @@ class Decoder:
 
     def rewind_last(self, tokens: int = 1) -> None:
         """Take back the newest deferred step (its output is not to be used) and its advance."""
-        self.unsettled.pop()
+        self.model.discard(self.unsettled.pop())
         self.advance(-tokens)
+
+    def decode_sampled(self, tokens, sampler):
+        """One token per row [B] (on the device) at each row's position, drawing the next ones in
+        the same step; then advance. Returns the next tokens [B] on the device; settle_sampled()
+        reads them, a step later."""
+        if int(self.pos.max()) + 1 > self.cache_len:
+            raise InputError(f"1 more token does not fit the {self.cache_len}-slot cache (rows at {self.pos.tolist()})")
+        nxt, self.cache, step = self.model.decode_sampled(tokens, self.cache, self.pos, self.key_start, sampler)
+        self.unsettled.append(step)
+        self.advance(1)
+        return nxt
+
+    def speculate(self, last, sampler, k: int, draft):
+        """A speculative cycle from each row's last token [B] (on the device): `draft` decodes k
+        tokens per row, the model verifies them (jmoe/decoding/speculative.py). Not advancing; settle
+        it with settle_cycle()."""
+        if int(self.pos.max()) + k + 1 > self.cache_len:
+            raise InputError(f"{k + 1} more tokens do not fit the {self.cache_len}-slot cache")
+        self.cache, cycle = self.model.speculate(last, self.cache, self.pos, self.key_start, sampler, k, draft)
+        return cycle
+
+    def settle_cycle(self, cycle, sampler):
+        """(accepted drafts [B], the target's next tokens [B], the drafts [B, k], the next tokens on
+        the device) of a speculative cycle."""
+        accepted, nxt, drafts, on_device, self.cache = self.model.settle_cycle(cycle, self.cache, sampler)
+        return accepted, nxt, drafts, on_device
+
+    def settle_sampled(self, sampler) -> tuple[np.ndarray, bool]:
+        """The oldest decode_sampled step's tokens [B] (numpy) and whether they were drawn again
+        (the step was run again: its successor must be taken back)."""
+        tokens, redrawn, self.cache = self.model.settle_sampled(self.unsettled.pop(0), self.cache, sampler)
+        return tokens, redrawn
 
     def advance(self, n) -> None:
         """Move every row by n tokens (an int, or one count per row; negative rewinds)."""
@@ -79,9 +112,10 @@ class Decoder:
         taken in, logits of each row's last token so far [B, V]); a caller may interleave other work."""
         chunk = min(self.prompt_len, PREFILL_CHUNK)
         for start in range(0, self.prompt_len, chunk):
-            logits = self.step(jnp.asarray(self.prompt[:, start:start + chunk]), last_only=True, phase="prefill")
+            logits = self.step(self.model.put(self.prompt[:, start:start + chunk], "prefill"), last_only=True, phase="prefill")
             taken = min(chunk, self.prompt_len - start)
             self.advance(taken)
+            self.model.count(executions=1)
             yield taken, logits[:, -1]
 
     def prefill(self) -> jnp.ndarray:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
+from jmoe.decoding import acceptance, summary
 from jmoe.decoding.sampling import sample_tokens
 from jmoe.layers.attention import AttentionMeta, KVCache
 from jmoe.layers.experts import ExpertState
@@ -31,7 +32,12 @@ def bucket(n: int, minimum: int, limit: int) -> int:
 
 
 def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-    """Zeroed caches in each layer's attention module's own layout (its cache_spec)."""
+    """Zeroed caches in each layer's attention module's own layout (its cache_spec), made by one executable."""
+    return _zero_cache(cfg, batch, length, jnp.dtype(dtype))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _zero_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
     return KVCache(tuple(tuple(jnp.zeros((batch, heads, length, width), dtype) for heads, width in cache_spec(cfg, i))
                          for i in range(cfg.num_layers)))
 
@@ -52,18 +58,90 @@ def attention_meta(cfg: ModelConfig, num_tokens: int, start, key_start) -> Atten
 attention_meta_jit = jax.jit(attention_meta, static_argnums=(0, 1))
 
 
-def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, start, key_start, *, last_only,
-             want_importance):
-    """tokens [B, T] -> logits [B, T or 1 (last_only), V]; tokens [B] (one per row) -> logits [B, V]."""
+def _run(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache, start, key_start, *, last_only,
+         want_importance):
+    """(logits, cache, signals, pools): logits [B, T or 1 (last_only), V] of tokens [B, T], or [B, V]
+    of tokens [B] (one per row); pools as the step left them (None: the state's, untouched)."""
     model = nnx.merge(graphdef, dense if isinstance(dense, nnx.State) else nnx.State(dense))
     one = tokens.ndim == 1
     tokens = tokens[:, None] if one else tokens
     meta = attention_meta(model.config, tokens.shape[1], start, key_start)
-    x, cache, signals = model(tokens, cache, meta, experts, want_importance=want_importance)
+    x, cache, signals, pools = model(tokens, cache, meta, experts, want_importance=want_importance, pools=pools)
     if last_only:
         x = x[:, -1:]
     logits = model.logits(x)
-    return (logits[:, 0] if one else logits), cache, signals
+    return (logits[:, 0] if one else logits), cache, signals, pools
+
+
+def _forward(graphdef, dense, experts: ExpertState, tokens, cache: KVCache, start, key_start, *, last_only,
+             want_importance):
+    """tokens [B, T] -> logits [B, T or 1 (last_only), V]; tokens [B] (one per row) -> logits [B, V]."""
+    logits, cache, signals, _ = _run(graphdef, dense, experts, None, tokens, cache, start, key_start,
+                                     last_only=last_only, want_importance=want_importance)
+    return logits, cache, signals
+
+
+def _fetching(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache, start, key_start, *, last_only,
+              want_importance):
+    """_forward for a state that fetches experts in the step (pools donated and returned) and
+    packs its summary: (logits, cache, signals, pools, summary)."""
+    logits, cache, signals, pools = _run(graphdef, dense, experts, pools, tokens, cache, start, key_start,
+                                         last_only=last_only, want_importance=want_importance)
+    return logits, cache, signals, pools, summary.pack(signals)
+
+
+def _decode(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache, positions, seen, rng,
+            temperature, top_k, one_minus_top_p, penalty, *, greedy):
+    """One decode step and its sampling in one executable: tokens [B] -> (next tokens [B], seen, rng,
+    cache, pools (None: not fetching), summary int32 [n] with the next tokens first, signals).
+    positions: int32 [2, B], each row's cache slot (start) and first real slot (key_start): one transfer."""
+    fetching = pools is not None
+    start, key_start = positions[0], positions[1]
+    logits, cache, signals, pools = _run(graphdef, dense, experts, pools, tokens, cache, start, key_start,
+                                         last_only=True, want_importance=False)
+    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, greedy=greedy)
+    packed = summary.pack(signals, nxt) if fetching else nxt.astype(jnp.int32)
+    return nxt, seen, rng, cache, (pools if fetching else None), packed, signals
+
+
+def _draft(graphdef, dense, experts: ExpertState, last, cache: KVCache, positions, seen, rng, temperature, top_k,
+           one_minus_top_p, penalty, *, k, greedy):
+    """A speculative draft's k decode steps in one executable (jmoe/decoding/acceptance.py):
+    (drafts [B, k], their probabilities [B, k, V], the draft's routing [L, E] (gate weight over
+    its tokens: the verification's look-ahead), cache, rng)."""
+    start, key_start = positions[0], positions[1]
+
+    def step(cache, tokens, j):
+        logits, cache, signals, _ = _run(graphdef, dense, experts, None, tokens, cache, start + j, key_start,
+                                         last_only=True, want_importance=False)
+        return logits, signals.gate, cache
+
+    return acceptance.draft_tokens(step, last, cache, seen, rng, (temperature, top_k, one_minus_top_p, penalty),
+                                   k=k, greedy=greedy)
+
+
+def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: KVCache, positions, seen, rng, q,
+            temperature, top_k, one_minus_top_p, penalty, *, greedy):
+    """A speculative cycle's verification in one executable: the target over each row's last token
+    and its drafts (fetching what it lacks itself when given pools) and the acceptance
+    (jmoe/decoding/acceptance.py). Returns (accepted [B], next token [B], seen, rng, cache, pools,
+    summary: accepted, next tokens and drafts first, signals)."""
+    fetching = pools is not None
+    start, key_start = positions[0], positions[1]
+    block = jnp.concatenate([last[:, None], drafts], axis=1).astype(jnp.int32)
+    logits, cache, signals, pools = _run(graphdef, dense, experts, pools, block, cache, start, key_start,
+                                         last_only=False, want_importance=False)
+    accepted, nxt, seen, rng = acceptance.accept(logits, drafts, q, seen, rng,
+                                                 (temperature, top_k, one_minus_top_p, penalty), greedy=greedy)
+    tokens = jnp.concatenate([accepted, nxt, drafts.reshape(-1)])
+    packed = summary.pack(signals, tokens) if fetching else tokens.astype(jnp.int32)
+    return accepted, nxt, seen, rng, cache, (pools if fetching else None), packed, signals
+
+
+def _accept_again(logits, drafts, q, seen, rng, temperature, top_k, one_minus_top_p, penalty, *, greedy):
+    """The acceptance of a verification run again (its step was not exact): as in _verify."""
+    return acceptance.accept(logits, drafts, q, seen, rng, (temperature, top_k, one_minus_top_p, penalty),
+                             greedy=greedy)
 
 
 def _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, *, greedy):
@@ -95,12 +173,23 @@ def clear_compiled() -> None:
 
 
 _sample_jit = jax.jit(_sample, static_argnames=("greedy",))
+_accept_again_jit = jax.jit(_accept_again, static_argnames=("greedy",))
 
 
 class Engine:
-    """Compiled step functions for one loaded model; each compiles once per shape bucket."""
+    """Compiled step functions for one loaded model; each compiles once per shape bucket.
+
+    forward: a step (the experts' pools read as they are); fetching: a step that fetches experts
+    into its donated pools and packs its summary; decode: a decode step with its sampling, one
+    executable per token (fetching when given pools)."""
 
     def __init__(self, graphdef):
         self.forward = jit_for(_forward, graphdef, static_argnames=("last_only", "want_importance"),
                                donate_argnames=("cache",))
+        self.fetching = jit_for(_fetching, graphdef, static_argnames=("last_only", "want_importance"),
+                                donate_argnames=("cache", "pools"))
+        self.decode = jit_for(_decode, graphdef, static_argnames=("greedy",), donate_argnames=("cache", "pools"))
+        self.draft = jit_for(_draft, graphdef, static_argnames=("k", "greedy"), donate_argnames=("cache",))
+        self.verify = jit_for(_verify, graphdef, static_argnames=("greedy",), donate_argnames=("cache", "pools"))
+        self.accept_again = _accept_again_jit
         self.sample = _sample_jit

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -68,57 +69,68 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
 
 
 class Sampler:
-    """Draws next tokens with the request's key and history, and can draw a recent one again from
-    corrected logits (same key, same history), so a corrected step samples what an exact one would."""
+    """Draws next tokens with the request's key and history. A decode step may draw inside itself
+    (advance() takes its new key and history), and a draw can be made again from corrected logits
+    with the key and history it started from, so a corrected step samples what an exact one would."""
 
     def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
         self.engine, self.greedy = engine, sampling.greedy
         self.params = sampling.device_params()
-        self.rng, self.seen = sampling.rng(), jnp.asarray(seen)
-        self.history: list = []  # (rng, seen) before each recent draw, oldest first
+        self.rng, self.seen = sampling.rng(), jax.device_put(seen)
 
     def __call__(self, logits):
         """Next tokens [B] from logits [B, V]."""
-        self.history = self.history[-1:] + [(self.rng, self.seen)]
         tokens, self.seen, self.rng = self.engine.sample(logits, self.seen, self.rng, *self.params, greedy=self.greedy)
         return tokens
 
-    def redo(self, logits, back: int):
-        """Draw the `back`-th most recent draw (1: the last) again from `logits`, forgetting the later ones."""
-        self.rng, self.seen = self.history[-back]
-        del self.history[-back:]
+    @staticmethod
+    def cost(sampling: SamplingOptions, seen: np.ndarray) -> dict:
+        """What making one costs the host: an executable making the key from the seed (its high
+        bits only when set), the history and 4 parameters moved to the device."""
+        high = bool(sampling.seed >> 32)
+        return dict(executions=1, transfers=6 + high, nbytes=seen.nbytes + 16 + 4 * (1 + high))
+
+    def advance(self, rng, seen) -> None:
+        """A step drew with this sampler's key and history: take the ones it left."""
+        self.rng, self.seen = rng, seen
+
+    def redraw(self, logits, start: tuple):
+        """Draw again from `logits` with the (rng, seen) a draw started from, forgetting later draws."""
+        self.rng, self.seen = start
         return self(logits)
 
 
 def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: SamplingOptions) -> Iterator[np.ndarray]:
     """Yield the next token of every row, one step at a time ([B] int32 numpy).
 
-    The prompt is prefilled in chunks (Decoder.prefill). Each decode step is dispatched before the
-    previous token is read back, so host-side work (detokenizing, stop checks) overlaps device
-    compute. An offloaded step is settled (its routing read back; run again if it lacked an expert)
-    one step later, after its successor is dispatched, and always before its token is handed out;
-    if it was corrected, its token is drawn again and the successor is taken back and re-run. Each
+    The prompt is prefilled in chunks (Decoder.prefill). Each decode step samples its next tokens
+    itself and takes its input tokens from the previous step on the device, so the host never waits
+    between steps: it reads step i - 1's tokens (with its routing summary, one read) after step i is
+    dispatched. A step that must be run again (it lacked more experts than it could fetch) draws its
+    token again with the same key and history, and its successor is taken back and run again. Each
     step takes the model's lock, so requests sharing a model interleave step by step.
     """
     cfg = model.config
     B = len(prompts)
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
-    sample = Sampler(model.engine, sampling, prompt_history(prompts, cfg.vocab_size, sampling))
+    seen = prompt_history(prompts, cfg.vocab_size, sampling)
+    sample = Sampler(model.engine, sampling, seen)
+    model.count(**Sampler.cost(sampling, seen), phase="prefill")
     clock = RequestClock()
-    nxt = sample(decoder.prefill())
+    current = sample(decoder.prefill())  # token 1, on the device
+    model.count(executions=1, phase="prefill")
     for i in range(1, lengths.new_tokens + 1):
-        current = nxt  # token i, drawn from step i - 1's logits
         last = i == lengths.new_tokens
         if not last:
-            nxt = sample(decoder.decode(current, defer=True))  # step i
-        if i > 1:
-            corrected = decoder.settle()  # step i - 1
-            if corrected is not None:
-                current = sample.redo(corrected, back=1 if last else 2)
-                if not last:
-                    decoder.rewind_last()
-                    nxt = sample(decoder.decode(current, defer=True))
-        out = np.asarray(current)
+            nxt = decoder.decode_sampled(current, sample)  # step i: token i -> token i + 1
+        if i == 1:
+            out = model.read_tokens(current, phase="prefill")  # the prompt's token
+        else:
+            out, redrawn = decoder.settle_sampled(sample)  # step i - 1: token i
+            if redrawn and not last:  # step i ran from the token drawn first: run it again
+                decoder.rewind_last()
+                nxt = decoder.decode_sampled(jnp.asarray(out), sample)
+        current = None if last else nxt
         with model.lock:
             clock.tick(model.stats, B)
         yield out

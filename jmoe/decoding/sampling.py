@@ -9,14 +9,26 @@ tokens get -inf. Greedy decoding applies the repetition penalty and takes the ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
+from jmoe.errors import InputError
 
 MAX_SEED = 2**64 - 1
+MAX_TOP_K = 2**31 - 1  # the step takes top_k as an int32
+FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))  # positive normal float32s
+
+
+def _float32(name: str, value: float) -> float:
+    """A positive value the step's float32 arithmetic holds (neither rounded to 0 nor to inf)."""
+    low, high = FLOAT32_RANGE
+    if not low <= value <= high:
+        raise InputError(f"{name} must be between {low:.2g} and {high:.2g} (float32), got {value:g}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -28,11 +40,15 @@ class SamplingOptions:
     seed: int = 0
 
     def __post_init__(self):
+        temperature = validate.real("temperature", self.temperature, minimum=0.0)
+        if temperature > 0:  # 0 is greedy: it never divides the logits
+            _float32("temperature", temperature)
         fields = dict(
-            temperature=validate.real("temperature", self.temperature, minimum=0.0),
-            top_k=validate.integer("top_k", self.top_k, minimum=0),
+            temperature=temperature,
+            top_k=validate.integer("top_k", self.top_k, minimum=0, maximum=MAX_TOP_K),
             top_p=validate.real("top_p", self.top_p, above=0.0, maximum=1.0),
-            repetition_penalty=validate.real("repetition_penalty", self.repetition_penalty, above=0.0),
+            repetition_penalty=_float32("repetition_penalty", validate.real(
+                "repetition_penalty", self.repetition_penalty, above=0.0)),
             seed=validate.integer("seed", self.seed, minimum=0, maximum=MAX_SEED),
         )
         for name, value in fields.items():
@@ -43,22 +59,29 @@ class SamplingOptions:
         return self.temperature == 0.0
 
     def device_params(self) -> tuple[jax.Array, ...]:
-        """(temperature, top_k, 1 - top_p, penalty) as the jitted sampler takes them.
+        """(temperature, top_k, 1 - top_p, penalty) as the jitted sampler takes them (one transfer
+        each, no executable).
 
         1 - top_p is computed here in double precision, as transformers does in Python, and only
         then rounded to float32, so the top-p cut compares against the same float32 threshold.
         """
-        return (
-            jnp.float32(self.temperature if self.temperature > 0 else 1.0),
-            jnp.int32(self.top_k),
-            jnp.float32(1.0 - self.top_p),
-            jnp.float32(self.repetition_penalty),
-        )
+        return tuple(jax.device_put((
+            np.float32(self.temperature if self.temperature > 0 else 1.0),
+            np.int32(self.top_k),
+            np.float32(1.0 - self.top_p),
+            np.float32(self.repetition_penalty),
+        )))
 
     def rng(self) -> jax.Array:
-        """A PRNG key from all 64 bits of the seed (seeds below 2**32 give jax.random.key(seed))."""
-        key = jax.random.key(np.uint32(self.seed & 0xFFFFFFFF))
-        return jax.random.fold_in(key, np.uint32(self.seed >> 32)) if self.seed >> 32 else key
+        """A PRNG key from all 64 bits of the seed (seeds below 2**32 give jax.random.key(seed)), made
+        by one executable."""
+        return _seed_key(np.uint32(self.seed & 0xFFFFFFFF), np.uint32(self.seed >> 32), high=bool(self.seed >> 32))
+
+
+@partial(jax.jit, static_argnames=("high",))
+def _seed_key(low, high_bits, *, high: bool):
+    key = jax.random.key(low)
+    return jax.random.fold_in(key, high_bits) if high else key
 
 
 def prompt_history(prompts: list[list[int]], vocab_size: int, sampling: SamplingOptions) -> np.ndarray:

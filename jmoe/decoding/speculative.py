@@ -2,23 +2,23 @@
 
 The draft is the same converted model at a low tier (int4 or int2) with every one of its experts
 resident in its own pool (jmoe.load(..., draft="int4") reserves it within the budget); it shares the
-dense weights and the KV cache with the target. A cycle:
+dense weights and the KV cache with the target. A cycle is two executables and at most two
+blocking reads:
 
-1. the draft decodes k tokens per row (its steps never reach the target policy's counters);
-2. its routing fills the Expert Lookahead Buffer, (drafted position, layer) -> (expert, gate):
-   (I) entries whose target version is resident serve as they are; (II) while the draft still runs,
-   the missing ones of each drafted position are prefetched, most confident first, within a
-   bandwidth budget (what the copy engine can move during a draft step); (III) whatever is still
-   missing is fetched before verification;
-3. the target verifies the k drafted tokens and the last committed one in one pass (tokens grouped
-   by expert, so each expert's weights are read once) and each row keeps its accepted prefix plus
+1. the draft decodes k tokens per row in one jitted scan, sampling them on the device (its steps
+   never reach the target policy's counters); its routing (the gate weight each expert received
+   over the k tokens) is the Expert Lookahead Buffer;
+2. the target verifies each row's last token and its k drafts in one executable (tokens grouped
+   by expert, so each expert's weights are read once): offloaded, it fetches what it lacks itself,
+   its look-ahead at each layer being the experts the draft routed to there that are not resident
+   (fetched before the layer's own routing is known, landing in the pools for later cycles), and
+   accepts on the device (jmoe/decoding/acceptance.py);
+3. the host waits for the drafts (to time them), then reads the verification's summary (accepted
+   counts, the next tokens, the drafts and the routing): each row keeps its accepted prefix plus
    one token of the target's, advancing by its own count (rejected positions are overwritten).
 
-Acceptance: greedy keeps the longest prefix the target's argmax agrees with, so the output is
-exactly the plain greedy output; sampling accepts a drafted token with probability
-min(1, p(x) / q(x)) and on rejection draws from the normalised residual max(0, p - q), so the
-output follows the target's distribution. Both distributions go through the same repetition
-penalty, temperature, top-k and top-p, with the same history.
+Greedy output is exactly the plain greedy output; sampled output follows the target's
+distribution (acceptance.py says how).
 
 The governor picks k each cycle as argmax over k <= k_max of E[tokens(k)] / T_cycle(k):
 E[tokens(k)] = 1 + sum_{i<=k} prod_{j<=i} a_j with per-position acceptance rates a_j tracked by
@@ -34,19 +34,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
+from jmoe.decoding import acceptance
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, greedy_tokens, prompt_history, warp
+from jmoe.decoding.sampling import SamplingOptions, prompt_history
 from jmoe.distributed.processes import agree
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
-from jmoe.tiers import TIER_CODES, TIER_NAMES, tier_name
+from jmoe.tiers import TIER_NAMES
 
 DEFAULT_K_MAX = 8
 EXPLORE = 16  # cycles between looks at speculating again, once plain steps are faster
@@ -144,99 +145,13 @@ class Governor:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
 
-@jax.jit
-def _processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty):
-    """_processed at every position of a verification block in one call: logits [B, T, V], seen
-    [B, V] before the block, drafted [B, T - 1] the tokens after positions 0..T-2 (position j's
-    history is seen plus drafted[:, :j])."""
-    B, T, V = logits.shape
-    later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1) > 0  # [B, T - 1, V]
-    history = seen[:, None, :] | jnp.concatenate([jnp.zeros((B, 1, V), bool), later], axis=1)
-    probs, pick = _processed(logits.reshape(B * T, V), history.reshape(B * T, V), temperature, top_k,
-                             one_minus_top_p, penalty)
-    return probs.reshape(B, T, V), pick.reshape(B, T)
+_processed = jax.jit(acceptance.processed)
 
 
-@jax.jit
-def _processed(logits, seen, temperature, top_k, one_minus_top_p, penalty):
-    """Next-token probabilities [B, V] and greedy choice [B] after the penalty and the warpers."""
-    penalized = apply_repetition_penalty(logits, seen, penalty)
-    return jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p), axis=-1), greedy_tokens(penalized)
-
-
-class LookaheadBuffer:
-    """The Expert Lookahead Buffer of one cycle: for each drafted position and MoE layer, the experts
-    the draft routed to and its confidence (gate weight), and the three fetch phases it drives."""
-
-    def __init__(self, target, spec_stats):
-        self.res, self.stats = target, spec_stats
-        self.entries: dict[tuple[int, int], float] = {}  # (layer, expert) -> highest gate weight seen
-
-    def add(self, signals) -> list[tuple[int, int]]:
-        """Record one draft step's routing; returns the entries it added, most confident first."""
-        ids, weights = jax.device_get((signals.ids, signals.weights))  # [L, B, 1, k]
-        found: dict[tuple[int, int], float] = {}
-        for layer in range(ids.shape[0]):
-            for e, w in zip(ids[layer].ravel().tolist(), weights[layer].ravel().tolist()):
-                found[(layer, e)] = max(found.get((layer, e), 0.0), w)
-        new = sorted((key for key in found if key not in self.entries), key=lambda key: -found[key])
-        for key, w in found.items():
-            self.entries[key] = max(self.entries.get(key, 0.0), w)
-        return new
-
-    def tier(self, key) -> str:
-        """The version verification will want: the target's plan for it (its run tier without one)."""
-        plan = self.res.plan
-        return tier_name(int(plan.hi[key])) if plan is not None else self.res.tier
-
-    def _missing(self, keys):
-        cache = self.res.cache
-        return [key for key in keys if not cache.serves(key, TIER_CODES[self.tier(key)])]
-
-    def during_draft(self, keys, byte_budget: float) -> None:
-        """Phase I (entries already resident serve as they are) and phase II (fetch the missing
-        ones, most confident first, while the draft runs, within `byte_budget` bytes)."""
-        if not self.res.offloading:
-            self.stats.phase1 += len(keys)
-            return
-        missing = self._missing(keys)
-        self.stats.phase1 += len(keys) - len(missing)
-        spent = 0
-        cache = self.res.cache
-        cache.pinned = set(self.entries)  # a fetch for this cycle never evicts another of its entries
-        try:
-            for key in missing:
-                tier = self.tier(key)
-                nbytes = self.res.pools[tier].slot_nbytes
-                if spent + nbytes > byte_budget:
-                    break
-                if key in cache.inflight:
-                    continue
-                if cache.request(key, tier, "prefetch") == "started":
-                    self.stats.phase2 += 1
-                    spent += nbytes
-        finally:
-            cache.pinned = set()
-
-    def before_verify(self) -> None:
-        """Phase III: fetch every entry still missing, most confident first, and wait for them."""
-        if not self.res.offloading:
-            return
-        cache = self.res.cache
-        order = sorted(self.entries, key=lambda key: -self.entries[key])
-        missing = self._missing(order)
-        cache.pinned = set(self.entries)
-        try:
-            for key in missing:
-                if key in cache.inflight:
-                    continue
-                state = cache.request(key, self.tier(key), "prefetch", block=True)
-                if state == "full":  # the pools cannot hold the whole buffer: verification fetches the rest
-                    break
-                self.stats.phase3 += state == "started"
-            cache.wait([key for key in missing if key in cache.inflight])
-        finally:
-            cache.pinned = set()
+@partial(jax.jit, static_argnames=("greedy",))
+def accept(logits, drafts, q, seen, rng, params, *, greedy: bool):
+    """acceptance.accept as one executable (tests and the serving engine's rows)."""
+    return acceptance.accept(logits, drafts, q, seen, rng, params, greedy=greedy)
 
 
 def auto_k_max(model, k_max: int) -> int:
@@ -260,29 +175,22 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
     """Like generation.token_steps: yields [B] next tokens per step, -1 for a row with nothing new
     (rows accept different numbers of tokens), produced cycle by cycle (see the module docstring).
     Each cycle holds the model's lock: requests sharing the model interleave cycle by cycle."""
+    from jmoe.decoding.generation import Sampler
+
     cfg, B = model.config, len(prompts)
     draft = model.draft(options.draft)
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
     spec = model.stats.spec
     k_max = options.k_max if options.k is not None else auto_k_max(model, options.k_max)
     governor = Governor(k_max, options.k, max_cycle_s=options.max_cycle_s)
-    params = sampling.device_params()
-    rng = np.random.default_rng(sampling.seed)
     seen = prompt_history(prompts, cfg.vocab_size, sampling)
-
-    def draw(probs, pick) -> np.ndarray:
-        if sampling.greedy:
-            return np.asarray(pick, np.int32)
-        return np.array([rng.choice(row.shape[0], p=normalised(row)) for row in np.asarray(probs, np.float64)],
-                        np.int32)
-
+    sample = Sampler(model.engine, sampling, seen)
+    model.count(**Sampler.cost(sampling, seen), phase="prefill")
     clock = RequestClock()
-    with model.lock:
-        probs, pick = _processed(decoder.prefill(), jnp.asarray(seen), *params)
-        last = draw(probs, pick)
+    last = sample(decoder.prefill())  # on the device
+    model.count(executions=1, phase="prefill")
     produced = np.ones(B, int)
-    queue: list[list[int]] = [[int(t)] for t in last]
-    seen[np.arange(B), last] = True
+    queue: list[list[int]] = [[int(t)] for t in model.read_tokens(last, phase="prefill")]
     while True:
         finished = produced >= lengths.new_tokens
         while all(q or done for q, done in zip(queue, finished)) and any(queue):
@@ -299,27 +207,25 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             need = int((lengths.new_tokens - produced[active]).max())
             k = max(0, min(governor.choose(), room, need - 1))
             governor.bandwidth = h2d_bandwidth(model.stats)
-            drafts, q_probs, draft_s, missing_bytes, buffer = draft_tokens(decoder, draft, last, seen, k, params,
-                                                                           draw, model)
+            hits, uses, moved = model.stats.hits, model.stats.uses, model.stats.bytes_h2d
             t = time.perf_counter()
-            hits, uses = model.stats.hits, model.stats.uses
-            block = np.stack([last, *drafts], axis=1)  # [B, k + 1]
-            verify_logits = decoder.verify(jnp.asarray(padded(block, lengths.cache - int(decoder.pos.max()))))
-            accepted, nxt = accept(verify_logits, block, q_probs, seen, params, sampling.greedy, rng)
-            verify_s = agree(time.perf_counter() - t)
+            cycle = decoder.speculate(last, sample, k, draft)
+            draft_s = 0.0
+            if k:  # the drafts' readiness times the draft (the second of a cycle's two blocking reads)
+                cycle.drafts.block_until_ready()
+                model.stats.count_io(reads=1, phase="verify")
+                draft_s = time.perf_counter() - t
+            accepted, nxt, drafts, last = decoder.settle_cycle(cycle, sample)
+            draft_s, verify_s = agree(draft_s), agree(time.perf_counter() - t - draft_s)
             spec.verify_hits += model.stats.hits - hits
             spec.verify_uses += model.stats.uses - uses
-            if k:
-                count_fidelity(spec, model.residency.last_routed, buffer)
             decoder.advance(accepted + 1)
-            governor.update(k, accepted[active], draft_s, verify_s, missing_bytes)
+            governor.update(k, accepted[active], draft_s, verify_s, model.stats.bytes_h2d - moved)
             spec.count(k, accepted[active])
         for b in np.flatnonzero(active):
-            new = [*block[b, 1 : accepted[b] + 1].tolist(), int(nxt[b])][: lengths.new_tokens - produced[b]]
+            new = [*drafts[b, : accepted[b]].tolist(), int(nxt[b])][: lengths.new_tokens - produced[b]]
             queue[b].extend(new)
             produced[b] += len(new)
-            seen[b, new] = True
-        last = nxt.astype(np.int32)
 
 
 def padded(block: np.ndarray, room: int) -> np.ndarray:
@@ -331,83 +237,3 @@ def padded(block: np.ndarray, room: int) -> np.ndarray:
     if width == T or width > room:
         return block
     return np.concatenate([block, np.repeat(block[:, -1:], width - T, axis=1)], axis=1)
-
-
-def draft_tokens(decoder, draft, last, seen, k, params, draw, model):
-    """Steps 1-2 of a cycle: the draft decodes k tokens per row from `last` into the shared cache
-    (then the rows step back), its routing filling the lookahead buffer (phases I and II), and
-    phase III fetches what is still missing. Returns (drafts [k x [B]], their probabilities, draft
-    seconds, bytes phase III moved, the buffer)."""
-    buffer = LookaheadBuffer(model.residency, model.stats.spec)
-    drafts, q_probs = [], []
-    if not k:
-        return drafts, q_probs, 0.0, 0, buffer
-    seen_j = seen.copy()
-    token = last
-    bandwidth = h2d_bandwidth(model.stats)
-    t = time.perf_counter()
-    for j in range(k):
-        logits = decoder.decode(jnp.asarray(token), residency=draft)
-        probs, pick = _processed(logits, jnp.asarray(seen_j), *params)
-        token = draw(probs, pick)
-        drafts.append(token)
-        q_probs.append(probs)
-        seen_j[np.arange(len(token)), token] = True
-        step_s = agree((time.perf_counter() - t) / (j + 1))
-        buffer.during_draft(buffer.add(draft.signals), bandwidth * step_s)
-    draft_s = agree(time.perf_counter() - t)
-    decoder.advance(-k)
-    before = model.stats.bytes_h2d
-    buffer.before_verify()
-    return drafts, q_probs, draft_s, model.stats.bytes_h2d - before, buffer
-
-
-def count_fidelity(spec, routed, buffer) -> None:
-    """Of the experts verification routed to, how many the lookahead buffer held."""
-    if routed is None:
-        return
-    held = np.zeros_like(routed)
-    for key in buffer.entries:
-        held[key] = True
-    spec.fidelity_hits += int((routed & held).sum())
-    spec.fidelity_total += int(routed.sum())
-
-
-def accept(verify_logits, block: np.ndarray, q_probs: list, seen: np.ndarray, params, greedy: bool, rng):
-    """Per row: how many drafted tokens stand, and the target's token after them.
-
-    verify_logits [B, T' >= k + 1, V] are the target's after block[:, 0..k] (and any padding);
-    q_probs[j] [B, V] the draft's processed distribution for drafted token block[:, j + 1]; seen
-    [B, V] the history before the block's first drafted token. The target's distribution at position
-    j goes through the same penalty and warpers with the same history (seen plus the drafts before it)."""
-    B, T = block.shape
-    k = T - 1
-    width = verify_logits.shape[1]
-    drafted = np.concatenate([block[:, 1:], np.repeat(block[:, -1:], width - k, axis=1)], axis=1)  # [B, T']
-    probs, picks = _processed_block(verify_logits, jnp.asarray(seen), jnp.asarray(drafted[:, : width - 1]), *params)
-    p_pick = np.asarray(picks).T  # [T', B]
-    p_probs = None if greedy else np.asarray(probs, np.float64).transpose(1, 0, 2)  # [T', B, V]
-    q = [None if greedy else np.asarray(x, np.float64) for x in q_probs]
-    accepted = np.zeros(B, int)
-    nxt = np.zeros(B, np.int32)
-    for b in range(B):
-        n = 0
-        while n < k:
-            d = block[b, n + 1]
-            keep = p_pick[n][b] == d if greedy else rng.random() * q[n][b, d] < p_probs[n][b, d]
-            if not keep:
-                break
-            n += 1
-        accepted[b] = n
-        if greedy:
-            nxt[b] = p_pick[n][b]
-        elif n == k:  # every draft kept: one more token from the target's last distribution
-            nxt[b] = rng.choice(p_probs[k].shape[1], p=normalised(p_probs[k][b]))
-        else:  # rejected: draw from the normalised residual max(0, p - q)
-            residual = np.maximum(p_probs[n][b] - q[n][b], 0.0)
-            nxt[b] = rng.choice(residual.shape[0], p=normalised(residual if residual.sum() > 0 else p_probs[n][b]))
-    return accepted, nxt
-
-
-def normalised(p: np.ndarray) -> np.ndarray:
-    return p / p.sum()

@@ -32,13 +32,13 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         return x, self.post_attention_layernorm(x), cache, importance
 
-    def feed_forward(self, x, h, token_valid, token_importance=None, experts: LayerExperts | None = None):
+    def feed_forward(self, x, h, token_valid, token_importance=None, experts: LayerExperts | None = None, serve=None):
         """The MLP (dense) or the sparse block with its residual: x, h [B, T, D] -> (x, LayerSignals or None).
 
-        token_valid [B*T], token_importance [B*T] or None (used by the sparse block only)."""
+        token_valid [B*T], token_importance [B*T] or None, serve: the in-step fetch (used by the sparse block only)."""
         B, T, D = h.shape
         flat = h.reshape(B * T, D)
         if not self.is_moe:
             return x + self.mlp(flat).reshape(B, T, D), None
-        out, signals = self.mlp(flat, token_valid, token_importance, experts)
+        out, signals = self.mlp(flat, token_valid, token_importance, experts, serve)
         return x + out.reshape(B, T, D), signals

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ from jmoe.tiers import TIER_CODES
 from pallas_kernels import expert_ffn, expert_ffn_tiers
 from pallas_kernels.expert_ffn import default_backend
 from pallas_kernels.glu import SILU, GatedActivation
+
+if TYPE_CHECKING:  # fetch.py builds on this module
+    from jmoe.layers.fetch import FetchInputs, FetchSpec
 
 # Up to this many (token, expert) assignments per layer, every assignment gets its own weight
 # read (decode); above it, assignments are sorted by slot into row blocks (prefill).
@@ -76,11 +79,12 @@ class Selection:
 
     @classmethod
     def of(cls, hi, lo, ratio=None, heavy_hitters: float = 0.1) -> "Selection":
-        # Copies: on the CPU, jax may alias an aligned numpy buffer instead of copying it, and a
-        # policy may change its arrays in place later.
+        """Host arrays (jax.device_put the result to place it: one transfer per array, no
+        executable). Copies: on the CPU, jax may alias an aligned numpy buffer instead of copying
+        it, and a policy may change its arrays in place later."""
         hi = np.array(hi, np.int32)
         ratio = np.ones(hi.shape[0], np.float32) if ratio is None else np.array(ratio, np.float32)
-        return cls(jnp.asarray(hi), jnp.asarray(np.array(lo, np.int32)), jnp.asarray(ratio), jnp.float32(heavy_hitters))
+        return cls(hi, np.array(lo, np.int32), ratio, np.float32(heavy_hitters))
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +116,9 @@ class ExpertState:
     group_rows: int = field(default=0, metadata=dict(static=True))  # > 0: always group, in blocks this size
     int8_dot: bool = field(default=False, metadata=dict(static=True))
     ep: ExpertParallel | None = field(default=None, metadata=dict(static=True))  # experts over a mesh's ep axis
+    # Experts fetched inside the step (jmoe/layers/fetch.py): its arrays and its static spec, or None
+    fetch: "FetchInputs | None" = None
+    fetch_spec: "FetchSpec | None" = field(default=None, metadata=dict(static=True))
 
     def for_phase(self, phase: str) -> "ExpertState":
         """Verification steps group every assignment by expert (each expert read once)."""
@@ -125,11 +132,13 @@ class ExpertState:
         tables = {t: jnp.asarray(np.where(codes == TIER_CODES[t], slots, NO_SLOT)) for t in pools}
         return cls(tables, pools, Selection.of(codes, codes), backend)
 
-    def layer(self, moe_index: int) -> LayerExperts:
+    def layer(self, moe_index: int, slots: dict | None = None, pools: dict | None = None) -> LayerExperts:
+        """MoE layer `moe_index`'s view; `slots` [L, E] tables and `pools` in place of the state's own."""
         sel = self.selection
-        return LayerExperts({t: s[moe_index] for t, s in self.slots.items()}, self.pools, sel.hi[moe_index],
-                            sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters, self.backend, self.group_rows,
-                            self.int8_dot, self.ep)
+        slots = self.slots if slots is None else slots
+        return LayerExperts({t: s[moe_index] for t, s in slots.items()}, self.pools if pools is None else pools,
+                            sel.hi[moe_index], sel.lo[moe_index], sel.ratio[moe_index], sel.heavy_hitters,
+                            self.backend, self.group_rows, self.int8_dot, self.ep)
 
 
 class BlockLayout(NamedTuple):
@@ -242,11 +251,18 @@ def wanted_tiers(routing: Routing, token_valid, token_importance, layer: LayerEx
     """The tier code this step wants for each routed assignment [N, k] (see the module docstring)."""
     E = layer.hi.shape[0]
     score, routed = expert_importance(routing, token_valid, token_importance, layer.heavy_hitters, E)
+    return wanted_by_importance(score, routed, layer)[routing.ids]
+
+
+def wanted_by_importance(score, routed, layer: LayerExperts):
+    """[E] the tier code each expert wants: the top `ratio` of the routed ones by importance `score`
+    [E] want `hi`, the rest `lo` (unrouted experts: `lo`, unused)."""
+    E = layer.hi.shape[0]
     # rank routed experts by importance (ties: lower id first); unrouted ones sort last
     order = jnp.lexsort((jnp.arange(E), -jnp.where(routed, score, -jnp.inf)))
     rank = jnp.zeros((E,), jnp.int32).at[order].set(jnp.arange(E, dtype=jnp.int32))
     critical = rank < jnp.ceil(layer.ratio * routed.sum()).astype(jnp.int32)
-    return jnp.where(critical, layer.hi, layer.lo)[routing.ids]
+    return jnp.where(critical, layer.hi, layer.lo)
 
 
 def resolve_tiers(wanted, ids, slots: dict[str, jax.Array]):

@@ -26,8 +26,9 @@ from jmoe.layers.linear import Linear
 class LayerSignals(NamedTuple):
     """What one MoE layer tells the host, per assignment [N, k]: routed expert ids, combine weights,
     the tier code the selection wanted and the one that ran (0 = none); the count of real
-    assignments that ran below their wanted tier (scalar); and per expert [3, E] the tokens routed
-    to it, its wanted and its chosen code (what the host's books need, in one small array)."""
+    assignments that ran below their wanted tier (scalar); per expert [3, E] the tokens routed
+    to it, its wanted and its chosen code (what the host's books need, in one small array), and
+    the gate weight it received [E] (float32)."""
 
     ids: jax.Array
     weights: jax.Array
@@ -35,6 +36,7 @@ class LayerSignals(NamedTuple):
     chosen: jax.Array
     missing: jax.Array
     per_expert: jax.Array
+    gate: jax.Array
 
 
 class MoEBlock(nnx.Module):
@@ -71,8 +73,9 @@ class MoEBlock(nnx.Module):
         one_hot = jax.nn.one_hot(routing.ids, experts.hi.shape[0], dtype=jnp.int32) * token_valid[:, None, None]
         per_expert = jnp.stack([one_hot.sum((0, 1)), (one_hot * wanted[..., None]).max((0, 1)),
                                 (one_hot * chosen[..., None]).max((0, 1))])  # an expert's assignments agree
+        gate = (one_hot * routing.weights[..., None]).sum((0, 1))
         return LayerSignals(routing.ids, routing.weights, wanted, chosen, missing_uses(wanted, chosen, token_valid),
-                            per_expert)
+                            per_expert, gate)
 
     def experts_out(self, h, signals: LayerSignals, token_valid, experts: LayerExperts, *, shared: bool = True):
         """Routed experts at their chosen tiers plus (when `shared`) the shared expert, h [N, D] -> [N, D]."""
@@ -81,7 +84,13 @@ class MoEBlock(nnx.Module):
         extra = self.shared_out(h) if shared else None
         return out if extra is None else out + extra
 
-    def __call__(self, h, token_valid, token_importance, experts: LayerExperts):
-        """Route, select tiers, run: h [N, D] -> ([N, D], LayerSignals)."""
-        signals = self.select(self.route(h), token_valid, token_importance, experts)
+    def __call__(self, h, token_valid, token_importance, experts: LayerExperts, serve=None):
+        """Route, select tiers, run: h [N, D] -> ([N, D], LayerSignals). `serve(routing, wanted,
+        token_valid, experts)`, when given, returns the experts to run from once it has fetched
+        what this step wants (jmoe/layers/fetch.py)."""
+        routing = self.route(h)
+        wanted = wanted_tiers(routing, token_valid, token_importance, experts)
+        if serve is not None:
+            experts = serve(routing, wanted, token_valid, experts)
+        signals = self.resolve(routing, wanted, token_valid, experts)
         return self.experts_out(h, signals, token_valid, experts), signals

@@ -17,7 +17,8 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.layers.attention import AttentionMeta, KVCache
 from jmoe.layers.decoder_layer import DecoderLayer
-from jmoe.layers.experts import ExpertState
+from jmoe.layers.experts import ExpertState, wanted_by_importance
+from jmoe.layers.fetch import StepFetcher, overlay
 from jmoe.layers.modules import make_norm
 from jmoe.layers.moe import LayerSignals
 from jmoe.layers.linear import Embed, Linear, matmul
@@ -31,7 +32,11 @@ class StepSignals(NamedTuple):
     one that ran (packed, so reading them back is one transfer); weights: [L_moe, B, T, k] combine
     weights; missing: [L_moe] assignments of real tokens that ran below their wanted tier;
     importance: [L_moe, B, T] attention each current token received (only when asked for), else None;
-    per_expert: [3, L_moe, E] int32 tokens routed to each expert, its wanted and its chosen code.
+    per_expert: [3, L_moe, E] int32 tokens routed to each expert, its wanted and its chosen code;
+    gate: [L_moe, E] float32 gate weight each expert received. With experts fetched in the step
+    (jmoe/layers/fetch.py): served [L_moe, E] how each was fetched (fetch.SERVED_*, 0: not),
+    fetched [L_moe, tiers, 2] and fetch_counts [L_moe, 3] (fetch.LayerReport) and landed
+    [tiers, landing] the keys that landed.
     """
 
     codes: jax.Array
@@ -39,6 +44,11 @@ class StepSignals(NamedTuple):
     missing: jax.Array
     importance: jax.Array | None
     per_expert: jax.Array
+    gate: jax.Array
+    served: jax.Array | None = None
+    fetched: jax.Array | None = None
+    fetch_counts: jax.Array | None = None
+    landed: jax.Array | None = None
 
     @property
     def ids(self):
@@ -84,21 +94,33 @@ def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMet
     return x, (KVCache(tuple(caches)) if cache is not None else None), signals, importance
 
 
-def stack_signals(signals: list[LayerSignals], importance: list, batch: int, tokens: int) -> StepSignals:
+def stack_signals(signals: list[LayerSignals], importance: list, batch: int, tokens: int,
+                  fetcher: StepFetcher | None = None) -> StepSignals:
     shape = lambda a: a.reshape(batch, tokens, -1)  # noqa: E731
     codes = jnp.stack([jnp.stack([shape(s.ids), shape(s.wanted), shape(s.chosen)]) for s in signals], axis=1)
+    fetched = fetcher.summary_parts() if fetcher is not None else (None,) * 4
     return StepSignals(codes.astype(jnp.int32), jnp.stack([shape(s.weights) for s in signals]),
                        jnp.stack([s.missing for s in signals]), None if importance[0] is None else jnp.stack(importance),
-                       jnp.stack([s.per_expert for s in signals], axis=1))
+                       jnp.stack([s.per_expert for s in signals], axis=1), jnp.stack([s.gate for s in signals]),
+                       *fetched)
 
 
 class TracedLayers:
-    """run_layers inside one trace: every layer of `model`, experts through `experts`."""
+    """run_layers inside one trace: every layer of `model`, experts through `experts` (and `pools`,
+    which experts fetched in the step are written into, when the state fetches: jmoe/layers/fetch.py)."""
 
-    def __init__(self, model: "Transformer", experts: ExpertState):
+    def __init__(self, model: "Transformer", experts: ExpertState, pools: dict | None = None):
         self.model, self.experts = model, experts
         self.num_layers = len(model.layers)
         self.moe_index = {i: n for n, i in enumerate(model.config.moe_layer_indices)}
+        self.pools = experts.pools if pools is None else pools
+        self.tables = experts.slots
+        self.fetcher = None
+        if experts.fetch_spec is not None:
+            spec, inputs = experts.fetch_spec, experts.fetch
+            plan = spec.unpack(inputs.packed, len(model.config.moe_layer_indices))
+            self.tables = overlay(plan, inputs.previous_keys, spec)
+            self.fetcher = StepFetcher(spec, inputs, plan, self.tables)
 
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index
@@ -108,9 +130,37 @@ class TracedLayers:
 
     def feed_forward(self, i, x, h, meta, importance):
         B, T, _ = h.shape
-        experts = self.experts.layer(self.moe_index[i]) if i in self.moe_index else None
+        valid = meta.token_valid().reshape(B * T)
         imp = None if importance is None else importance.reshape(B * T)
-        return self.model.layers[i].feed_forward(x, h, meta.token_valid().reshape(B * T), imp, experts)
+        if i not in self.moe_index:
+            return self.model.layers[i].feed_forward(x, h, valid, imp, None)
+        mi = self.moe_index[i]
+        experts = self.experts.layer(mi, self.fetcher.tables if self.fetcher else self.tables, self.pools)
+        if self.fetcher is None:
+            return self.model.layers[i].feed_forward(x, h, valid, imp, experts)
+
+        def serve(routing, wanted, token_valid, experts):
+            served = self.fetcher.serve(mi, routing, wanted, token_valid, experts)
+            self.pools = served.pools
+            if self.fetcher.spec.predict:  # the next layer's, from this layer's state
+                self._look_ahead(mi, x, valid)
+            return served
+
+        return self.model.layers[i].feed_forward(x, h, valid, imp, experts, serve)
+
+    def _look_ahead(self, mi: int, x, valid) -> None:
+        """The next MoE layer's norm and router on this layer's state x: what it will probably want."""
+        indices = self.model.config.moe_layer_indices
+        if mi + 1 >= len(indices):
+            return
+        layer = self.model.layers[indices[mi + 1]]
+        routing = layer.mlp.router(layer.post_attention_layernorm(x.reshape(-1, x.shape[-1])))
+        E = layer.mlp.router.num_experts
+        one_hot = jax.nn.one_hot(routing.ids, E, dtype=jnp.float32) * valid[:, None, None]
+        counts, gate = one_hot.sum((0, 1)), (one_hot * routing.weights[..., None]).sum((0, 1))
+        nxt = self.experts.layer(mi + 1, self.fetcher.tables, self.pools)
+        wanted = jnp.where(counts > 0, wanted_by_importance(gate, counts > 0, nxt), 0)
+        self.fetcher.predict(nxt, counts, gate, wanted)
 
 
 class Transformer(nnx.Module):
@@ -141,12 +191,15 @@ class Transformer(nnx.Module):
             return matmul(x, self.embed_tokens.head_weight(), int8_dot=self.embed_tokens.int8_dot)
         return self.lm_head.project(x)
 
-    def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False):
-        """tokens [B, T] -> (hidden [B, T, D], cache, StepSignals): every layer, experts through the handle tables."""
+    def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False,
+                 pools: dict | None = None):
+        """tokens [B, T] -> (hidden [B, T, D], cache, StepSignals, pools): every layer, experts through
+        the handle tables; `pools` (default: the state's) come back with what the step fetched."""
         B, T = tokens.shape
-        x, cache, signals, importance = run_layers(TracedLayers(self, experts), self.embed(tokens), cache, meta,
+        runner = TracedLayers(self, experts, pools)
+        x, cache, signals, importance = run_layers(runner, self.embed(tokens), cache, meta,
                                                    want_importance=want_importance)
-        return x, cache, stack_signals(signals, importance, B, T)
+        return x, cache, stack_signals(signals, importance, B, T, runner.fetcher), runner.pools
 
 
 def abstract_model(cfg: ModelConfig, dtype, quant: QuantFormat | None = None) -> Transformer:

@@ -179,7 +179,13 @@ class Policy:
         return self._plans[key]
 
     def observe(self, routings: list[LayerRouting], counters: ExpertCounters) -> None:
-        """Every MoE layer's routing of the step just kept (counters already include it)."""
+        """Every MoE layer's routing of the step just kept (counters already include it). A policy
+        that overrides it costs steps that fetch their own experts one more read each: prefer
+        observe_experts where per-expert totals suffice."""
+
+    def observe_experts(self, counts: np.ndarray, gate: np.ndarray, tokens: int) -> None:
+        """The step just kept, per (MoE layer, expert) [L, E]: tokens routed to each and the gate
+        weight it received, over `tokens` real tokens."""
 
     def evictable(self, tier: str, key: Key) -> bool:
         """Whether `key`'s version in `tier`'s pool may be evicted at all (pinned ones never are)."""

@@ -60,7 +60,10 @@ class DyMoE(Policy):
                 hi_bytes, lo_bytes = self.r * TIER_BITS[hi], (1 - self.r) * TIER_BITS[lo]
                 lo_share = max(0.1, lo_bytes / (hi_bytes + lo_bytes))
                 pool_shares = {hi: 1.0 - lo_share, lo: lo_share}
-        super().__init__(name=name, tier=hi, prefetch=True, wants_importance=True, pool_shares=pool_shares)
+        # Decode degrades (DyMoE's semantics: a missing expert runs at the resident lower version, or
+        # is skipped, and is fetched for the steps to come); the prompt is exact.
+        super().__init__(name=name, tier=hi, prefetch=True, wants_importance=True, pool_shares=pool_shares,
+                         degrade_phases=("decode", "verify"))
 
     def plan(self, view: StepView) -> Plan:
         key = (view.num_layers, view.num_experts)

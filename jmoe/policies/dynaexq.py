@@ -24,7 +24,7 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.errors import InputError
-from jmoe.policies.base import Key, LayerRouting, Plan, Policy, StepView
+from jmoe.policies.base import Key, Plan, Policy, StepView
 from jmoe.tiers import TIER_CODES, TIER_NAMES
 
 
@@ -81,14 +81,11 @@ class DynaExq(Policy):
 
     # -- learning hotness
 
-    def observe(self, routings: list[LayerRouting], counters) -> None:
+    def observe_experts(self, counts, gate, tokens: int) -> None:
         if self.hot is None:
             return
-        for r in routings:
-            ids = r.ids[r.valid].ravel()
-            weights = r.scores[r.valid].ravel() if self.hotness == "gate" else None
-            self.window[r.layer] += np.bincount(ids, weights=weights, minlength=self.window.shape[1])
-        self.tokens += int(routings[0].valid.sum())
+        self.window += gate if self.hotness == "gate" else counts
+        self.tokens += tokens
         if self.tokens >= self.interval:
             share = self.window / np.maximum(self.window.sum(axis=1, keepdims=True), 1)
             self.hot = self.alpha * self.hot + (1 - self.alpha) * share

@@ -72,6 +72,8 @@ class CacheManager:
             t: [list(range((d + 1) * p.shard_slots - 1, d * p.shard_slots - 1, -1)) for d in range(p.shards)]
             for t, p in pools.items()}
         self.inflight: dict[Key, Transfer] = {}
+        # candidate slots of steps not read yet (they may have written them): tier -> slot -> steps
+        self.locked: dict[str, dict[int, int]] = {t: {} for t in pools}
         self.retiring: list[tuple[jax.Array, int]] = []  # (write-complete marker, staging bytes)
         self.pinned: set[Key] = set()
         self.prefetched: set[Key] = set()  # landed from a prefetch and not used yet
@@ -135,6 +137,7 @@ class CacheManager:
                 self._drain_oldest()
             reserved = True
             staged = self.pools[tier].stage_for(slot, self.host.record(tier, *key))
+            self._count_staging(tier)
         except BaseException:  # leave no slot or staging bytes behind
             self._give_back(tier, slot)
             if reserved:
@@ -200,6 +203,7 @@ class CacheManager:
         if not moving:
             return 0.0
         start = time.perf_counter()
+        self.stats.count_io(reads=len(moving))  # waits
         for t in moving:
             t.staged.block_until_ready()
             self.stats.transfer_seconds += time.perf_counter() - t.started
@@ -227,36 +231,120 @@ class CacheManager:
 
     # -- internals
 
+    def _count_staging(self, tier: str) -> None:
+        """What staging one record cost the host: on the CPU a copy of the record put on the device;
+        on an accelerator a slice of the host store run on it (its index transferred)."""
+        pool = self.pools[tier]
+        copies = len(pool.devices[0])
+        if self.host.copies:
+            self.stats.count_io(executions=1, transfers=1 + copies - 1, nbytes=4)
+        else:
+            self.stats.count_io(transfers=copies, nbytes=copies * self.host.nbytes(tier))
+
     def _publish(self, t: Transfer) -> None:
+        writes = len(t.staged.parts) if hasattr(t.staged, "parts") else 1
+        self.stats.count_io(executions=writes, transfers=writes, nbytes=4 * writes)  # write_slot and its slot index
         done = self.pools[t.tier].write(t.slot, t.staged)
         self.retiring.append((done, t.nbytes))
-        versions = self.resident.setdefault(t.key, {})
-        versions[t.tier] = t.slot
-        self._count_bytes(t.tier, +1)
-        self.in_tier[t.tier].add(t.key)
-        self.clock += 1
-        self.last_used[t.key] = self.clock
-        self.handles.publish(*t.key, t.tier, t.slot)
         del self.inflight[t.key]
-        code = TIER_CODES[t.tier]
-        if t.kind == "transition":
+        self._place(t.key, t.tier, t.slot, t.kind, t.exact)
+
+    def _place(self, key: Key, tier: str, slot: int, kind: str, exact: bool = False) -> None:
+        """Publish `key`'s version at `tier` in `slot` (its bytes are there, or will be before any
+        step that reads the handle tables from now on), and let the versions it replaces go."""
+        versions = self.resident.setdefault(key, {})
+        versions[tier] = slot
+        self._count_bytes(tier, +1)
+        self.in_tier[tier].add(key)
+        self.clock += 1
+        self.last_used[key] = self.clock
+        self.handles.publish(*key, tier, slot)
+        code = TIER_CODES[tier]
+        if kind == "transition":
             if any(TIER_CODES[o] > code for o in versions):
                 self.stats.demotions += 1
             else:
                 self.stats.promotions += 1
-        for other in [o for o in versions if o != t.tier]:
+        for other in [o for o in versions if o != tier]:
             lower = TIER_CODES[other] < code
-            if (lower and not self.keep_lower) or (not lower and t.exact):  # promotion / demotion done
-                self._give_back(other, self._remove(t.key, other))
-        if t.kind == "prefetch":
-            self.prefetched.add(t.key)
+            if (lower and not self.keep_lower) or (not lower and exact):  # promotion / demotion done
+                self._give_back(other, self._remove(key, other))
+        if kind == "prefetch":
+            self.prefetched.add(key)
+
+    # -- slots a step fills itself (jmoe/layers/fetch.py)
+
+    def assign(self, key: Key, tier: str, kind: str = "prefetch") -> int | None:
+        """A slot for the next step to fetch `key`'s `tier` version into, published now: every step
+        that reads the tables from now on runs after that step wrote it (it takes the pools that step
+        returns). None when `key` needs no fetch or no slot can be freed."""
+        if self._has(key, tier, False) or key in self.inflight:
+            return None
+        slot = self._claim_slot(tier, key)
+        if slot is not None:
+            self._place(key, tier, slot, kind)
+            if kind == "prefetch":
+                self.stats.prefetch_issued += 1
+        return slot
+
+    def landing_candidates(self, tier: str, n: int) -> list[tuple[int, Key | None]]:
+        """Up to n (slot, the key whose `tier` version is in it, or None for a free slot) that a step
+        may fetch experts into, in the order it should take them: free slots, then the versions the
+        policy would evict first. A resident one keeps serving until the step overwrites it (only a
+        step that does not route to it there does); nothing else claims these slots until the step
+        is read (unlock), when each one the step took is `land`ed."""
+        out = [(slot, None) for slot in reversed(self.free[tier][0]) if slot not in self.locked[tier]][:n]
+        if len(out) < n:
+            out += [(self.resident[k][tier], k) for k in self._eviction_order(tier, n - len(out))]
+        for slot, _ in out:
+            self.locked[tier][slot] = self.locked[tier].get(slot, 0) + 1
+        return out
+
+    def _eviction_order(self, tier: str, n: int) -> list[Key]:
+        """The first n versions of `tier` the policy would evict, in order (one device)."""
+        candidates = sorted(self.movable(tier, shard=0), key=lambda k: (self.last_used[k], k))
+        if self.victim is least_recent:
+            return candidates[:n]
+        order = []
+        while candidates and len(order) < n:
+            key = self.victim(tier, candidates)
+            if key is None:
+                break
+            if key not in candidates:
+                raise RuntimeError(f"the policy's victim {key} is not one of the {tier} pool's evictable experts")
+            order.append(key)
+            candidates.remove(key)
+        return order
+
+    def land(self, key: Key, tier: str, slot: int, taken: Key | None, kind: str = "demand") -> bool:
+        """A step fetched `key` into candidate `slot`, which held `taken`'s version (None: free):
+        that version is evicted and `key` published there. False (the slot is free again) when a
+        version of `key` that serves as well is resident or landing by other means."""
+        if taken is not None and self.resident.get(taken, {}).get(tier) == slot:
+            self._evict(taken, tier)
+        else:  # a free slot, or one freed since (a version replaced by a higher one gives its slot back)
+            self.free[tier][0].remove(slot)
+        if self.serves(key, TIER_CODES[tier]) or self.code_in_flight(key) >= TIER_CODES[tier]:
+            self._give_back(tier, slot)
+            return False
+        self._place(key, tier, slot, kind)
+        return True
+
+    def unlock(self, tier: str, slots) -> None:
+        """A step whose candidate slots these were has been read: others may claim them again."""
+        locked = self.locked[tier]
+        for slot in slots:
+            if locked.get(slot, 0) <= 1:
+                locked.pop(slot, None)
+            else:
+                locked[slot] -= 1
 
     def movable(self, tier: str, keep=(), shard: int | None = None) -> list[Key]:
         """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in
         `keep`; only those of expert shard `shard` when given)."""
-        owner = self.pools[tier].owner
+        owner, locked, resident = self.pools[tier].owner, self.locked[tier], self.resident
         return [k for k in self.in_tier[tier] if k not in self.pinned and k not in keep and self.evictable(tier, k)
-                and (shard is None or owner(k[1]) == shard)]
+                and (shard is None or owner(k[1]) == shard) and resident[k][tier] not in locked]
 
     def _drop_above(self, key: Key, code: int) -> None:
         if key in self.pinned:
@@ -272,8 +360,10 @@ class CacheManager:
         """A free slot of `key`'s shard, else one its victim leaves (a version of the same shard)."""
         pool = self.pools[tier]
         shard = pool.owner(key[1])
-        if self.free[tier][shard]:
-            return self.free[tier][shard].pop()
+        free = self.free[tier][shard]
+        for i in range(len(free) - 1, -1, -1):  # lowest first out, skipping slots a step may still write
+            if free[i] not in self.locked[tier]:
+                return free.pop(i)
         candidates = sorted(self.movable(tier, shard=shard), key=lambda k: (self.last_used[k], k))  # least recently used first
         if not candidates:
             return None
@@ -310,6 +400,7 @@ class CacheManager:
         """Make staging room: finish the oldest in-flight transfer, or wait for a pending slot write."""
         if self.inflight:
             self.wait([next(iter(self.inflight))])
+        self.stats.count_io(reads=len(self.retiring))  # waits
         for marker, _ in self.retiring:
             marker.block_until_ready()
         self.poll()
@@ -336,4 +427,5 @@ class CacheManager:
         assert all(v for v in self.resident.values()), "an expert is listed with no version"
         for key, t in self.inflight.items():
             assert t.tier not in self.resident.get(key, {}), f"{key} is both resident and in flight at {t.tier}"
+            assert t.slot not in self.locked[t.tier], f"{key} is being copied into a slot a step may write"
         assert self.staging.budget is None or self.staging.total <= self.staging.budget

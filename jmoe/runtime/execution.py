@@ -1,33 +1,39 @@
 """How a step runs over a residency object; the paths share the engine's layer code.
 
 - all resident: one jitted step (Engine.forward); the signals stay on the device.
-- "resident" (offloaded, one jit per step): Engine.forward over what is resident, the selection
+- offloaded decode and verification (every path but "layerwise", where the residency fetches in
+  steps: jmoe/runtime/fetching.py): one executable per step that fetches what it lacks from the
+  host store itself (exact mode) or runs it at a lower resident tier (degrade mode) and packs a
+  summary, read once a step later. A step that lacked more experts than its miss slots hold is run
+  again layer-wise (exact, counted as a replay).
+- "resident" (offloaded prefill in one jit): Engine.forward over what is resident, the selection
   choosing each routed expert's tier inside the step. The host reads the step's routing back; if
   an expert ran below its wanted tier it is fetched and the step replayed (exact), or, in the
   phases the policy lists in degrade_phases, the step is kept and the shortfall counted. A step
   whose experts cannot all be resident at once runs layer-wise.
 - "layerwise": the host between each layer's routing and its experts (jmoe/runtime/layerwise.py).
-- "auto" (the default): the one-jit step while it finds what it needs; a step that lacked an
-  expert is run again layer-wise (exact, fetching as it goes), and steps stay layer-wise until one
-  finds every expert resident.
+- "auto" (the default): offloaded prefill layer-wise (a prompt routes to more experts per layer
+  than a step's fetch slots hold), decode and verification in one executable.
 
-A one-jit step can be settled later (`defer`): the caller samples from its logits and does its
-own host work while the device computes, then `settle` reads the routing back, keeps the books
-and, if an expert was missing, runs the step again and returns the corrected logits. Generation
-settles each decode step after handing out the previous token, so with every expert resident the
-device never waits for the host.
+A step can be settled later (`defer`): the caller samples from its logits (or the step samples
+itself: decode_sampled) and does its own host work while the device computes, then `settle` reads
+its summary, keeps the books and, if it was not exact, runs the step again and returns the
+corrected logits. Generation settles each decode step after dispatching the next, so the device
+never waits for the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jmoe.decoding.engine import Engine, attention_meta_jit
 from jmoe.layers.transformer import StepSignals
+from jmoe.runtime.fetching import Flight
 from jmoe.runtime.kernel_fallback import with_kernel_fallback
 from jmoe.runtime.layerwise import LayerPieces, run_layerwise
 from jmoe.runtime.residency import Offloaded
@@ -54,6 +60,34 @@ class Pending:
     last_only: bool
     phase: str
     signals: StepSignals
+    flight: Flight | None = None  # a step that fetched its own experts
+
+
+@dataclass
+class Cycle:
+    """A dispatched speculative cycle (Executor.speculate)."""
+
+    res: object
+    k: int
+    next_token: jax.Array
+    tokens: jax.Array  # what the host reads: accepted, next tokens and drafts (a fetching step's summary)
+    drafts: jax.Array
+    q: jax.Array | None
+    flight: Flight | None
+    start_state: tuple  # the sampler's (rng, seen) before the verification
+    last: jax.Array
+    start: np.ndarray
+    key_start: np.ndarray
+
+
+@dataclass
+class SampledStep:
+    """A dispatched decode step that sampled its next tokens (Executor.decode_sampled)."""
+
+    res: object
+    next_tokens: jax.Array  # [B] on the device
+    pending: Pending | None  # a fetching step's, to settle; None when nothing can be corrected
+    draw: tuple  # the sampler's (rng, seen) before the step drew, to draw again from corrected logits
 
 
 class Executor:
@@ -64,6 +98,7 @@ class Executor:
         self.dense = nnx.to_pure_dict(dense)  # a plain dict: cheaper to pass to the jitted step than nnx's State
         self.pieces = LayerPieces(graphdef, dense) if residency.offloading else None
         self.careful = False  # "auto": run layer-wise until a step finds every expert resident
+        self.vocab_size = nnx.merge(graphdef, dense).config.vocab_size
 
     def step(self, tokens, cache, start, key_start, *, last_only: bool, phase: str, residency=None,
              defer: bool = False):
@@ -74,16 +109,30 @@ class Executor:
         running on the same dense weights and cache)."""
         res = residency or self.residency
         start, key_start = np.asarray(start, np.int32), np.asarray(key_start, np.int32)
+        if self.fetches(res, phase):
+            res.plan_step(phase, tokens.size)
+            valid = valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1])
+            try:
+                logits, cache, pending = self._fetching(res, tokens, cache, start, key_start, valid, last_only, phase)
+                if defer:
+                    return logits, cache, pending
+                corrected, cache = self._settle(pending, cache)
+                return (logits if corrected is None else corrected), cache, None
+            finally:
+                res.end_step()
+        if res.offloading and res.in_step is not None:
+            res.in_step.publish_landings()  # this step reads the host's tables: they must be the device's
         res.begin_step(phase, tokens.size)
         try:
             if not res.offloading:
                 logits, cache, signals = with_kernel_fallback(self.kernel_users(res), lambda: self.engine.forward(
                     self.dense, res.expert_state().for_phase(phase), tokens, cache, start, key_start,
                     last_only=last_only, want_importance=False))
+                res.stats.count_io(executions=1)
                 res.observe(signals, valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1]))
                 return logits, cache, None
             valid = valid_tokens(start, key_start, 1 if tokens.ndim == 1 else tokens.shape[1])
-            if self.path == "layerwise" or (self.path == "auto" and self.careful):
+            if self.path == "layerwise" or (self.path == "auto" and (self.careful or phase == "prefill")):
                 res.catch_up()
                 return (*self._layerwise(res, tokens, cache, start, key_start, valid, last_only, phase), None)
             logits, cache, signals = self._forward(res, tokens, cache, start, key_start, last_only, phase)
@@ -103,6 +152,185 @@ class Executor:
         finally:
             pending.res.end_step()
 
+    def fetches(self, res, phase: str) -> bool:
+        """Whether a step of `phase` over `res` fetches its own experts (one executable, summary read later)."""
+        return res.offloading and res.in_step is not None and res.in_step.covers(phase) and self.path != "layerwise"
+
+    def _fetching(self, res: Offloaded, tokens, cache, start, key_start, valid, last_only, phase):
+        """Dispatch a step that fetches its own experts: (logits, cache, its Pending)."""
+        state, pools, flight = res.in_step.prepare(phase)
+        logits, cache, signals, pools, summary = self._dispatch(res, flight, lambda: self.engine.fetching(
+            self.dense, state, pools, tokens, cache, start, key_start, last_only=last_only, want_importance=False))
+        res.in_step.dispatched(flight, pools, signals, summary)
+        return logits, cache, Pending(res, tokens, start, key_start, valid, last_only, phase, signals, flight)
+
+    def _dispatch(self, res, flight, run):
+        """Dispatch one executable (`run`), counted; should it fail, a fetching step's landing
+        candidates are unlocked (nothing will read it)."""
+        try:
+            out = with_kernel_fallback(self.kernel_users(res), run)
+        except BaseException:
+            if flight is not None:
+                res.in_step.failed(flight)
+            raise
+        res.stats.count_io(executions=1)
+        return out
+
+    def decode_sampled(self, tokens, cache, start, key_start, sampler, *, residency=None):
+        """One decode step of tokens [B] (on the device) that samples its next tokens itself (one
+        executable where the residency allows): (next tokens [B] on the device, cache, SampledStep).
+        settle_sampled() reads the tokens back, a step later."""
+        res = residency or self.residency
+        start, key_start = np.asarray(start, np.int32), np.asarray(key_start, np.int32)
+        draw = (sampler.rng, sampler.seen)
+        if res.offloading and not self.fetches(res, "decode"):  # steps with the host between layers
+            logits, cache, pending = self.step(tokens, cache, start, key_start, last_only=True, phase="decode",
+                                               residency=res, defer=True)
+            nxt = sampler(logits)
+            res.stats.count_io(executions=1)
+            return nxt, cache, SampledStep(res, nxt, pending, draw)
+        if res.offloading:
+            res.plan_step("decode", tokens.size)
+        else:
+            res.begin_step("decode", tokens.size)
+        pools, flight = None, None
+        try:
+            if res.offloading:
+                state, pools, flight = res.in_step.prepare("decode", rows=tokens.shape[0])
+            else:
+                state = res.expert_state()
+            positions = np.stack([start, key_start])
+            res.stats.count_io(transfers=1, nbytes=positions.nbytes)
+            positions = jax.device_put(positions, res.device)
+            nxt, seen, rng, cache, pools, summary, signals = self._dispatch(res, flight, lambda: self.engine.decode(
+                self.dense, state, pools, tokens, cache, positions, sampler.seen, sampler.rng, *sampler.params,
+                greedy=sampler.greedy))
+            sampler.advance(rng, seen)
+            if flight is None:
+                res.observe(signals, valid_tokens(start, key_start, 1))
+                return nxt, cache, SampledStep(res, nxt, None, draw)
+            res.in_step.dispatched(flight, pools, signals, summary)
+            valid = valid_tokens(start, key_start, 1)
+            return nxt, cache, SampledStep(res, nxt, Pending(res, tokens, start, key_start, valid, True, "decode",
+                                                             signals, flight), draw)
+        finally:
+            res.end_step()
+
+    def settle_sampled(self, step: SampledStep, cache, sampler):
+        """Read a decode_sampled step back: (its next tokens [B] as numpy, whether they were drawn
+        again, cache). A step that was not exact runs again layer-wise and draws again (same key and
+        history, so sampling stays exact)."""
+        res = step.res
+        if step.pending is None:
+            res.stats.count_io(reads=1)
+            return np.asarray(step.next_tokens), False, cache
+        if step.pending.flight is None:  # a step with the host between layers, settled like any other
+            corrected, cache = self.settle(step.pending, cache)
+        else:
+            try:
+                summary, exact = res.in_step.settle(step.pending.flight)
+                if exact:
+                    return summary.tokens, False, cache
+                res.stats.replays += 1
+                corrected, cache = self._layerwise(res, step.pending.tokens, cache, step.pending.start,
+                                                   step.pending.key_start, step.pending.valid, True, "decode")
+            finally:
+                res.end_step()
+        if corrected is None:
+            res.stats.count_io(reads=1)
+            return np.asarray(step.next_tokens), False, cache
+        tokens = sampler.redraw(corrected, step.draw)
+        res.stats.count_io(executions=1, reads=1)
+        return np.asarray(tokens), True, cache
+
+    # -- speculative decoding: a cycle is a draft and a verification, one executable each
+
+    def speculate(self, last, cache, start, key_start, sampler, k: int, draft) -> tuple:
+        """Dispatch a cycle: `draft` (a residency with every expert resident) decodes k tokens per
+        row from `last` [B] (on the device) in one executable, then the model verifies them in one
+        executable that accepts on the device (k = 0: a plain step). Returns (cache, Cycle);
+        settle_cycle() reads it."""
+        res = self.residency
+        start, key_start = np.asarray(start, np.int32), np.asarray(key_start, np.int32)
+        B = last.shape[0]
+        positions = np.stack([start, key_start])
+        res.stats.count_io(transfers=1, nbytes=positions.nbytes, phase="verify")
+        positions = jax.device_put(positions, res.device)
+        if k:
+            draft.begin_step("draft", B * k)
+            draft.stats.steps += k - 1  # a draft step per drafted position
+            drafts, q, hint, cache, rng = self.engine.draft(self.dense, draft.expert_state(), last, cache, positions,
+                                                            sampler.seen, sampler.rng, *sampler.params, k=k,
+                                                            greedy=sampler.greedy)
+            sampler.advance(rng, sampler.seen)  # the drafts' history is the verification's to keep
+            res.stats.count_io(executions=1, phase="verify")
+        else:  # nothing drafted: empty blocks
+            drafts, hint = np.zeros((B, 0), np.int32), None
+            q = None if sampler.greedy else np.zeros((B, 0, self.vocab_size), np.float32)
+        start_state = (sampler.rng, sampler.seen)
+        if res.offloading and not self.fetches(res, "verify"):  # the host between layers: verify, then accept
+            block = jnp.concatenate([last[:, None], jnp.asarray(drafts)], axis=1)
+            logits, cache, _ = self.step(block, cache, start, key_start, last_only=False, phase="verify")
+            accepted, nxt, seen, rng = self.engine.accept_again(logits, drafts, q, sampler.seen, sampler.rng,
+                                                                *sampler.params, greedy=sampler.greedy)
+            res.stats.count_io(executions=3)
+            sampler.advance(rng, seen)
+            tokens = jnp.concatenate([accepted, nxt, jnp.asarray(drafts).reshape(-1)])
+            return cache, Cycle(res, k, nxt, tokens, drafts, q, None, start_state, last, start, key_start)
+        flight = None
+        if res.offloading:
+            res.plan_step("verify", B * (k + 1))
+            state, pools, flight = res.in_step.prepare("verify", rows=B * (k + 2), hint=hint)
+        else:
+            res.begin_step("verify", B * (k + 1))
+            state, pools = res.expert_state().for_phase("verify"), None
+        try:
+            accepted, nxt, seen, rng, cache, pools, packed, signals = self._dispatch(
+                res, flight, lambda: self.engine.verify(self.dense, state, pools, last, drafts, cache, positions,
+                                                        sampler.seen, sampler.rng, q, *sampler.params,
+                                                        greedy=sampler.greedy))
+            sampler.advance(rng, seen)
+            if flight is not None:
+                res.in_step.dispatched(flight, pools, signals, packed)
+            else:
+                res.observe(signals, valid_tokens(start, key_start, k + 1))
+            return cache, Cycle(res, k, nxt, packed, drafts, q, flight, start_state, last, start, key_start)
+        finally:
+            res.end_step()
+
+    def settle_cycle(self, cycle: "Cycle", cache, sampler):
+        """Read a cycle back (one blocking read): (accepted drafts per row [B], the target's next
+        token per row [B], the drafts [B, k], all numpy; the next token on the device; cache). A
+        verification that was not exact runs again layer-wise and accepts again from the same key
+        and history."""
+        res, k = cycle.res, cycle.k
+        B = cycle.last.shape[0]
+        if cycle.flight is None:
+            res.stats.count_io(reads=1, phase="verify")
+            tokens = np.asarray(cycle.tokens)
+        else:
+            summary, exact = res.in_step.settle(cycle.flight)
+            tokens = summary.tokens
+            if not exact:
+                res.stats.replays += 1
+                block = jnp.concatenate([cycle.last[:, None], jnp.asarray(cycle.drafts)], axis=1)
+                logits, cache = self._layerwise(res, block, cache, cycle.start, cycle.key_start,
+                                                valid_tokens(cycle.start, cycle.key_start, k + 1), False, "verify")
+                sampler.advance(*cycle.start_state)
+                accepted, nxt, seen, rng = self.engine.accept_again(logits, cycle.drafts, cycle.q, sampler.seen,
+                                                                    sampler.rng, *sampler.params, greedy=sampler.greedy)
+                sampler.advance(rng, seen)
+                res.stats.count_io(executions=3, reads=1)
+                tokens = np.asarray(jnp.concatenate([accepted, nxt, jnp.asarray(cycle.drafts).reshape(-1)]))
+                cycle.next_token = nxt
+        accepted, nxt, drafts = tokens[:B], tokens[B:2 * B], tokens[2 * B:2 * B + B * k].reshape(B, k)
+        return accepted.astype(np.int64), nxt.astype(np.int32), drafts, cycle.next_token, cache
+
+    def discard(self, step: SampledStep) -> None:
+        """A decode_sampled step taken back unread (its input token changed)."""
+        if step.pending is not None and step.pending.flight is not None:
+            step.res.in_step.discard(step.pending.flight)
+
     def _forward(self, res: Offloaded, tokens, cache, start, key_start, last_only, phase):
         want_importance = phase == "prefill" and res.policy.wants_importance
         return with_kernel_fallback(self.kernel_users(res), lambda: self.engine.forward(
@@ -115,6 +343,12 @@ class Executor:
 
     def _settle(self, p: Pending, cache, *, defer_books: bool = True):
         res = p.res
+        if p.flight is not None:
+            _, exact = res.in_step.settle(p.flight)
+            if exact:
+                return None, cache
+            res.stats.replays += 1
+            return self._layerwise(res, p.tokens, cache, p.start, p.key_start, p.valid, p.last_only, p.phase)
         res.synced()
         summary = np.asarray(p.signals.per_expert)  # [3, L, E]: tokens, wanted, chosen per expert; one small read
         res.last_routed = summary[0] > 0
@@ -128,7 +362,7 @@ class Executor:
         res.catch_up()
         routings = res.read(p.signals, p.valid, p.phase, sync=False)
         wanted, missing = res.shortfall(routings)
-        if not missing or p.phase in res.policy.degrade_phases:
+        if not missing or (p.phase in res.policy.degrade_phases and res.ran_every(routings)):
             res.accept(routings, set(), missing)
             return None, cache
         if self.path == "auto":
@@ -159,14 +393,17 @@ class Executor:
         return self._layerwise(res, p.tokens, cache, p.start, p.key_start, p.valid, p.last_only, p.phase)
 
     def _layerwise(self, res: Offloaded, tokens, cache, start, key_start, valid, last_only, phase):
+        if res.in_step is not None:
+            res.in_step.publish_landings()  # the host's tables must be the device's
         before = res.stats.misses + res.stats.late + res.stats.cpu_runs
         one = tokens.ndim == 1  # one token per row: logits come back [B, V] as from the one-jit step
         tokens = tokens[:, None] if one else tokens
-        meta = attention_meta_jit(self.pieces.cfg, tokens.shape[1], jnp.asarray(start), jnp.asarray(key_start))
+        meta = attention_meta_jit(self.pieces.cfg, tokens.shape[1], *jax.device_put((start, key_start)))
+        res.stats.count_io(executions=1 + 2 * one, transfers=2, nbytes=start.nbytes + key_start.nbytes)
         logits, cache = run_layerwise(self.pieces, res, tokens, cache, meta, valid, last_only=last_only, phase=phase)
         if res.stats.misses + res.stats.late + res.stats.cpu_runs == before:
             self.careful = False  # every expert was resident: the next step may run in one jit
         return (logits[:, 0] if one else logits), cache
 
 
-__all__ = ["PATHS", "Executor", "Pending", "valid_tokens"]
+__all__ = ["PATHS", "Cycle", "Executor", "Pending", "SampledStep", "valid_tokens"]

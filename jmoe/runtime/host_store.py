@@ -1,17 +1,18 @@
-"""Expert versions in host memory, ready for asynchronous host -> device copies.
+"""Expert versions in host memory, as one stacked array per (tier, MoE layer): [E, record bytes].
 
-On an accelerator, each (tier, MoE layer, expert) record of the converted model becomes one
-pinned-host JAX array of bytes (the record as stored: no repacking), so fetching an expert version
-is a single `jax.device_put` of one array. Where the platform has no pinned host memory, plain
-host arrays.
+A step fetches an expert by one dynamic slice of its layer's array (jmoe/layers/fetch.py), and
+the host's own transfers take one record the same way. On an accelerator the arrays live in
+pinned host memory (each layer's expert file copied once at load), where the platform has it;
+otherwise plain host memory.
 
-When the device is the host CPU nothing is copied at load: the converted files are the host store.
-A fetch reads the record from the page cache into a fresh aligned buffer that jax takes without a
-copy, and the pool slot write is the only other copy, so the process never holds an expert twice
-beyond the transfers in flight (which the staging reservation bounds).
+When the device is the host CPU nothing is copied at load: each array is the memory-mapped
+expert file itself (XLA:CPU takes it without a copy), so the page cache serves fetches and the
+process never holds an expert twice beyond what its pools hold.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import numpy as np
@@ -27,31 +28,44 @@ def host_sharding(device):
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind), kind
 
 
+@partial(jax.jit, static_argnames=("device",))
+def _take_record(stack, expert, *, device):
+    """Record `expert` [R] of a layer's stacked host array, in the memory of `device`."""
+    record = jax.lax.dynamic_slice(stack, (expert, 0), (1, stack.shape[1]))[0]
+    return jax.device_put(record, jax.sharding.SingleDeviceSharding(device, memory_kind="device"))
+
+
 class HostStore:
     def __init__(self, store: ExpertStore, tiers: tuple[str, ...], device, progress: bool | None = None):
         self.store = store
         self.tiers = tiers
+        self.device = device
         self.sharding, self.memory_kind = host_sharding(device)
         self.copies = not device_is_host(device)  # on the CPU the files serve as they are
-        L, E = store.num_layers, store.num_experts
-        self._records: dict[str, list[list[jax.Array]]] = {}
-        if not self.copies:
-            return
-        disable = None if progress is None else not progress  # None: only on a terminal
-        with tqdm(total=L * E * len(tiers), desc="host store", unit="expert", disable=disable) as bar:
-            for tier in tiers:
-                rows = []
-                for layer in range(L):
-                    rows.append([jax.device_put(np.asarray(store.record_bytes(tier, layer, e)), self.sharding)
-                                 for e in range(E)])
-                    bar.update(E)
-                self._records[tier] = rows
+        self._stacks: dict[str, tuple[jax.Array, ...]] = {}
+        if self.copies:  # the copy at load, with a progress bar; on the CPU the files' views, when first asked for
+            disable = None if progress is None else not progress  # None: only on a terminal
+            with tqdm(total=store.num_layers * len(tiers), desc="host store", unit="layer", disable=disable) as bar:
+                for tier in tiers:
+                    self.stacks(tier, bar.update)
+
+    def stacks(self, tier: str, progress=None) -> tuple[jax.Array, ...]:
+        """Each MoE layer's [E, record bytes] array of `tier`, in host memory."""
+        if tier not in self._stacks:
+            layers = []
+            for layer in range(self.store.num_layers):
+                layers.append(jax.device_put(self.store.layer_bytes(tier, layer), self.sharding))
+                if progress is not None:
+                    progress(1)
+            self._stacks[tier] = tuple(layers)
+        return self._stacks[tier]
 
     def record(self, tier: str, layer: int, expert: int):
-        """uint8 [record_nbytes] of one expert version: a host jax array, or (CPU) a fresh aligned copy."""
+        """uint8 [record_nbytes] of one expert version, for a transfer: on an accelerator already
+        on its way to the device (a dynamic slice of the host array); on the CPU a fresh aligned copy."""
         if not self.copies:
             return self.store.read_record(tier, layer, expert)
-        return self._records[tier][layer][expert]
+        return _take_record(self.stacks(tier)[layer], np.int32(expert), device=self.device)
 
     def nbytes(self, tier: str) -> int:
         return self.store.record_nbytes(tier)

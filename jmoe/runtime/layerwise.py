@@ -92,6 +92,7 @@ class LayerwiseRunner:
     def __init__(self, pieces: LayerPieces, res, valid: np.ndarray, phase: str):
         self.pieces, self.res, self.valid, self.phase = pieces, res, valid, phase
         self.valid_dev = jax.device_put(valid, res.device)
+        res.stats.count_io(transfers=1, nbytes=valid.nbytes)
         self.num_layers = len(pieces.layers)
         self.routings: list[LayerRouting] = []
         self.predicted: set[int] | None = None  # experts predicted for the MoE layer about to run
@@ -101,22 +102,29 @@ class LayerwiseRunner:
 
     def attend(self, i, x, cache, meta, want_importance):
         state = self.pieces.layers[i][1]
+        self.res.stats.count_io(executions=1)
         return self.pieces.attend[i](state, x, cache, meta, want_importance=want_importance)
 
     def feed_forward(self, i, x, h, meta, importance):
         state = self.pieces.layers[i][1]
+        count = self.res.stats.count_io
         if not self.is_moe(i):
+            count(executions=1)
             return self.pieces.dense_mlp[i](state, x, h), None
         res, cfg, mi = self.res, self.pieces.cfg, self.pieces.moe_index[i]
         flat_importance = None if importance is None else importance.reshape(-1)
         experts = res.layer_experts(mi, self.phase)
+        if flat_importance is not None:
+            count(executions=1)  # the reshape above
         signals = self.pieces.route[i](state, h, self.valid_dev, flat_importance, experts)
+        count(executions=1)
         lookahead = None
         if res.policy.prefetch and mi + 1 < cfg.num_moe_layers:
             nxt = cfg.moe_layer_indices[mi + 1]
             lookahead = self.pieces.predict[nxt](self.pieces.layers[nxt][1], x, self.valid_dev)
+            count(executions=1)
         ids, weights, wanted, imp = jax.device_get((signals.ids, signals.weights, signals.wanted, flat_importance))
-        res.synced()
+        res.synced(3 if flat_importance is None else 4)
         r = LayerRouting(res.step_index, self.phase, mi, cfg.num_moe_layers, ids, weights, self.valid, imp,
                          wanted, wanted)
         self.routings.append(r)
@@ -127,6 +135,7 @@ class LayerwiseRunner:
         self.predicted = None
         if lookahead is not None:
             counts, gate = (np.asarray(a) for a in lookahead)
+            res.synced(2)
             self.predicted = set(int(e) for e in np.flatnonzero(counts))
             rank_by = counts if self.phase == "prefill" else gate
         device_wanted, cpu_experts = res.plan_layer(r)
@@ -145,14 +154,17 @@ class LayerwiseRunner:
                                               self.valid_dev, visible, shared=p == 0)
 
             x = with_kernel_fallback([res], run)
+            count(executions=1)
             res.finish_pass(keys)
         flat_h = h.reshape(-1, h.shape[-1])
+        count(executions=1)
         for expert, tier in cpu_experts:
             tokens, position = np.nonzero(r.ids == expert)
             keep = r.valid[tokens]
             tokens, position = tokens[keep], position[keep]
             y = res.cpu.run(flat_h[tokens], tier, mi, expert)
             x = _scatter_add(x, jnp.asarray(tokens), jnp.asarray(r.scores[tokens, position]), y)
+            count(executions=5, reads=1, transfers=4)  # gather, the CPU's call, its rows both ways, the scatter
         return x, None
 
 
@@ -163,4 +175,5 @@ def run_layerwise(pieces: LayerPieces, res, tokens, cache, meta, valid: np.ndarr
     x, cache, _, _ = run_layers(runner, pieces.embed(pieces.dense, tokens), cache, meta,
                                 want_importance=want_importance)
     res.finish_layerwise(runner.routings)
+    res.stats.count_io(executions=2)  # the embedding and the head
     return pieces.head(pieces.dense, x, last_only=last_only), cache

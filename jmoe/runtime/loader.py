@@ -11,11 +11,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
+from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.linear import Embed, Linear
@@ -26,7 +28,8 @@ from jmoe.runtime import compile_cache
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
 from jmoe.runtime.host_memory import available_memory, device_is_host
-from jmoe.runtime.pools import plan_pools, staging_nbytes
+from jmoe.runtime.fetching import fetch_slots
+from jmoe.runtime.pools import plan_pools, slot_nbytes, staging_nbytes
 from jmoe.runtime.residency import AllResident, Offloaded
 from jmoe.runtime.store import ExpertStore
 from jmoe.runtime.trace import Trace
@@ -80,6 +83,54 @@ class JmoeModel:
         """Finish a deferred step: (None, cache) if its logits stand, else (corrected logits, cache)."""
         with self.lock:
             return self.executor.settle(pending, cache)
+
+    def decode_sampled(self, tokens, cache, start, key_start, sampler):
+        """One decode step that draws its next tokens itself: (next tokens [B] on the device, cache,
+        a SampledStep to pass to settle_sampled)."""
+        with self.lock:
+            return self.executor.decode_sampled(tokens, cache, start, key_start, sampler)
+
+    def settle_sampled(self, step, cache, sampler):
+        """(tokens [B] numpy, whether they were drawn again, cache) of a decode_sampled step."""
+        with self.lock:
+            return self.executor.settle_sampled(step, cache, sampler)
+
+    def speculate(self, last, cache, start, key_start, sampler, k: int, draft):
+        """Dispatch a speculative cycle (Executor.speculate): (cache, cycle)."""
+        with self.lock:
+            return self.executor.speculate(last, cache, start, key_start, sampler, k, draft)
+
+    def settle_cycle(self, cycle, cache, sampler):
+        """Read a speculative cycle back (Executor.settle_cycle)."""
+        with self.lock:
+            return self.executor.settle_cycle(cycle, cache, sampler)
+
+    def discard(self, step) -> None:
+        """Take back a dispatched step nobody will settle (its successor of a step run again)."""
+        if step is None:
+            return
+        with self.lock:
+            if hasattr(step, "next_tokens"):
+                self.executor.discard(step)
+            else:
+                step.res.end_step()
+
+    def put(self, array: np.ndarray, phase: str | None = None) -> jax.Array:
+        """A host array on the model's device (one transfer, counted in `phase`, default the current step's)."""
+        with self.lock:
+            self.stats.count_io(transfers=1, nbytes=array.nbytes, phase=phase)
+        return jax.device_put(array, self.placement.replicated)
+
+    def count(self, **io) -> None:
+        """Count host interaction a caller had with this model's steps (Stats.count_io)."""
+        with self.lock:
+            self.stats.count_io(**io)
+
+    def read_tokens(self, tokens, phase: str | None = None) -> np.ndarray:
+        """Tokens on the device, read back (one blocking read, counted in `phase`, default the current step's)."""
+        with self.lock:
+            self.stats.count_io(reads=1, phase=phase)
+        return np.asarray(tokens)
 
     def draft(self, tier: str):
         """The model's own copy at `tier` with every expert resident, for speculative decoding.
@@ -216,24 +267,55 @@ def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, ma
         memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(draft)) // shards
     if policy is not None and not policy.everything_resident:
         memory["staging"] = staging_nbytes(store, policy.pools())
+        slots = fetch_slots_for(cfg, policy, jax.devices()[0], max_batch, shards, draft=draft)
+        if slots is not None:
+            memory["fetch"] = slots.extra * sum(slot_nbytes(store, t) for t in policy.pools())
     return memory
 
 
+def fetch_slots_for(cfg: ModelConfig, policy: Policy, device, max_batch: int, shards: int = 1,
+                    miss_slots: int | None = None, draft: str | None = None, guarded: bool | None = None):
+    """The fetch slots steps get (jmoe/runtime/fetching.py), None where they do not fetch (on a mesh
+    every step runs with what is resident and replays). guarded: as fetching.fetch_slots."""
+    if shards > 1:
+        return None
+    return fetch_slots(cfg, policy, device, max_batch, "decode" in policy.degrade_phases, miss_slots,
+                       DEFAULT_K_MAX if draft is not None else 0, guarded)
+
+
+MISS_MODES = ("exact", "degrade")
+
+
+def apply_miss_mode(policy: Policy, misses: str | None) -> None:
+    """misses="exact": every step runs each routed expert at its wanted tier (fetching it); "degrade":
+    decode and verification run a missing expert at a lower resident tier, or skip it, and fetch it
+    for later steps. None keeps the policy's own choice."""
+    if misses == "exact":
+        policy.degrade_phases = ()
+    elif misses == "degrade":
+        policy.degrade_phases = tuple(dict.fromkeys((*policy.degrade_phases, "decode", "verify")))
+
+
 def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
-                max_batch: int = 1, draft: str | None = None, policy: str | Policy | None = None) -> dict[str, int]:
+                max_batch: int = 1, draft: str | None = None, policy: str | Policy | None = None,
+                misses: str | None = None, mesh: str | dict | None = None) -> dict[str, int]:
     """What load() would reserve besides the expert pools, and the bytes of every expert at `tier`
     (key "all_experts"), without loading anything: for choosing a budget.
 
     Keys: "dense", "kv_cache", "workspace", "draft" (with `draft`: the speculative draft's experts),
     "staging" (transfers in flight, reserved whenever load offloads: for `policy`, by default the
-    offloading default "lru+prefetch"; absent with policy="resident") and "all_experts". A budget of
+    offloading default "lru+prefetch"; absent with policy="resident"), "fetch" (the pool slots of
+    experts a step fetches and does not keep) and "all_experts". A budget of
     the reservations plus a share of "all_experts" gives pools holding that share. On a CPU-only
     machine the device is the host: every number is host memory (RSS), and the expert files the
     host store reads from are served by the page cache, shared between processes and not counted.
+    With `mesh` (as load's), the reservations are one device's ("all_experts" stays the model's).
     """
     root = validate.path("path", path)
     if policy is not None and not isinstance(policy, Policy):
         validate.choice("policy", policy, POLICY_NAMES)
+    if misses is not None:
+        validate.choice("misses", misses, MISS_MODES)
     manifest = read_manifest(root)
     cfg = ModelConfig.from_dict(manifest["config"])
     dtype = resolve_compute_dtype(compute_dtype)
@@ -243,10 +325,13 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
         validate.choice("draft", draft, TIER_NAMES)
         check_draft(manifest, draft)
     chosen = policy if isinstance(policy, Policy) else make_policy(policy or "lru+prefetch", tier)
+    apply_miss_mode(chosen, misses)
     chosen.check()
     store = ExpertStore(root, manifest, cfg)
     _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
-    plan = reservations(store, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch, draft, chosen)
+    shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
+    plan = reservations(store, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch, draft, chosen,
+                        shards)
     plan["all_experts"] = all_expert_bytes(cfg, store.record_nbytes(tier))
     return plan
 
@@ -269,6 +354,8 @@ def load(
     trace: bool = False,
     draft: str | None = None,
     mesh: str | dict | None = None,
+    misses: str | None = None,
+    miss_slots: int | None = None,
 ) -> JmoeModel:
     """Load a converted model onto the default device, or expert-parallel over a device mesh.
 
@@ -287,10 +374,20 @@ def load(
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
       max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
-      execution: how an offloaded step runs: "auto" (one jit per step while every expert it needs
-        is resident; a step that lacked one runs again layer-wise), "layerwise" (the host between
-        layers, fetching as it goes) or "resident" (one jit per step, replayed after fetching what
-        it lacked). All three give the same tokens.
+      execution: how an offloaded step runs: "auto" (decode and verification one executable per
+        step that fetches what it lacks itself; prefill layer-wise), "layerwise" (the host between
+        layers, fetching as it goes) or "resident" (decode as "auto", prefill in one jit replayed
+        after fetching what it lacked). All three give the same tokens (exact mode).
+      misses: what an offloaded decode step does with a routed expert that is not resident at its
+        wanted tier: "exact" (fetch it inside the step and run it: the resident model's tokens) or
+        "degrade" (run it at a lower resident tier, or skip it, and fetch it for later steps, as
+        DyMoE and HOBBIT do). Default: the policy's (exact for the baselines, degrade for DyMoE and
+        DynaExq).
+      miss_slots: in exact mode, how many missing experts a decode step fetches per MoE layer (and
+        tier); a step that lacks more runs again layer-wise (counted as a replay). On an accelerator
+        each slot moves one expert record every step whether used or not. Default: every expert a
+        step's tokens can route to on the CPU (unused ones cost nothing there), a quarter of top_k
+        per token on an accelerator.
       kernel_backend: expert kernels: "pallas", "mosaic" (int4 decode on Pallas' Mosaic GPU backend, the
         rest as "pallas"), "interpret", "cpu" (native CPU kernels) or "xla"; default Pallas on GPU, the
         native kernels on CPU (XLA where they are not built).
@@ -317,6 +414,10 @@ def load(
         validate.choice("policy", policy, POLICY_NAMES)
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
     validate.choice("execution", execution, PATHS)
+    if misses is not None:
+        validate.choice("misses", misses, MISS_MODES)
+    if miss_slots is not None:
+        validate.integer("miss_slots", miss_slots, minimum=1, maximum=1 << 20)
     if kernel_backend is not None:
         validate.choice("kernel_backend", kernel_backend, BACKENDS)
     validate.choice("cpu_dot", cpu_dot, CPU_DOTS)
@@ -358,6 +459,7 @@ def load(
         if policy is None:
             policy = "resident" if budget is None or fixed + all_experts <= budget else "lru+prefetch"
         chosen = policy if isinstance(policy, Policy) else make_policy(policy, tier)
+        apply_miss_mode(chosen, misses)
         chosen.check()
         chosen.shards = placement.shards
         if placement.mesh is not None and chosen.cpu_execution:
@@ -387,9 +489,13 @@ def load(
             tracker.reserve("experts", all_experts)
             residency = AllResident(store, tier, placement, backend=kernel_backend, int8_dot=int8_dot)
         else:
-            plan = plan_pools(store, chosen, fixed, budget, shards=placement.shards)  # staging as reservations() counts it
+            slots = fetch_slots_for(cfg, chosen, device, max_batch, placement.shards, miss_slots, draft)
+            plan = plan_pools(store, chosen, fixed, budget, shards=placement.shards,  # staging as reservations() counts it
+                              extra=0 if slots is None else slots.extra)
+            on_gpu = fetch_slots_for(cfg, chosen, device, max_batch, placement.shards, miss_slots, draft, guarded=False)
             residency = Offloaded(cfg, store, chosen, tracker, plan, placement, dtype, backend=kernel_backend,
-                                  cpu_critical_tokens=cpu_critical_tokens, progress=progress, cpu_dot=cpu_dot)
+                                  cpu_critical_tokens=cpu_critical_tokens, progress=progress, cpu_dot=cpu_dot,
+                                  fetch=slots, fetch_on_accelerator=on_gpu)
         if trace:
             residency.trace = Trace()
             if residency.offloading:

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cpu_kernels
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError
-from jmoe.format import RecordLayout, np_dtype
+from jmoe.format import RecordLayout
+from jmoe.layers.records import write_records
 from jmoe.quant import ExpertWeights
 from jmoe.runtime.budget import format_size, tree_nbytes
 from jmoe.runtime.host_memory import aligned_empty
@@ -32,30 +32,6 @@ def pool_template(store: ExpertStore, tier: str, slots: int) -> ExpertWeights:
 def slot_nbytes(store: ExpertStore, tier: str) -> int:
     """Device bytes one slot takes (the record minus its alignment padding)."""
     return tree_nbytes(store.template(tier))
-
-
-def from_bytes(segment, dtype, shape):
-    """uint8 [..., n] -> array of `dtype` and shape [..., *shape] with the same bytes."""
-    itemsize = np.dtype(dtype).itemsize
-    lead = segment.shape[:-1]
-    if itemsize > 1:
-        segment = segment.reshape(*lead, -1, itemsize)
-    return jax.lax.bitcast_convert_type(segment, dtype).reshape(*lead, *shape)
-
-
-def decode_record(record, layout: RecordLayout, treedef):
-    """uint8 [..., layout.nbytes] records -> the tier's ExpertWeights with leading dims [...]."""
-    return treedef.unflatten([from_bytes(record[..., spec.offset : spec.offset + spec.nbytes], np_dtype(spec.dtype),
-                                         spec.shape) for spec in layout.leaves])
-
-
-def write_records(pool, slots, records, layout: RecordLayout):
-    """pool (a tier's ExpertWeights [S, ...]) with slot slots[i] overwritten by records[i] (uint8
-    [n, layout.nbytes]) for every slot in [0, S) (others skipped); in place when pool is donated.
-    On the CPU the native kernels copy the bytes (cpu_kernels.write_slots says why)."""
-    leaves, treedef = jax.tree.flatten(pool)
-    return treedef.unflatten([cpu_kernels.write_slots(leaf, records, slots, spec.offset)
-                              for leaf, spec in zip(leaves, layout.leaves, strict=True)])
 
 
 @partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
@@ -90,16 +66,20 @@ class TierPool:
     own devices (one array per device, written there), and slot s belongs to shard s // shard_slots.
     The step reads the parts as one global array sharded over `ep`."""
 
-    def __init__(self, store: ExpertStore, tier: str, shard_slots: int, placement):
-        """placement: a Placement or one device."""
+    def __init__(self, store: ExpertStore, tier: str, shard_slots: int, placement, extra: int = 0):
+        """placement: a Placement or one device. extra: slots after the cache's (one device only)
+        that steps fetching experts use for what does not stay (jmoe/layers/fetch.py)."""
         self.tier = tier
         self.placement = placement = Placement.of(placement)
+        if extra and placement.mesh is not None:
+            raise ValueError("a pool on a mesh has no slots beyond its cache")
         self.shards, self.shard_slots = placement.shards, shard_slots
-        self.slots = shard_slots * self.shards
+        self.slots = shard_slots * self.shards  # the cache's
+        self.extra = extra
         self.experts_per_shard = store.num_experts // self.shards
         self.layout = store.layouts[tier]
         self.slot_nbytes = slot_nbytes(store, tier)
-        template = pool_template(store, tier, shard_slots)
+        template = pool_template(store, tier, shard_slots + extra)
         self.devices = [placement.local_devices(d) for d in range(self.shards)]
         # zeros made on the device and committed to it, as every later slot write leaves them: a
         # step compiled before the first write is then reused after it
@@ -111,7 +91,7 @@ class TierPool:
     @property
     def nbytes(self) -> int:
         """Bytes of one shard's part (what each device holds)."""
-        return self.shard_slots * self.slot_nbytes
+        return (self.shard_slots + self.extra) * self.slot_nbytes
 
     @property
     def arrays(self) -> ExpertWeights:
@@ -137,13 +117,17 @@ class TierPool:
                 for device in self.devices[slot // self.shard_slots]]
         return puts[0] if len(puts) == 1 else Staged(puts)
 
+    def replace(self, arrays) -> None:
+        """Take the pool a step returned (it donated these arrays: they wrote fetched experts)."""
+        self.parts[self.placement.device] = arrays
+
     def write(self, slot: int, staged) -> jax.Array | Staged:
         """Copy a staged record into `slot` (asynchronously); returns the write's completion marker."""
         shard, local = divmod(slot, self.shard_slots)
         records = staged.parts if isinstance(staged, Staged) else [staged]
         done = []
         for device, record in zip(self.devices[shard], records, strict=True):
-            self.parts[device], marker = write_slot(self.parts[device], jnp.int32(local), record, layout=self.layout)
+            self.parts[device], marker = write_slot(self.parts[device], np.int32(local), record, layout=self.layout)
             done.append(marker)
         self._global = None
         return done[0] if len(done) == 1 else Staged(done)
@@ -193,32 +177,41 @@ def staging_nbytes(store: ExpertStore, tiers) -> int:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    slots: dict[str, int]  # tier -> slots of its pool
+    slots: dict[str, int]  # tier -> slots of its pool's cache
     slot_nbytes: dict[str, int]
     staging_nbytes: int
+    extra: int = 0  # slots per pool beyond the cache (experts fetched in a step that do not stay)
 
     @property
     def nbytes(self) -> int:
+        """The caches' bytes (what stays resident)."""
         return sum(self.slots[t] * self.slot_nbytes[t] for t in self.slots)
+
+    @property
+    def fetch_nbytes(self) -> int:
+        """The extra slots' bytes (memory_plan's "fetch")."""
+        return self.extra * sum(self.slot_nbytes.values())
 
 
 def plan_pools(store: ExpertStore, policy, fixed: int, budget: int | None,
-               staging_transfers: int | None = None, shards: int = 1) -> PoolPlan:
+               staging_transfers: int | None = None, shards: int = 1, extra: int = 0) -> PoolPlan:
     """Size one pool per tier from what the budget leaves after the fixed reservations.
 
     On a mesh (`shards` ep shards) the budget and the fixed reservations are per device, and the
     slots are each shard's (of its num_experts / shards experts per layer).
 
     The policy may size its pools itself (Policy.size_pools); otherwise each tier gets its share of
-    that remainder. A pool must hold at least one token's experts of one layer (top_k slots);
-    staging is sized for `staging_transfers` of the largest record (default: staging_nbytes). With
-    no budget every pool can hold every expert unless the policy says otherwise.
+    that remainder. A pool must hold at least one token's experts of one layer (top_k slots) beside
+    its `extra` slots (what steps fetch and do not keep, reserved first); staging is sized for
+    `staging_transfers` of the largest record (default: staging_nbytes). With no budget every pool
+    can hold every expert unless the policy says otherwise.
     """
     cfg = store.config
     shares = policy.pools()
     per_slot = {t: slot_nbytes(store, t) for t in shares}
     staging = staging_nbytes(store, shares) if staging_transfers is None else \
         staging_transfers * max(store.record_nbytes(t) for t in shares)
+    staging += extra * sum(per_slot.values())  # the extra slots, counted with staging in messages
     experts = cfg.num_experts // shards
     total_experts = cfg.num_moe_layers * experts
     left = None if budget is None else max(0, budget - fixed - staging)
@@ -235,6 +228,6 @@ def plan_pools(store: ExpertStore, policy, fixed: int, budget: int | None,
         raise BudgetError(
             f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and one layer's "
             f"working set: needs at least {format_size(fixed + staging + int(need))} ({format_size(fixed)} fixed + "
-            f"{format_size(staging)} transfer staging + {pools})"
+            f"{format_size(staging)} transfer staging and fetch slots + {pools})"
         )
-    return PoolPlan(slots, per_slot, staging)
+    return PoolPlan(slots, per_slot, staging - extra * sum(per_slot.values()), extra)

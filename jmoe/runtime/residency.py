@@ -33,6 +33,7 @@ from jmoe.policies.base import (
 from jmoe.runtime.budget import BudgetTracker, tree_nbytes
 from jmoe.runtime.cache import CacheManager
 from jmoe.runtime.cpu_exec import CpuExecutor
+from jmoe.runtime.fetching import FetchSlots, InStepFetch
 from jmoe.runtime.handles import HandleTable
 from jmoe.distributed.mesh import Placement
 from jmoe.runtime.host_memory import device_is_host
@@ -59,10 +60,12 @@ class AllResident:
         placement.check_experts(E)
         self.tier = tier
         self.stats = Stats()
+        self.device = placement.replicated
         self.pool = resident_pool(store, tier, placement)
         slots = jax.device_put(resident_slots(L, E, placement.shards), placement.replicated)
         self.backend, self.int8_dot = backend, int8_dot
-        self.state = ExpertState({tier: slots}, {tier: self.pool}, Selection.uniform(L, E, tier), backend,
+        self.state = ExpertState({tier: slots}, {tier: self.pool},
+                                 jax.device_put(Selection.uniform(L, E, tier), placement.replicated), backend,
                                  int8_dot=int8_dot, ep=placement.expert_parallel)
         self.signals: StepSignals | None = None  # the last step's, on the device
         self.trace: Trace | None = None
@@ -76,6 +79,9 @@ class AllResident:
 
     def begin_step(self, phase: str, tokens: int = 0) -> None:
         self.stats.steps += 1
+        self.stats.phase = phase
+        if phase == "prefill":
+            self.stats.prefill_tokens += tokens
         if self.trace is not None:
             self.trace.begin(self.stats.steps, self.trace_source if self.trace_source == "draft" else phase, tokens,
                              self.trace_source)
@@ -108,7 +114,11 @@ class Offloaded:
 
     def __init__(self, cfg: ModelConfig, store: ExpertStore, policy: Policy, tracker: BudgetTracker, plan: PoolPlan,
                  device, compute_dtype, *, backend: str | None = None, cpu_critical_tokens: int | None = None,
-                 progress: bool | None = None, cpu_dot: str = "float"):
+                 progress: bool | None = None, cpu_dot: str = "float", fetch: FetchSlots | None = None,
+                 fetch_on_accelerator: FetchSlots | None = None):
+        """fetch: the fetch slots of steps that fetch their own experts (plan.extra holds their
+        scratch), None where steps do not (jmoe/runtime/fetching.py); fetch_on_accelerator: the
+        slots an accelerator would give them (what a trace records they would move there)."""
         placement = Placement.of(device)
         placement.check_experts(cfg.num_experts)
         self.cfg, self.policy, self.backend, self.placement = cfg, policy, backend, placement
@@ -121,9 +131,11 @@ class Offloaded:
         self.step_index = 0
         tracker.reserve("experts", plan.nbytes)
         tracker.reserve("staging", plan.staging_nbytes)
+        if plan.extra:
+            tracker.reserve("fetch", plan.fetch_nbytes)
         self.tracker = tracker
         self.host = HostStore(store, tuple(plan.slots), device, progress=progress)
-        self.pools = {tier: TierPool(store, tier, slots, placement) for tier, slots in plan.slots.items()}
+        self.pools = {tier: TierPool(store, tier, slots, placement, plan.extra) for tier, slots in plan.slots.items()}
         self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, tuple(self.pools), placement.replicated)
         self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
                                   device, victim=policy.victim, evictable=policy.evictable,
@@ -131,13 +143,16 @@ class Offloaded:
         self.plan: Plan | None = None
         self.trace: Trace | None = None
         self.last_routed = np.zeros((cfg.num_moe_layers, cfg.num_experts), bool)  # by the last step's real tokens
+        self.stats.phase = "load"  # what filling the pools costs the host is load's, not a step's
         for key, tier in policy.preload(cfg.num_moe_layers, cfg.num_experts):  # e.g. every expert at a low tier
             if self.cache.request(key, tier, "demand") == "full":
                 break
         self.cache.settle()
+        self.stats.phase = "decode"
         self._unbooked: list = []  # settled steps whose books are not kept yet
         self._state = None  # (its parts, the ExpertState): reused while nothing changed
         self._selection: tuple[Plan, Selection] | None = None
+        self.in_step = InStepFetch(self, fetch, fetch_on_accelerator) if fetch is not None else None
         self.cpu = None
         self.critical_tokens = 0
         if policy.cpu_execution:
@@ -165,10 +180,22 @@ class Offloaded:
 
     def begin_step(self, phase: str, tokens: int = 0) -> None:
         """Publish finished transfers, ask the policy for this step's plan, start what it asks for."""
+        plan = self.plan_step(phase, tokens)
+        for key, tier in plan.prefetch:
+            if self.cache.request(key, tier, "prefetch") == "full":
+                break
+        for key, tier in plan.transitions:
+            self.cache.request(key, tier, "transition", exact=True)  # "full": deferred to a later plan
+
+    def plan_step(self, phase: str, tokens: int = 0) -> Plan:
+        """Publish finished transfers and ask the policy for this step's plan."""
         self.cache.poll()
         if type(self.policy).plan is not Policy.plan:
             self.catch_up()  # a policy that plans sees every kept step in its counters
         self.stats.steps += 1
+        self.stats.phase = phase
+        if phase == "prefill":
+            self.stats.prefill_tokens += tokens
         self.step_index += 1
         self.last_routed = np.zeros_like(self.last_routed)
         if self.trace is not None:
@@ -178,11 +205,34 @@ class Offloaded:
         if self.plan is None or plan.hi is not self.plan.hi or plan.lo is not self.plan.lo:
             check_plan(plan, self.pools, self.cfg.num_moe_layers, self.cfg.num_experts, self.policy.name)
         self.plan = plan
-        for key, tier in plan.prefetch:
-            if self.cache.request(key, tier, "prefetch") == "full":
-                break
-        for key, tier in plan.transitions:
-            self.cache.request(key, tier, "transition", exact=True)  # "full": deferred to a later plan
+        return plan
+
+    def count_fetch(self, tier: str, kind: str, n: int = 1) -> None:
+        """n expert versions fetched by a step itself (requests, look-ahead, misses)."""
+        if n <= 0:
+            return
+        nbytes = n * self.host.nbytes(tier)
+        self.stats.transfers += n
+        self.stats.in_step_fetches += n
+        self.stats.bytes_h2d += nbytes
+        self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
+        if kind == "prefetch":
+            self.stats.prefetch_issued += n
+        if self.trace is not None:
+            for _ in range(n):
+                self.trace.transfer(self.host.nbytes(tier), f"step-{kind}")
+
+    @property
+    def observes_tokens(self) -> bool:
+        """Whether the policy wants every token's routing (observe), not only per-expert totals."""
+        return type(self.policy).observe is not Policy.observe
+
+    def token_routing(self, flight) -> list:
+        """Every MoE layer's routing of a fetching step, per token (reads it back)."""
+        valid = np.ones(flight.signals.codes.shape[2] * flight.signals.codes.shape[3], bool)
+        self.synced()
+        return StepRouting(flight.index, flight.phase, valid, flight.signals,
+                           np.asarray(flight.signals.per_expert)).layers()
 
     def end_step(self) -> None:
         """Whatever happened inside the step, its pins go."""
@@ -193,7 +243,9 @@ class Offloaded:
         p = self.plan
         key = (p.hi, p.lo, p.ratio, p.heavy_hitters)
         if self._selection is None or any(a is not b for a, b in zip(self._selection[0], key)):
-            self._selection = (key, jax.device_put(Selection.of(*key), self.device))
+            selection = Selection.of(*key)
+            self._selection = (key, jax.device_put(selection, self.device))
+            self.stats.count_io(transfers=len(jax.tree.leaves(selection)), nbytes=tree_nbytes(selection))
         return self._selection[1]
 
     def expert_state(self) -> ExpertState:
@@ -219,9 +271,10 @@ class Offloaded:
         self.last_routed = summary[0] > 0
         return StepRouting(self.step_index, phase, valid, signals, summary)
 
-    def synced(self) -> None:
-        """The host just waited to read something back from the device."""
-        self.stats.host_syncs += 1
+    def synced(self, n: int = 1) -> None:
+        """The host just waited to read n arrays back from the device."""
+        self.stats.host_syncs += n
+        self.stats.count_io(reads=n)
         if self.trace is not None:
             self.trace.sync()
 
@@ -240,6 +293,12 @@ class Offloaded:
         routed, wanted, chosen, _ = step.per_expert()
         keys = [tuple(k) for k in np.argwhere(routed).tolist()]
         return ({k: int(wanted[k]) for k in keys}, {k: int(wanted[k]) for k in keys if chosen[k] < wanted[k]})
+
+    def ran_every(self, step: "StepRouting") -> bool:
+        """Whether every routed expert the policy did not skip ran at some version (degrade mode
+        runs a lower one where the wanted one is missing, never nothing)."""
+        routed, wanted, chosen, _ = step.per_expert()
+        return not (routed & (wanted != SKIP) & (chosen == SKIP)).any()
 
     def fits(self, wanted: dict[Key, int]) -> bool:
         """Whether every expert of `wanted` can be resident at its wanted tier at once."""
@@ -277,6 +336,8 @@ class Offloaded:
         stats.count_uses_of(chosen[routed])
         self.trace_reads(step.step, routed, chosen)
         self.counters.add(counts)
+        if self._observing_experts:
+            self.policy.observe_experts(counts, np.asarray(step.signals.gate), int(step.valid.sum()))
         if self._observing:  # building per-layer views costs; only if wanted
             self.policy.observe(step.layers(), self.counters)
         self.cache.touch_all(routed)
@@ -294,7 +355,7 @@ class Offloaded:
         """Keep the books of a settled step that lacked nothing later, with others in one batch
         (catch_up), off the critical path. A policy that observes routing gets each step's at once."""
         self._unbooked.append((self.step_index, phase, valid, signals, summary))
-        if len(self._unbooked) >= (1 if self._observing else BOOK_BATCH):
+        if len(self._unbooked) >= (1 if self._observing or self._observing_experts else BOOK_BATCH):
             self.catch_up()
 
     def catch_up(self) -> None:
@@ -302,7 +363,7 @@ class Offloaded:
         steps, self._unbooked = self._unbooked, []
         if not steps:
             return
-        if self._observing:
+        if self._observing or self._observing_experts:
             for index, phase, valid, signals, summary in steps:
                 self.accept(StepRouting(index, phase, valid, signals, summary), set())
             return
@@ -322,6 +383,10 @@ class Offloaded:
     @property
     def _observing(self) -> bool:
         return type(self.policy).observe is not Policy.observe
+
+    @property
+    def _observing_experts(self) -> bool:
+        return type(self.policy).observe_experts is not Policy.observe_experts
 
     # -- the layer-wise path: one layer at a time
 
@@ -432,6 +497,7 @@ class Offloaded:
         host = (slots, np.array(p.hi[layer], np.int32), np.array(p.lo[layer], np.int32), np.float32(ratio),
                 np.float32(p.heavy_hitters))
         slots, hi, lo, ratio, heavy = jax.device_put(host, self.device)
+        self.stats.count_io(transfers=len(jax.tree.leaves(host)), nbytes=tree_nbytes(host))
         group_rows = VERIFY_BLOCK_ROWS if phase == "verify" and visible is None else 0  # as for_phase
         return LayerExperts(slots, self.pool_arrays(), hi, lo, ratio, heavy, self.backend, group_rows, self.int8_dot,
                             self.placement.expert_parallel)
@@ -455,6 +521,12 @@ class Offloaded:
 
     def finish_layerwise(self, routings: list[LayerRouting]) -> None:
         """A layer-wise step is kept as run (its counters were updated layer by layer)."""
+        if self._observing_experts and routings:
+            E = self.cfg.num_experts
+            counts = np.stack([r.token_counts(E) for r in routings])
+            gate = np.stack([np.bincount(r.ids[r.valid].ravel(), weights=r.scores[r.valid].ravel(), minlength=E)
+                             for r in routings])
+            self.policy.observe_experts(counts, gate, int(routings[0].valid.sum()))
         if self._observing:
             self.policy.observe(routings, self.counters)
 

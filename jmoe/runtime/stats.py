@@ -22,6 +22,7 @@ class RequestClock:
             stats.ttft_seconds.append(now - self.start)
         else:
             stats.tpot_seconds.append(now - self.last)
+            stats.decode_tokens += tokens
         self.last = now
         stats.tokens += tokens
 
@@ -47,6 +48,7 @@ class Stats:
     stalls: int = 0  # times a step waited for a transfer
     stall_seconds: float = 0.0
     replays: int = 0  # one-jit steps run again because they lacked an expert
+    in_step_fetches: int = 0  # expert versions steps fetched themselves (misses, look-ahead, requests)
     host_syncs: int = 0  # times the host waited to read routing back from the device
     evictions: int = 0
     resident_bytes: int = 0  # expert bytes published in the pools now
@@ -61,11 +63,26 @@ class Stats:
     actual: int = 0  # |actual set| summed over (step, layer)
     # speculative decoding (jmoe/decoding/speculative.py); draft steps are not counted above
     spec: "SpeculationStats" = field(default_factory=lambda: SpeculationStats())
+    # what the host waited for and dispatched, by phase ("prefill", "decode", "verify", "draft")
+    phase: str = "decode"  # the current step's
+    io: dict[str, dict[str, int]] = field(default_factory=dict)
     # timing of generation
     steps: int = 0
     tokens: int = 0
+    decode_tokens: int = 0  # tokens after each request's first (what decode steps produced)
+    prefill_tokens: int = 0  # prompt positions prefill steps ran (padding included)
     ttft_seconds: list[float] = field(default_factory=list)
     tpot_seconds: list[float] = field(default_factory=list)
+
+    def count_io(self, *, reads: int = 0, executions: int = 0, transfers: int = 0, nbytes: int = 0,
+                 phase: str | None = None) -> None:
+        """Host interaction of `phase` (default: the current step's): blocking reads (and waits),
+        executables dispatched, host-to-device transfers and their bytes."""
+        io = self.io.setdefault(phase or self.phase, dict(reads=0, executions=0, transfers=0, transfer_bytes=0))
+        io["reads"] += reads
+        io["executions"] += executions
+        io["transfers"] += transfers
+        io["transfer_bytes"] += nbytes
 
     def count_uses(self, tier: str, n: int = 1) -> None:
         self.uses_by_tier[tier] = self.uses_by_tier.get(tier, 0) + n
@@ -77,6 +94,17 @@ class Stats:
         for code, n in enumerate(np.bincount(np.asarray(chosen).ravel(), minlength=len(TIER_NAMES) + 1)[1:], 1):
             if n:
                 self.count_uses(TIER_NAMES[code - 1], int(n))
+
+    def host_summary(self) -> dict:
+        """Per phase: blocking reads, executables dispatched, host-to-device transfers and bytes, in
+        all and per token (decode: per token after each request's first; prefill: per prompt position)."""
+        per = {"decode": self.decode_tokens, "prefill": self.prefill_tokens}
+        out = {}
+        for phase, io in self.io.items():
+            out[phase] = dict(io)
+            if per.get(phase):
+                out[phase].update({f"{k}_per_token": v / per[phase] for k, v in io.items()})
+        return out
 
     @property
     def waited_bytes_per_s(self) -> float | None:
@@ -107,14 +135,18 @@ class Stats:
             "stalls": self.stalls,
             "stall_seconds": self.stall_seconds,
             "replays": self.replays,
+            "in_step_fetches": self.in_step_fetches,
             "host_syncs": self.host_syncs,
             "prefetch_issued": self.prefetch_issued,
             "prefetch_accuracy": self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None,
             "predictor_recall": self.predicted / self.actual if self.actual else None,
             "steps": self.steps,
             "tokens": self.tokens,
+            "decode_tokens": self.decode_tokens,
+            "prefill_tokens": self.prefill_tokens,
             "ttft_s": float(np.mean(self.ttft_seconds)) if self.ttft_seconds else None,
             "tpot_s": float(np.mean(self.tpot_seconds)) if self.tpot_seconds else None,
+            "host": self.host_summary(),
             **({"speculative": self.spec.summary(self.bytes_h2d)} if self.spec.cycles else {}),
         }
 
@@ -127,9 +159,7 @@ class SpeculationStats:
     emitted: int = 0  # tokens the cycles produced (accepted + one of the target's per row)
     tried_by_position: list[int] = field(default_factory=list)  # drafted position j reached (earlier ones kept)
     accepted_by_position: list[int] = field(default_factory=list)
-    phase1: int = 0  # lookahead entries already resident when drafted
-    phase2: int = 0  # fetched while the draft still ran
-    phase3: int = 0  # fetched after the draft, before verification
+    lookahead_fetched: int = 0  # experts the draft routed to that verification fetched ahead of its routing
     verify_uses: int = 0  # expert uses of verification steps
     verify_hits: int = 0  # of them, resident when verification needed them
     fidelity_hits: int = 0  # experts verification routed to that the lookahead buffer held
@@ -158,9 +188,7 @@ class SpeculationStats:
             "acceptance_by_position": [a / t if t else None for a, t in
                                        zip(self.accepted_by_position, self.tried_by_position)],
             "tokens_per_cycle": self.emitted / self.cycles,
-            "lookahead_phase1_resident": self.phase1,
-            "lookahead_phase2_during_draft": self.phase2,
-            "lookahead_phase3_before_verify": self.phase3,
+            "lookahead_fetched": self.lookahead_fetched,
             "verify_hit_rate": self.verify_hits / self.verify_uses if self.verify_uses else None,
             "draft_routing_fidelity": self.fidelity_hits / self.fidelity_total if self.fidelity_total else None,
             "bytes_h2d_per_accepted_token": bytes_h2d / self.emitted if self.emitted else None,

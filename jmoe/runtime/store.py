@@ -122,6 +122,10 @@ class ExpertStore:
         except Exception:  # interpreter shutdown
             pass
 
+    def layer_bytes(self, tier: str, layer: int) -> np.ndarray:
+        """Every expert version of a (tier, layer): the mapped file as uint8 [E, record bytes] (read-only)."""
+        return self._file(tier, layer).reshape(self.num_experts, self.record_nbytes(tier))
+
     def record_bytes(self, tier: str, layer: int, expert: int) -> np.ndarray:
         """The raw bytes of one expert version (a read-only view of the mapped file)."""
         n = self.record_nbytes(tier)

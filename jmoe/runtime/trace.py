@@ -24,6 +24,12 @@ class StepRecord:
     waited_bytes: int = 0  # of the transfers the host blocked on during this step
     syncs: int = 0
     cpu_tokens: int = 0  # expert-token products run on the host CPU
+    # a step that fetches experts itself (jmoe/layers/fetch.py): what its fetch slots move on an
+    # accelerator, where every slot moves a record each step: before a layer routes (requests and
+    # look-ahead, which overlap the previous layer) and after (misses, which the layer waits for);
+    # the fetches it actually needed are its transfers of kinds "step-prefetch" and "step-demand"
+    slot_bytes_early: int = 0
+    slot_bytes_late: int = 0
 
 
 class Trace:
@@ -43,6 +49,11 @@ class Trace:
     def transfer(self, nbytes: int, kind: str) -> None:
         if self.current is not None:
             self.current.transfers.append((int(nbytes), kind))
+
+    def fetch_slots(self, early: int, late: int) -> None:
+        if self.current is not None:
+            self.current.slot_bytes_early += int(early)
+            self.current.slot_bytes_late += int(late)
 
     def wait(self, nbytes: int) -> None:
         if self.current is not None:

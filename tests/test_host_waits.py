@@ -1,0 +1,101 @@
+"""Offloaded decode waits for the host once per token: one blocking read and one executable per
+decoded token for every policy, counted by bench/host_io (which patches JAX, independently of
+jmoe), and jmoe.stats() counting the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jmoe
+from bench import host_io
+from convert import convert_checkpoint
+from jmoe.policies import DyMoE, DynaExq
+from jmoe.runtime.loader import memory_plan
+
+PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12, 33, 71]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def int4_int2(tmp_path_factory, tiny_hf_dir):
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("host_waits") / "m", tiers="int4,int2",
+                              progress=False)
+
+
+def offloaded(path, policy, fraction: float = 0.3):
+    """The model under a budget of what load reserves besides the pools plus `fraction` of every int4 expert."""
+    plan = memory_plan(path, compute_dtype="float32", policy=policy)
+    budget = int(sum(v for k, v in plan.items() if k != "all_experts") + fraction * plan["all_experts"])
+    model = jmoe.load(path, compute_dtype="float32", device_budget=budget, policy=policy)
+    assert model.residency.offloading
+    return model
+
+
+POLICIES = {  # name: (the policy, the share of every int4 expert its pools get)
+    "lru": (lambda: "lru", 0.3),
+    "lru+prefetch": (lambda: "lru+prefetch", 0.3),
+    "ondemand": (lambda: "ondemand", 0.3),
+    "dymoe": (lambda: DyMoE(hi="int4", lo="int2"), 0.3),
+    "dynaexq": (lambda: DynaExq(hi="int4", lo="int2", interval=4), 0.7),  # every expert at int2, some at int4
+}
+
+
+def decode_window(model, **sampling) -> tuple[int, host_io.Counts, dict]:
+    """Stream a generation; count what happens between its first token and its last: (tokens
+    after the first, host_io's counts, jmoe's own decode counters)."""
+    stream = jmoe.generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stream=True, **sampling)
+    next(stream)
+    before, own = host_io.counts(), dict(model.stats.io["decode"])
+    tokens = sum(1 for _ in stream)
+    after = model.stats.io["decode"]
+    return tokens, host_io.counts() - before, {k: after[k] - own[k] for k in own}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_offloaded_decode_reads_once_and_dispatches_once_per_token(int4_int2, policy, temperature):
+    make, fraction = POLICIES[policy]
+    model = offloaded(int4_int2, make(), fraction)
+    sampling = dict(temperature=temperature, seed=3)
+    jmoe.generate(model, PROMPT, max_new_tokens=NEW_TOKENS, **sampling)  # compiles every shape the window runs
+    host_io.install()
+    try:
+        tokens, counted, own = decode_window(model, **sampling)
+    finally:
+        host_io.uninstall()
+    stats = jmoe.stats(model)
+    assert tokens == NEW_TOKENS - 1 and stats["replays"] == 0
+    # each token read back with its step's summary; each step dispatched before the previous one is
+    # read, so the window (from the first token to the last) dispatches one step fewer than it reads
+    assert counted.reads == tokens and counted.waits == 0
+    assert counted.executions == tokens - 1
+    assert own["reads"] == counted.reads and own["executions"] == counted.executions
+    assert own["transfers"] == counted.transfers and own["transfer_bytes"] == counted.transfer_bytes
+    assert stats["miss_rate"] > 0 or stats["degraded"] > 0 or stats["in_step_fetches"] > 0  # really offloading
+    model.residency.cache.check()
+
+
+def test_resident_decode_reads_once_and_dispatches_once_per_token(int4_int2):
+    model = jmoe.load(int4_int2, compute_dtype="float32", tier="int4")
+    jmoe.generate(model, PROMPT, max_new_tokens=NEW_TOKENS)
+    host_io.install()
+    try:
+        tokens, counted, own = decode_window(model)
+    finally:
+        host_io.uninstall()
+    assert counted.reads == tokens and counted.executions == tokens - 1 and counted.waits == 0
+    assert own["reads"] == counted.reads and own["executions"] == counted.executions
+
+
+def test_stats_report_host_interaction_by_phase(int4_int2):
+    model = offloaded(int4_int2, "lru")
+    jmoe.generate(model, PROMPT, max_new_tokens=NEW_TOKENS)
+    stats = jmoe.stats(model)
+    io = stats["host"]
+    assert set(io) >= {"prefill", "decode"}
+    decode_tokens = NEW_TOKENS - 1
+    assert io["decode"]["reads_per_token"] == pytest.approx(io["decode"]["reads"] / decode_tokens)
+    assert io["decode"]["executions"] == decode_tokens and io["decode"]["reads"] == decode_tokens
+    assert io["prefill"]["reads"] >= model.config.num_moe_layers  # the prompt runs layer-wise: a read per layer
+    assert np.isfinite(io["decode"]["transfer_bytes_per_token"])
