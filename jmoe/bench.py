@@ -56,14 +56,29 @@ def _offload_figures(model, tokens: int) -> tuple[float | None, float | None]:
     return s["hit_rate"], s["bytes_h2d"] / max(tokens, 1)
 
 
+TG_PROMPT = 16  # prompt tokens of every tg row
+MAX_REPETITIONS = 1000
+
+
+def check(model, prompt_lengths, gen_lengths, batches, repetitions: int) -> None:
+    """Every length within the model's context, before any row runs."""
+    context = model.max_seq_len
+    validate.integer("repetitions", repetitions, minimum=1, maximum=MAX_REPETITIONS)
+    for p in prompt_lengths:  # and the one token generated after it
+        validate.integer("prompt length", p, minimum=1, maximum=context - 1)
+    for n in gen_lengths:
+        validate.integer("generation length", n, minimum=2, maximum=context - TG_PROMPT)
+    for b in batches:
+        validate.integer("batch", b, minimum=1)
+
+
 def run(model, *, prompt_lengths=(512,), gen_lengths=(128,), batches=(1,), repetitions: int = 3) -> list[Row]:
     """Every pp row, then every (tg, batch) row."""
     import jmoe
 
-    repetitions = validate.integer("repetitions", repetitions, minimum=1)
+    check(model, prompt_lengths, gen_lengths, batches, repetitions)
     rows = []
     for p in prompt_lengths:
-        p = validate.integer("prompt length", p, minimum=1)
         ids = _prompt(model, p, p)
         model.residency.reset_stats()
         times = _timed(lambda: jmoe.generate(model, ids, max_new_tokens=1), repetitions)
@@ -71,10 +86,8 @@ def run(model, *, prompt_lengths=(512,), gen_lengths=(128,), batches=(1,), repet
         rows.append(Row(f"pp{p}", 1, statistics.mean(rates), statistics.pstdev(rates),
                         *_offload_figures(model, p * (repetitions + 1))))
     for n in gen_lengths:
-        n = validate.integer("generation length", n, minimum=2)
         for b in batches:
-            b = validate.integer("batch", b, minimum=1)
-            prompts = [_prompt(model, 16, 1000 + i) for i in range(b)]
+            prompts = [_prompt(model, TG_PROMPT, 1000 + i) for i in range(b)]
             one = _timed(lambda: jmoe.generate(model, prompts, max_new_tokens=1), 1)[0]
             model.residency.reset_stats()
             times = _timed(lambda: jmoe.generate(model, prompts, max_new_tokens=n), repetitions)

@@ -6,11 +6,18 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 
 from jmoe import validate
 from jmoe.errors import InputError, JmoeError
 from jmoe.tokenizer import first_line
+
+MAX_BATCH = 4096  # rows decoded together at most (serve's --max-batch, bench's -b)
+MAX_SECONDS = 86400.0  # a day: the longest timeout an option takes
+MAX_SEQ_LEN = 2**31 - 1  # positions are int32 in the step
 
 
 class Parser(argparse.ArgumentParser):
@@ -69,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "the request is cut off and its slot freed (default 30)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds after which a request ends wherever it is (finish reason 'length'; default: none)")
+    serve.add_argument("--max-tokens", type=int, default=None,
+                       help="the most tokens a request may ask for (default: the context)")
+    serve.add_argument("--idle-timeout", type=float, default=15.0,
+                       help="seconds a connection may stay silent before it is closed (default 15)")
+    serve.add_argument("--max-connections", type=int, default=256,
+                       help="open connections at once; past them requests get 503 (default 256)")
+    serve.add_argument("--drain-timeout", type=float, default=10.0,
+                       help="on SIGINT/SIGTERM, seconds running requests get to finish before they are cut "
+                            "(default 10)")
 
     chat = sub.add_parser("chat", help="chat with a converted model in the terminal")
     chat.add_argument("model", help="directory written by `jmoe convert`")
@@ -132,6 +148,9 @@ def load_model(args, **extra):
     """jmoe.load with the model options `add_model_options` gave the command."""
     import jmoe
 
+    if args.max_seq_len is not None:
+        validate.integer("max_seq_len", args.max_seq_len, minimum=2, maximum=MAX_SEQ_LEN)
+
     return jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
                      compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
                      cpu_dot=args.cpu_dot, mesh=args.mesh, **extra)
@@ -176,41 +195,101 @@ def cmd_generate(args) -> None:
         print(json.dumps(jmoe.stats(model), indent=1), file=sys.stderr)
 
 
-def cmd_serve(args) -> None:
-    from pathlib import Path
+ENGINE_FAILED = 1  # `jmoe serve`'s exit status when its engine stopped on an error (a supervisor restarts it)
+FOLLOWER_GRACE = 10.0  # seconds past the drain a stopped follower waits for process 0 to close
 
-    from jmoe.serving import BatchEngine
+
+def cmd_serve(args) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 128 + the signal) or an engine failure (ENGINE_FAILED).
+    In a job of several processes, process 0 serves and the others replay its engine's steps."""
+    from jmoe.distributed.processes import process_id
 
     try:
-        import uvicorn
-
-        from jmoe.serving.openai_api import create_app
+        from jmoe.serving.server import Server  # noqa: F401 - uvicorn and FastAPI are there
     except ImportError as e:
         raise InputError(f"jmoe serve needs the serve extra: pip install 'jmoe[serve]' ({e})") from None
-    max_batch = validate.integer("max_batch", args.max_batch, minimum=1)
-    validate.integer("port", args.port, minimum=0, maximum=65535)
-    validate.real("reader_timeout", args.reader_timeout, above=0.0)
-    if args.request_timeout is not None:
-        validate.real("request_timeout", args.request_timeout, above=0.0)
+    server_options = serve_options(args)
+    # a follower notes a stop signal from the start, and stops when process 0 does, never mid-step
+    stops = StopSignals() if process_id() != 0 else None
     speculative = cli_speculative(args)
-    model = load_model(args, max_batch=max_batch, draft=speculative.draft if speculative else None)
-    name = args.served_model_name or Path(args.model).resolve().name
+    model = load_model(args, max_batch=args.max_batch, draft=speculative.draft if speculative else None)
     print("jmoe: compiling the serving steps", file=sys.stderr)
-    engine_options = dict(max_batch=max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
+    engine_options = dict(max_batch=args.max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
                           speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),
                           warm_up=True)
+    if stops is not None:
+        return follow(model, engine_options, stops, patience=server_options["drain_timeout"] + FOLLOWER_GRACE)
+    return serve(args, model, engine_options, server_options)
+
+
+def serve_options(args) -> dict:
+    """serve's options checked (before the model loads); what the HTTP server takes of them."""
+    validate.integer("max_batch", args.max_batch, minimum=1, maximum=MAX_BATCH)
+    validate.integer("max_waiting", args.max_waiting, minimum=0)
+    validate.integer("port", args.port, minimum=0, maximum=65535)
+    validate.real("reader_timeout", args.reader_timeout, above=0.0, maximum=MAX_SECONDS)
+    if args.request_timeout is not None:
+        validate.real("request_timeout", args.request_timeout, above=0.0, maximum=MAX_SECONDS)
+    if args.max_tokens is not None:
+        validate.integer("max_tokens", args.max_tokens, minimum=1)
+    return dict(host=args.host, port=args.port,
+                idle_timeout=validate.real("idle_timeout", args.idle_timeout, above=0.0, maximum=MAX_SECONDS),
+                max_connections=validate.integer("max_connections", args.max_connections, minimum=1),
+                drain_timeout=validate.real("drain_timeout", args.drain_timeout, minimum=0.0, maximum=MAX_SECONDS))
+
+
+def serve(args, model, engine_options: dict, server_options: dict) -> int:
+    """Process 0 (or the only one): the engine behind the HTTP server, until it stops."""
+    from pathlib import Path
+
     import jax
 
+    from jmoe.serving import BatchEngine
+    from jmoe.serving.mirror import Mirror
+    from jmoe.serving.openai_api import create_app
+    from jmoe.serving.server import Server
+
+    name = args.served_model_name or Path(args.model).resolve().name
+    logging.getLogger("jmoe.access").setLevel(logging.INFO)
+    mirror = Mirror() if jax.process_count() > 1 else None
+    with BatchEngine(model, mirror=mirror, **engine_options) as engine:
+        app = create_app(engine, name, request_timeout=args.request_timeout, max_tokens=args.max_tokens)
+        server = Server(app, engine, **server_options)
+        print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} at once)",
+              file=sys.stderr)
+        server.run()
+    if engine.failure is not None:
+        print(f"jmoe: error: the serving engine failed ({engine.failure}); stopping", file=sys.stderr)
+        return ENGINE_FAILED
+    return 128 + server.stopped_by if server.stopped_by else 0
+
+
+def follow(model, engine_options: dict, stops: StopSignals, patience: float) -> int:
+    """Another process of the job: replay process 0's engine until it closes (or, `patience`
+    seconds after a stop signal, without it)."""
+    from jmoe.serving import BatchEngine
     from jmoe.serving.mirror import Mirror
 
-    mirror = Mirror() if jax.process_count() > 1 else None  # process 0 serves, the others replay its steps
-    if mirror is not None and jax.process_index() != 0:
-        BatchEngine(model, mirror=mirror, follower=True, **engine_options).follow()
-        return
-    with BatchEngine(model, mirror=mirror, **engine_options) as engine:
-        print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({max_batch} at once)", file=sys.stderr)
-        uvicorn.run(create_app(engine, name, request_timeout=args.request_timeout), host=args.host, port=args.port,
-                    log_level="warning")
+    BatchEngine(model, mirror=Mirror(), follower=True, **engine_options).follow(give_up=lambda: stops.waited(patience))
+    return 128 + stops.signal if stops.signal else 0
+
+
+class StopSignals:
+    """Notes SIGINT and SIGTERM instead of acting on them at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._at: float | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, sig, frame) -> None:
+        if self.signal is None:
+            self.signal, self._at = sig, time.monotonic()
+
+    def waited(self, seconds: float) -> bool:
+        """Whether a signal came more than `seconds` ago."""
+        return self._at is not None and time.monotonic() - self._at > seconds
 
 
 def cmd_chat(args) -> None:
@@ -241,8 +320,11 @@ def cmd_bench(args) -> None:
     lengths = dict(prompt_lengths=int_list("--prompt-lengths", args.prompt_lengths),
                    gen_lengths=int_list("--gen-lengths", args.gen_lengths),
                    batches=int_list("--batches", args.batches))
-    validate.integer("repetitions", args.repetitions, minimum=1)
+    validate.integer("repetitions", args.repetitions, minimum=1, maximum=bench.MAX_REPETITIONS)
+    for b in lengths["batches"]:
+        validate.integer("batch", b, minimum=1, maximum=MAX_BATCH)
     model = load_model(args, max_batch=max(lengths["batches"]))
+    bench.check(model, repetitions=args.repetitions, **lengths)  # the lengths against the context
     rows = bench.run(model, repetitions=args.repetitions, **lengths)
     from jmoe.distributed.processes import is_main_process
 
@@ -307,6 +389,9 @@ def cmd_info(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C stops jmoe even when it was started with SIGINT ignored (as a shell starts a background job)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already reported in one line
@@ -324,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             if joined and args.command == "chat":
                 raise InputError("jmoe chat runs in one process (several processes: generate, serve, bench)")
         try:
-            commands[args.command](args)
+            status = commands[args.command](args)
         except KeyboardInterrupt:
             if joined:
                 os._exit(130)  # at once: JAX's shutdown would wait for the other processes
@@ -339,9 +424,15 @@ def main(argv: list[str] | None = None) -> int:
         message = first_line(e) if isinstance(e, JmoeError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
         print(f"jmoe: error: {message}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - only the device running out of memory is the options' doing
+        if type(e).__name__ != "JaxRuntimeError" or "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"jmoe: error: {first_line(e)} (lower --max-batch or --max-seq-len, or give --device-budget)",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

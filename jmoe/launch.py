@@ -5,8 +5,13 @@
 Each process gets JMOE_COORDINATOR (127.0.0.1:P), JMOE_NUM_PROCESSES, JMOE_PROCESS_ID and
 JMOE_LOCAL_DEVICES; `jmoe ...` runs as this Python's `-m jmoe.cli`, anything else as given. The
 launcher waits for all of them; when one fails it stops the rest and exits with the failure's
-status (the first to fail), else 0. Ctrl-C stops them all. On several hosts, start the processes
-yourself with --coordinator/--num-processes/--process-id (see the README).
+status (the first to fail), else 0. SIGINT (Ctrl-C) or SIGTERM is forwarded to every process once
+(they run in their own process group, so a terminal's Ctrl-C reaches them only through the
+launcher); those still running STOP_GRACE_SECONDS later are killed, and the launcher exits with
+128 + the signal, or with the status of a process that ended otherwise (137: it had to be killed).
+The processes never outlive the launcher: on Linux each dies with it (PR_SET_PDEATHSIG), even when
+the launcher is killed. On several hosts, start the processes yourself with
+--coordinator/--num-processes/--process-id (see the README).
 """
 
 from __future__ import annotations
@@ -17,11 +22,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from jmoe.distributed.processes import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 GRACE_SECONDS = 10.0  # how long the others get to stop by themselves after one failed
+STOP_GRACE_SECONDS = 30.0  # how long the processes get to stop after a forwarded signal (past serve's drain)
+# `python -c DIE_WITH_PARENT PID CMD...` runs CMD, killed when process PID (the launcher) dies, however
+# it dies: prctl(PR_SET_PDEATHSIG = 1) survives exec. A wrapper rather than a preexec_fn, since
+# Python code between fork and exec is unsafe in a process with threads (jax's, when launch() is
+# called in one).
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                   "os.getppid() == int(sys.argv[1]) or os._exit(1); "  # the launcher died before prctl
+                   "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
 def free_port() -> int:
@@ -34,42 +48,84 @@ def command_line(cmd: list[str]) -> list[str]:
     return [sys.executable, "-m", "jmoe.cli", *cmd[1:]] if cmd[0] == "jmoe" else cmd
 
 
+def dying_with_this_process(cmd: list[str]) -> list[str]:
+    """`cmd`, killed when this process dies (on Linux; elsewhere `cmd` as it is)."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
+class _Forwarder:
+    """Passes each SIGINT and SIGTERM the launcher gets on to the processes, noting the first and when."""
+
+    def __init__(self, children: list):
+        self.children = children
+        self.signal: int | None = None
+        self.at: float | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
+            self._previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _forward(self, sig, frame) -> None:
+        if self.signal is None:
+            self.signal, self.at = sig, time.monotonic()
+        for c in self.children:
+            if c.poll() is None:
+                c.send_signal(sig)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def launch(cmd: list[str], processes: int, devices_per_process: int | None = None, port: int | None = None,
            poll_seconds: float = 0.1) -> int:
     """Run `cmd` as `processes` processes; the exit status of the job (see the module docstring)."""
     port = port or free_port()
-    children = []
-    for i in range(processes):
-        env = dict(os.environ, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
-                                  ENV_PROCESS_ID: str(i)})
-        if devices_per_process:
-            env[ENV_LOCAL_DEVICES] = str(devices_per_process)
-        children.append(subprocess.Popen(command_line(cmd), env=env))
-    failed_at, status = None, 0
+    children: list[subprocess.Popen] = []
+    forwarder = _Forwarder(children)
     try:
-        while any(c.poll() is None for c in children):
-            for c in children:
-                code = c.poll()
-                if code not in (None, 0) and failed_at is None:
-                    failed_at, status = time.monotonic(), code
-            if failed_at is not None and time.monotonic() - failed_at > GRACE_SECONDS:
-                for c in children:
-                    if c.poll() is None:
-                        c.kill()
-            time.sleep(poll_seconds)
-    except KeyboardInterrupt:
-        for c in children:
+        for i in range(processes):
+            if forwarder.signal is not None:  # stopped while starting: start no more
+                break
+            env = dict(os.environ, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
+                                      ENV_PROCESS_ID: str(i)})
+            if devices_per_process:
+                env[ENV_LOCAL_DEVICES] = str(devices_per_process)
+            children.append(subprocess.Popen(dying_with_this_process(command_line(cmd)), env=env, process_group=0))
+        status = _wait(children, forwarder, poll_seconds)
+    finally:
+        forwarder.restore()
+        for c in children:  # none outlives the launcher
             if c.poll() is None:
-                c.send_signal(signal.SIGINT)
-        for c in children:
-            try:
-                c.wait(GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
                 c.kill()
-        return 130
+                c.wait()
+    return status if status >= 0 else 128 - status  # killed by a signal: 128 + its number
+
+
+def _wait(children: list, forwarder: _Forwarder, poll_seconds: float) -> int:
+    """Wait for every process, killing them all GRACE_SECONDS after one failed or STOP_GRACE_SECONDS
+    after a forwarded signal; the job's status (negative: killed by that signal)."""
+    failed_at, status = None, 0
+    while any(c.poll() is None for c in children):
+        for c in children:
+            code = c.poll()
+            if code not in (None, 0) and failed_at is None:
+                failed_at, status = time.monotonic(), code
+        now = time.monotonic()
+        if ((failed_at is not None and forwarder.signal is None and now - failed_at > GRACE_SECONDS)
+                or (forwarder.signal is not None and now - forwarder.at > STOP_GRACE_SECONDS)):
+            for c in children:
+                if c.poll() is None:
+                    c.kill()
+        time.sleep(poll_seconds)
+    if forwarder.signal is not None:  # each process should have stopped with the signal's status
+        expected = 128 + forwarder.signal
+        return next((c.returncode for c in children if c.returncode not in (0, expected, -forwarder.signal)),
+                    expected)
     if status == 0:
         status = next((c.returncode for c in children if c.returncode != 0), 0)
-    return status if status >= 0 else 128 - status  # killed by a signal: 128 + its number
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,16 @@ def is_ids(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt)
 
 
+def check_text(name: str, text: str) -> str:
+    """`text` if it is Unicode text: a lone surrogate ("\\ud800", which JSON can spell) is not, and
+    the tokenizer would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{name} holds a lone surrogate at character {e.start}, which is not Unicode text") from None
+    return text
+
+
 def check_messages(messages: Sequence[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         for key in ("role", "content"):
@@ -53,6 +63,7 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
                 raise InputError(f"chat message {i} has no {key!r} (each message needs 'role' and 'content')")
             if not isinstance(m[key], str):
                 raise InputError(f"chat message {i}: {key!r} must be a string, got {type(m[key]).__name__}")
+            check_text(f"chat message {i}: {key!r}", m[key])
     return list(messages)
 
 
@@ -63,6 +74,7 @@ def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt") -> lis
             raise InputError(f"{name} is empty")
         if tokenizer is None:
             raise InputError("this model was converted without a tokenizer; pass token ids instead of text")
+        check_text(name, prompt)
         with _LOCK:
             ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif is_chat(prompt):

@@ -1,9 +1,11 @@
 """Several local processes as one jax.distributed job (loopback only): the tokens of one process
-from generate and from a served job, fail-stop when a process dies, and the launcher's exit codes."""
+from generate and from a served job, fail-stop when a process dies, and the launcher's exit codes,
+signal forwarding and its processes dying with it."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import pytest
 
 import jmoe
 from jmoe.distributed.processes import PEER_LOST
-from jmoe.launch import command_line, free_port, launch
+from jmoe.launch import STOP_GRACE_SECONDS, command_line, free_port, launch
 from jmoe.runtime.loader import memory_plan
 
 # jobs of CPU processes: on a GPU machine the default devices are the GPU's
@@ -96,6 +98,54 @@ def test_launcher_propagates_the_first_failure():
     assert time.monotonic() - started < 60
 
 
+def ignoring_sigint(cmd: list[str]) -> list[str]:
+    """`cmd` started with SIGINT ignored, as a shell starts a background job ("cmd &")."""
+    return [sys.executable, "-c", ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                                   "os.execvp(sys.argv[1], sys.argv[1:])"), *cmd]
+
+
+# a job's process: says its pid (in one write: the processes share the pipe), then waits to be stopped
+WAITER = [sys.executable, "-c", ("import os, signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                                 "os.write(1, b'%d\\n' % os.getpid()); time.sleep(120)")]
+
+
+def start_launcher(cmd, processes=2, sigint_ignored=False):
+    """The launcher running `cmd`, and the pids its processes printed (they have started)."""
+    launcher = [sys.executable, "-m", "jmoe.launch", "-n", str(processes), "--", *cmd]
+    job = subprocess.Popen(ignoring_sigint(launcher) if sigint_ignored else launcher, stdout=subprocess.PIPE, text=True)
+    return job, [int(job.stdout.readline()) for _ in range(processes)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_the_launcher_forwards_sigint_and_sigterm_even_started_with_sigint_ignored():
+    for sig in [signal.SIGINT, signal.SIGTERM] * 2:
+        job, pids = start_launcher(WAITER, sigint_ignored=True)
+        job.send_signal(sig)
+        try:
+            assert job.wait(timeout=STOP_GRACE_SECONDS - 5) == 128 + sig  # stopped by the signal, not killed late
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert all(gone(pid) for pid in pids)
+
+
+def test_a_jobs_processes_die_with_their_launcher():
+    job, pids = start_launcher(WAITER)
+    job.kill()  # no chance to stop them itself
+    job.wait()
+    deadline = time.monotonic() + 30
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a process outlived its launcher"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("env,message", [
     (dict(JMOE_COORDINATOR="127.0.0.1:1", JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID="5"), "process id 5 is not in 0..1"),
     (dict(JMOE_COORDINATOR="nowhere", JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID="0"), "not HOST:PORT"),
@@ -108,24 +158,27 @@ def test_bad_process_options_are_refused(tiny_converted, env, message):
     assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-1000:]
 
 
-def test_serve_as_two_processes_answers_like_generate(tiny_converted):
+def test_serve_as_two_processes_answers_like_generate(tiny_converted, tmp_path):
     """Process 0 takes the requests; process 1 replays its engine's decisions. Greedy answers equal
-    generate's, a stream closed early ends on both, and SIGINT stops the job."""
+    generate's, a stream closed early ends on both, and SIGINT (the job started with SIGINT ignored,
+    as in the background) stops both processes by themselves, together (exit 130: none had to be
+    killed; neither waits in JAX's shutdown barrier for one that already left)."""
     import concurrent.futures
-    import signal
     import urllib.request
 
     import openai
 
     port = free_port()
-    job = subprocess.Popen([sys.executable, "-m", "jmoe.launch", "-n", "2", "--devices-per-process", "2", "--",
-                            *command_line(["jmoe", "serve", str(tiny_converted), "--mesh", "ep=4", "--port", str(port),
-                                           "--max-batch", "2", "--max-seq-len", str(SEQ), "--dtype", "float32"])],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file: a pipe nobody reads could fill and block the job
+        job = subprocess.Popen(ignoring_sigint([
+            sys.executable, "-m", "jmoe.launch", "-n", "2", "--devices-per-process", "2", "--",
+            *command_line(["jmoe", "serve", str(tiny_converted), "--mesh", "ep=4", "--port", str(port),
+                           "--max-batch", "2", "--max-seq-len", str(SEQ), "--dtype", "float32"])]),
+            stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + JOB_SECONDS
         while True:
-            assert job.poll() is None, job.stderr.read()[-2000:]
+            assert job.poll() is None, (tmp_path / "stderr.txt").read_text()[-2000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
@@ -147,10 +200,13 @@ def test_serve_as_two_processes_answers_like_generate(tiny_converted):
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, prompts))
         job.send_signal(signal.SIGINT)
-        code = job.wait(timeout=60)
+        signalled = time.monotonic()
+        code = job.wait(timeout=STOP_GRACE_SECONDS + 30)
+        took = time.monotonic() - signalled
     finally:
         if job.poll() is None:
             job.kill()
     model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=SEQ)
     assert answers == [jmoe.generate(model, p, max_new_tokens=16) for p in prompts]
-    assert code == 130
+    assert code == 130, (tmp_path / "stderr.txt").read_text()[-2000:]
+    assert took < 20, f"{took:.1f} s to stop"

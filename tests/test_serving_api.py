@@ -1,44 +1,57 @@
-"""The OpenAI-compatible server (jmoe/serving/openai_api.py) on 127.0.0.1, called with the official
-`openai` client and with raw HTTP: answers equal `jmoe.generate`'s, concurrent streams, cancels,
-and a table of bad requests that each get a 4xx naming the culprit."""
+"""The OpenAI-compatible server (jmoe/serving/openai_api.py, run by jmoe/serving/server.py) on
+127.0.0.1, called with the official `openai` client and with raw HTTP: answers equal
+`jmoe.generate`'s, concurrent streams, cancels, a table of bad requests that each get a 4xx naming
+the culprit, failing steps, hung-up clients, connection limits and the access log."""
 
 from __future__ import annotations
 
 import json
+import logging
+import select
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
-import uvicorn
 
 import jmoe
-from jmoe.serving import BatchEngine
+from jmoe.serving import BatchEngine, batcher
 from jmoe.serving.batcher import CompileCounter
-from jmoe.serving.openai_api import MAX_BODY_BYTES, create_app
+from jmoe.serving.openai_api import FINISH_REASONS, MAX_BODY_BYTES, create_app
+from jmoe.serving.server import Server
 
 PROMPTS = ["The quick brown fox", "def main():\n    ", "12 + 35 =", "Python is", "import os\nimport",
            "Beware of", "class Stack:", "7 * 8 ="]
 NAME = "tiny"
 
 
-@pytest.fixture(scope="module")
-def served(tiny_converted):
-    """(base URL, engine, model): a server on an ephemeral port, stopped after the module."""
-    model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=256, max_batch=4)
-    engine = BatchEngine(model, max_batch=4, max_waiting=64, context=256, warm_up=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning"))
+def start(server: Server) -> threading.Thread:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", engine, model
-    server.should_exit = True
+    return thread
+
+
+@pytest.fixture(scope="module")
+def model(tiny_converted):
+    return jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=256, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    """(base URL, engine, model): a server on an ephemeral port, stopped after the module."""
+    engine = BatchEngine(model, max_batch=4, max_waiting=64, context=256, warm_up=True)
+    server = Server(create_app(engine, NAME), engine, port=0)
+    thread = start(server)
+    yield f"http://127.0.0.1:{server.port}", engine, model
+    server.stop()
     thread.join(timeout=30)
     engine.close()
 
@@ -134,6 +147,15 @@ BAD = [
     ({"echo": True}, "echo"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     (b"{not json", "JSON"), (b"[1, 2]", "object"), (b"x" * (MAX_BODY_BYTES + 1), "body"),
+    # past what the step holds, or what the server allows
+    ({"top_k": 2**31}, "top_k"), ({"top_k": 10**6}, "top_k"), ({"max_tokens": 10**30}, "max_tokens"),
+    ({"max_tokens": 257}, "max_tokens"), ({"seed": 2**64}, "seed"), ({"logprobs": 10**9}, "logprobs"),
+    ({"n": 10**30}, "n"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    # not Unicode, or nested past what any request needs
+    (b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    (b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}', "stop[0]"),
+    (b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+    (b'{"prompt": "x", "user": ' + b"[" * 40 + b"]" * 40 + b"}", "nested"),
 ]
 
 
@@ -144,7 +166,239 @@ def test_bad_requests_get_a_4xx_naming_the_culprit(served, change, culprit):
     assert 400 <= response.status_code < 500
     error = response.json()["error"]
     assert culprit in error["message"] or error["param"] == culprit
+    assert error["type"] == "invalid_request_error"
     assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"  # still serving
+
+
+def test_the_requests_that_killed_the_engine_leave_it_answering_alike(served):
+    """Issue 30's cases (an int32 overflow in the step's top_k, a lone surrogate, deep nesting, an
+    unbounded max_tokens): each a JSON 400, and the next greedy answer as before."""
+    base, engine, model = served
+    alone = jmoe.generate(model, PROMPTS[2], max_new_tokens=12)
+    for body in (json.dumps({"prompt": "x", "max_tokens": 2, "top_k": 2147483648}).encode(),
+                 b'{"prompt": "a\\ud800b", "max_tokens": 2}', b"[" * 100_000,
+                 json.dumps({"prompt": "x", "max_tokens": 10**30}).encode()):
+        response = post(base, body, raw=True)
+        assert response.status_code == 400 and response.json()["error"]["message"]
+        answer = client(base).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+        assert answer.choices[0].text == alone
+    assert not engine.closed
+
+
+def test_an_unexpected_error_is_a_json_500_and_one_log_record(served, monkeypatch, caplog):
+    from jmoe.serving import openai_api
+
+    def broken(*args, **kwargs):
+        raise TypeError("an unexpected error")
+
+    monkeypatch.setattr(openai_api, "encode", broken)
+    response = post(served[0], OK)
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    assert "TypeError" in response.json()["error"]["message"]
+    assert [r.exc_info[0] for r in caplog.records if r.levelno >= logging.ERROR] == [TypeError]
+    monkeypatch.undo()
+    assert post(served[0], OK).status_code == 200
+
+
+def test_unknown_paths_and_methods_get_openai_errors(served):
+    base = served[0]
+    for response, status in ((httpx.get(f"{base}/v1/nothing", timeout=10), 404),
+                             (httpx.get(f"{base}/v1/completions", timeout=10), 405)):
+        assert response.status_code == status and response.json()["error"]["message"]
+
+
+def test_a_failing_step_is_a_json_error_and_the_engine_goes_on(served, monkeypatch):
+    """A step that raises (injected) ends the requests in it with an OpenAI-style 500, or an error
+    event in a stream; the server keeps serving and the next greedy answer is unchanged."""
+    base, engine, model = served
+    alone = jmoe.generate(model, PROMPTS[2], max_new_tokens=12)
+    real_step = model.step
+    failures = []
+
+    def step(tokens, cache, pos, key_start, **kwargs):
+        live = (np.asarray(key_start) < engine.context).any()  # (not the engine's check with padding rows)
+        if kwargs["phase"] == "decode" and live and len(failures) < 2:  # the next two decode steps fail
+            failures.append(1)
+            raise RuntimeError("injected step failure")
+        return real_step(tokens, cache, pos, key_start, **kwargs)
+
+    monkeypatch.setattr(model, "step", step)
+    whole = post(base, dict(model=NAME, prompt=PROMPTS[0], max_tokens=8))
+    error = whole.json()["error"]
+    assert whole.status_code == 500 and error["type"] == "server_error" and "injected step failure" in error["message"]
+    with pytest.raises(openai.APIError, match="injected step failure"):
+        for _ in client(base).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8, stream=True):
+            pass
+    assert len(failures) == 2
+    answer = client(base).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    assert answer.choices[0].text == alone
+    assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok" and not engine.closed
+
+
+def always_failing_decode(model, monkeypatch) -> None:
+    real_step = model.step
+
+    def step(*args, **kwargs):
+        if kwargs["phase"] == "decode":
+            raise RuntimeError("the device is gone")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(model, "step", step)
+
+
+def test_an_engine_that_cannot_go_on_stops_the_server_with_status_1(model, monkeypatch):
+    """Steps that keep failing (a padding step too): the request gets a JSON 500, /health 503, and
+    `jmoe serve`'s server stops by itself with exit status 1, for a supervisor to restart it."""
+    from starlette.testclient import TestClient
+
+    from jmoe import cli
+    from jmoe.launch import free_port
+
+    always_failing_decode(model, monkeypatch)
+    with BatchEngine(model, max_batch=1, context=64) as engine:
+        stream = engine.submit(batcher.Request([5, 6], max_tokens=4))
+        stream.text()
+        assert stream.finish_reason == "error"
+        wait_for(lambda: engine.closed, what="the engine to stop")
+        health = TestClient(create_app(engine, NAME)).get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "the device is gone" in health.json()["error"]
+    args = cli.build_parser().parse_args(["serve", "tiny", "--port", str(free_port()), "--max-batch", "1"])
+    base, answers = f"http://127.0.0.1:{args.port}", []
+
+    def answering() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=10).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def ask() -> None:
+        wait_for(answering, what="the server")
+        answers.append(post(base, dict(model=NAME, prompt="Hi", max_tokens=4)))
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    engine_options = dict(max_batch=1, max_waiting=4, reader_timeout=None, speculative=None, warm_up=False)
+    assert cli.serve(args, model, engine_options, cli.serve_options(args)) == cli.ENGINE_FAILED
+    asking.join(timeout=30)
+    assert answers[0].status_code == 500 and "the device is gone" in answers[0].json()["error"]["message"]
+
+
+class Gate:
+    """Holds the engine's decode steps once `rows` rows are running, until opened (the model's step,
+    patched), so that a test can act while requests are known to be running or waiting."""
+
+    def __init__(self, engine, rows: int, monkeypatch):
+        self.open = threading.Event()
+        real_step = engine.model.step
+
+        def step(*args, **kwargs):
+            if kwargs["phase"] == "decode" and engine.running >= rows:
+                assert self.open.wait(120), "the gate was never opened"
+            return real_step(*args, **kwargs)
+
+        monkeypatch.setattr(engine.model, "step", step)
+
+
+def raw_request(base: str, body: dict) -> socket.socket:
+    """A connection that has sent a completion request (the answer is left unread)."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps(body).encode()
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return conn
+
+
+def read_json_response(conn: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the HTTP response on `conn` (which it closes)."""
+    with conn, conn.makefile("rb") as reply:
+        status = int(reply.readline().split()[1])
+        headers = dict(line.decode().lower().split(":", 1) for line in iter(reply.readline, b"\r\n"))
+        return status, json.loads(reply.read(int(headers["content-length"])))
+
+
+def wait_for(condition, seconds: float = 60, what: str = "the condition") -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_whole_requests_wait_without_threads_and_hung_up_ones_free_their_rows(served, monkeypatch):
+    """Fifty whole (non-streamed) requests waiting on a held engine take no thread each; the clients
+    of the four running ones hang up and their rows end as cancelled; the waiting ones then finish
+    with what generate gives."""
+    base, engine, model = served
+    alone = jmoe.generate(model, PROMPTS[3], max_new_tokens=4)
+    gate = Gate(engine, 4, monkeypatch)
+    threads = threading.active_count()
+    hung_up = [raw_request(base, dict(model=NAME, prompt=PROMPTS[0], max_tokens=200)) for _ in range(4)]
+    wait_for(lambda: engine.running == 4, what="four running requests")
+    waiting = [raw_request(base, dict(model=NAME, prompt=PROMPTS[3], max_tokens=4, temperature=0))
+               for _ in range(46)]
+    wait_for(lambda: len(engine.waiting) == 46, what="46 waiting requests")
+    assert threading.active_count() <= threads + 2  # no thread per waiting request
+    assert httpx.get(f"{base}/health", timeout=10).json()["waiting"] == 46  # the event loop is free
+    running = [row.stream for row in engine.rows if row is not None]
+    for conn in hung_up:
+        conn.close()
+    wait_for(lambda: all(s.cancelled for s in running), what="the hung-up requests' cancels")
+    gate.open.set()
+    answers = [read_json_response(conn) for conn in waiting]
+    assert all(status == 200 and a["choices"][0]["text"] == alone for status, a in answers)
+    assert [s.finish_reason for s in running] == ["cancelled"] * 4
+    assert all(s.usage["completion_tokens"] < 200 for s in running)
+    wait_for(lambda: engine.running == 0, what="every row free")
+
+
+def test_every_finish_reason_of_the_engine_has_one_for_the_client():
+    assert set(FINISH_REASONS) | {"error"} == set(batcher.FINISH_REASONS)
+    assert FINISH_REASONS["reader_timeout"] == "reader_timeout"  # a cut-off reader is not a natural end
+
+
+def test_each_request_leaves_one_access_log_line_and_hang_ups_no_traceback(served, caplog):
+    base = served[0]
+    caplog.set_level(logging.INFO, logger="jmoe.access")
+    prompt_tokens = post(base, dict(model=NAME, prompt=PROMPTS[2], max_tokens=5)).json()["usage"]["prompt_tokens"]
+    stream = client(base).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=200, stream=True)
+    next(iter(stream))
+    stream.close()  # the client hangs up mid-stream
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "jmoe.access"]
+
+    wait_for(lambda: len(lines()) >= 2, what="two access-log lines")
+    whole, cut = lines()[:2]
+    assert '"POST /v1/completions" 200 ' in whole and whole.endswith(f"tokens={prompt_tokens}+5")
+    assert '"POST /v1/completions" 499 ' in cut
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "an error was logged"
+
+
+@pytest.fixture
+def guarded(model):
+    """A second server (its own small engine) with a short idle timeout and room for 4 connections."""
+    engine = BatchEngine(model, max_batch=1, context=64)
+    server = Server(create_app(engine, NAME), engine, port=0, idle_timeout=3.0, max_connections=4)
+    thread = start(server)
+    yield f"http://127.0.0.1:{server.port}"
+    server.stop()
+    thread.join(timeout=30)
+    engine.close()
+
+
+def test_silent_connections_are_closed_and_too_many_refused(guarded):
+    silent = [socket.create_connection(("127.0.0.1", int(guarded.rsplit(":", 1)[1])), timeout=30) for _ in range(4)]
+    busy = httpx.get(f"{guarded}/health", timeout=10)  # the fifth connection
+    assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_error"
+
+    def closed(conn) -> bool:
+        return bool(select.select([conn], [], [], 0)[0]) and conn.recv(1) == b""
+
+    wait_for(lambda: all(closed(c) for c in silent), seconds=30, what="the silent connections to be closed")
+    for conn in silent:
+        conn.close()
+    assert httpx.get(f"{guarded}/health", timeout=10).json()["status"] == "ok"
 
 
 def test_bad_chat_messages_are_refused(served):

@@ -3,13 +3,14 @@ each gets what `jmoe.generate` of its prompt alone gives."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import jmoe
 from jmoe.decoding.sampling import SamplingOptions
 from jmoe.errors import InputError
 from jmoe.serving import BatchEngine, QueueFull, Request
-from jmoe.serving.batcher import CompileCounter
+from jmoe.serving.batcher import CompileCounter, EngineClosed
 
 PROMPTS = ["The quick brown fox", "def main():\n    ", "12 + 35 =", "Python is", "import os\nimport",
            "Beware of", "class Stack:", "7 * 8 ="]
@@ -93,6 +94,8 @@ def test_bad_requests_and_a_full_queue_are_refused(tiny_model):
             engine.submit(Request([5, 6], max_tokens=0))
         with pytest.raises(InputError, match="stop"):
             engine.submit(Request([5, 6], max_tokens=4, stop=[3]))
+        with pytest.raises(InputError, match="top_k"):  # beyond the vocabulary
+            engine.submit(Request([5, 6], max_tokens=4, sampling=SamplingOptions(top_k=10**6)))
         with pytest.raises(QueueFull):
             engine.submit(Request([5, 6], max_tokens=4))
     with pytest.raises(RuntimeError, match="closed"):
@@ -146,7 +149,7 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
         deadline = time.monotonic() + 60
         while stalled.finish_reason is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert stalled.finish_reason == "cancelled" and stalled.usage["completion_tokens"] < 1000
+        assert stalled.finish_reason == "reader_timeout" and stalled.usage["completion_tokens"] < 1000
         late = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=30, timeout=0.0))
         assert late.text() == "" and late.finish_reason == "timeout"
         with pytest.raises(InputError, match="logprobs"):
@@ -167,3 +170,62 @@ def test_offloaded_policies_and_execution_paths_serve_what_generate_gives(tiny_c
     assert texts == alone
     model.residency.cache.check()
     assert jmoe.stats(model)["peak_resident_expert_bytes"] <= model.memory["experts"]
+
+
+def failing_step(model, phase: str, *, token: int | None = None, times: int | None = None):
+    """The model's step, raising for `phase` steps (only those holding `token`, when given) the first
+    `times` times (None: always)."""
+    real_step = model.step
+    failed = []
+
+    def step(tokens, *args, **kwargs):
+        hit = kwargs["phase"] == phase and (token is None or token in np.asarray(tokens))
+        if hit and (times is None or len(failed) < times):
+            failed.append(phase)
+            raise RuntimeError(f"injected {phase} failure")
+        return real_step(tokens, *args, **kwargs)
+
+    return step
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny_model, monkeypatch):
+    alone = jmoe.generate(tiny_model, PROMPTS[2], max_new_tokens=8)
+    with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
+        monkeypatch.setattr(tiny_model, "step", failing_step(tiny_model, "decode", times=1))
+        failed = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=8))
+        failed.text()
+        assert failed.finish_reason == "error" and "injected decode failure" in failed.error
+        after = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=8))
+        assert after.text() == alone and after.finish_reason == "length"
+        assert not engine.closed and engine.failure is None
+
+
+def test_a_request_whose_prefill_fails_fails_alone(tiny_model, monkeypatch):
+    prompt, other = encode(tiny_model, PROMPTS[1]), encode(tiny_model, PROMPTS[3])
+    marker = next(t for t in prompt if t not in other)  # in the failing request's prefill only
+    alone = jmoe.generate(tiny_model, PROMPTS[3], max_new_tokens=30)
+    with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
+        running = engine.submit(Request(other, max_tokens=30))
+        pieces = iter(running)
+        first = next(pieces)  # running when the other request arrives
+        monkeypatch.setattr(tiny_model, "step", failing_step(tiny_model, "prefill", token=marker))
+        failed = engine.submit(Request(prompt, max_tokens=8))
+        assert failed.text() == "" and failed.finish_reason == "error" and "injected prefill" in failed.error
+        assert first + "".join(pieces) == alone and running.finish_reason == "length"
+        assert engine.running == 0 and not engine.prefilling and not engine.closed
+
+
+def test_an_engine_whose_steps_keep_failing_stops_and_says_why(tiny_model, monkeypatch):
+    engine = BatchEngine(tiny_model, max_batch=1, context=64)
+    told = []
+    engine.on_failure = told.append
+    monkeypatch.setattr(tiny_model, "step", failing_step(tiny_model, "decode"))
+    running = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=8))
+    waiting = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=8))
+    for s in (running, waiting):
+        s.text()
+        assert s.finish_reason == "error" and "injected decode failure" in s.error
+    engine.close()
+    assert engine.closed and "injected decode failure" in engine.failure and told == [engine.failure]
+    with pytest.raises(EngineClosed, match="injected decode failure"):
+        engine.submit(Request([5, 6], max_tokens=4))

@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from jmoe import validate
 from jmoe.errors import InputError
 
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JMOE_COORDINATOR", "JMOE_NUM_PROCESSES", "JMOE_PROCESS_ID"
@@ -29,6 +30,7 @@ ENV_PEER_TIMEOUT = "JMOE_PEER_TIMEOUT"  # seconds without a peer's heartbeat bef
 DEFAULT_PEER_TIMEOUT = 15.0
 HEARTBEAT_INTERVAL = 0.5
 PEER_LOST = 3  # exit status when another process of the job died
+MAX_PROCESSES = 65536
 _KEY = "jmoe/heartbeat/"
 _DONE = "jmoe/done/"
 
@@ -68,14 +70,18 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if num_processes is None or process_id is None:
         raise InputError("a distributed run needs the number of processes and this process's id "
                          "(--num-processes, --process-id)")
-    if num_processes < 1 or not 0 <= process_id < num_processes:
+    validate.integer("num_processes", num_processes, minimum=1, maximum=MAX_PROCESSES)
+    if not 0 <= process_id < num_processes:
         raise InputError(f"process id {process_id} is not in 0..{num_processes - 1}")
     if local_devices:
         jax.config.update("jax_num_cpu_devices", local_devices)
     timeout = float(os.environ.get(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT)) if peer_timeout is None else peer_timeout
-    # JAX's own heartbeat is the backstop: ours reports a lost peer first, in plain words
+    # JAX's own heartbeat is the backstop: ours reports a lost peer first, in plain words. At exit
+    # every process waits for the others (process 0 holds the key-value store the others read to the
+    # end); bounded, so that a process that died first cannot hold the others for minutes.
     jax.distributed.initialize(coordinator, num_processes, process_id,
-                               heartbeat_timeout_seconds=max(30, int(4 * timeout)))
+                               heartbeat_timeout_seconds=max(30, int(4 * timeout)),
+                               shutdown_timeout_seconds=max(10, int(2 * timeout)))
     if num_processes > 1:
         global _watchdog
         _watchdog = Watchdog(process_id, num_processes, timeout)
@@ -106,6 +112,13 @@ def native_stdout_to_stderr() -> None:
     real = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = os.fdopen(real, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+
+
+def process_id() -> int:
+    """This process's id in its job (0 alone), known without starting jax's backend."""
+    from jax._src.distributed import global_state
+
+    return global_state.process_id if global_state.client is not None else 0
 
 
 def is_main_process() -> bool:

@@ -15,12 +15,19 @@ client that went away) or a reader that left its output untaken too long, and it
 the next step. Log-probabilities, when asked for, come from the same step's logits in one device
 call for all rows. With a speculative draft each step is a cycle: k drafted tokens per row, one
 verification pass, and each greedy row keeps what the target agrees with.
+
+A request can fail, never the engine: an error while a request is prefilled or takes its row ends
+that request ("error"), an error in a step ends the rows of that step, and the engine goes on. Only
+when a step of padding rows then fails too (or, across processes, on any error) does the engine
+stop, ending every request with the error and setting `failure`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -41,13 +48,20 @@ from jmoe.decoding.speculative import SpeculativeOptions, padded
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 
-FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error")
+# "reader_timeout": cut off because its reader left its output unread for reader_timeout seconds
+FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "reader_timeout", "error")
 DEFAULT_ENGINE_DRAFT_K = 3  # drafted tokens per cycle when speculative k is "auto" (a fixed k: few shapes)
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's bound)
+
+log = logging.getLogger("jmoe.serving")
 
 
 class QueueFull(Exception):
     """The waiting queue is at its bound: the caller should retry later."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine takes no more requests: it was closed, or it failed (see BatchEngine.failure)."""
 
 
 @dataclass
@@ -92,6 +106,7 @@ class Stream:
         self._events: queue.Queue = queue.Queue()
         self._drained = False  # the reader has seen the end
         self._cancelled = threading.Event()
+        self._wake_reader = None  # called (on the engine thread) after each event: an async reader's wake-up
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -111,9 +126,42 @@ class Stream:
             if kind == "done":
                 self._drained = True
                 return
-            # what is left was put before now: it has waited unread since then at the latest
-            self.unread_since = time.perf_counter() if self._events.qsize() else None
+            self._taken()
             yield value, logprobs
+
+    async def with_logprobs_async(self):
+        """with_logprobs() for an asyncio reader: waits on the event loop, holding no thread."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+
+        self._wake_reader = wake
+        try:
+            while not self._drained:
+                try:
+                    kind, value, logprobs = self._events.get_nowait()
+                except queue.Empty:
+                    ready.clear()
+                    if self._events.empty():  # else an event came between the two looks
+                        await ready.wait()
+                    continue
+                if kind == "done":
+                    self._drained = True
+                    return
+                self._taken()
+                yield value, logprobs
+        finally:
+            self._wake_reader = None
+
+    def _taken(self) -> None:
+        """The reader took a piece: what is left was put before now, so it has waited unread since
+        then at the latest."""
+        self.unread_since = time.perf_counter() if self._events.qsize() else None
 
     def text(self) -> str:
         """Everything (text requests): blocks until the request ends."""
@@ -126,6 +174,12 @@ class Stream:
         if self.unread_since is None:
             self.unread_since = now
         self._events.put(("piece", piece, logprobs or []))
+        self._wake()
+
+    def _wake(self) -> None:
+        wake = self._wake_reader
+        if wake is not None:
+            wake()
 
     def _since_last_token(self) -> float:
         """Seconds since this stream's previous token (or since it was submitted); resets the mark."""
@@ -136,6 +190,7 @@ class Stream:
     def _finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         self._events.put(("done", reason, []))
+        self._wake()
 
 
 class _Replayed(Stream):
@@ -288,6 +343,9 @@ class BatchEngine:
     may wait unread before the request is cut off (default: no bound). A request's own `timeout`
     ends it that long after submit, wherever it is. speculative: as jmoe.generate's (a draft tier or
     dict(draft=..., k=...)); the engine drafts a fixed k per cycle (default 3 for "auto").
+
+    If the engine cannot go on (see the module docstring), `failure` says why and `on_failure`, when
+    set, is called with it on the engine thread.
     """
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
@@ -306,10 +364,7 @@ class BatchEngine:
         cfg = model.config
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.eos = set(model.eos_token_ids)
-        # committed to the device, as every later cache (a jitted step's output) is: the first
-        # insert then compiles what every later one runs
-        self.cache = jax.device_put(new_cache(cfg, self.max_batch, self.context, model.compute_dtype),
-                                    model.placement.replicated)
+        self.cache = self._new_cache()
         self.pos = np.zeros(self.max_batch, np.int32)
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
@@ -318,7 +373,7 @@ class BatchEngine:
         # prompt tokens prefilled between two decode steps, at most (at least one chunk): a long
         # prompt arriving does not stall the running streams for its whole prefill
         self.prefill_per_step = validate.integer("prefill_per_step", prefill_per_step, minimum=1)
-        # a running request whose reader has left output untaken this long is cut off ("cancelled"):
+        # a running request whose reader has left output untaken this long is cut off ("reader_timeout"):
         # a client that stops reading does not hold its slot until max_tokens
         self.reader_timeout = None if reader_timeout is None else validate.real(
             "reader_timeout", reader_timeout, minimum=0.0)
@@ -335,11 +390,20 @@ class BatchEngine:
         self.observer = observer
         self._wake = threading.Condition()
         self._closed = False
+        self.failure: str | None = None
+        self.on_failure = None
         if warm_up:
             self.warm_up()
         self._thread = threading.Thread(target=self._loop, name="jmoe-batch-engine", daemon=True)
         if not follower:
             self._thread.start()
+
+    def _new_cache(self):
+        """An empty batch cache, committed to the device as every later cache (a jitted step's output)
+        is: the first insert then compiles what every later one runs."""
+        model = self.model
+        return jax.device_put(new_cache(model.config, self.max_batch, self.context, model.compute_dtype),
+                              model.placement.replicated)
 
     def warm_up(self) -> None:
         """Compile, before any request, what requests will run: a step at every batch bucket (all
@@ -391,11 +455,14 @@ class BatchEngine:
             validate.integer("logprobs", request.logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
         if request.timeout is not None:
             validate.real("timeout", request.timeout, minimum=0.0)
+        vocab = self.model.config.vocab_size
+        if request.sampling.top_k > vocab:
+            raise InputError(f"top_k must be <= {vocab} (the vocabulary), got {request.sampling.top_k}")
         request = dataclasses.replace(request, stop=stop_strings(request.stop))
         stream = Stream(request)
         with self._wake:
             if self._closed:
-                raise RuntimeError("the engine is closed")
+                raise EngineClosed(f"the engine failed: {self.failure}" if self.failure else "the engine is closed")
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already")
             self.waiting.append(stream)
@@ -406,6 +473,11 @@ class BatchEngine:
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the engine has stopped taking requests (closed, or failed)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop the loop; running and waiting requests end as cancelled."""
         with self._wake:
@@ -414,11 +486,12 @@ class BatchEngine:
         if self._thread.is_alive():
             self._thread.join()
 
-    def follow(self) -> None:
-        """A follower's loop: replay process 0's iterations until it closes (see mirror.py)."""
-        while True:
-            d = self.mirror.receive()
-            if d["close"]:
+    def follow(self, give_up=None) -> None:
+        """A follower's loop: replay process 0's iterations until it closes (see mirror.py), or
+        until give_up(), asked before each iteration and while process 0 is idle, says to stop."""
+        while give_up is None or not give_up():
+            d = self.mirror.receive(give_up)
+            if d is None or d["close"]:
                 break
             ended = dict(d["end"])
             self._end_started(lambda stream, running: ended.get(stream.id))
@@ -438,29 +511,86 @@ class BatchEngine:
 
     def _loop(self) -> None:
         try:
-            while True:
-                with self._wake:
-                    while not self._closed and not self.waiting and not self.prefilling and self.running == 0:
-                        self._wake.wait()
-                    if self._closed:
-                        break
-                ended = self._drop_cancelled()
-                admitting = None
-                if self.mirror is not None:  # the followers learn what happens before it does
-                    self._compact()
-                    with self._wake:
-                        admitting = list(self.waiting)[:max(0, self.max_batch - self.running - len(self.prefilling))]
-                    self.mirror.publish(ended, [(s.id, s.request) for s in admitting])
-                self._admit(None if admitting is None else len(admitting))
-                if self.running:
-                    self._speculative_step() if self.draft is not None else self._step()
-        except Exception as error:  # noqa: BLE001 - every request learns why, none hangs
-            self._fail_all(f"{type(error).__name__}: {error}")
-            raise
+            while self._has_work():
+                self._iterate()
+        except Exception as error:  # noqa: BLE001 - the engine cannot go on: every request learns why, none hangs
+            self._stop_failed(error)
         finally:
             if self.mirror is not None:
                 self.mirror.publish([], [], close=True)
         self._fail_all(None)
+
+    def _has_work(self) -> bool:
+        """Wait until there is something to do: False once the engine is closed."""
+        with self._wake:
+            while not self._closed and not self.waiting and not self.prefilling and self.running == 0:
+                self._wake.wait()
+            return not self._closed
+
+    def _iterate(self) -> None:
+        """End what should end, admit waiting requests, run a step."""
+        ended = self._drop_cancelled()
+        admitting = None
+        if self.mirror is not None:  # the followers learn what happens before it does
+            self._compact()
+            with self._wake:
+                admitting = list(self.waiting)[:max(0, self.max_batch - self.running - len(self.prefilling))]
+            self.mirror.publish(ended, [(s.id, s.request) for s in admitting])
+        self._admit(None if admitting is None else len(admitting))
+        if self.running:
+            try:
+                self._speculative_step() if self.draft is not None else self._step()
+            except Exception as error:  # noqa: BLE001 - the step's requests fail, the engine goes on
+                if self.mirror is not None:  # the other processes ran this step too: no one-sided recovery
+                    raise
+                self._step_failed(error)
+
+    def _step_failed(self, error: Exception) -> None:
+        """A step raised: its rows (every running one) end with the error. A step of padding rows then
+        checks that the engine can go on; if that raises too, the engine stops."""
+        message = _describe(error)
+        log.warning("a step failed; its %d requests end with the error: %s", self.running, message,
+                    exc_info=error)
+        self._inflight = None
+        for b, row in enumerate(self.rows):
+            if row is not None:
+                self._free(b, "error", message)
+        self._restore_cache()
+        n = self.bucket(1)
+        self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32), np.full(n, self.context, np.int32))
+
+    def _request_failed(self, stream: Stream, error: Exception) -> None:
+        """Prefilling `stream` or giving it its row raised: that request ends with the error."""
+        if self.mirror is not None:  # the other processes must fail it alike: stop instead
+            raise error
+        message = _describe(error)
+        log.warning("request %d failed: %s", stream.id, message, exc_info=error)
+        self.prefilling = deque(p for p in self.prefilling if p.stream is not stream)
+        slot = next((b for b, row in enumerate(self.rows) if row is not None and row.stream is stream), None)
+        if slot is not None:
+            self._free(slot, "error", message)
+        elif stream.finish_reason is None:
+            self._end(stream, "error", message)
+        self._restore_cache()
+
+    def _restore_cache(self) -> None:
+        """After a failed call: if it took the batch cache with it (a donated buffer), the running rows
+        have lost their keys and values, so they end too, and the engine starts a new cache."""
+        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+            return
+        for b, row in enumerate(self.rows):
+            if row is not None:
+                self._free(b, "error", "the batch cache was lost with a failed request")
+        self._inflight = None
+        self.cache = self._new_cache()
+
+    def _stop_failed(self, error: Exception) -> None:
+        """The engine cannot go on: every request ends with the error, and `on_failure` is told."""
+        self.failure = _describe(error)
+        log.error("the serving engine stopped: %s", self.failure, exc_info=error)
+        self._fail_all(self.failure)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def _fail_all(self, error: str | None) -> None:
         reason = "cancelled" if error is None else "error"
@@ -513,7 +643,7 @@ class BatchEngine:
             return "timeout"
         if (running and self.reader_timeout is not None and stream.unread_since is not None
                 and now - stream.unread_since > self.reader_timeout):
-            return "cancelled"
+            return "reader_timeout"
         return None
 
     def _compact(self) -> None:
@@ -537,14 +667,20 @@ class BatchEngine:
                 if not self.waiting:
                     break
                 stream = self.waiting.popleft()
-            self.prefilling.append(_Prefill(self.model, stream, self.context))
+            try:
+                self.prefilling.append(_Prefill(self.model, stream, self.context))
+            except Exception as error:  # noqa: BLE001 - this request fails, not the engine
+                self._request_failed(stream, error)
         budget = self.prefill_per_step
         while self.prefilling and budget > 0:
             p = self.prefilling[0]
-            budget -= p.advance()
-            if p.done:
-                self.prefilling.popleft()
-                self._start(self.running, p)
+            try:
+                budget -= p.advance()
+                if p.done:
+                    self.prefilling.popleft()
+                    self._start(self.running, p)
+            except Exception as error:  # noqa: BLE001 - this request fails, not the engine
+                self._request_failed(p.stream, error)
 
     def _start(self, b: int, prefill: _Prefill) -> None:
         """A prefilled request takes row b (the first free one): its cache row copied in, its first token."""
@@ -738,3 +874,7 @@ class BatchEngine:
         stream._finish(reason, error)
         if self.observer is not None:
             self.observer.finished(stream)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 from jmoe.decoding.sampling import SamplingOptions
-from jmoe.errors import InputError
 from jmoe.serving.batcher import BatchEngine, Request
 from jmoe.tokenizer import encode
 

@@ -45,8 +45,9 @@ class Mirror:
             self.client.key_value_delete(f"{_KEY}{self.iteration - 2}")
         self.iteration += 1
 
-    def receive(self) -> dict:
-        """The next iteration's decisions (blocks while process 0 is idle)."""
+    def receive(self, give_up=None) -> dict | None:
+        """The next iteration's decisions (blocks while process 0 is idle); None once give_up(),
+        asked between waits, says to stop waiting."""
         key = f"{_KEY}{self.iteration}"
         while True:
             try:
@@ -55,6 +56,8 @@ class Mirror:
             except Exception as e:  # noqa: BLE001 - a timeout (idle leader): try again; else the job is gone
                 if "DEADLINE" not in str(e).upper() and "TIMEOUT" not in str(e).upper():
                     raise
+            if give_up is not None and give_up():
+                return None
         self.iteration += 1
         d = json.loads(raw)
         d["admit"] = [(i, request_from_dict(r)) for i, r in d["admit"]]

@@ -5,10 +5,15 @@ format, ending with `data: [DONE]`, or answered whole), GET /v1/models, GET /hea
 (Prometheus). Every
 request body is checked field by field before anything is queued; a bad one gets an OpenAI-style
 error (status 400, or 404 for an unknown model) naming the field, a full queue 429 with
-Retry-After. A streaming client that goes away cancels its requests, freeing their slots.
+Retry-After. Every other error is an OpenAI-style JSON error too (500; 503 once the engine has
+stopped), never plain text. Answers, streamed or whole, are awaited on the event loop (no thread
+per request), and a client that goes away cancels its requests, freeing their slots. Each request
+leaves one line in the `jmoe.access` log.
 """
 
-import json  # (no postponed annotations: FastAPI reads the endpoints' annotations, bound inside create_app)
+import asyncio  # (no postponed annotations: FastAPI reads the endpoints' annotations, bound inside create_app)
+import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,15 +21,26 @@ from itertools import accumulate
 
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
-from jmoe.serving.batcher import MAX_TOP_LOGPROBS, BatchEngine, QueueFull, Request, Stream, TokenLogprob
+from jmoe.serving.batcher import (
+    MAX_TOP_LOGPROBS,
+    BatchEngine,
+    EngineClosed,
+    QueueFull,
+    Request,
+    Stream,
+    TokenLogprob,
+)
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.metrics import EngineMetrics
 from jmoe.tokenizer import encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
+MAX_JSON_DEPTH = 32  # nesting a request body may have (a chat request needs 4)
 MAX_N = 8  # completions per request (each takes a slot)
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 DEFAULT_MAX_TOKENS = 256
+CLIENT_GONE = 499  # the access log's status for a request whose client went away first (nginx's)
+access_log = logging.getLogger("jmoe.access")
 # fields this server does not implement, and the value each may still take (it asks for nothing)
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None,
                "functions": None, "tool_choice": None, "response_format": None}
@@ -103,18 +119,46 @@ class Parsed:
 
 
 def parse_body(raw: bytes) -> dict:
-    """The JSON object of a body read_body has already bounded."""
+    """The JSON object of a body read_body has already bounded: nested at most MAX_JSON_DEPTH deep,
+    every string valid Unicode."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    _check_json(body)
     return body
 
 
-def parse_request(body: dict, model, model_name: str, *, chat: bool) -> Parsed:
-    """Every field checked; the prompt tokenized (chat: with the model's chat template)."""
+def _check_json(body: dict) -> None:
+    """Refuse nesting past MAX_JSON_DEPTH and strings that are not Unicode text (a lone surrogate
+    such as "\\ud800", which JSON can spell but no tokenizer can encode), naming where."""
+    pending = [(body, "", 1)]
+    while pending:
+        value, where, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                field = where.lstrip(".") or None
+                raise ApiError(f"'{field}' holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text",
+                               field) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                pending.append((key, where, depth))
+                pending.append((item, f"{where}.{key}", depth + 1))
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens: int | None = None) -> Parsed:
+    """Every field checked; the prompt tokenized (chat: with the model's chat template). max_tokens:
+    the most a request may ask for (default: the model's context)."""
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
         raise ApiError("'model' must be a string", "model")
@@ -134,9 +178,10 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool) -> Parsed:
     for kind in ("presence_penalty", "frequency_penalty"):
         if _real(body, kind, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise ApiError(f"'{kind}' is not supported by this server (use repetition_penalty)", kind)
-    max_tokens = _int(body, "max_completion_tokens", None, minimum=1) if chat else None
+    bound = model.max_seq_len if max_tokens is None else max_tokens
+    max_tokens = _int(body, "max_completion_tokens", None, minimum=1, maximum=bound) if chat else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1)
+        max_tokens = _int(body, "max_tokens", min(DEFAULT_MAX_TOKENS, bound), minimum=1, maximum=bound)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError("'stream_options' must be an object", "stream_options")
@@ -147,7 +192,7 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool) -> Parsed:
     try:
         sampling = SamplingOptions(
             temperature=_real(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
-            top_k=_int(body, "top_k", 0, minimum=0),
+            top_k=_int(body, "top_k", 0, minimum=0, maximum=model.config.vocab_size),
             top_p=_real(body, "top_p", 1.0, minimum=0.0, maximum=1.0, above=True),
             repetition_penalty=_real(body, "repetition_penalty", 1.0, minimum=0.0, maximum=10.0, above=True),
             seed=_int(body, "seed", 0, minimum=0, maximum=MAX_SEED),
@@ -219,8 +264,13 @@ def _usage(streams: list[Stream]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+# the finish reason a client sees for each of the engine's ("error" becomes an error instead)
+FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "cancelled",
+                  "reader_timeout": "reader_timeout"}
+
+
 def _finish(stream: Stream) -> str:
-    return "length" if stream.finish_reason in ("length", "timeout") else "stop"
+    return FINISH_REASONS[stream.finish_reason]
 
 
 class LogprobFormat:
@@ -259,31 +309,134 @@ def _choice(chat: bool, index: int, text: str, finish: str | None, delta: bool =
             "finish_reason": finish}
 
 
-def _collect(stream: Stream) -> tuple[str, list[TokenLogprob]]:
-    """A whole answer: its text and its tokens' logprobs (blocks until the request ends)."""
+async def _collect(stream: Stream) -> tuple[str, list[TokenLogprob]]:
+    """A whole answer: its text and its tokens' logprobs (awaited until the request ends)."""
     text, entries = [], []
-    for piece, logprobs in stream.with_logprobs():
+    async for piece, logprobs in stream.with_logprobs_async():
         text.append(piece)
         entries.extend(logprobs)
     return "".join(text), entries
 
 
-def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float | None = None):
+async def _client_gone(receive) -> None:
+    """Returns once the client has hung up (its request body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _whole_answers(receive, streams: list[Stream]) -> list | None:
+    """Every stream's (text, logprobs), or None if the client hung up first; either way the streams
+    are cancelled after (a no-op for finished ones; frees the slots of the others)."""
+    answers = asyncio.ensure_future(asyncio.gather(*(_collect(s) for s in streams)))
+    gone = asyncio.ensure_future(_client_gone(receive))
+    try:
+        await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return answers.result() if answers.done() else None
+    finally:
+        answers.cancel()
+        gone.cancel()
+        for s in streams:
+            s.cancel()
+
+
+async def send_error(send, error: ApiError, close: bool = False) -> None:
+    """An OpenAI-style JSON error as a whole ASGI response."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _is_disconnect(error: BaseException, answering: bool) -> bool:
+    """Whether `error` only says that the client went away (an OSError does once the answer is
+    being sent: the connection broke)."""
+    from starlette.requests import ClientDisconnect
+
+    if isinstance(error, BaseExceptionGroup):
+        return all(_is_disconnect(e, answering) for e in error.exceptions)
+    return isinstance(error, ClientDisconnect) or (answering and isinstance(error, OSError))
+
+
+class RequestGuard:
+    """ASGI middleware around the app: one access-log line per request (client, method, path,
+    status, seconds, prompt+completion tokens); an unexpected error answered as an OpenAI-style JSON
+    500 (its traceback logged once); a client that went away logged as status 499, quietly."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        seen = {"status": None, "sent": False, "gone": False}
+
+        async def receive_noting():
+            message = await receive()
+            if message["type"] == "http.disconnect" and not seen["sent"]:  # (after the answer: the usual end)
+                seen["gone"] = True
+            return message
+
+        async def send_noting(message):
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                seen["sent"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive_noting, send_noting)
+        except Exception as error:  # noqa: BLE001 - no error leaves as plain text
+            if seen["gone"] or _is_disconnect(error, answering=seen["status"] is not None):
+                seen["gone"] = True
+            elif seen["status"] is None:
+                logging.getLogger("jmoe.serving").error("%s %s failed", scope["method"], scope["path"],
+                                                        exc_info=error)
+                await send_error(send, ApiError(f"the server failed ({type(error).__name__}); its log has the "
+                                                "details", status=500, kind="server_error"))
+                seen["status"] = 500
+            else:  # the answer has begun: only closing the connection can tell the client
+                raise
+        finally:
+            self._log(scope, seen, time.perf_counter() - started)
+
+    @staticmethod
+    def _log(scope, seen: dict, seconds: float) -> None:
+        status = CLIENT_GONE if seen["gone"] else seen["status"]
+        tokens = scope.get("state", {}).get("tokens")
+        client = scope.get("client")
+        access_log.info('%s "%s %s" %s %.3fs tokens=%s', f"{client[0]}:{client[1]}" if client else "-",
+                        scope["method"], scope["path"], status or "-", seconds,
+                        f"{tokens[0]}+{tokens[1]}" if tokens else "-")
+
+
+def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float | None = None,
+               max_tokens: int | None = None):
     """The FastAPI application serving `engine`'s model as `model_name`; a request still running
-    `request_timeout` seconds after it arrived ends there (finish reason "length")."""
-    import anyio
+    `request_timeout` seconds after it arrived ends there (finish reason "length"); a request may
+    ask for at most `max_tokens` tokens (default: the engine's context)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="jmoe", docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGuard)
     created = int(time.time())
     model = engine.model
+    max_tokens = engine.context if max_tokens is None else min(max_tokens, engine.context)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, error: ApiError):
         headers = {"Retry-After": "1"} if error.status in (429, 503) else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, error: HTTPException):  # an unknown path, a wrong method
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return JSONResponse(ApiError(str(error.detail), status=error.status_code, kind=kind).body(),
+                            status_code=error.status_code, headers=error.headers)
 
     metrics = EngineMetrics(engine)
 
@@ -294,6 +447,9 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
 
     @app.get("/health")
     async def health():
+        if engine.closed:  # failed (a supervisor should restart the server), or stopping
+            status = "failed" if engine.failure else "stopping"
+            return JSONResponse({"status": status, "error": engine.failure}, status_code=503)
         return {"status": "ok", "running": engine.running, "waiting": len(engine.waiting)}
 
     @app.get("/v1/models")
@@ -311,14 +467,14 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                                                sampling.repetition_penalty, (sampling.seed + i) % (MAX_SEED + 1))
                 streams.append(engine.submit(Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop,
                                                      logprobs=parsed.logprobs, timeout=request_timeout)))
-        except QueueFull:
+        except (QueueFull, InputError, EngineClosed) as e:
             for s in streams:
                 s.cancel()
-            raise ApiError("the server is busy: too many requests are waiting", status=429,
-                           kind="rate_limit_error") from None
-        except InputError as e:
-            for s in streams:
-                s.cancel()
+            if isinstance(e, QueueFull):
+                raise ApiError("the server is busy: too many requests are waiting", status=429,
+                               kind="rate_limit_error") from None
+            if isinstance(e, EngineClosed):
+                raise ApiError(f"the server is not taking requests: {e}", status=503, kind="server_error") from None
             raise ApiError(str(e)) from None
         return streams
 
@@ -335,27 +491,29 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
         return bytes(body)
 
     async def complete(http: HttpRequest, chat: bool):
-        parsed = parse_request(parse_body(await read_body(http)), model, model_name, chat=chat)
+        parsed = parse_request(parse_body(await read_body(http)), model, model_name, chat=chat,
+                               max_tokens=max_tokens)
         streams = submit(parsed)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
         logprobs = LogprobFormat(model.tokenizer, chat)
-        if not parsed.stream:
-            try:
-                answers = [await run_in_threadpool(_collect, s) for s in streams]
-            finally:
-                for s in streams:
-                    s.cancel()  # a no-op for finished ones; frees the slots if the client went away
-            if failed := [s.error for s in streams if s.finish_reason == "error"]:
-                raise ApiError(f"the engine failed: {failed[0]}", status=500, kind="server_error")
-            return {**head, "choices": [_choice(chat, i, text, _finish(s), logprobs=logprobs(entries))
-                                        for i, ((text, entries), s) in enumerate(zip(answers, streams))],
-                    "usage": _usage(streams)}
-        return StreamingResponse(_events(head, streams, chat, parsed.include_usage, logprobs),
-                                 media_type="text/event-stream")
+        if parsed.stream:
+            return StreamingResponse(_events(http, head, streams, chat, parsed.include_usage, logprobs),
+                                     media_type="text/event-stream")
+        answers = await _whole_answers(http.receive, streams)
+        usage = _usage(streams)
+        http.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
+        if answers is None:  # the client hung up: nobody reads this
+            return Response(status_code=CLIENT_GONE)
+        if failed := [s.error for s in streams if s.finish_reason == "error"]:
+            raise ApiError(f"the engine failed: {failed[0]}", status=500, kind="server_error")
+        return {**head, "choices": [_choice(chat, i, text, _finish(s), logprobs=logprobs(entries))
+                                    for i, ((text, entries), s) in enumerate(zip(answers, streams))],
+                "usage": usage}
 
-    async def _events(head: dict, streams: list[Stream], chat: bool, include_usage: bool, logprobs: LogprobFormat):
+    async def _events(http: HttpRequest, head: dict, streams: list[Stream], chat: bool, include_usage: bool,
+                      logprobs: LogprobFormat):
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def event(choices, usage=None) -> str:
@@ -364,40 +522,44 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                 payload["usage"] = usage
             return f"data: {json.dumps(payload)}\n\n"
 
+        # each stream's pieces, in the order they come; a small buffer, so that a client that stops
+        # reading stops taking its streams' output (which the engine's reader timeout then sees)
+        pieces: asyncio.Queue = asyncio.Queue(maxsize=16)
+
+        async def pump(i: int, stream: Stream):
+            async for piece, entries in stream.with_logprobs_async():
+                await pieces.put((i, piece, entries))
+            await pieces.put((i, None, []))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:
             if chat:
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(streams))])
-            send, receive = anyio.create_memory_object_stream(64)
-
-            async def pump(i: int, stream: Stream):
-                iterator = stream.with_logprobs()
-                # a cancelled wait (the client went away) leaves its thread, which the stream's
-                # cancel below ends at the next step
-                while (item := await anyio.to_thread.run_sync(next, iterator, None, abandon_on_cancel=True)) is not None:
-                    await send.send((i, *item))
-                await send.send((i, None, []))
-
             sent = [0] * len(streams)  # text so far per choice: completions' text offsets
-            async with anyio.create_task_group() as tasks:
-                for i, s in enumerate(streams):
-                    tasks.start_soon(pump, i, s)
-                open_streams = len(streams)
-                async for i, piece, entries in receive:
-                    if piece is None:
-                        yield event([_choice(chat, i, "", _finish(streams[i]), delta=True)])
-                        open_streams -= 1
-                        if not open_streams:
-                            break
-                    else:
-                        yield event([_choice(chat, i, piece, None, delta=True, logprobs=logprobs(entries, sent[i]))])
-                        sent[i] += len(piece)
+            open_streams = len(streams)
+            while open_streams:
+                i, piece, entries = await pieces.get()
+                if piece is not None:
+                    yield event([_choice(chat, i, piece, None, delta=True, logprobs=logprobs(entries, sent[i]))])
+                    sent[i] += len(piece)
+                elif streams[i].finish_reason == "error":
+                    error = ApiError(f"the engine failed: {streams[i].error}", status=500, kind="server_error")
+                    yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
+                    return
+                else:
+                    yield event([_choice(chat, i, "", _finish(streams[i]), delta=True)])
+                    open_streams -= 1
             if include_usage:
                 yield f"data: {json.dumps({**chunk_head, 'choices': [], 'usage': _usage(streams)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            for p in pumps:
+                p.cancel()
             for s in streams:
                 s.cancel()  # the client went away (or everything finished: then a no-op)
+            usage = _usage(streams)
+            http.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
