@@ -51,8 +51,9 @@ gpu-dry-run: $(STAMP)
 
 # The GPU kernels compiled for an H100 without a GPU (bench/gpu_compile.py): a venv of its own with
 # jax, jaxlib and the CUDA 13 plugin at the main venv's jax version, ptxas and NVVM (about 256 MB to
-# download); registers, spills, shared memory, grids and decode-loop checks per kernel to
-# bench/results/gpu_compile_h100.json. Fails on any spill or compile error (part of `make test`).
+# download); registers, spills, shared memory, grids and decode-loop checks per kernel, and the offloaded
+# decode step's checks (pinned-host stores, async host slices, one command buffer), to
+# bench/results/gpu_compile_h100.json. Fails on any spill, compile error or failed check (part of `make test`).
 GPU_AOT_VENV ?= .venv-gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
 # What a compile-only venv holds besides the project: $(call gpu_aot_wheels,JAX_VERSION)

@@ -28,6 +28,17 @@ ones), and decode, 512-token prefill and the speculative verify step (4 drafts) 
 plan's two pools (bf16 and int4, a quarter of the experts each, as an offloaded ExpertState holds
 them; decode runs both in one launch per stage).
 
+The offloaded decode step (engine._decode as Engine.decode jits it, sampling, with the experts
+fetched inside the step from pinned-host stores: jmoe/layers/fetch.py) of each 2-layer slice, with
+the fetch slots an accelerator's steps get (jmoe.runtime.fetching.fetch_slots): an LRU cache (misses
+only), LRU with prefetch (look-ahead too) and DyMoE over bf16 and int4 pools (degrade mode: requests,
+look-ahead and misses). The compile-only H100 reports no memories, so these are traced with CPU
+shardings that keep the stores' pinned_host memory kind, lowered for CUDA and compiled with the
+topology's client. Each must compile to: its stores in host memory in the entry layout (S(5)), one
+asynchronous slice of host memory per fetch slot (as many as its FetchSpec implies), nothing run on
+the host (no host-compute annotations left, no "converted into host compute" warning), no
+conditional, the whole step in one command buffer, and no while loop without a known trip count.
+
 The int4 decode kernels written for Pallas' Mosaic GPU backend (kernel_backend="mosaic") compile
 at every real shape they support (not GPT-OSS-20B's 2880-wide projections); their PTX comes from
 Mosaic GPU's own dump, and their modelled bandwidth from the TMA copies they keep in flight.
@@ -39,7 +50,10 @@ check itself is broken and the run fails.
     make gpu-compile                         # builds .venv-gpu-aot once, then runs this
     python -m bench.gpu_compile --out bench/results/gpu_compile_h100.json
 
-Exits 1 when any case fails to compile or has a barrier in a decode K loop, or the canary compiles.
+    python -m bench.gpu_compile --only-offload --models qwen3-30b-a3b --out /tmp/offload.json
+
+Exits 1 when any case fails to compile or has a barrier in a decode K loop, an offloaded decode step
+fails one of its checks, or the canary compiles.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -229,6 +244,16 @@ def dumped_kernels(dump_dir: str) -> tuple[dict, dict]:
     return launches, ptx
 
 
+def dumped_step(dump_dir: str) -> dict[str, str]:
+    """From an --xla_dump_to directory: the optimized HLO ("hlo") and the thunk sequence after XLA's
+    thunk passes, command buffers included ("thunks"), of the (last) module compiled there."""
+    texts = {}
+    for key, suffix in (("hlo", "_gpu_after_optimizations.txt"), ("thunks", "thunk_sequence_after_thunk_passes.txt")):
+        paths = sorted(Path(dump_dir).glob(f"*{suffix}"))
+        texts[key] = paths[-1].read_text() if paths else ""
+    return texts
+
+
 def failure_kind(message: str) -> str:
     if "register spilling" in message:
         return "register spilling"
@@ -239,11 +264,14 @@ def failure_kind(message: str) -> str:
 
 def abstract_h100():
     """An abstract mesh naming an H100: from jax 0.11 the Pallas Triton lowering asks for the GPU it
-    targets even when the inputs already sit on a compile-only device; jax 0.10 takes it as well."""
+    targets even when the inputs already sit on a compile-only device; jax 0.10 takes it as well.
+    Its axis is Auto (jax 0.10's default; 0.11's is Explicit, which would give an array the step
+    moves to device memory a sharding on this mesh that its unsharded pools lack)."""
     import jax
 
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h100)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def compile_only_device():
@@ -360,29 +388,41 @@ def modelled_tma_bandwidth(info: dict) -> dict | None:
                 assumptions=f"{HBM_LATENCY_S * 1e9:.0f} ns HBM latency, {H100_HBM_BYTES_PER_S / 1e12} TB/s peak")
 
 
-def compile_and_read(jitted, args, decode: bool, whole_step: bool = False) -> dict:
+def lower_and_compile(jitted, args, options: dict) -> None:
+    """Lower with inputs on the compile-only H100 and compile there (XLA's debug options `options`)."""
+    with abstract_h100():  # the Pallas Triton lowering asks for the GPU it targets (jax 0.11)
+        lowered = jitted.trace(*args).lower()
+    lowered.compile(compiler_options=options)
+
+
+def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, build=None,
+                     read_dump=None) -> dict:
     """Compile for the H100; what ptxas, the thunk sequence and (decode) the PTX's K loop say.
 
     A whole step also holds XLA's own fusions; a spill there fails the step's compile only when
-    it is in an expert kernel (XLA's are listed as xla_fusion_spills: not this project's code)."""
+    it is in an expert kernel (XLA's are listed as xla_fusion_spills: not this project's code).
+    `build(options)` compiles in place of lower_and_compile; `read_dump(dumped_step's texts, log)`
+    reads what else the record holds (as "dump") from XLA's dump and log."""
     start = time.perf_counter()
     mosaic_dump = Path(os.environ["MOSAIC_GPU_DUMP_TO"])
     for old in mosaic_dump.iterdir():  # only this case's Mosaic GPU kernels
         old.unlink()
+    build = build or functools.partial(lower_and_compile, jitted, args)
     with tempfile.TemporaryDirectory() as dump, captured_stderr() as log:
         options = {"xla_dump_to": dump}
         if whole_step:
             options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = False
         try:
-            with abstract_h100():  # the Pallas Triton lowering asks for the GPU it targets (jax 0.11)
-                lowered = jitted.trace(*args).lower()
-            lowered.compile(compiler_options=options)
+            build(options)
             error = None
         except Exception as e:  # noqa: BLE001 - every compile failure is a result here
             error = f"{type(e).__name__}: {e}"
         launches, ptx = dumped_kernels(dump)
         ptx.update(dumped_kernels(str(mosaic_dump))[1])
+        step_texts = dumped_step(dump) if read_dump is not None else {}
     record = dict(compile_s=round(time.perf_counter() - start, 2))
+    if read_dump is not None and not error:
+        record["dump"] = read_dump(step_texts, log[0])
     # the expert kernels, and any other kernel of the step that spills
     record["kernels"] = kernels = {k: v for k, v in parse_ptxas(log[0]).items()
                                    if k.startswith("expert_") or v.get("spill_store_bytes")}
@@ -451,6 +491,280 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
                                            decode=phase == "decode", whole_step=True))
 
 
+# -- The offloaded decode step: experts fetched from pinned-host stores inside the step
+# (jmoe/layers/fetch.py), read back from XLA's optimized HLO, thunk sequence and log.
+
+OFFLOAD_CASES = (  # (name, policy, its tier, its options): fetch slots as an accelerator's steps get them
+    ("offloaded decode, lru int4", "lru", "int4", {}),
+    ("offloaded decode, lru+prefetch int4", "lru+prefetch", "int4", {}),
+    ("offloaded decode, DyMoE bf16+int4", "dymoe", "bf16", {"lo": "int4"}),
+)
+OFFLOAD_CACHE_SHARE = 0.25  # each tier's pool caches a quarter of the slice's experts
+HOST_MEMORY_SPACE = "S(5)"  # how XLA's layouts mark host memory
+
+
+def braced(text: str, opening: int) -> str:
+    """What lies between the brace at text[opening] and its matching closing brace."""
+    depth = 0
+    for i in range(opening, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[opening + 1:i]
+    raise ValueError("unbalanced braces")
+
+
+def host_arrays_in_entry_layout(hlo: str) -> dict[str, int]:
+    """Parameters and results the compiled module's entry layout places in host memory."""
+    key = "entry_computation_layout="
+    layout = braced(hlo, hlo.index(key) + len(key))
+    parameters, results = layout.split(")->", 1)
+    return dict(parameters=parameters.count(HOST_MEMORY_SPACE), results=results.count(HOST_MEMORY_SPACE))
+
+
+def entry_schedule(hlo: str) -> list[str]:
+    """The entry computation's instructions in their scheduled order (a scheduled module prints them so)."""
+    lines = hlo[hlo.index("\nENTRY "):].splitlines()[2:]
+    return [line.strip() for line in itertools.takewhile(lambda line: line != "}", lines)]
+
+
+ASYNC_START = re.compile(r"^(?:ROOT )?%(\S+) = (.*?) (?:async|fusion|copy)-start\(")
+ASYNC_DONE = re.compile(r" (?:async|fusion|copy)-done\(%([^,)\s]+)")
+TRITON_KERNEL = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
+
+
+def host_async_slices(hlo: str) -> dict:
+    """The entry computation's asynchronous computations, fusions and copies that read host memory
+    (a start whose operand shapes hold S(5)): how many start and are waited on, the most in flight
+    at once, and where they sit in the schedule (instructions and Triton kernels between a start
+    and its done)."""
+    schedule = entry_schedule(hlo)
+    started, spans, in_flight, most = {}, [], 0, 0
+    for i, line in enumerate(schedule):
+        if (m := ASYNC_START.match(line)) and HOST_MEMORY_SPACE in m.group(2):
+            started[m.group(1)] = i
+            in_flight += 1
+            most = max(most, in_flight)
+        elif (m := ASYNC_DONE.search(line)) and m.group(1) in started:
+            begin = started[m.group(1)]
+            spans.append((begin, i, sum(TRITON_KERNEL in between for between in schedule[begin + 1:i])))
+            in_flight -= 1
+    between = [done - begin - 1 for begin, done, _ in spans]
+    kernels = [k for _, _, k in spans]
+    return dict(started=len(started), done=len(spans), most_in_flight=most, schedule_length=len(schedule),
+                first_start=min(started.values(), default=None), last_done=max((d for _, d, _ in spans), default=None),
+                instructions_between=[min(between, default=0), max(between, default=0)],
+                triton_kernels_between=[min(kernels, default=0), max(kernels, default=0)],
+                spans=[list(span) for span in spans])  # [start, done, Triton kernels between] per slice
+
+
+HOST_COMPUTE_HLO = ('_xla_compute_type="host"', '"MoveToHost"', '"MoveToDevice"', "annotate_device_placement")
+HOST_COMPUTE_LOG = re.compile(r"into host compute", re.IGNORECASE)
+
+
+def host_compute(hlo: str, log: str) -> list[str]:
+    """What the compiled step runs on the host: instructions marked for host compute or host
+    offloading left in the optimized HLO, and XLA's warnings that it turned device compute on host
+    memory into host compute."""
+    marked = [line.strip()[:200] for line in hlo.splitlines() if any(mark in line for mark in HOST_COMPUTE_HLO)]
+    return marked + [line.strip()[:300] for line in log.splitlines() if HOST_COMPUTE_LOG.search(line)]
+
+
+def branches_and_loops(hlo: str) -> dict[str, int]:
+    """Conditionals and while loops in the optimized HLO, and the loops without a known trip count."""
+    whiles = [line for line in hlo.splitlines() if " while(" in line]
+    return dict(conditionals=sum(" conditional(" in line for line in hlo.splitlines()), whiles=len(whiles),
+                whiles_without_known_trip_count=sum("known_trip_count" not in line for line in whiles))
+
+
+THUNK_LINE = re.compile(r"^(\s*)\d+: (k\w+)")
+
+
+def command_buffers(thunks: str) -> dict:
+    """From the thunk sequence after XLA's thunk passes: command buffers (at any depth) and the
+    top-level thunks by kind (a step run as one command buffer has exactly one there)."""
+    buffers, top_level = 0, {}
+    for line in thunks.splitlines():
+        if m := THUNK_LINE.match(line):
+            buffers += m.group(2) == "kCommandBuffer"
+            if not m.group(1):
+                top_level[m.group(2)] = top_level.get(m.group(2), 0) + 1
+    return dict(command_buffers=buffers, top_level=top_level)
+
+
+ASYNC_STREAM = re.compile(r"kAsyncStart .*?stream=([\w\[\]]+)")
+
+
+def slice_launches(thunks: str) -> dict:
+    """What the thunk sequence's asynchronous starts run: the streams they start on and the
+    kernels nested in them (a slice of host memory is a kernel reading it, not a copy engine's)."""
+    streams, kernels, start_depth = set(), {}, None
+    for line in thunks.splitlines():
+        depth = len(line) - len(line.lstrip())
+        if m := ASYNC_STREAM.search(line):
+            streams.add(m.group(1))
+            start_depth = depth
+        elif start_depth is not None and depth > start_depth:
+            kernels.update(parse_thunks(line))
+        else:
+            start_depth = None
+    return dict(async_streams=sorted(streams), async_kernels=kernels)
+
+
+def read_offloaded_step(texts: dict[str, str], log: str) -> dict:
+    """Everything the offload checks read, from dumped_step's texts and the compile's log."""
+    return dict(host_arrays=host_arrays_in_entry_layout(texts["hlo"]), async_slices=host_async_slices(texts["hlo"]),
+                host_compute=host_compute(texts["hlo"], log), **branches_and_loops(texts["hlo"]),
+                **command_buffers(texts["thunks"]), **slice_launches(texts["thunks"]))
+
+
+def expected_fetches(tiers: int, moe_layers: int, requests: int, lookahead: int, misses: int) -> int:
+    """Host slices one step makes (each fetch slot moves a record every step on an accelerator):
+    per MoE layer and tier its requests and misses, and its look-ahead from the second MoE layer on
+    (the previous layer predicts it; nothing predicts the first)."""
+    return tiers * (moe_layers * (requests + misses) + max(0, moe_layers - 1) * lookahead)
+
+
+def offload_checks(found: dict, fetches: int, stores: int) -> dict[str, bool]:
+    """What an offloaded decode step must compile to on an H100 (read_offloaded_step's `found`)."""
+    slices = found["async_slices"]
+    return dict(
+        stores_in_host_memory=found["host_arrays"] == dict(parameters=stores, results=0),
+        async_host_slices=slices["started"] == slices["done"] == fetches,
+        no_host_compute=not found["host_compute"],
+        no_conditional=found["conditionals"] == 0,
+        one_command_buffer=found["command_buffers"] == 1 and found["top_level"] == {"kCommandBuffer": 1},
+        known_trip_counts=found["whiles_without_known_trip_count"] == 0,
+    )
+
+
+def compile_from_cpu_trace(jitted, args, device, options: dict) -> None:
+    """The compile-only H100 reports no memories (a pinned_host input there silently becomes device
+    memory), so: trace with CPU shardings that keep their memory kinds, lower with the GPU's rules,
+    and compile the module with the compile-only topology's client."""
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    with abstract_h100():
+        lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+    compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
+                                                   device_assignment=np.array([[device]]),
+                                                   env_options_overrides=options)
+    devices = xla_client.DeviceList((device,)) if hasattr(xla_client, "DeviceList") else [device]
+    device.client.compile(lowered.compiler_ir("stablehlo"), executable_devices=devices,
+                          compile_options=compile_options)
+
+
+def offload_spec(cfg, policy, device):
+    """The FetchSpec an accelerator's Offloaded residency would give `policy`'s decode steps (one
+    row; jmoe.runtime.fetching.InStepFetch's sizes), each tier caching OFFLOAD_CACHE_SHARE of the experts."""
+    from jmoe.format import RecordLayout
+    from jmoe.layers.fetch import FetchSpec
+    from jmoe.runtime.fetching import LANDING_SHARE, fetch_slots
+    from jmoe.tiers import expert_template
+
+    slots = fetch_slots(cfg, policy, device, 1, "decode" in policy.degrade_phases)
+    tiers = tuple(policy.pools())
+    cache = tuple(max(1, round(OFFLOAD_CACHE_SHARE * cfg.num_moe_layers * cfg.num_experts)) for _ in tiers)
+    landing = max(1, min(cfg.num_moe_layers * (slots.lookahead + slots.misses), min(cache) // LANDING_SHARE))
+    layouts = tuple(RecordLayout.from_template(expert_template(cfg, t, tier_format(t))) for t in tiers)
+    # FetchSlots' fields (fetch counts, guarded, degrade, predict) are FetchSpec's of the same names
+    return FetchSpec(tiers, layouts, cache, cfg.num_experts, landing=landing, land=policy.cache,
+                     **dataclasses.asdict(slots))
+
+
+def offloaded_decode_inputs(cfg, spec, on, in_host):
+    """The model's graphdef and engine._decode's abstract inputs after it, for one row: (dense,
+    experts, pools, tokens, cache, positions, seen, rng, temperature, top_k, 1 - top_p, penalty);
+    `in_host` places the stores, `on` everything else."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jmoe.decoding.engine import new_cache
+    from jmoe.layers.experts import ExpertState, Selection
+    from jmoe.layers.fetch import FetchInputs
+    from jmoe.layers.transformer import abstract_model
+    from jmoe.tiers import expert_template
+
+    L, E, T = cfg.num_moe_layers, cfg.num_experts, len(spec.tiers)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    dense = jax.tree.map(lambda s: on(s.shape, s.dtype), nnx.to_pure_dict(state))
+    stores = {t: tuple(in_host((E, layout.nbytes), jnp.uint8) for _ in range(L))
+              for t, layout in zip(spec.tiers, spec.layouts)}
+    packed = on((T * L * E + 2 * T * L * spec.requests + 3 * T * spec.landing,), jnp.int32)  # FetchSpec.pack
+    fetch = FetchInputs(stores, packed, on((T, spec.landing), jnp.int32))
+    selection = Selection(on((L, E), jnp.int32), on((L, E), jnp.int32), on((L,), jnp.float32), on((), jnp.float32))
+    experts = ExpertState({}, None, selection, "pallas", fetch=fetch, fetch_spec=spec).for_phase("decode")
+    pools = {t: jax.tree.map(lambda s, n=n + spec.extra_slots(): on((n, *s.shape), s.dtype),
+                             expert_template(cfg, t, tier_format(t)))
+             for t, n in zip(spec.tiers, spec.cache_slots)}
+    cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    scalars = (on((), jnp.float32), on((), jnp.int32), on((), jnp.float32), on((), jnp.float32))
+    return graphdef, (dense, experts, pools, on((1,), jnp.int32), cache, on((2, 1), jnp.int32),
+                      on((1, cfg.vocab_size), jnp.bool_), on(rng.shape, rng.dtype), *scalars)
+
+
+def compile_offloaded_step(model: str, case: str, policy_name: str, tier: str, options: dict, device,
+                           greedy: bool = False, guarded: bool = False) -> dict:
+    """engine._decode of a 2-layer slice whose experts come from pinned-host stores inside the step,
+    as Engine.decode jits it (sampling, by default, rather than greedy), compiled for the H100 with
+    its stores kept in host memory; then checked (offload_checks). `guarded`: each fetch in a
+    conditional, as on the CPU (the offload canary)."""
+    import jax
+
+    from bench.random_checkpoint import model_named
+    from jmoe.decoding.engine import _decode
+    from jmoe.models import config_from_hf
+    from jmoe.policies import make_policy
+
+    cpu = jax.devices("cpu")[0]
+    placed = lambda kind: lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.sharding.SingleDeviceSharding(cpu, memory_kind=kind))
+    cfg = config_from_hf(model_named(model).config_for(STEP_LAYERS))
+    spec = offload_spec(cfg, make_policy(policy_name, tier, **options), device)
+    spec = dataclasses.replace(spec, guarded=True) if guarded else spec
+    graphdef, args = offloaded_decode_inputs(cfg, spec, placed("device"), placed("pinned_host"))
+    step = jax.jit(functools.partial(_decode, graphdef, greedy=greedy), donate_argnames=("cache", "pools"))
+    lookahead = spec.lookahead if spec.predict else 0  # else only a speculative draft's hint looks ahead
+    fetches = expected_fetches(len(spec.tiers), cfg.num_moe_layers, spec.requests, lookahead, spec.misses)
+    record = dict(model=model, tier="+".join(spec.tiers), plan=f"step: {case}", layers=STEP_LAYERS,
+                  moe_layers=cfg.num_moe_layers, greedy=greedy,
+                  fetch_spec=dict(requests=spec.requests, lookahead=spec.lookahead, misses=spec.misses,
+                                  landing=spec.landing, guarded=spec.guarded, degrade=spec.degrade,
+                                  predict=spec.predict,
+                                  record_bytes={t: l.nbytes for t, l in zip(spec.tiers, spec.layouts)}),
+                  pool_slots={t: n + spec.extra_slots() for t, n in zip(spec.tiers, spec.cache_slots)},
+                  expected_fetches=fetches)
+    result = compile_and_read(step, args, decode=True, whole_step=True,
+                              build=functools.partial(compile_from_cpu_trace, step, args, device),
+                              read_dump=read_offloaded_step)
+    if "dump" not in result:
+        return dict(record, **result)
+    found = result.pop("dump")
+    checks = offload_checks(found, fetches, len(spec.tiers) * cfg.num_moe_layers)
+    if result["status"] == "ok" and not all(checks.values()):
+        result["status"] = "offload checks failed"
+    return dict(record, **result, checks=checks, found=found)
+
+
+# What the CPU's fetches (each in a conditional) compile to on an H100: checks that must fail.
+OFFLOAD_CANARY_FAILS = ("no_conditional", "one_command_buffer", "async_host_slices")
+
+
+def offload_canary(device) -> dict:
+    """Qwen3-30B-A3B's LRU step with the CPU's guarded fetches, which read a predicate back to the
+    host per fetch: its checks OFFLOAD_CANARY_FAILS must fail, or the offload checks are broken."""
+    record = compile_offloaded_step("qwen3-30b-a3b", "offload canary: guarded fetches", *OFFLOAD_CASES[0][1:], device,
+                                    guarded=True)
+    return dict(record, expected_to_fail=list(OFFLOAD_CANARY_FAILS))
+
+
+def offload_canary_caught(canary: dict) -> bool:
+    return "checks" in canary and not any(canary["checks"][name] for name in OFFLOAD_CANARY_FAILS)
+
+
 def spill_canary(device) -> dict:
     """Compiles a block known to spill: float32 rows on the dot path (HIGHEST-precision dots), the
     test matrix's int2-g128 down projection, bypassing supports(). Must fail with register spilling."""
@@ -467,6 +781,44 @@ def spill_canary(device) -> dict:
     return dict(record, **compile_and_read(jax.jit(f), (h, None, block_slot, [down]), decode=False))
 
 
+def kernel_line(r: dict) -> str:
+    regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
+                     + (f", loop: {v['decode_loop']['barriers']} bar.sync, "
+                        f"{v['decode_loop']['vector_loads_before_first_fma']}/{v['decode_loop']['vector_loads']} "
+                        "vector loads before the first fma" if v.get("decode_loop") else "")
+                     for k, v in sorted(r.get("kernels", {}).items()))
+    return f"{r['model']:17s} {r['tier']:13s} {r.get('rows_dtype', ''):8s} {r['plan']:8s} {r['status']:22s} {regs}"
+
+
+def offload_line(r: dict) -> str:
+    head = f"{r['model']:17s} {r['tier']:13s} {r['plan']}: {r['status']}"
+    if "found" not in r:
+        return f"{head} {r.get('error', '')}"
+    f, slices = r["found"], r["found"]["async_slices"]
+    failed = [name for name, ok in r["checks"].items() if not ok]
+    return (f"{head}, {slices['started']}/{r['expected_fetches']} async host slices ({slices['done']} done, at most "
+            f"{slices['most_in_flight']} in flight), {f['host_arrays']['parameters']} host stores in S(5), "
+            f"{f['command_buffers']} command buffer(s) (top level: {f['top_level']}), "
+            f"{f['conditionals']} conditionals, {f['whiles']} whiles "
+            f"({f['whiles_without_known_trip_count']} without a known trip count), "
+            f"{len(f['host_compute'])} host-compute marks, {r['compile_s']} s"
+            + (f"; failed: {', '.join(failed)}" if failed else ""))
+
+
+def kernel_and_step_runs(args, models: list[str], device) -> list:
+    cases = [(name, MODELS[name], tier, block_rows, "bfloat16") for name in models
+             for tier in args.tiers.split(",") for block_rows in (1, 32)]
+    cases += [(name, MODELS[name], mix, 1, "bfloat16") for name in models for mix in TIER_MIXES]
+    if args.matrix:
+        cases += [("test-matrix", MATRIX_SHAPE, tier, block_rows, dtype) for tier in MATRIX_FORMATS
+                  for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
+    runs = [functools.partial(compile_case, *case[:4], device, case[4]) for case in cases]
+    runs += [functools.partial(compile_mosaic_case, name, MODELS[name], device) for name in models]
+    if args.steps:
+        runs += [functools.partial(compile_step, name, *case, device) for name in models for case in STEP_CASES]
+    return runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -475,43 +827,44 @@ def main(argv=None) -> int:
                         help="leave out the test suite's lowering matrix (toy widths, float32 and bf16 rows)")
     parser.add_argument("--no-steps", dest="steps", action="store_false",
                         help="leave out the whole jitted steps of 2-layer model slices")
+    parser.add_argument("--no-offload", dest="offload", action="store_false",
+                        help="leave out the offloaded decode steps (experts fetched from pinned-host stores)")
+    parser.add_argument("--only-offload", action="store_true",
+                        help="only the offloaded decode steps (no kernel cases, other steps or spill canary)")
     parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile_h100.json"))
     args = parser.parse_args(argv)
     _setup_environment()
     device, jax = compile_only_device()
-    cases = [(name, MODELS[name], tier, block_rows, "bfloat16") for name in args.models.split(",")
-             for tier in args.tiers.split(",") for block_rows in (1, 32)]
-    cases += [(name, MODELS[name], mix, 1, "bfloat16") for name in args.models.split(",") for mix in TIER_MIXES]
-    if args.matrix:
-        cases += [("test-matrix", MATRIX_SHAPE, tier, block_rows, dtype) for tier in MATRIX_FORMATS
-                  for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
+    models = args.models.split(",")
+    runs = [] if args.only_offload else kernel_and_step_runs(args, models, device)
+    if args.offload or args.only_offload:
+        runs += [functools.partial(compile_offloaded_step, name, *case, device) for name in models
+                 for case in OFFLOAD_CASES]
     results = []
-    runs = [functools.partial(compile_case, *case[:4], device, case[4]) for case in cases]
-    runs += [functools.partial(compile_mosaic_case, name, MODELS[name], device) for name in args.models.split(",")]
-    if args.steps:
-        runs += [functools.partial(compile_step, name, *case, device) for name in args.models.split(",")
-                 for case in STEP_CASES]
     for run in runs:
         r = run()
         results.append(r)
-        regs = ", ".join(f"{k} {v.get('registers')} regs, {v.get('spill_store_bytes', 0)} B spilled"
-                         + (f", loop: {v['decode_loop']['barriers']} bar.sync, "
-                            f"{v['decode_loop']['vector_loads_before_first_fma']}/{v['decode_loop']['vector_loads']} "
-                            "vector loads before the first fma" if v.get("decode_loop") else "")
-                         for k, v in sorted(r.get("kernels", {}).items()))
-        print(f"{r['model']:17s} {r['tier']:13s} {r.get('rows_dtype', ''):8s} {r['plan']:8s} {r['status']:22s} {regs}",
-              flush=True)
+        print(offload_line(r) if "expected_fetches" in r else kernel_line(r), flush=True)
     failed = [r for r in results if r["status"] not in ("ok", "unsupported")]
-    canary = spill_canary(device)
-    canary_ok = canary["status"] == canary["expected"]
-    print(f"canary (a block known to spill): {canary['status']}" + ("" if canary_ok else " -- the spill check is broken"))
+    canary, canary_ok = None, True
+    if not args.only_offload:
+        canary = spill_canary(device)
+        canary_ok = canary["status"] == canary["expected"]
+        print(f"canary (a block known to spill): {canary['status']}"
+              + ("" if canary_ok else " -- the spill check is broken"))
+    offload_canary_record, offload_canary_ok = None, True
+    if args.offload or args.only_offload:
+        offload_canary_record = offload_canary(device)
+        offload_canary_ok = offload_canary_caught(offload_canary_record)
+        print(f"offload canary (guarded fetches): {offload_line(offload_canary_record)}"
+              + ("" if offload_canary_ok else " -- the offload checks are broken"))
     out = dict(device=str(device.device_kind), jax=jax.__version__, target_config=TARGET_CONFIG.name,
-               xla_flags=os.environ["XLA_FLAGS"], failed=len(failed), canary=canary, cases=results)
+               xla_flags=os.environ["XLA_FLAGS"], failed=len(failed), canary=canary,
+               offload_canary=offload_canary_record, cases=results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}: {len(results)} cases, {len(failed)} failed to compile")
-    return 1 if failed or not canary_ok else 0
-
+    print(f"wrote {args.out}: {len(results)} cases, {len(failed)} failed")
+    return 1 if failed or not canary_ok or not offload_canary_ok else 0
 
 if __name__ == "__main__":
     sys.exit(main())
