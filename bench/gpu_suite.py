@@ -11,6 +11,9 @@ Needs no network and no ../shared (prompts come from tests/data, models are gene
    bf16, against its floor (bytes a token reads / copy bandwidth);
 5. offloaded TPOT of that model at 25 / 50 / 75% expert budgets with the policies.
 
+Decode timings warm up on the whole workload first, report the median time between tokens with
+its spread and the host's reads / executions per token, and fail if anything compiles while timed.
+
 Writes bench/results/gpu_suite_gpu.json with the device name. `--dry-run` runs every part at toy
 sizes on whatever backend there is (CPU: kernels in interpret mode), to check the suite itself;
 its JSON goes to gpu_suite_dry_run_<backend>.json and its numbers mean nothing.
@@ -33,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
-from bench.common import RESULTS, ROOT, machine, staging_bytes, timed
+from bench.common import RESULTS, ROOT, machine, timed
 from convert import convert_checkpoint
 from jmoe.runtime.host_store import host_sharding
+from jmoe.serving.batcher import CompileCounter
 
 PROMPTS = ROOT / "tests" / "data"
 QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128)
@@ -102,12 +106,34 @@ def prompts(tokenizer, n_tokens: int = 32) -> list[list[int]]:
     return [tokenizer.encode((PROMPTS / f"{d}.dev.txt").read_text()[:4000])[:n_tokens] for d in ("prose", "code")]
 
 
-def decode_tpot(model, items, new_tokens: int) -> float:
-    jmoe.generate(model, items[0][:8], max_new_tokens=4)  # compile
-    model.residency.reset_stats()
-    for ids in items:
-        jmoe.generate(model, ids, max_new_tokens=new_tokens)
-    return jmoe.stats(model)["tpot_s"]
+def decode_tpot(model, items, new_tokens: int) -> dict:
+    """Median seconds per decode token (between streamed tokens, after each prompt's first) with its
+    spread, after a warm-up that runs the whole workload once (every shape it meets compiled);
+    fails if anything compiles while timing."""
+    def token_gaps():
+        gaps = []
+        for ids in items:
+            last = None
+            for _ in jmoe.generate(model, ids, max_new_tokens=new_tokens, stream=True):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+        return gaps
+
+    token_gaps()  # warm-up: the same prompts and lengths as the timed run
+    compiles = CompileCounter.count()
+    before = jmoe.stats(model)
+    gaps = token_gaps()
+    if CompileCounter.count() != compiles:
+        sys.exit(f"{CompileCounter.count() - compiles} compilation(s) in the timed window")
+    after = jmoe.stats(model)
+    tokens = max(after["decode_tokens"] - before["decode_tokens"], 1)
+    host = {k: (after["host"].get("decode", {}).get(k, 0) - before["host"].get("decode", {}).get(k, 0)) / tokens
+            for k in ("reads", "executions", "transfers", "transfer_bytes")}
+    return {"tpot_s": float(np.median(gaps)), "tpot_min_s": float(np.min(gaps)), "tpot_max_s": float(np.max(gaps)),
+            "tpot_p90_s": float(np.percentile(gaps, 90)), "decode_tokens": len(gaps),
+            "host_per_decode_token": host}
 
 
 def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dict:
@@ -117,21 +143,23 @@ def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dic
     for tier in ("int4", "bf16"):
         model = jmoe.load(path, tier=tier, compute_dtype=dtype, max_seq_len=512)
         items = prompts(model.tokenizer)
-        tpot = decode_tpot(model, items, new_tokens)
+        timing = decode_tpot(model, items, new_tokens)
+        tpot = timing["tpot_s"]
         cfg = model.config
         per_token = tree_nbytes(model.dense) + cfg.num_moe_layers * cfg.top_k * model.store.record_nbytes(tier)
         floor = per_token / (copy_gbps / 2 * 1e9)  # the copy reads and writes: reading alone runs at half its time
-        out[tier] = {"tpot_s": tpot, "bytes_per_token": per_token, "floor_s": floor, "tpot_over_floor": tpot / floor}
+        out[tier] = {**timing, "bytes_per_token": per_token, "floor_s": floor, "tpot_over_floor": tpot / floor}
         print("resident", tier, json.dumps(out[tier]), flush=True)
     return out
 
 
 def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
-    plan = jmoe.memory_plan(path, tier="int4", compute_dtype=dtype, max_seq_len=512)
-    fixed = plan["dense"] + plan["kv_cache"] + plan["workspace"] + staging_bytes(path)
     rows = []
     for fraction in (0.25, 0.5, 0.75):
         for policy in POLICIES:
+            # every fixed term load() reserves for this policy (fetch slots and staging included)
+            plan = jmoe.memory_plan(path, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy)
+            fixed = sum(v for k, v in plan.items() if k != "all_experts")
             try:
                 model = jmoe.load(path, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy,
                                   device_budget=int(fixed + fraction * plan["all_experts"]))
@@ -139,11 +167,11 @@ def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
                 rows.append({"budget_fraction": fraction, "policy": policy, "skipped": str(e)})
                 continue
             items = prompts(model.tokenizer)
-            tpot = decode_tpot(model, items, new_tokens)
+            timing = decode_tpot(model, items, new_tokens)
             stats = jmoe.stats(model)
-            rows.append({"budget_fraction": fraction, "policy": policy, "tpot_s": tpot, "hit_rate": stats["hit_rate"],
-                         "bytes_h2d_per_token": stats["bytes_h2d_per_token"], "host_syncs": stats["host_syncs"],
-                         "tokens": stats["tokens"]})
+            rows.append({"budget_fraction": fraction, "policy": policy, **timing, "hit_rate": stats["hit_rate"],
+                         "bytes_h2d_per_token": stats["bytes_h2d_per_token"], "in_step_fetches": stats["in_step_fetches"],
+                         "replays": stats["replays"], "tokens": stats["tokens"]})
             print("offloaded", json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -164,6 +192,7 @@ def main() -> None:
     if backend != "gpu" and not dry:
         parser.error(f"no GPU here (jax backend {backend!r}); use --dry-run to check the suite on this machine")
     dtype = "bfloat16" if backend == "gpu" else "float32"
+    CompileCounter.count()  # listens from here on: a compile in a timed window fails the run
     started = time.perf_counter()
     result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "dry_run": dry, "parts": parts}
