@@ -116,6 +116,13 @@ CASES = {
 
 # ---------------------------------------------------------------- model and prompts
 
+def jmoe_source() -> str:
+    """The commit of the jmoe that ran (no path of this machine goes into a result)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(jmoe.__file__).parent,
+                          capture_output=True, text=True)
+    return f"commit {done.stdout.strip()}" if done.returncode == 0 else "unknown"
+
+
 def converted_model(model_dir: str | None, tmp: str) -> Path:
     if model_dir:
         return Path(model_dir)
@@ -387,7 +394,7 @@ def time_case(args) -> dict:
         rounds.append({"resident_ms": resident_ms, "case_ms": case_ms, "ratio": case_ms / resident_ms,
                        "decode_tokens": tokens, "waited_for_quiet_s": waited,
                        "other_processes_cores": other_cores(before, busy_seconds(), time.perf_counter() - start)})
-    return {"rounds": rounds, "jmoe_file": jmoe.__file__}
+    return {"rounds": rounds, "jmoe_source": jmoe_source()}
 
 
 def spread(values: list[float]) -> dict:
@@ -483,7 +490,7 @@ def main() -> None:
             results[name]["counts"] = count_case(path, name, found.get(name, {}).get("budget"), ids, args, load_kw)
             print(f"{name}: counted", flush=True)
     payload = {
-        "machine": machine(), "jmoe_file": jmoe.__file__, "model": "tiny-qwen3-moe (bf16,int4)", "compute_dtype": "float32",
+        "machine": machine(), "jmoe_source": jmoe_source(), "model": "tiny-qwen3-moe (bf16,int4)", "compute_dtype": "float32",
         "prompts": {d: ids[d] for d in DOMAINS}, "warmup_prompt": ids["warmup"], "new_tokens": args.new_tokens,
         "temperature": args.temperature, "seed": args.seed, "rounds": args.rounds, "load_kw": load_kw,
         "all_bf16_expert_bytes": all_experts, "budget_share_of_bf16_experts": BUDGET_SHARE,
