@@ -79,6 +79,16 @@ def staging_bytes(path: Path) -> int:
     return 2 * manifest["config"]["top_k"] * max(t["record_nbytes"] for t in manifest["tiers"].values())
 
 
+def planned_budget(path: Path, share: float, **plan_kw) -> int:
+    """A device budget of every reservation jmoe.memory_plan(path, **plan_kw) names plus `share` of
+    its "all_experts" bytes: pools holding that share of the experts."""
+    from jmoe.runtime.loader import memory_plan
+
+    plan = memory_plan(path, **plan_kw)
+    experts = plan.pop("all_experts")
+    return sum(plan.values()) + int(share * experts)
+
+
 def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if jax.default_backend() == "gpu" else "cpu"

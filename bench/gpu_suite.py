@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
-from bench.common import RESULTS, ROOT, machine, timed
+from bench.common import RESULTS, ROOT, machine, planned_budget, timed
 from convert import convert_checkpoint
 from jmoe.runtime.host_store import host_sharding
 from jmoe.serving.batcher import CompileCounter
@@ -158,11 +158,10 @@ def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
     for fraction in (0.25, 0.5, 0.75):
         for policy in POLICIES:
             # every fixed term load() reserves for this policy (fetch slots and staging included)
-            plan = jmoe.memory_plan(path, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy)
-            fixed = sum(v for k, v in plan.items() if k != "all_experts")
+            budget = planned_budget(path, fraction, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy)
             try:
                 model = jmoe.load(path, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy,
-                                  device_budget=int(fixed + fraction * plan["all_experts"]))
+                                  device_budget=budget)
             except jmoe.BudgetError as e:
                 rows.append({"budget_fraction": fraction, "policy": policy, "skipped": str(e)})
                 continue

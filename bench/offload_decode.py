@@ -44,11 +44,10 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import machine, write_result
+from bench.common import machine, planned_budget, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from jmoe.policies import DyMoE
-from jmoe.runtime.loader import memory_plan
 from jmoe.serving.batcher import CompileCounter
 
 MAX_SEQ_LEN = 512
@@ -82,9 +81,8 @@ def converted(args) -> Path:
 
 
 def budget(path: Path, policy, share: float, draft: str | None) -> int:
-    plan = memory_plan(path, tier="int4", compute_dtype="float32", policy=policy, max_seq_len=MAX_SEQ_LEN,
-                       **({"draft": draft} if draft else {}))
-    return int(sum(v for k, v in plan.items() if k != "all_experts") + share * plan["all_experts"])
+    return planned_budget(path, share, tier="int4", compute_dtype="float32", policy=policy, max_seq_len=MAX_SEQ_LEN,
+                          draft=draft)
 
 
 def load(path: Path, name: str, **extra):

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import jmoe
-from bench.common import DOMAINS, TINY_HF, dev_tokens, write_result
+from bench.common import DOMAINS, TINY_HF, dev_tokens, planned_budget, write_result
 from convert import convert_checkpoint
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.runtime.loader import memory_plan
@@ -46,9 +46,8 @@ def load(path: Path, name: str, share: float):
     kw = {"tier": tier, "compute_dtype": "float32", "max_seq_len": MAX_SEQ_LEN}
     if make_policy is None:
         return jmoe.load(path, **kw)
-    plan = memory_plan(path, tier="bf16", compute_dtype="float32", max_seq_len=MAX_SEQ_LEN, policy=make_policy())
-    bf16_experts = plan.pop("all_experts")
-    budget = sum(plan.values()) + int(share * bf16_experts)
+    budget = planned_budget(path, share, tier="bf16", compute_dtype="float32", max_seq_len=MAX_SEQ_LEN,
+                            policy=make_policy())
     if isinstance(make_policy(), DynaExq):  # every expert stays resident at lo: the share is on top of them
         budget += memory_plan(path, tier="int4", compute_dtype="float32", max_seq_len=MAX_SEQ_LEN)["all_experts"]
     return jmoe.load(path, policy=make_policy(), device_budget=budget, **kw)
