@@ -24,6 +24,7 @@ EXPERT_FFN = "jmoe_cpu_expert_ffn"
 ROUTED_FFN = "jmoe_cpu_routed_ffn"
 WRITE_ROWS = "jmoe_cpu_write_rows"
 WRITE_SLOTS = "jmoe_cpu_write_slots"
+COPY_SLOTS = "jmoe_cpu_copy_slots"
 
 
 def _load():
@@ -39,7 +40,8 @@ def _load():
                 lib = ctypes.cdll.LoadLibrary(_native.__file__)
                 for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn),
                                      (ROUTED_FFN, lib.JmoeCpuRoutedFfn), (WRITE_ROWS, lib.JmoeCpuWriteRows),
-                                     (WRITE_SLOTS, lib.JmoeCpuWriteSlots)):
+                                     (WRITE_SLOTS, lib.JmoeCpuWriteSlots),
+                                     (COPY_SLOTS, lib.JmoeCpuCopySlots)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
             except Exception as e:  # noqa: BLE001 - not built, not loadable, or refused by this jaxlib's XLA

@@ -167,6 +167,18 @@ def write_slots(pool: jax.Array, values: jax.Array, slots: jax.Array, offset: in
     return pool
 
 
+def copy_slots(pool: jax.Array, store: jax.Array, rows: jax.Array, slots: jax.Array, offset: int) -> jax.Array:
+    """pool [S, ...] with row slots[i] replaced by bytes [offset, offset + row bytes) of store row
+    rows[i] (store: uint8 [n, nbytes], one expert record per row) wherever both are in range (others
+    skipped), in place: write_slots reading straight from a host store, nothing done for a skipped
+    row. Native kernels only (the in-step fetch on the CPU uses it where `available()`)."""
+    if not native.loaded():
+        raise RuntimeError("copy_slots needs the native CPU kernels")
+    return native.call(native.COPY_SLOTS, jax.ShapeDtypeStruct(pool.shape, pool.dtype), pool, store,
+                       rows.astype(jnp.int32), slots.astype(jnp.int32), input_output_aliases={0: 0},
+                       offset=np.int64(offset))
+
+
 def _from_raw(raw, dtype, shape):
     """uint8 [n, nbytes] -> [n, *shape] of `dtype` with the same bytes."""
     itemsize = jnp.dtype(dtype).itemsize

@@ -321,6 +321,26 @@ def test_write_slots_copies_record_bytes_into_pool_rows_in_place(dtype, monkeypa
     assert np.asarray(fallback).tobytes() == want.tobytes()
 
 
+def test_copy_slots_copies_store_rows_by_index_and_skips_out_of_range_ones():
+    """The in-step fetch on the CPU: pool row slots[i] = store row rows[i]'s bytes at the leaf's
+    offset; a slot or a row out of range (an unused fetch: -1) leaves the pool as it was."""
+    rng = np.random.default_rng(5)
+    S, shape, E = 5, (3, 4), 7
+    row_bytes = int(np.prod(shape)) * 2
+    pool = rng.integers(0, 60, (S, *shape)).astype(np.float16)
+    store = rng.integers(0, 60, (E, 8 + row_bytes + 4), dtype=np.uint8)
+    rows = np.array([6, 2, -1, 3, 9], np.int32)
+    slots = np.array([0, 3, 1, -1, 2], np.int32)
+    want = np.array(pool)
+    for r, s in zip(rows, slots):
+        if 0 <= r < E and 0 <= s < S:
+            want[s] = store[r, 8 : 8 + row_bytes].view(np.float16).reshape(shape)
+    copy = jax.jit(lambda p, st, r, s: ops.copy_slots(p, st, r, s, offset=8), donate_argnums=0)
+    got = copy(jnp.asarray(pool), jnp.asarray(store), jnp.asarray(rows), jnp.asarray(slots))
+    assert np.asarray(got).tobytes() == want.tobytes()
+    assert not (want == pool).all()  # something was written
+
+
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_hf_dir, tmp_path_factory):
     return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("cpu_int4") / "m", tiers="bf16,int4",

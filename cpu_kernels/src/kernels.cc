@@ -714,28 +714,45 @@ static ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi
 }
 
 // Rows of a pool [S, ...] replaced in place: row slot[i] = bytes [offset, offset + row bytes) of
-// values[i] for every i with 0 <= slot[i] < S (others are skipped). values [n, ...] of any type:
-// an expert record's raw bytes, each leaf of the pool at its offset, need no conversion or slice.
-// XLA:CPU's own dynamic_update_slice converts a bfloat16 array to float32 and back, a copy of the
-// whole pool per write.
-static ffi::Error write_slots_impl(ffi::AnyBuffer pool, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> slot,
-                                   ffi::Result<ffi::AnyBuffer> out, int64_t offset) {
+// source row r[i] for every i with 0 <= slot[i] < S and 0 <= r[i] < n (others are skipped); r[i] = i
+// without `source_row`. source [n, ...] of any type: an expert record's raw bytes, each leaf of the
+// pool at its offset, need no conversion or slice. XLA:CPU's own dynamic_update_slice converts a
+// bfloat16 array to float32 and back, a copy of the whole pool per write.
+static ffi::Error copy_rows(ffi::AnyBuffer pool, ffi::AnyBuffer source, const int32_t* source_row,
+                            ffi::Buffer<ffi::S32> slot, ffi::Result<ffi::AnyBuffer> out, int64_t offset) {
   const auto pd = pool.dimensions();
-  const int64_t n = static_cast<int64_t>(slot.element_count());
-  if (pd.size() < 1 || pd[0] == 0 || n == 0 || values.size_bytes() % n != 0)
+  const auto sd = source.dimensions();
+  const int64_t m = static_cast<int64_t>(slot.element_count());
+  const int64_t n = source_row ? (sd.size() ? sd[0] : 0) : m;
+  if (pd.size() < 1 || pd[0] == 0 || n == 0 || source.size_bytes() % n != 0)
     return ffi::Error::InvalidArgument("write_slots wants pool [S, ...], values [n, ...] and slot [n]");
   const int64_t S = pd[0];
-  const size_t row_bytes = pool.size_bytes() / S, stride = values.size_bytes() / n;
+  const size_t row_bytes = pool.size_bytes() / S, stride = source.size_bytes() / n;
   if (offset < 0 || offset + row_bytes > stride)
     return ffi::Error::InvalidArgument("write_slots: a pool row does not fit its value row at that offset");
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
   if (dst != pool.untyped_data()) std::memcpy(dst, pool.untyped_data(), pool.size_bytes());
-  const auto* src = static_cast<const uint8_t*>(values.untyped_data());
-  for (int64_t i = 0; i < n; ++i) {
+  const auto* src = static_cast<const uint8_t*>(source.untyped_data());
+  for (int64_t i = 0; i < m; ++i) {
     const int64_t s = slot.typed_data()[i];
-    if (s >= 0 && s < S) std::memcpy(dst + s * row_bytes, src + i * stride + offset, row_bytes);
+    const int64_t r = source_row ? source_row[i] : i;
+    if (s >= 0 && s < S && r >= 0 && r < n) std::memcpy(dst + s * row_bytes, src + r * stride + offset, row_bytes);
   }
   return ffi::Error::Success();
+}
+
+static ffi::Error write_slots_impl(ffi::AnyBuffer pool, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> slot,
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t offset) {
+  return copy_rows(pool, values, nullptr, slot, out, offset);
+}
+
+// write_slots reading its rows out of a store [n, ...] by index: the CPU's in-step fetch, straight from
+// the host store into the pool (no record materialised, nothing done for a skipped fetch).
+static ffi::Error copy_slots_impl(ffi::AnyBuffer pool, ffi::AnyBuffer store, ffi::Buffer<ffi::S32> row,
+                                  ffi::Buffer<ffi::S32> slot, ffi::Result<ffi::AnyBuffer> out, int64_t offset) {
+  if (row.element_count() != slot.element_count())
+    return ffi::Error::InvalidArgument("copy_slots wants as many store rows as slots");
+  return copy_rows(pool, store, row.typed_data(), slot, out, offset);
 }
 
 }  // namespace jmoe
@@ -795,6 +812,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteSlots, jmoe::write_slots_impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuCopySlots, jmoe::copy_slots_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("offset"));

@@ -6,7 +6,7 @@ memory-mapped expert file itself). Per MoE layer and tier, the step fetches up t
 experts, each by one dynamic slice of the store moved to device memory and written into a pool slot:
 
 - requests: experts the host asked for, into slots the host chose (published by the host at once:
-  any later step reads the pools this one wrote);
+  any later step reads the pools this one wrote); every layer's are written as the step starts;
 - look-ahead: the experts the previous layer predicted for this one (its state through this
   layer's router) that are not resident, most confident first (prefetching policies), or those a
   speculative draft routed to (its hint); only as many as land (a prefetch never needs scratch);
@@ -24,9 +24,11 @@ candidate; the host evicts what was there and publishes it when it reads the ste
 next step overlays this step's landings on its tables (retracting what they overwrote), so
 consecutive steps share what was fetched before the host has read anything.
 
-With `guarded` (XLA:CPU) each fetch sits in a conditional and an unused one costs nothing; on an
-accelerator every fetch slot moves a record every step (a conditional would read its predicate
-back to the host inside the step), unused ones into the tier's sink slot.
+On the CPU (`native`) the native kernels copy each fetched expert straight from the store into its
+slot and skip unused fetches; with `guarded` alone each fetch sits in a conditional instead (XLA:CPU
+without the kernels; such a conditional makes XLA copy a whole pool when the step writes several
+tiers). On an accelerator every fetch slot moves a record every step (a conditional would read its
+predicate back to the host inside the step), unused ones into the tier's sink slot.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
 from jmoe.format import RecordLayout
 from jmoe.layers.experts import NO_SLOT, LayerExperts, Routing, expert_importance, wanted_by_importance
 from jmoe.layers.records import write_records
@@ -62,6 +65,7 @@ class FetchSpec:
     land: bool = True  # look-ahead and missed experts stay resident (False: run once, as on demand)
     degrade: bool = False  # a missing expert with a lower resident version runs at it (not fetched)
     predict: bool = False  # each layer's look-ahead is the previous layer's prediction (else only a draft's hint)
+    native: bool = False  # the CPU kernels copy fetched experts from the store (unused fetches skipped)
 
     @property
     def scratch(self) -> int:
@@ -138,8 +142,14 @@ def fetch_record(store, expert):
     return jax.device_put(record, jax.memory.Space.Device)
 
 
-def write_fetched(pool, store, ids, dests, valid, layout: RecordLayout, sink: int, guarded: bool):
+def write_fetched(pool, store, ids, dests, valid, layout: RecordLayout, sink: int, guarded: bool,
+                  native: bool = False):
     """pool with the records of experts ids[i] written into slots dests[i] where valid[i]."""
+    if native:  # no record materialised, no conditional: each leaf's rows copied from the store
+        leaves, treedef = jax.tree.flatten(pool)
+        dests = jnp.where(valid, dests, NO_SLOT)
+        return treedef.unflatten([cpu_kernels.copy_slots(leaf, store, ids, dests, spec.offset)
+                                  for leaf, spec in zip(leaves, layout.leaves, strict=True)])
     if guarded:  # the CPU: its native kernels write where they are built
         for i in range(ids.shape[0]):
             pool = jax.lax.cond(
@@ -249,12 +259,25 @@ class StepFetcher:
         return LayerExperts(rows, pools, experts.hi, experts.lo, experts.ratio, experts.heavy_hitters, experts.backend,
                             experts.group_rows, experts.int8_dot, experts.ep)
 
+    def write_requests(self, pools: dict) -> dict:
+        """pools with every layer's requests written, before any layer runs. Written where each
+        layer runs instead, a request (host-chosen, depending on nothing the step computes) would
+        be unordered with the earlier layers' reads of the same pool, and XLA would copy the pool."""
+        if not self.spec.requests:
+            return pools
+        pools = dict(pools)
+        for tier in self.spec.tiers:
+            for layer in range(self.plan.request_ids[tier].shape[0]):
+                ids, dests = self.plan.request_ids[tier][layer], self.plan.request_slots[tier][layer]
+                pools[tier] = self._write(layer, tier, pools[tier], ids, dests, ids >= 0)
+        return pools
+
     def _requests(self, layer, tier, rows, pools, kind):
+        """Publish layer `layer`'s requests (written by write_requests) in its rows."""
         if not self.spec.requests:
             return rows, pools, kind
         ids, dests = self.plan.request_ids[tier][layer], self.plan.request_slots[tier][layer]
         valid = ids >= 0
-        pools[tier] = self._write(layer, tier, pools[tier], ids, dests, valid)
         rows[tier] = publish_row(rows[tier], ids, dests, valid)
         return rows, pools, kind.at[jnp.where(valid, ids, kind.shape[0])].set(SERVED_PREFETCHED, mode="drop")
 
@@ -297,7 +320,7 @@ class StepFetcher:
         spec = self.spec
         store = self.inputs.stores[tier][layer]
         return write_fetched(pool, store, ids, dests, valid, spec.layouts[spec.tiers.index(tier)], spec.sink(tier),
-                             spec.guarded)
+                             spec.guarded, spec.native)
 
     def predict(self, next_experts: LayerExperts, counts, gate, predicted_wanted) -> None:
         """The next MoE layer's look-ahead from its predicted routing: per expert token counts [E],

@@ -121,6 +121,7 @@ class TracedLayers:
             plan = spec.unpack(inputs.packed, len(model.config.moe_layer_indices))
             self.tables = overlay(plan, inputs.previous_keys, spec)
             self.fetcher = StepFetcher(spec, inputs, plan, self.tables)
+            self.pools = self.fetcher.write_requests(self.pools)
 
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+import cpu_kernels
 from jmoe.config import ModelConfig
 from jmoe.decoding.summary import Summary
 from jmoe.layers.experts import ExpertState, NO_SLOT
@@ -101,7 +102,8 @@ class InStepFetch:
                              min(cache_slots) // LANDING_SHARE))
         self.spec = FetchSpec(tuple(pools), tuple(p.layout for p in pools.values()), cache_slots, res.cfg.num_experts,
                               slots.misses, slots.lookahead, slots.requests, landing, slots.guarded,
-                              land=res.policy.cache, degrade=slots.degrade, predict=slots.predict)
+                              land=res.policy.cache, degrade=slots.degrade, predict=slots.predict,
+                              native=slots.guarded and cpu_kernels.available())
         self.stores = {tier: res.host.stacks(tier) for tier in pools}
         self.accelerator = accelerator or slots
         self.wanted: OrderedDict[tuple[Key, str], str] = OrderedDict()  # (key, tier) -> kind: requests to come
