@@ -675,7 +675,7 @@ def offload_spec(cfg, policy, device):
 
 def offloaded_decode_inputs(cfg, spec, on, in_host):
     """The model's graphdef and engine._decode's abstract inputs after it, for one row: (dense,
-    experts, pools, tokens, cache, positions, seen, rng, temperature, top_k, 1 - top_p, penalty);
+    experts, pools, tokens, cache, positions, seen, rng, temperature, top_k, 1 - top_p, penalty, min_p, bias);
     `in_host` places the stores, `on` everything else."""
     import jax
     import jax.numpy as jnp
@@ -701,7 +701,9 @@ def offloaded_decode_inputs(cfg, spec, on, in_host):
              for t, n in zip(spec.tiers, spec.cache_slots)}
     cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
     rng = jax.eval_shape(lambda: jax.random.key(0))
-    scalars = (on((), jnp.float32), on((), jnp.int32), on((), jnp.float32), on((), jnp.float32))
+    # temperature, top_k, 1 - top_p, penalty, min_p, logit bias [V]
+    scalars = (on((), jnp.float32), on((), jnp.int32), on((), jnp.float32), on((), jnp.float32), on((), jnp.float32),
+               on((cfg.vocab_size,), jnp.float32))
     return graphdef, (dense, experts, pools, on((1,), jnp.int32), cache, on((2, 1), jnp.int32),
                       on((1, cfg.vocab_size), jnp.bool_), on(rng.shape, rng.dtype), *scalars)
 

@@ -121,7 +121,7 @@ def host_counts(model) -> dict:
     phases = [io for phase, io in s["host"].items() if phase != "prefill"]
     return {"decode_tokens": s["decode_tokens"], **{k: sum(io.get(k, 0) for io in phases)
                                                     for k in ("reads", "executions", "transfers", "transfer_bytes")},
-            "in_step_fetches": s["in_step_fetches"], "replays": s["replays"],
+            "in_step_fetches": s["in_step_fetches"], "in_step_misses": s["in_step_misses"], "replays": s["replays"],
             "degraded": s["degraded"], "expert_uses": s["expert_uses"], "hits": s["hit_rate"] * s["expert_uses"]}
 
 
@@ -167,7 +167,8 @@ def time_case(name: str, model, resident, prompts, args, temperature: float) -> 
     print(f"  T={temperature:g} {name:28s} {entry['decode_ms']['median']:7.2f} ms/token (resident "
           f"{entry['resident_decode_ms']['median']:.2f})  x{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
           f"  reads {entry['reads_per_token']:.2f} exec {entry['executions_per_token']:.2f}"
-          f" in-step {entry['in_step_fetches_per_token']:.2f} replays {entry['replays']}"
+          f" in-step {entry['in_step_fetches_per_token']:.2f} (misses {entry['in_step_misses_per_token']:.2f})"
+          f" replays {entry['replays']}"
           f" hit {entry['hit_rate']:.3f} degraded {entry['degraded_share']:.3f}", flush=True)
     return entry
 

@@ -8,7 +8,7 @@ from jmoe.runtime.loader import JmoeModel, load, memory_plan
 
 def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0, stop=None, stream: bool = False,
-             speculative=None):
+             speculative=None, min_p: float = 0.0, logit_bias=None):
     """Generate a continuation of `prompt` (greedy unless temperature > 0).
 
     Args:
@@ -16,8 +16,11 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
       prompt: a string, chat messages ([{"role": ..., "content": ...}], through the model's chat
         template), token ids, or a list of any one of these kinds for a batch.
       max_new_tokens: stop after this many new tokens (earlier at EOS or a stop string).
-      temperature, top_k, top_p, repetition_penalty: sampling controls (0 / 0 / 1 / 1 = off), with
-        transformers' semantics and order (penalty, temperature, top-k, top-p; ties kept as it does).
+      temperature, top_k, top_p, repetition_penalty, min_p: sampling controls (0 / 0 / 1 / 1 / 0 =
+        off), with transformers' semantics and order (penalty, temperature, top-k, top-p, min-p; ties
+        kept as it does).
+      logit_bias: {token id: bias in [-100, 100]} added to those logits before everything else
+        (greedy included; -100 in effect bans a token), as OpenAI's logit_bias.
       seed: any integer in [0, 2**64): the sampling stream (all 64 bits count).
       stop: a string or strings that end generation (not included in the output).
       stream: yield pieces as they are produced instead of returning the whole output.
@@ -40,7 +43,7 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
 
     return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream,
-                     speculative=speculative)
+                     speculative=speculative, min_p=min_p, logit_bias=logit_bias)
 
 
 def stats(model: JmoeModel) -> dict:

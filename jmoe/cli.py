@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-k", type=int, default=0)
     chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
 
@@ -174,14 +176,14 @@ def cmd_generate(args) -> None:
     from jmoe.decoding.sampling import SamplingOptions
 
     # Refuse bad generation options before spending time on loading the model.
-    SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.min_p)
     validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
     stop_strings(args.stop)
     speculative = cli_speculative(args)
     model = load_model(args, draft=speculative.draft if speculative else None)
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                           seed=args.seed, stop=args.stop or None, stream=True,
+                           seed=args.seed, stop=args.stop or None, stream=True, min_p=args.min_p,
                            speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"))
     from jmoe.distributed.processes import is_main_process
 
@@ -297,10 +299,11 @@ def cmd_chat(args) -> None:
     from jmoe.serving import BatchEngine
     from jmoe.serving.chat import chat_loop
 
-    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, 1.0, args.seed)
+    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, 1.0, args.seed, args.min_p)
     max_tokens = validate.integer("max_tokens", args.max_tokens, minimum=1)
     model = load_model(args)
-    with BatchEngine(model, max_batch=1) as engine:
+    print("compiling (once per prompt length bucket)...", file=sys.stderr, flush=True)
+    with BatchEngine(model, max_batch=1, warm_up=True) as engine:
         chat_loop(engine, max_tokens=max_tokens, sampling=sampling, system=args.system)
 
 

@@ -15,12 +15,14 @@ from jmoe.serving.chat import chat_loop, chat_prompt
 
 
 def test_chat_answers_each_turn_with_the_history_and_forgets_on_reset(tiny_converted):
-    turns = "Hello\n/reset\nWhat is 12 + 35?\n/quit\n"
+    turns = "Hello\n/help\n/reset\nWhat is 12 + 35?\n/quit\n"
     done = subprocess.run([sys.executable, "-m", "jmoe.cli", "chat", str(tiny_converted), "--max-tokens", "8",
-                           "--dtype", "float32"], input=turns, capture_output=True, text=True, timeout=300)
+                           "--dtype", "float32", "--max-seq-len", "256"], input=turns, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "(conversation forgotten)" in out and out.count("> ") >= 4
+    assert "(conversation forgotten)" in out and out.count("> ") >= 5
+    assert out.count("/reset forgets the conversation") == 2  # the banner, and /help's answer (not the model's)
     model = jmoe.load(tiny_converted, compute_dtype="float32")
     first = jmoe.generate(model, chat_prompt(model, [{"role": "user", "content": "Hello"}]), max_new_tokens=8)
     assert model.tokenizer.decode(first) in out  # the first answer is the model's greedy answer to that turn

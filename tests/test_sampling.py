@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -29,14 +30,16 @@ def hf_processed(logits: np.ndarray, history: torch.Tensor | None, opts: Samplin
         steps.append(TopKLogitsWarper(opts.top_k))
     if opts.top_p < 1.0:
         steps.append(TopPLogitsWarper(opts.top_p))
+    if opts.min_p > 0.0:
+        steps.append(MinPLogitsWarper(opts.min_p))
     ids = history if history is not None else torch.zeros((logits.shape[0], 0), dtype=torch.long)
     return LogitsProcessorList(steps)(ids, torch.tensor(logits)).numpy()
 
 
 def ours(logits: np.ndarray, seen: np.ndarray, opts: SamplingOptions) -> np.ndarray:
-    temperature, top_k, one_minus_top_p, penalty = opts.device_params()
-    out = apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), penalty)
-    return np.asarray(warp(out, temperature, top_k, one_minus_top_p))
+    temperature, top_k, one_minus_top_p, penalty, min_p, bias = opts.device_params(logits.shape[-1])
+    out = apply_repetition_penalty(jnp.asarray(logits) + bias, jnp.asarray(seen), penalty)
+    return np.asarray(warp(out, temperature, top_k, one_minus_top_p, min_p))
 
 
 def assert_same_filter(a: np.ndarray, b: np.ndarray, *, identities: bool = True) -> None:
@@ -59,10 +62,12 @@ OPTIONS = [
     SamplingOptions(temperature=0.5, top_k=50, top_p=0.99, repetition_penalty=1.4),
     SamplingOptions(temperature=2.0, top_k=400),  # k beyond the vocabulary
     SamplingOptions(temperature=1.0, top_p=1.0),  # no filter at all
+    SamplingOptions(temperature=1.0, min_p=0.1),
+    SamplingOptions(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
 ]
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"t{o.temperature}-k{o.top_k}-p{o.top_p}-r{o.repetition_penalty}")
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"t{o.temperature}-k{o.top_k}-p{o.top_p}-r{o.repetition_penalty}-m{o.min_p}")
 def test_random_logits_filter_exactly_like_transformers(opts):
     rng = np.random.default_rng(opts.top_k * 100 + int(opts.top_p * 100))
     logits = (rng.normal(size=(4, 300)) * 3).astype(np.float32)
@@ -129,3 +134,41 @@ def test_greedy_tokens_take_the_first_largest_logit_as_argmax_does():
     assert got.dtype == np.int32
     nan_row = np.asarray(greedy_tokens(jnp.full((1, 10), jnp.nan)))
     assert 0 <= int(nan_row[0]) < 10
+
+
+def test_logit_bias_is_added_before_everything_and_bans_greedy_tokens():
+    """A bias of -100 takes a token out of greedy decoding and sampling alike; +100 forces one; the
+    biased logits are what the penalty and the warpers then see."""
+    from jmoe.decoding.sampling import sample_tokens
+
+    logits = jnp.asarray([[5.0, 4.0, 1.0, 0.0]] * 2, jnp.float32)
+    seen = jnp.zeros((2, 4), bool)
+
+    def draw(opts, greedy, key=0):
+        return np.asarray(sample_tokens(logits, seen, jax.random.key(key), *opts.device_params(4), greedy=greedy))
+
+    assert (draw(SamplingOptions(), True) == 0).all()
+    banned = SamplingOptions(logit_bias={"0": -100})  # JSON's string keys
+    assert (draw(banned, True) == 1).all()
+    assert not banned.plain_greedy and SamplingOptions().plain_greedy
+    forced = SamplingOptions(temperature=1.0, logit_bias={3: 100.0})
+    assert all((draw(forced, False, key) == 3).all() for key in range(5))
+    kept = SamplingOptions(temperature=1.0, top_k=1, logit_bias={2: 4.5})  # 1 + 4.5 beats 5 and 4
+    assert (draw(kept, False) == 2).all()
+
+
+@pytest.mark.parametrize("bias,error", [({0: 101}, "logit_bias"), ({-1: 1}, "logit_bias token"),
+                                        ({"x": 1}, "logit_bias token"), ({0: float("nan")}, "logit_bias"),
+                                        ([1, 2], "logit_bias")])
+def test_bad_logit_bias_is_refused(bias, error):
+    from jmoe.errors import InputError
+
+    with pytest.raises(InputError, match=error):
+        SamplingOptions(logit_bias=bias)
+
+
+def test_a_logit_bias_token_beyond_the_vocabulary_is_refused():
+    from jmoe.errors import InputError
+
+    with pytest.raises(InputError, match="vocabulary"):
+        SamplingOptions(logit_bias={400: 1.0}).device_params(300)

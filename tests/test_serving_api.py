@@ -146,6 +146,11 @@ BAD = [
     ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    # fields silently ignored before: unknown ones, and logit_bias / min_p out of range
+    ({"temprature": 0.5}, "temprature"), ({"top_a": 0.1}, "top_a"), ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"), ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5000": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "up"}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     (b"{not json", "JSON"), (b"[1, 2]", "object"), (b"x" * (MAX_BODY_BYTES + 1), "body"),
     # past what the step holds, or what the server allows
     ({"top_k": 2**31}, "top_k"), ({"top_k": 10**6}, "top_k"), ({"max_tokens": 10**30}, "max_tokens"),
@@ -399,6 +404,34 @@ def test_silent_connections_are_closed_and_too_many_refused(guarded):
     for conn in silent:
         conn.close()
     assert httpx.get(f"{guarded}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_logit_bias_and_min_p_change_the_answer(served):
+    """logit_bias bans what greedy decoding would pick (the issue's case: banned newlines still came
+    out) and forces a token; min_p narrows sampling; each in a batch beside a plain greedy row."""
+    base, engine, model = served
+    prompt = "def main():\n    "
+    ids = model.tokenizer.encode(prompt)
+    greedy_ids = jmoe.generate(model, ids, max_new_tokens=24)
+    banned = sorted(set(greedy_ids))[:6]
+    bias = {str(t): -100 for t in banned}
+    body = {**OK, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        biased = pool.submit(post, base, {**body, "logit_bias": bias})
+        plain = pool.submit(post, base, body)
+        text = biased.result().json()["choices"][0]["text"]
+        assert plain.result().json()["choices"][0]["text"] == model.tokenizer.decode(greedy_ids)
+    alone = jmoe.generate(model, ids, max_new_tokens=24, logit_bias={t: -100 for t in banned})
+    assert not set(alone) & set(banned) and alone != greedy_ids
+    assert text == model.tokenizer.decode(alone)
+    forced = post(base, {**OK, "max_tokens": 4, "temperature": 1.0, "seed": 3, "logit_bias": {"7": 100}}).json()
+    assert forced["choices"][0]["text"] == model.tokenizer.decode([7] * 4)
+    # min_p = 1 keeps only the most likely token: sampling at any seed gives the greedy text
+    narrow = [post(base, {**body, "max_tokens": 12, "temperature": 1.0, "seed": s, "min_p": 1.0}).json()
+              ["choices"][0]["text"] for s in (1, 2)]
+    assert narrow == [model.tokenizer.decode(greedy_ids[:12])] * 2
+    ignored = post(base, {**OK, "user": "someone", "metadata": {"k": "v"}, "store": False})
+    assert ignored.status_code == 200
 
 
 def test_bad_chat_messages_are_refused(served):

@@ -107,7 +107,7 @@ def test_speculative_sampling_follows_the_target_distribution():
     V, B, k = 12, 40_000, 2
     rng = np.random.default_rng(0)
     sampling = SamplingOptions(temperature=0.8, top_k=8, top_p=0.95, repetition_penalty=1.3, seed=1)
-    params = sampling.device_params()
+    params = sampling.device_params(V)
     seen = np.zeros((B, V), bool)
     seen[:, [2, 5]] = True
     target = rng.normal(size=(k + 1, V)) * 2

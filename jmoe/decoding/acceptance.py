@@ -5,8 +5,9 @@ Acceptance: greedy keeps the longest prefix of drafts the target's argmax agrees
 is exactly the plain greedy one); sampling keeps drafted token d at position j with probability
 min(1, p_j(d) / q_j(d)) and, at the first rejection, draws from the normalised residual
 max(0, p_j - q_j) (from p_k when every draft was kept), so the output follows the target's
-distribution. p and q both go through the repetition penalty, temperature, top-k and top-p, with
-the history as it stands at each position (the prompt's and earlier tokens', and the drafts before).
+distribution. p and q both go through the logit bias, repetition penalty, temperature, top-k, top-p
+and min-p, with the history as it stands at each position (the prompt's and earlier tokens', and
+the drafts before).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.decoding.sampling import apply_repetition_penalty, greedy_tokens, warp
+from jmoe.decoding.sampling import biased, greedy_tokens, warp
 
 
-def processed(logits, seen, temperature, top_k, one_minus_top_p, penalty):
-    """Next-token probabilities [B, V] and greedy choice [B] after the penalty and the warpers."""
-    penalized = apply_repetition_penalty(logits, seen, penalty)
-    return jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p), axis=-1), greedy_tokens(penalized)
+def processed(logits, seen, temperature, top_k, one_minus_top_p, penalty, min_p, bias):
+    """Next-token probabilities [B, V] and greedy choice [B] after the bias, the penalty and the warpers."""
+    penalized = biased(logits, seen, penalty, bias)
+    return (jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p, min_p), axis=-1),
+            greedy_tokens(penalized))
 
 
-def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty):
+def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty, min_p, bias):
     """`processed` at every position of a verification block: logits [B, T, V], seen [B, V] before
     the block, drafted [B, T - 1] the tokens after positions 0..T-2 (position j's history is seen
     plus drafted[:, :j]). Returns probabilities [B, T, V] and greedy choices [B, T]."""
@@ -31,7 +33,7 @@ def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, 
     later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1) > 0  # [B, T - 1, V]
     history = seen[:, None, :] | jnp.concatenate([jnp.zeros((B, 1, V), bool), later], axis=1)
     probs, pick = processed(logits.reshape(B * T, V), history.reshape(B * T, V), temperature, top_k,
-                            one_minus_top_p, penalty)
+                            one_minus_top_p, penalty, min_p, bias)
     return probs.reshape(B, T, V), pick.reshape(B, T)
 
 

@@ -91,7 +91,7 @@ def _fetching(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCac
 
 
 def _decode(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache, positions, seen, rng,
-            temperature, top_k, one_minus_top_p, penalty, *, greedy):
+            temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy):
     """One decode step and its sampling in one executable: tokens [B] -> (next tokens [B], seen, rng,
     cache, pools (None: not fetching), summary int32 [n] with the next tokens first, signals).
     positions: int32 [2, B], each row's cache slot (start) and first real slot (key_start): one transfer."""
@@ -99,13 +99,13 @@ def _decode(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache
     start, key_start = positions[0], positions[1]
     logits, cache, signals, pools = _run(graphdef, dense, experts, pools, tokens, cache, start, key_start,
                                          last_only=True, want_importance=False)
-    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, greedy=greedy)
+    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, greedy=greedy)
     packed = summary.pack(signals, nxt) if fetching else nxt.astype(jnp.int32)
     return nxt, seen, rng, cache, (pools if fetching else None), packed, signals
 
 
 def _draft(graphdef, dense, experts: ExpertState, last, cache: KVCache, positions, seen, rng, temperature, top_k,
-           one_minus_top_p, penalty, *, k, greedy):
+           one_minus_top_p, penalty, min_p, bias, *, k, greedy):
     """A speculative draft's k decode steps in one executable (jmoe/decoding/acceptance.py):
     (drafts [B, k], their probabilities [B, k, V], the draft's routing [L, E] (gate weight over
     its tokens: the verification's look-ahead), cache, rng)."""
@@ -116,12 +116,12 @@ def _draft(graphdef, dense, experts: ExpertState, last, cache: KVCache, position
                                          last_only=True, want_importance=False)
         return logits, signals.gate, cache
 
-    return acceptance.draft_tokens(step, last, cache, seen, rng, (temperature, top_k, one_minus_top_p, penalty),
+    return acceptance.draft_tokens(step, last, cache, seen, rng, (temperature, top_k, one_minus_top_p, penalty, min_p, bias),
                                    k=k, greedy=greedy)
 
 
 def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: KVCache, positions, seen, rng, q,
-            temperature, top_k, one_minus_top_p, penalty, *, greedy):
+            temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy):
     """A speculative cycle's verification in one executable: the target over each row's last token
     and its drafts (fetching what it lacks itself when given pools) and the acceptance
     (jmoe/decoding/acceptance.py). Returns (accepted [B], next token [B], seen, rng, cache, pools,
@@ -132,22 +132,23 @@ def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: K
     logits, cache, signals, pools = _run(graphdef, dense, experts, pools, block, cache, start, key_start,
                                          last_only=False, want_importance=False)
     accepted, nxt, seen, rng = acceptance.accept(logits, drafts, q, seen, rng,
-                                                 (temperature, top_k, one_minus_top_p, penalty), greedy=greedy)
+                                                 (temperature, top_k, one_minus_top_p, penalty, min_p, bias), greedy=greedy)
     tokens = jnp.concatenate([accepted, nxt, drafts.reshape(-1)])
     packed = summary.pack(signals, tokens) if fetching else tokens.astype(jnp.int32)
     return accepted, nxt, seen, rng, cache, (pools if fetching else None), packed, signals
 
 
-def _accept_again(logits, drafts, q, seen, rng, temperature, top_k, one_minus_top_p, penalty, *, greedy):
+def _accept_again(logits, drafts, q, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy):
     """The acceptance of a verification run again (its step was not exact): as in _verify."""
-    return acceptance.accept(logits, drafts, q, seen, rng, (temperature, top_k, one_minus_top_p, penalty),
+    return acceptance.accept(logits, drafts, q, seen, rng, (temperature, top_k, one_minus_top_p, penalty, min_p, bias),
                              greedy=greedy)
 
 
-def _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, *, greedy):
+def _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy):
     """logits [B, V] -> (next tokens [B], seen with them marked, the key for the next draw)."""
     rng, key = jax.random.split(rng)
-    tokens = sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, greedy=greedy)
+    tokens = sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias,
+                           greedy=greedy)
     seen = seen.at[jnp.arange(tokens.shape[0]), tokens].set(True)
     return tokens, seen, rng
 

@@ -75,7 +75,7 @@ class Sampler:
 
     def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
         self.engine, self.greedy = engine, sampling.greedy
-        self.params = sampling.device_params()
+        self.params = sampling.device_params(seen.shape[-1])
         self.rng, self.seen = sampling.rng(), jax.device_put(seen)
 
     def __call__(self, logits):
@@ -208,14 +208,16 @@ def stop_strings(stop: Any) -> list[str]:
 
 
 def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
-             seed=0, stop: str | Sequence[str] | None = None, stream_output=False, speculative=None):
+             seed=0, stop: str | Sequence[str] | None = None, stream_output=False, speculative=None, min_p=0.0,
+             logit_bias=None):
     """Every argument is checked here, before any work, so a streaming call fails at once."""
     from jmoe.runtime.loader import JmoeModel
 
     if not isinstance(model, JmoeModel):
         raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
     max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, minimum=1)
-    sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+    sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed, min_p, logit_bias or ())
+    sampling.device_params(model.config.vocab_size)  # a logit_bias token beyond the vocabulary fails now
     stops = stop_strings(stop)
     stream_output = validate.boolean("stream", stream_output)
     speculative = SpeculativeOptions.parse(speculative)

@@ -1,9 +1,11 @@
 """Token sampling with Hugging Face transformers' semantics, ties included.
 
 The order and the arithmetic follow transformers' logits processors exactly:
-RepetitionPenaltyLogitsProcessor, then TemperatureLogitsWarper, TopKLogitsWarper and
-TopPLogitsWarper (min_tokens_to_keep=1), each applied only when it is switched on. Filtered
-tokens get -inf. Greedy decoding applies the repetition penalty and takes the argmax.
+RepetitionPenaltyLogitsProcessor, then TemperatureLogitsWarper, TopKLogitsWarper,
+TopPLogitsWarper and MinPLogitsWarper (min_tokens_to_keep=1), each applied only when it is
+switched on. Filtered tokens get -inf. A logit bias (OpenAI's `logit_bias`: token -> a value added
+to its logit, -100 in effect bans it) is added to the raw logits before all of them. Greedy
+decoding applies the bias and the repetition penalty and takes the argmax.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jmoe import validate
 from jmoe.errors import InputError
 
 MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
 MAX_TOP_K = 2**31 - 1  # the step takes top_k as an int32
 FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))  # positive normal float32s
 
@@ -38,6 +41,8 @@ class SamplingOptions:
     top_p: float = 1.0  # 1 = off
     repetition_penalty: float = 1.0  # 1 = off
     seed: int = 0
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple = ()  # ((token id, bias), ...) or a dict token -> bias; () = off
 
     def __post_init__(self):
         temperature = validate.real("temperature", self.temperature, minimum=0.0)
@@ -50,6 +55,8 @@ class SamplingOptions:
             repetition_penalty=_float32("repetition_penalty", validate.real(
                 "repetition_penalty", self.repetition_penalty, above=0.0)),
             seed=validate.integer("seed", self.seed, minimum=0, maximum=MAX_SEED),
+            min_p=validate.real("min_p", self.min_p, minimum=0.0, maximum=1.0),
+            logit_bias=_logit_bias(self.logit_bias),
         )
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -58,24 +65,53 @@ class SamplingOptions:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def device_params(self) -> tuple[jax.Array, ...]:
-        """(temperature, top_k, 1 - top_p, penalty) as the jitted sampler takes them (one transfer
-        each, no executable).
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing changing the logits first: the argmax of the logits themselves."""
+        return self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
+
+    def device_params(self, vocab_size: int) -> tuple[jax.Array, ...]:
+        """(temperature, top_k, 1 - top_p, penalty, min_p, bias [vocab_size]) as the jitted sampler
+        takes them (one transfer each, no executable).
 
         1 - top_p is computed here in double precision, as transformers does in Python, and only
         then rounded to float32, so the top-p cut compares against the same float32 threshold.
         """
+        bias = np.zeros(vocab_size, np.float32)
+        for token, value in self.logit_bias:
+            if token >= vocab_size:
+                raise InputError(f"logit_bias token {token} is not in the vocabulary (size {vocab_size})")
+            bias[token] = value
         return tuple(jax.device_put((
             np.float32(self.temperature if self.temperature > 0 else 1.0),
             np.int32(self.top_k),
             np.float32(1.0 - self.top_p),
             np.float32(self.repetition_penalty),
+            np.float32(self.min_p),
+            bias,
         )))
 
     def rng(self) -> jax.Array:
         """A PRNG key from all 64 bits of the seed (seeds below 2**32 give jax.random.key(seed)), made
         by one executable."""
         return _seed_key(np.uint32(self.seed & 0xFFFFFFFF), np.uint32(self.seed >> 32), high=bool(self.seed >> 32))
+
+
+def _logit_bias(value) -> tuple:
+    """((token, bias), ...) sorted by token, each token an int32 id >= 0 and each bias a finite
+    float in [-100, 100]; from a dict (JSON's string keys accepted) or pairs."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise InputError("logit_bias must map token ids to numbers") from None
+    out = {}
+    for token, bias in pairs:
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)
+        token = validate.integer("logit_bias token", token, minimum=0, maximum=2**31 - 1)
+        out[token] = validate.real(f"logit_bias[{token}]", bias, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)
+    return tuple(sorted(out.items()))
 
 
 @partial(jax.jit, static_argnames=("high",))
@@ -121,9 +157,22 @@ def top_p_filter(logits, one_minus_top_p):
     return jnp.where(drop, -jnp.inf, logits)
 
 
-def warp(logits, temperature, top_k, one_minus_top_p):
-    """Temperature, then top-k, then top-p: logits [B, V] -> filtered logits (-inf outside)."""
-    return top_p_filter(top_k_filter(logits / temperature, top_k), one_minus_top_p)
+def min_p_filter(logits, min_p):
+    """transformers' MinPLogitsWarper: drop tokens whose probability is below min_p times the most
+    likely token's (which always stays); min_p = 0: off."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = min_p * probs.max(-1, keepdims=True)
+    return jnp.where((min_p > 0) & (probs < threshold), -jnp.inf, logits)
+
+
+def warp(logits, temperature, top_k, one_minus_top_p, min_p=0.0):
+    """Temperature, then top-k, top-p and min-p: logits [B, V] -> filtered logits (-inf outside)."""
+    return min_p_filter(top_p_filter(top_k_filter(logits / temperature, top_k), one_minus_top_p), min_p)
+
+
+def biased(logits, seen, penalty, bias):
+    """The logits greedy decoding and the warpers start from: the bias added, then the penalty."""
+    return apply_repetition_penalty(logits + bias, seen, penalty)
 
 
 def greedy_tokens(logits):
@@ -138,9 +187,10 @@ def greedy_tokens(logits):
     return jnp.minimum(first, V - 1)
 
 
-def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, *, greedy: bool):
-    """logits [B, V] float32, seen [B, V] bool -> next tokens [B] int32."""
-    logits = apply_repetition_penalty(logits, seen, penalty)
+def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy: bool):
+    """logits [B, V] float32, seen [B, V] bool, bias [V] -> next tokens [B] int32."""
+    logits = biased(logits, seen, penalty, bias)
     if greedy:
         return greedy_tokens(logits)
-    return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p), axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p, min_p),
+                                  axis=-1).astype(jnp.int32)

@@ -218,6 +218,8 @@ class Offloaded:
         self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
         if kind == "prefetch":
             self.stats.prefetch_issued += n
+        elif kind == "demand":
+            self.stats.in_step_misses += n
         if self.trace is not None:
             for _ in range(n):
                 self.trace.transfer(self.host.nbytes(tier), f"step-{kind}")

@@ -49,6 +49,7 @@ class Stats:
     stall_seconds: float = 0.0
     replays: int = 0  # one-jit steps run again because they lacked an expert
     in_step_fetches: int = 0  # expert versions steps fetched themselves (misses, look-ahead, requests)
+    in_step_misses: int = 0  # of those, the routed experts a step lacked (fetched on its critical path)
     host_syncs: int = 0  # times the host waited to read routing back from the device
     evictions: int = 0
     resident_bytes: int = 0  # expert bytes published in the pools now
@@ -136,6 +137,7 @@ class Stats:
             "stall_seconds": self.stall_seconds,
             "replays": self.replays,
             "in_step_fetches": self.in_step_fetches,
+            "in_step_misses": self.in_step_misses,
             "host_syncs": self.host_syncs,
             "prefetch_issued": self.prefetch_issued,
             "prefetch_accuracy": self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None,

@@ -223,9 +223,9 @@ class _Row:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy without a repetition penalty: its token comes from the step's one argmax call."""
-        sampling = self.stream.request.sampling
-        return sampling.greedy and sampling.repetition_penalty == 1.0
+        """Greedy without a repetition penalty or a logit bias: its token comes from the step's one
+        argmax call."""
+        return self.stream.request.sampling.plain_greedy
 
 
 @dataclass
@@ -326,11 +326,18 @@ class CompileCounter:
                 cls._count += 1
 
     @classmethod
-    def count(cls) -> int:
+    def start(cls) -> None:
+        """Count from now on (an engine starts it before its warm-up, so /metrics counts every
+        compile since start-up, scraped or not)."""
         with cls._lock:
             if not cls._registered:
                 jax.monitoring.register_event_duration_secs_listener(cls._on_event)
                 cls._registered = True
+
+    @classmethod
+    def count(cls) -> int:
+        cls.start()
+        with cls._lock:
             return cls._count
 
 
@@ -392,6 +399,7 @@ class BatchEngine:
         self._closed = False
         self.failure: str | None = None
         self.on_failure = None
+        CompileCounter.start()
         if warm_up:
             self.warm_up()
         self._thread = threading.Thread(target=self._loop, name="jmoe-batch-engine", daemon=True)

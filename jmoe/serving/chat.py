@@ -18,7 +18,7 @@ def chat_prompt(model, messages: list[dict]) -> list[int]:
     return encode(model.tokenizer, messages, model.config.vocab_size)
 
 
-HELP = "/reset forgets the conversation, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer"
+HELP = "/reset forgets the conversation, /quit (or Ctrl-D) leaves, /help shows this; Ctrl-C stops an answer"
 
 
 def chat_loop(engine: BatchEngine, *, max_tokens: int, sampling: SamplingOptions, system: str | None = None,
@@ -34,6 +34,12 @@ def chat_loop(engine: BatchEngine, *, max_tokens: int, sampling: SamplingOptions
             print(file=stdout, flush=True)
             return
         text = line.rstrip("\n")
+        if text.strip() == "/help":
+            print(HELP, file=stdout, flush=True)
+            continue
+        if text.strip().startswith("/") and text.strip().split()[0] not in ("/reset",):
+            print(f"(unknown command {text.strip().split()[0]}; {HELP})", file=stdout, flush=True)
+            continue
         if text.strip() == "/reset":
             history = history[:1] if system else []
             print("(conversation forgotten)", file=stdout, flush=True)

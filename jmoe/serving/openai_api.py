@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -38,12 +39,21 @@ MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is par
 MAX_JSON_DEPTH = 32  # nesting a request body may have (a chat request needs 4)
 MAX_N = 8  # completions per request (each takes a slot)
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI allows
 DEFAULT_MAX_TOKENS = 256
 CLIENT_GONE = 499  # the access log's status for a request whose client went away first (nginx's)
 access_log = logging.getLogger("jmoe.access")
 # fields this server does not implement, and the value each may still take (it asks for nothing)
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None,
                "functions": None, "tool_choice": None, "response_format": None}
+# every field a request may carry; any other is refused, naming it
+COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_k", "top_p", "min_p",
+                 "repetition_penalty", "seed", "n", "stop", "logprobs", "logit_bias", "presence_penalty",
+                 "frequency_penalty", *UNSUPPORTED}
+# OpenAI fields that ask nothing of the answer's content, accepted and ignored (documented as such)
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities"}
+FIELDS = {False: COMMON_FIELDS | IGNORED | {"prompt"},
+          True: COMMON_FIELDS | IGNORED | {"messages", "max_completion_tokens", "top_logprobs"}}
 
 
 class ApiError(Exception):
@@ -159,6 +169,10 @@ def _check_json(body: dict) -> None:
 def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens: int | None = None) -> Parsed:
     """Every field checked; the prompt tokenized (chat: with the model's chat template). max_tokens:
     the most a request may ask for (default: the model's context)."""
+    unknown = sorted(set(body) - FIELDS[chat])
+    if unknown:
+        raise ApiError(f"unknown field '{unknown[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+                       unknown[0])
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
         raise ApiError("'model' must be a string", "model")
@@ -196,11 +210,30 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
             top_p=_real(body, "top_p", 1.0, minimum=0.0, maximum=1.0, above=True),
             repetition_penalty=_real(body, "repetition_penalty", 1.0, minimum=0.0, maximum=10.0, above=True),
             seed=_int(body, "seed", 0, minimum=0, maximum=MAX_SEED),
+            min_p=_real(body, "min_p", 0.0, minimum=0.0, maximum=1.0),
+            logit_bias=_logit_bias(body, model.config.vocab_size),
         )
     except InputError as e:
-        raise ApiError(str(e)) from None
+        fields = ("logit_bias", "min_p", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+        raise ApiError(str(e), next((f for f in fields if str(e).startswith(f)), None)) from None
     return Parsed(prompt, _int(body, "n", 1, minimum=1, maximum=MAX_N), stream, include_usage, max_tokens,
                   sampling, _stop(body), _logprobs(body, chat))
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict:
+    """OpenAI's logit_bias: an object mapping token ids (as strings) to biases in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ApiError("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ApiError(f"'logit_bias' holds at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}", "logit_bias")
+    for token in bias:
+        if not (isinstance(token, str) and token.isdigit() and int(token) < vocab_size):
+            raise ApiError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {token!r}"[:200],
+                           "logit_bias")
+    return {int(token): value for token, value in bias.items()}
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -463,8 +496,7 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
             for i in range(parsed.n):
                 sampling = parsed.sampling
                 if i:  # the n answers of one request differ by their seeds
-                    sampling = SamplingOptions(sampling.temperature, sampling.top_k, sampling.top_p,
-                                               sampling.repetition_penalty, (sampling.seed + i) % (MAX_SEED + 1))
+                    sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1))
                 streams.append(engine.submit(Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop,
                                                      logprobs=parsed.logprobs, timeout=request_timeout)))
         except (QueueFull, InputError, EngineClosed) as e:
