@@ -116,6 +116,8 @@ def test_resident_decode_reads_once_and_dispatches_once_per_token(int4_int2):
         host_io.uninstall()
     assert counted.reads == tokens and counted.executions == tokens - 1 and counted.waits == 0
     assert own["reads"] == counted.reads and own["executions"] == counted.executions
+    stats = jmoe.stats(model)  # a resident model's uses are not read back: no rate rather than 0.0
+    assert stats["expert_uses"] == 0 and stats["hit_rate"] is None and stats["miss_rate"] is None
 
 
 def test_stats_report_host_interaction_by_phase(int4_int2):

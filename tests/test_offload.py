@@ -345,6 +345,7 @@ def test_reset_stats_keeps_the_cache_and_starts_counting_afresh(tiny_converted, 
     resident = dict(model.residency.cache.resident)
     model.residency.reset_stats()
     assert jmoe.stats(model)["expert_uses"] == 0 and model.residency.cache.resident == resident
+    assert jmoe.stats(model)["hit_rate"] is None  # nothing counted yet: no rate (0.0 would read as all misses)
     jmoe.generate(model, PROMPTS[1], max_new_tokens=8)
     stats = jmoe.stats(model)
     assert stats["prefetch_issued"] > 0 and stats["prefetch_accuracy"] <= 1.0

@@ -113,12 +113,14 @@ class Stats:
         return self.waited_bytes / self.transfer_seconds if self.transfer_seconds else None
 
     def summary(self) -> dict:
-        uses = max(self.uses, 1)
+        # rates of counted expert uses; None where none were counted (a resident model's steps are
+        # not read back for routing, so its uses are not counted: 0.0 would read as all misses)
+        rate = (lambda n: n / self.uses) if self.uses else (lambda n: None)
         return {
             "expert_uses": self.uses,
-            "hit_rate": self.hits / uses,
-            "late_rate": self.late / uses,
-            "miss_rate": self.misses / uses,
+            "hit_rate": rate(self.hits),
+            "late_rate": rate(self.late),
+            "miss_rate": rate(self.misses),
             "degraded": self.degraded,
             "skipped": self.skipped,
             "uses_by_tier": dict(self.uses_by_tier),

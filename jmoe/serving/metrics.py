@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from jmoe.serving.batcher import BatchEngine, CompileCounter, Stream
 
+def _or_nan(value) -> float:
+    return float("nan") if value is None else float(value)
+
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -31,8 +35,8 @@ class EngineMetrics:
         Gauge("jmoe_requests_waiting", "Requests in the queue", registry=registry).set_function(
             lambda: len(engine.waiting))
         Gauge("jmoe_compiles", "XLA compilations in this process", registry=registry).set_function(CompileCounter.count)
-        Gauge("jmoe_expert_hit_rate", "Expert uses found resident (offloaded models)",
-              registry=registry).set_function(lambda: stats(engine.model).get("hit_rate") or 0.0)
+        Gauge("jmoe_expert_hit_rate", "Expert uses found resident (offloaded models; NaN: not counted)",
+              registry=registry).set_function(lambda: _or_nan(stats(engine.model).get("hit_rate")))
         Gauge("jmoe_bytes_host_to_device", "Expert bytes moved host-to-device", registry=registry).set_function(
             lambda: stats(engine.model).get("bytes_h2d") or 0)
         self._first: set[int] = set()  # streams that have had their first token
