@@ -23,8 +23,11 @@ demo: $(STAMP)
 # its carets, and two threads doing that at once (a library's background thread reporting an error
 # while pytest reports a failure) can corrupt the ast module's recursion counter, which turns the
 # report of a failing test into a pytest INTERNALERROR that hides it.
+# -n 2 --dist loadfile: two worker processes (the CI machine's two cores; most of a test's time is
+# XLA compiling, one core each), each test module on one worker so its fixtures are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP) gpu-compile
-	PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest
+	PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
 bench: $(STAMP)
