@@ -67,7 +67,8 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"t{o.temperature}-k{o.top_k}-p{o.top_p}-r{o.repetition_penalty}-m{o.min_p}")
+@pytest.mark.parametrize("opts", OPTIONS,
+                         ids=lambda o: f"t{o.temperature}-k{o.top_k}-p{o.top_p}-r{o.repetition_penalty}-m{o.min_p}")
 def test_random_logits_filter_exactly_like_transformers(opts):
     rng = np.random.default_rng(opts.top_k * 100 + int(opts.top_p * 100))
     logits = (rng.normal(size=(4, 300)) * 3).astype(np.float32)

@@ -96,6 +96,8 @@ def test_bad_requests_and_a_full_queue_are_refused(tiny_model):
             engine.submit(Request([5, 6], max_tokens=4, stop=[3]))
         with pytest.raises(InputError, match="top_k"):  # beyond the vocabulary
             engine.submit(Request([5, 6], max_tokens=4, sampling=SamplingOptions(top_k=10**6)))
+        with pytest.raises(InputError, match="vocabulary"):  # refused here, not in the engine's thread
+            engine.submit(Request([5, 6], max_tokens=4, sampling=SamplingOptions(logit_bias={10**6: 1.0})))
         with pytest.raises(QueueFull):
             engine.submit(Request([5, 6], max_tokens=4))
     with pytest.raises(RuntimeError, match="closed"):

@@ -99,7 +99,8 @@ def _decode(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache
     start, key_start = positions[0], positions[1]
     logits, cache, signals, pools = _run(graphdef, dense, experts, pools, tokens, cache, start, key_start,
                                          last_only=True, want_importance=False)
-    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, greedy=greedy)
+    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias,
+                             greedy=greedy)
     packed = summary.pack(signals, nxt) if fetching else nxt.astype(jnp.int32)
     return nxt, seen, rng, cache, (pools if fetching else None), packed, signals
 
@@ -116,8 +117,8 @@ def _draft(graphdef, dense, experts: ExpertState, last, cache: KVCache, position
                                          last_only=True, want_importance=False)
         return logits, signals.gate, cache
 
-    return acceptance.draft_tokens(step, last, cache, seen, rng, (temperature, top_k, one_minus_top_p, penalty, min_p, bias),
-                                   k=k, greedy=greedy)
+    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias)
+    return acceptance.draft_tokens(step, last, cache, seen, rng, params, k=k, greedy=greedy)
 
 
 def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: KVCache, positions, seen, rng, q,
@@ -131,8 +132,8 @@ def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: K
     block = jnp.concatenate([last[:, None], drafts], axis=1).astype(jnp.int32)
     logits, cache, signals, pools = _run(graphdef, dense, experts, pools, block, cache, start, key_start,
                                          last_only=False, want_importance=False)
-    accepted, nxt, seen, rng = acceptance.accept(logits, drafts, q, seen, rng,
-                                                 (temperature, top_k, one_minus_top_p, penalty, min_p, bias), greedy=greedy)
+    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias)
+    accepted, nxt, seen, rng = acceptance.accept(logits, drafts, q, seen, rng, params, greedy=greedy)
     tokens = jnp.concatenate([accepted, nxt, drafts.reshape(-1)])
     packed = summary.pack(signals, tokens) if fetching else tokens.astype(jnp.int32)
     return accepted, nxt, seen, rng, cache, (pools if fetching else None), packed, signals

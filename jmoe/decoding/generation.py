@@ -217,7 +217,7 @@ def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top
         raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
     max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, minimum=1)
     sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed, min_p, logit_bias or ())
-    sampling.device_params(model.config.vocab_size)  # a logit_bias token beyond the vocabulary fails now
+    sampling.check_vocabulary(model.config.vocab_size)
     stops = stop_strings(stop)
     stream_output = validate.boolean("stream", stream_output)
     speculative = SpeculativeOptions.parse(speculative)

@@ -70,6 +70,12 @@ class SamplingOptions:
         """Greedy with nothing changing the logits first: the argmax of the logits themselves."""
         return self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise InputError unless every logit_bias token is in a vocabulary of this size."""
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise InputError(f"logit_bias token {token} is not in the vocabulary (size {vocab_size})")
+
     def device_params(self, vocab_size: int) -> tuple[jax.Array, ...]:
         """(temperature, top_k, 1 - top_p, penalty, min_p, bias [vocab_size]) as the jitted sampler
         takes them (one transfer each, no executable).
@@ -77,10 +83,9 @@ class SamplingOptions:
         1 - top_p is computed here in double precision, as transformers does in Python, and only
         then rounded to float32, so the top-p cut compares against the same float32 threshold.
         """
+        self.check_vocabulary(vocab_size)
         bias = np.zeros(vocab_size, np.float32)
         for token, value in self.logit_bias:
-            if token >= vocab_size:
-                raise InputError(f"logit_bias token {token} is not in the vocabulary (size {vocab_size})")
             bias[token] = value
         return tuple(jax.device_put((
             np.float32(self.temperature if self.temperature > 0 else 1.0),

@@ -466,6 +466,7 @@ class BatchEngine:
         vocab = self.model.config.vocab_size
         if request.sampling.top_k > vocab:
             raise InputError(f"top_k must be <= {vocab} (the vocabulary), got {request.sampling.top_k}")
+        request.sampling.check_vocabulary(vocab)  # here, not in the engine's thread, where it would fail a step
         request = dataclasses.replace(request, stop=stop_strings(request.stop))
         stream = Stream(request)
         with self._wake:

@@ -34,15 +34,16 @@ def chat_loop(engine: BatchEngine, *, max_tokens: int, sampling: SamplingOptions
             print(file=stdout, flush=True)
             return
         text = line.rstrip("\n")
-        if text.strip() == "/help":
+        command = text.split()[0] if text.startswith("/") else None  # commands are chat's, never the model's
+        if command == "/help":
             print(HELP, file=stdout, flush=True)
             continue
-        if text.strip().startswith("/") and text.strip().split()[0] not in ("/reset",):
-            print(f"(unknown command {text.strip().split()[0]}; {HELP})", file=stdout, flush=True)
-            continue
-        if text.strip() == "/reset":
+        if command == "/reset":
             history = history[:1] if system else []
             print("(conversation forgotten)", file=stdout, flush=True)
+            continue
+        if command is not None:
+            print(f"(unknown command {command}; {HELP})", file=stdout, flush=True)
             continue
         if not text.strip():
             continue

@@ -171,8 +171,8 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
     the most a request may ask for (default: the model's context)."""
     unknown = sorted(set(body) - FIELDS[chat])
     if unknown:
-        raise ApiError(f"unknown field '{unknown[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
-                       unknown[0])
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise ApiError(f"unknown field '{unknown[0]}'{more}", unknown[0])
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
         raise ApiError("'model' must be a string", "model")
