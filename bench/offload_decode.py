@@ -1,7 +1,7 @@
 """Offloaded decode at a real model's shapes: every mode against the resident model, in one run.
 
 Model: Qwen3-30B-A3B's exact shapes cut to --layers layers (random weights, bench/random_checkpoint.py),
-converted with `--tiers int4,int2 --dense-tier int4 --method rtn`, computed in float32 on the CPU.
+converted with `--tiers int4,int2 --dense-tier int4 --method rtn`, computed in float32 on the CPU and bfloat16 on a GPU.
 Pass --model to use a converted directory instead (it must hold the int4 and int2 tiers).
 
 Cases (--cases): the resident model (every int4 expert on the device); exact offloading (misses
@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import jmoe
@@ -80,14 +81,19 @@ def converted(args) -> Path:
     return out
 
 
+def compute_dtype() -> str:
+    """bfloat16 on an accelerator (what a user runs there), float32 on the CPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def budget(path: Path, policy, share: float, draft: str | None) -> int:
-    return planned_budget(path, share, tier="int4", compute_dtype="float32", policy=policy, max_seq_len=MAX_SEQ_LEN,
-                          draft=draft)
+    return planned_budget(path, share, tier="int4", compute_dtype=compute_dtype(), policy=policy,
+                          max_seq_len=MAX_SEQ_LEN, draft=draft)
 
 
 def load(path: Path, name: str, **extra):
     make_policy, share, draft = CASES[name]
-    kw = {"tier": "int4", "compute_dtype": "float32", "max_seq_len": MAX_SEQ_LEN, **extra}
+    kw = {"tier": "int4", "compute_dtype": compute_dtype(), "max_seq_len": MAX_SEQ_LEN, **extra}
     if share is not None:
         kw.update(policy=make_policy(), device_budget=budget(path, make_policy(), share, draft))
         if draft:
@@ -173,9 +179,9 @@ def time_case(name: str, model, resident, prompts, args, temperature: float) -> 
     return entry
 
 
-def timed_run(path: Path, names: list[str], prompts, args) -> dict:
+def timed_run(path: Path, names: list[str], prompts, args, save) -> dict:
     """Each case loaded in turn (one case and the resident model in memory at a time), timed at
-    every temperature."""
+    every temperature; `save` is called after each case (a run cut short keeps what it measured)."""
     temperatures = [float(v) for v in args.temperatures.split(",")]
     resident = load(path, "resident")
     for t in temperatures:
@@ -188,6 +194,7 @@ def timed_run(path: Path, names: list[str], prompts, args) -> dict:
         model = load(path, name)
         for t in temperatures:
             out[f"temperature_{t:g}"][name] = time_case(name, model, resident, prompts, args, t)
+        save(out)
         del model
         gc.collect()
     return out
@@ -244,18 +251,24 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(10, 4000, args.prompt_tokens).tolist() for _ in range(3)]
     result = {"model": path.name, "layers": args.layers, "max_seq_len": MAX_SEQ_LEN, "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new_tokens, "rounds": args.rounds}
-    result["runs"] = timed_run(path, names, prompts, args)
+              "new_tokens": args.new_tokens, "rounds": args.rounds, "compute_dtype": compute_dtype(),
+              "device": str(jax.devices()[0].device_kind)}
+
+    def save(runs: dict) -> None:
+        result["runs"] = runs
+        if args.out.endswith(".json"):  # a path of its own (a check of the bench, say)
+            Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
+        else:
+            write_result(args.out, result)
+
+    save(timed_run(path, names, prompts, args, save))
     if not args.no_model:
         result["modelled_gpu"] = modelled(path, names, prompts, args)
         for name, entry in result["modelled_gpu"]["cases"].items():
             print(f"  modelled H100 {name:28s} {entry['modelled_tpot_ms']:.3f} ms/token, PCIe floor "
                   f"{entry['pcie_floor_ms']:.3f} ms" + (f", x{entry['vs_max_of_resident_and_pcie']:.2f} of max(resident, PCIe)"
                                                        if "vs_max_of_resident_and_pcie" in entry else ""))
-    if args.out.endswith(".json"):  # a path of its own (a check of the bench, say)
-        Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
-    else:
-        write_result(args.out, result)
+        save(result["runs"])
 
 
 if __name__ == "__main__":
