@@ -173,3 +173,33 @@ def test_a_logit_bias_token_beyond_the_vocabulary_is_refused():
 
     with pytest.raises(InputError, match="vocabulary"):
         SamplingOptions(logit_bias={400: 1.0}).device_params(300)
+
+
+@pytest.mark.parametrize("opts,filters", [
+    (SamplingOptions(temperature=1.0), ()),
+    (SamplingOptions(temperature=0.8, top_k=3), ("top_k",)),
+    (SamplingOptions(temperature=1.0, top_p=0.7), ("top_p",)),
+    (SamplingOptions(temperature=1.2, min_p=0.2, repetition_penalty=1.3), ("min_p",)),
+    (SamplingOptions(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05), ("top_k", "top_p", "min_p")),
+    (SamplingOptions(repetition_penalty=1.5, top_k=5, top_p=0.5), ()),  # greedy: no warper changes the argmax
+])
+def test_a_step_compiles_only_the_warpers_a_request_switches_on(opts, filters):
+    """The warpers a request leaves off are not in its step (no vocabulary-wide sort without top-k or
+    top-p), and its draws are those of the step with every warper at its off value."""
+    from jmoe.decoding.sampling import ALL_FILTERS, sample_tokens
+
+    assert opts.filters == filters
+    V = 64
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, V)) * 3, jnp.float32)
+    seen = jnp.asarray(np.random.default_rng(1).random((3, V)) < 0.2)
+    params = opts.device_params(V)
+
+    def draw(chosen, key):
+        return np.asarray(sample_tokens(logits, seen, jax.random.key(key), *params, greedy=opts.greedy,
+                                        filters=chosen))
+
+    for key in range(8):
+        np.testing.assert_array_equal(draw(filters, key), draw(ALL_FILTERS, key))
+    jaxpr = str(jax.make_jaxpr(lambda x: sample_tokens(x, seen, jax.random.key(0), *params, greedy=opts.greedy,
+                                                       filters=filters))(logits))
+    assert ("sort" in jaxpr) == ("top_k" in filters or "top_p" in filters)

@@ -15,17 +15,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.decoding.sampling import biased, greedy_tokens, warp
+from jmoe.decoding.sampling import ALL_FILTERS, biased, greedy_tokens, warp
 
 
-def processed(logits, seen, temperature, top_k, one_minus_top_p, penalty, min_p, bias):
-    """Next-token probabilities [B, V] and greedy choice [B] after the bias, the penalty and the warpers."""
+def processed(logits, seen, temperature, top_k, one_minus_top_p, penalty, min_p, bias, filters=ALL_FILTERS):
+    """Next-token probabilities [B, V] and greedy choice [B] after the bias, the penalty and the
+    warpers (those in `filters`)."""
     penalized = biased(logits, seen, penalty, bias)
-    return (jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p, min_p), axis=-1),
+    return (jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p, min_p, filters), axis=-1),
             greedy_tokens(penalized))
 
 
-def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty, min_p, bias):
+def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty, min_p, bias,
+                    filters=ALL_FILTERS):
     """`processed` at every position of a verification block: logits [B, T, V], seen [B, V] before
     the block, drafted [B, T - 1] the tokens after positions 0..T-2 (position j's history is seen
     plus drafted[:, :j]). Returns probabilities [B, T, V] and greedy choices [B, T]."""
@@ -33,11 +35,11 @@ def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, 
     later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1) > 0  # [B, T - 1, V]
     history = seen[:, None, :] | jnp.concatenate([jnp.zeros((B, 1, V), bool), later], axis=1)
     probs, pick = processed(logits.reshape(B * T, V), history.reshape(B * T, V), temperature, top_k,
-                            one_minus_top_p, penalty, min_p, bias)
+                            one_minus_top_p, penalty, min_p, bias, filters)
     return probs.reshape(B, T, V), pick.reshape(B, T)
 
 
-def draft_tokens(step, last, cache, seen, rng, params, *, k: int, greedy: bool):
+def draft_tokens(step, last, cache, seen, rng, params, *, k: int, greedy: bool, filters=ALL_FILTERS):
     """k tokens per row, in one scan over `step(cache, tokens [B], j) -> (logits [B, V], gate [L, E],
     cache)`, the draft's decode step at drafted position j: (drafts [B, k], their probabilities q
     [B, k, V] (what each was drawn from; unused when greedy), the gate weight the draft routed
@@ -47,7 +49,7 @@ def draft_tokens(step, last, cache, seen, rng, params, *, k: int, greedy: bool):
     def body(carry, j):
         tokens, cache, seen, rng = carry
         logits, gate, cache = step(cache, tokens, j)
-        probs, pick = processed(logits, seen, *params)
+        probs, pick = processed(logits, seen, *params, filters)
         if greedy:
             nxt = pick
         else:
@@ -61,14 +63,14 @@ def draft_tokens(step, last, cache, seen, rng, params, *, k: int, greedy: bool):
     return drafts.T, q.transpose(1, 0, 2), gates.sum(0), cache, rng
 
 
-def accept(logits, drafts, q, seen, rng, params, *, greedy: bool):
+def accept(logits, drafts, q, seen, rng, params, *, greedy: bool, filters=ALL_FILTERS):
     """The target's verdict on a block: logits [B, k + 1, V] after each row's last token and its k
     drafts [B, k] (q [B, k, V] their draft probabilities; may be None when greedy), seen [B, V] the
     history before the drafts. Returns (accepted drafts per row [B], the target's next token [B],
     the history with the kept drafts and the next token, rng)."""
     B, T, V = logits.shape
     k = T - 1
-    probs, picks = processed_block(logits, seen, drafts, *params)
+    probs, picks = processed_block(logits, seen, drafts, *params, filters)
     if greedy:
         keep = picks[:, :k] == drafts
     else:

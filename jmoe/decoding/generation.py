@@ -74,13 +74,14 @@ class Sampler:
     with the key and history it started from, so a corrected step samples what an exact one would."""
 
     def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
-        self.engine, self.greedy = engine, sampling.greedy
+        self.engine, self.greedy, self.filters = engine, sampling.greedy, sampling.filters
         self.params = sampling.device_params(seen.shape[-1])
         self.rng, self.seen = sampling.rng(), jax.device_put(seen)
 
     def __call__(self, logits):
         """Next tokens [B] from logits [B, V]."""
-        tokens, self.seen, self.rng = self.engine.sample(logits, self.seen, self.rng, *self.params, greedy=self.greedy)
+        tokens, self.seen, self.rng = self.engine.sample(logits, self.seen, self.rng, *self.params, greedy=self.greedy,
+                                                         filters=self.filters)
         return tokens
 
     @staticmethod

@@ -21,6 +21,9 @@ from jmoe import validate
 from jmoe.errors import InputError
 
 MAX_SEED = 2**64 - 1
+# The warpers a step may apply, after the temperature: a step compiles only those a request switches on
+# (a static argument), so the vocabulary-wide sorts of top-k and top-p cost nothing when they are off.
+ALL_FILTERS = ("top_k", "top_p", "min_p")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
 MAX_TOP_K = 2**31 - 1  # the step takes top_k as an int32
 FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))  # positive normal float32s
@@ -64,6 +67,14 @@ class SamplingOptions:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def filters(self) -> tuple[str, ...]:
+        """The warpers this request switches on (none when greedy: they never change the argmax)."""
+        if self.greedy:
+            return ()
+        on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0}
+        return tuple(name for name in ALL_FILTERS if on[name])
 
     @property
     def plain_greedy(self) -> bool:
@@ -170,9 +181,17 @@ def min_p_filter(logits, min_p):
     return jnp.where((min_p > 0) & (probs < threshold), -jnp.inf, logits)
 
 
-def warp(logits, temperature, top_k, one_minus_top_p, min_p=0.0):
-    """Temperature, then top-k, top-p and min-p: logits [B, V] -> filtered logits (-inf outside)."""
-    return min_p_filter(top_p_filter(top_k_filter(logits / temperature, top_k), one_minus_top_p), min_p)
+def warp(logits, temperature, top_k, one_minus_top_p, min_p=0.0, filters=ALL_FILTERS):
+    """Temperature, then top-k, top-p and min-p (those named in `filters`; each is a no-op at its
+    off value anyway): logits [B, V] -> filtered logits (-inf outside)."""
+    logits = logits / temperature
+    if "top_k" in filters:
+        logits = top_k_filter(logits, top_k)
+    if "top_p" in filters:
+        logits = top_p_filter(logits, one_minus_top_p)
+    if "min_p" in filters:
+        logits = min_p_filter(logits, min_p)
+    return logits
 
 
 def biased(logits, seen, penalty, bias):
@@ -192,10 +211,11 @@ def greedy_tokens(logits):
     return jnp.minimum(first, V - 1)
 
 
-def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy: bool):
+def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy: bool,
+                  filters=ALL_FILTERS):
     """logits [B, V] float32, seen [B, V] bool, bias [V] -> next tokens [B] int32."""
     logits = biased(logits, seen, penalty, bias)
     if greedy:
         return greedy_tokens(logits)
-    return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p, min_p),
+    return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p, min_p, filters),
                                   axis=-1).astype(jnp.int32)

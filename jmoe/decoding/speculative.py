@@ -43,7 +43,7 @@ import numpy as np
 from jmoe import validate
 from jmoe.decoding import acceptance
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.sampling import SamplingOptions, prompt_history
+from jmoe.decoding.sampling import ALL_FILTERS, SamplingOptions, prompt_history
 from jmoe.distributed.processes import agree
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -148,10 +148,10 @@ class Governor:
 _processed = jax.jit(acceptance.processed)
 
 
-@partial(jax.jit, static_argnames=("greedy",))
-def accept(logits, drafts, q, seen, rng, params, *, greedy: bool):
+@partial(jax.jit, static_argnames=("greedy", "filters"))
+def accept(logits, drafts, q, seen, rng, params, *, greedy: bool, filters=ALL_FILTERS):
     """acceptance.accept as one executable (tests and the serving engine's rows)."""
-    return acceptance.accept(logits, drafts, q, seen, rng, params, greedy=greedy)
+    return acceptance.accept(logits, drafts, q, seen, rng, params, greedy=greedy, filters=filters)
 
 
 def auto_k_max(model, k_max: int) -> int:

@@ -18,6 +18,7 @@ Rules (DyMoE's mixed-precision cache, DynaExq's publish-after-copy):
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -302,9 +303,10 @@ class CacheManager:
 
     def _eviction_order(self, tier: str, n: int) -> list[Key]:
         """The first n versions of `tier` the policy would evict, in order (one device)."""
-        candidates = sorted(self.movable(tier, shard=0), key=lambda k: (self.last_used[k], k))
-        if self.victim is least_recent:
-            return candidates[:n]
+        order_key = lambda k: (self.last_used[k], k)  # noqa: E731
+        if self.victim is least_recent:  # every step asks for a few of many: no full sort
+            return heapq.nsmallest(n, self.movable(tier, shard=0), key=order_key)
+        candidates = sorted(self.movable(tier, shard=0), key=order_key)
         order = []
         while candidates and len(order) < n:
             key = self.victim(tier, candidates)

@@ -199,12 +199,11 @@ class Executor:
                 state, pools, flight = res.in_step.prepare("decode", rows=tokens.shape[0])
             else:
                 state = res.expert_state()
-            positions = np.stack([start, key_start])
+            positions = np.stack([start, key_start])  # moved by the step's dispatch (no device_put)
             res.stats.count_io(transfers=1, nbytes=positions.nbytes)
-            positions = jax.device_put(positions, res.device)
             nxt, seen, rng, cache, pools, summary, signals = self._dispatch(res, flight, lambda: self.engine.decode(
                 self.dense, state, pools, tokens, cache, positions, sampler.seen, sampler.rng, *sampler.params,
-                greedy=sampler.greedy))
+                greedy=sampler.greedy, filters=sampler.filters))
             sampler.advance(rng, seen)
             if flight is None:
                 res.observe(signals, valid_tokens(start, key_start, 1))
@@ -261,7 +260,7 @@ class Executor:
             draft.stats.steps += k - 1  # a draft step per drafted position
             drafts, q, hint, cache, rng = self.engine.draft(self.dense, draft.expert_state(), last, cache, positions,
                                                             sampler.seen, sampler.rng, *sampler.params, k=k,
-                                                            greedy=sampler.greedy)
+                                                            greedy=sampler.greedy, filters=sampler.filters)
             sampler.advance(rng, sampler.seen)  # the drafts' history is the verification's to keep
             res.stats.count_io(executions=1, phase="verify")
         else:  # nothing drafted: empty blocks
@@ -272,7 +271,8 @@ class Executor:
             block = jnp.concatenate([last[:, None], jnp.asarray(drafts)], axis=1)
             logits, cache, _ = self.step(block, cache, start, key_start, last_only=False, phase="verify")
             accepted, nxt, seen, rng = self.engine.accept_again(logits, drafts, q, sampler.seen, sampler.rng,
-                                                                *sampler.params, greedy=sampler.greedy)
+                                                                *sampler.params, greedy=sampler.greedy,
+                                                                filters=sampler.filters)
             res.stats.count_io(executions=3)
             sampler.advance(rng, seen)
             tokens = jnp.concatenate([accepted, nxt, jnp.asarray(drafts).reshape(-1)])
@@ -288,7 +288,7 @@ class Executor:
             accepted, nxt, seen, rng, cache, pools, packed, signals = self._dispatch(
                 res, flight, lambda: self.engine.verify(self.dense, state, pools, last, drafts, cache, positions,
                                                         sampler.seen, sampler.rng, q, *sampler.params,
-                                                        greedy=sampler.greedy))
+                                                        greedy=sampler.greedy, filters=sampler.filters))
             sampler.advance(rng, seen)
             if flight is not None:
                 res.in_step.dispatched(flight, pools, signals, packed)
@@ -318,7 +318,8 @@ class Executor:
                                                 valid_tokens(cycle.start, cycle.key_start, k + 1), False, "verify")
                 sampler.advance(*cycle.start_state)
                 accepted, nxt, seen, rng = self.engine.accept_again(logits, cycle.drafts, cycle.q, sampler.seen,
-                                                                    sampler.rng, *sampler.params, greedy=sampler.greedy)
+                                                                    sampler.rng, *sampler.params, greedy=sampler.greedy,
+                                                                    filters=sampler.filters)
                 sampler.advance(rng, seen)
                 res.stats.count_io(executions=3, reads=1)
                 tokens = np.asarray(jnp.concatenate([accepted, nxt, jnp.asarray(cycle.drafts).reshape(-1)]))

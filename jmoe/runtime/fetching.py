@@ -147,7 +147,8 @@ class InStepFetch:
             gpu, record = self.accelerator, res.cfg.num_moe_layers * sum(res.host.nbytes(t) for t in spec.tiers)
             res.trace.fetch_slots((gpu.requests + gpu.lookahead) * record, gpu.misses * record)
         packed = spec.pack(tables, request_ids, request_slots, landing, keys, previous_slots)
-        inputs = FetchInputs(self.stores, jax.device_put(packed, res.device), previous_keys, hint)
+        # numpy: the step's own dispatch moves it (jax.device_put costs more host time than the copy)
+        inputs = FetchInputs(self.stores, packed, previous_keys, hint)
         res.stats.count_io(transfers=1, nbytes=packed.nbytes)
         state = ExpertState({}, None, res.selection(), res.backend, int8_dot=res.int8_dot, fetch=inputs,
                             fetch_spec=spec).for_phase(phase)

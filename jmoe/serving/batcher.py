@@ -43,7 +43,7 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.decoding.generation import RowText, Sampler, stop_strings
-from jmoe.decoding.sampling import SamplingOptions, greedy_tokens, prompt_history
+from jmoe.decoding.sampling import ALL_FILTERS, SamplingOptions, greedy_tokens, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, padded
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -313,15 +313,18 @@ def token_logprobs(logits, tokens: dict[int, int], wanted: dict[int, int]) -> di
 
 
 class CompileCounter:
-    """XLA compilations in this process since it started counting (jax's backend-compile events)."""
+    """XLA compilations in this process since it started counting: jax's backend-compile events and
+    its persistent cache's hits (an executable read from the cache was traced and lowered all the
+    same, on the request's path; without them a warm cache would hide every recompile)."""
 
+    EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
     _count = 0
     _registered = False
     _lock = threading.Lock()
 
     @classmethod
     def _on_event(cls, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event in cls.EVENTS:
             with cls._lock:
                 cls._count += 1
 
@@ -444,7 +447,12 @@ class BatchEngine:
                 break
             n = self.bucket(n + 1)
         vocab = self.model.config.vocab_size
-        for sampling in (SamplingOptions(), SamplingOptions(temperature=1.0)):  # a penalised and a sampled draw
+        # a penalised greedy draw, and a sampled one with each combination of warpers (each its own executable)
+        switched_on = dict(top_k=dict(top_k=2), top_p=dict(top_p=0.5), min_p=dict(min_p=0.1))
+        samplings = [SamplingOptions()] + [
+            SamplingOptions(temperature=1.0, **{k: v for name in names for k, v in switched_on[name].items()})
+            for n in range(len(ALL_FILTERS) + 1) for names in itertools.combinations(ALL_FILTERS, n)]
+        for sampling in samplings:
             sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), bool))
             for _ in range(2):  # the first draw takes host arrays, later ones the device's it returned
                 sampler(_row_jit(logits, np.int32(0)))
