@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -12,9 +14,15 @@ import pytest
 TEST_CPU_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", TEST_CPU_DEVICES)
 
-# The suite neither reads nor fills the user's persistent compilation cache (jmoe/runtime/compile_cache.py);
-# tests of the cache give their own directory.
-os.environ["JMOE_COMPILATION_CACHE"] = "off"
+# The suite neither reads nor fills the user's persistent compilation cache (jmoe/runtime/compile_cache.py):
+# it starts one of its own, empty, shared by this run's workers and the processes tests start, so a
+# step that several tests build (same model, same shapes) compiles once per run; the controller
+# removes it at the end. Tests of the cache give their own directory.
+# (pytest-xdist's workers inherit the controller's environment, set here before they start.)
+if "JMOE_TEST_RUN_CACHE" not in os.environ:
+    os.environ["JMOE_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="jmoe-test-xla-")
+RUN_CACHE = Path(os.environ["JMOE_TEST_RUN_CACHE"])
+os.environ["JMOE_COMPILATION_CACHE"] = str(RUN_CACHE)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
@@ -46,6 +54,11 @@ def _release_compiled_code():
         calibration.clear_compiled()
         engine.clear_compiled()
         gc.collect()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without workers): after every test
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
