@@ -76,7 +76,8 @@ def h2d_bandwidth(nbytes: int) -> dict:
     return {"gb_per_s": nbytes / seconds / 1e9, "bytes": nbytes, "host_memory_kind": kind}
 
 
-def kernels(dry_run: bool, copy_gbps: float) -> list[dict]:
+def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None) -> list[dict]:
+    """Every model x phase x tier case; `progress(cases so far)` after each."""
     from bench import kernels as kb
 
     on_gpu = jax.default_backend() == "gpu" and not dry_run
@@ -92,6 +93,7 @@ def kernels(dry_run: bool, copy_gbps: float) -> list[dict]:
                     r["fraction_of_copy_bandwidth"] = r["kernel_unique_GBps"] / copy_gbps
                 print(json.dumps({k: v for k, v in r.items() if not isinstance(v, list)}), flush=True)
                 cases.append(r)
+                progress(cases)
     return cases
 
 
@@ -169,8 +171,9 @@ def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
             timing = decode_tpot(model, items, new_tokens)
             stats = jmoe.stats(model)
             rows.append({"budget_fraction": fraction, "policy": policy, **timing, "hit_rate": stats["hit_rate"],
-                         "bytes_h2d_per_token": stats["bytes_h2d_per_token"], "in_step_fetches": stats["in_step_fetches"],
-                         "replays": stats["replays"], "tokens": stats["tokens"]})
+                         "bytes_h2d_per_token": stats["bytes_h2d_per_token"],
+                         "in_step_fetches": stats["in_step_fetches"], "replays": stats["replays"],
+                         "tokens": stats["tokens"]})
             print("offloaded", json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -195,15 +198,30 @@ def main() -> None:
     started = time.perf_counter()
     result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "dry_run": dry, "parts": parts}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = "gpu_suite" if parts == list(PARTS) else "gpu_suite_" + "_".join(parts)
+    out = RESULTS / (f"{name}_gpu.json" if not dry else f"{name}_dry_run_{backend}.json")
+
+    def save(complete: bool = False) -> None:
+        """Written after every part: a run cut short (a lent GPU's time is short) keeps what it measured."""
+        result["seconds"], result["complete"] = time.perf_counter() - started, complete
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
     if "tests" in parts:
         result["gpu_tests"] = run_gpu_tests(dry)
+        save()
     copy_gbps = copy_bandwidth(8 << 20 if dry else 1 << 30)  # every later part is judged against it
     result["bandwidth"] = {"device_copy_gb_per_s": copy_gbps}
     if "bandwidth" in parts:
         result["bandwidth"]["h2d"] = h2d_bandwidth(8 << 20 if dry else 1 << 30)
     print("bandwidth", json.dumps(result["bandwidth"]), flush=True)
+    save()
     if "kernels" in parts:
-        result["kernels"] = kernels(dry, copy_gbps)
+        def kernels_so_far(cases: list) -> None:
+            result["kernels"] = cases
+            save()
+
+        result["kernels"] = kernels(dry, copy_gbps, kernels_so_far)
     if "resident" in parts or "offloaded" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             path = synthetic_model(Path(tmp), 2 if dry else args.layers, TOY if dry else QWEN3_30B_A3B,
@@ -211,13 +229,10 @@ def main() -> None:
             new_tokens = 4 if dry else args.new_tokens
             if "resident" in parts:
                 result["resident_decode"] = resident_decode(path, copy_gbps, new_tokens, dtype)
+                save()
             if "offloaded" in parts:
                 result["offloaded_decode"] = offloaded_decode(path, new_tokens, dtype)
-    result["seconds"] = time.perf_counter() - started
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "gpu_suite" if parts == list(PARTS) else "gpu_suite_" + "_".join(parts)
-    out = RESULTS / (f"{name}_gpu.json" if not dry else f"{name}_dry_run_{backend}.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save(complete=True)
     print(f"wrote {out.relative_to(ROOT)} in {result['seconds']:.0f} s")
     if "tests" in parts and result["gpu_tests"]["returncode"] not in (0, 5):  # 5: no tests collected
         sys.exit(1)
