@@ -84,6 +84,20 @@ def test_no_compile_after_warm_up(tiny_model):
         assert CompileCounter.count() == compiled
 
 
+def test_a_warmed_up_engine_samples_with_any_warpers_without_compiling(tiny_model):
+    """Each combination of top-k, top-p and min-p is its own sampling executable: warm-up makes them all."""
+    with BatchEngine(tiny_model, max_batch=2, context=128, warm_up=True) as engine:
+        compiled = CompileCounter.count()
+        samplings = [SamplingOptions(temperature=0.8, seed=1), SamplingOptions(temperature=0.8, top_k=5, seed=2),
+                     SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.05, seed=3),
+                     SamplingOptions(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=4),
+                     SamplingOptions(repetition_penalty=1.2)]
+        streams = [engine.submit(Request(encode(tiny_model, PROMPTS[i % len(PROMPTS)]), max_tokens=5, sampling=s))
+                   for i, s in enumerate(samplings)]
+        assert all(s.text() for s in streams)
+        assert CompileCounter.count() == compiled
+
+
 def test_bad_requests_and_a_full_queue_are_refused(tiny_model):
     with BatchEngine(tiny_model, max_batch=1, max_waiting=0, context=64) as engine:
         with pytest.raises(InputError, match="empty"):
