@@ -448,9 +448,9 @@ class BatchEngine:
             n = self.bucket(n + 1)
         vocab = self.model.config.vocab_size
         # a penalised greedy draw, and a sampled one with each combination of warpers (each its own executable)
-        switched_on = dict(top_k=dict(top_k=2), top_p=dict(top_p=0.5), min_p=dict(min_p=0.1))
+        switched_on = dict(top_k=2, top_p=0.5, min_p=0.1)  # each warper's field, at a value that turns it on
         samplings = [SamplingOptions()] + [
-            SamplingOptions(temperature=1.0, **{k: v for name in names for k, v in switched_on[name].items()})
+            SamplingOptions(temperature=1.0, **{name: switched_on[name] for name in names})
             for n in range(len(ALL_FILTERS) + 1) for names in itertools.combinations(ALL_FILTERS, n)]
         for sampling in samplings:
             sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), bool))

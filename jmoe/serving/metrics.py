@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from jmoe.serving.batcher import BatchEngine, CompileCounter, Stream
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
 def _or_nan(value) -> float:
     return float("nan") if value is None else float(value)
-
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class EngineMetrics:
