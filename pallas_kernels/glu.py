@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 KINDS = ("silu", "clamped_swiglu")
 
@@ -41,6 +42,16 @@ class GatedActivation:
         g = jnp.minimum(gate, self.limit)
         u = jnp.clip(up, -self.limit, self.limit)
         return (u + 1) * (g * jax.nn.sigmoid(g * self.alpha))
+
+    def on_host(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """The same in numpy (the converter's calibration): no jax op, so no compile per row count."""
+        gate, up = np.asarray(gate, np.float32), np.asarray(up, np.float32)
+        with np.errstate(over="ignore"):  # exp(-gate) = inf for very negative gates: the product is then 0
+            if self.kind == "silu":
+                return gate / (1.0 + np.exp(-gate)) * up
+            g = np.minimum(gate, self.limit)
+            u = np.clip(up, -self.limit, self.limit)
+            return (u + 1.0) * (g / (1.0 + np.exp(-self.alpha * g)))
 
     def in_kernel(self, gate, up):
         """The same inside a Pallas kernel (float32 accumulators): only exp, min/max and arithmetic."""

@@ -325,6 +325,8 @@ def test_gated_activations_follow_their_formulas():
         np.testing.assert_allclose(activation(jnp.asarray(gate), jnp.asarray(up)), expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(activation.in_kernel(jnp.asarray(gate), jnp.asarray(up)), expected, rtol=1e-5,
                                    atol=1e-6)
+        np.testing.assert_allclose(activation.on_host(gate, up), expected, rtol=1e-5, atol=1e-6)
+    assert np.all(SILU.on_host(np.float32([-1e4]), np.float32([3.0])) == 0)  # exp overflows to inf: silu is 0
     assert GatedActivation("silu", alpha=2.0, limit=1.0) == SILU  # silu ignores alpha and limit
     with pytest.raises(ValueError, match="unknown gated activation"):
         GatedActivation("gelu")

@@ -41,7 +41,7 @@ def intermediate(x: np.ndarray, expert: ExpertWeights, activation: GatedActivati
     if expert.gate_up_bias is not None:
         gate_up = gate_up + expert.gate_up_bias
     g, u = np.split(gate_up.astype(np.float32), 2, axis=-1)
-    return np.asarray(activation(g, u), np.float32)
+    return activation.on_host(g, u)
 
 
 @dataclass
