@@ -11,16 +11,14 @@ biases stay bf16. Which leaves are quantized is the model's own structure
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from convert.hf_source import TensorSource
-from convert.quantizers.grid import encode, group_params, pad_k
+from convert.quantizers.rtn import rtn_block
 from jmoe.config import ModelConfig
 from jmoe.format import DENSE_DIR
 from jmoe.layers.transformer import abstract_model
@@ -28,7 +26,7 @@ from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
+from pallas_kernels.qarray import QArray, QuantFormat
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
 
@@ -71,17 +69,6 @@ def read_plain(source: TensorSource, name: str, hf_shape: tuple, transpose: bool
             out[rows] = block.astype(dtype)
         advance(block.size)
     return out
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def rtn_block(w, fmt: QuantFormat):
-    """RTN of a K-major block [K, n] (compiled once per block shape, unlike op-by-op eager jnp):
-    (packed codes [Kp / pack, n], float16 scales and offsets [Kp / G, n])."""
-    n = w.shape[1]
-    groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)
-    scale, offset = group_params(groups, fmt)
-    codes = encode(groups, scale, offset, fmt).reshape(-1, n)
-    return pack_codes(codes, fmt), scale[:, 0].astype(jnp.float16), offset[:, 0].astype(jnp.float16)
 
 
 def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArray, advance) -> QArray:

@@ -6,6 +6,7 @@ so RTN runs eagerly and GPTQ/HAQ can use them inside jit.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,10 +56,13 @@ def pad_k(w, fmt: QuantFormat):
     return jnp.pad(jnp.asarray(w, jnp.float32), widths)
 
 
+_pack_codes = jax.jit(pack_codes, static_argnums=1)  # one compile per shape, not one per op and call
+
+
 def to_qarray(codes, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
     """Codes [Kp, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray."""
     return QArray(
-        values=np.asarray(pack_codes(codes, fmt)),
+        values=np.asarray(_pack_codes(codes, fmt)),
         scales=np.asarray(scales, np.float16),
         offsets=None if fmt.symmetric else np.asarray(offsets, np.float16),
         act_scale=None if act_scale is None else np.asarray(act_scale, np.float16),

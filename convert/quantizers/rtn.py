@@ -2,19 +2,41 @@
 
 from __future__ import annotations
 
-from convert.quantizers.grid import decode, encode, group_params, pad_k, to_qarray
-from pallas_kernels.qarray import QArray, QuantFormat
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from convert.quantizers.grid import decode, encode, group_params, pad_k
+from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def rtn_block(w, fmt: QuantFormat):
+    """RTN of a K-major block [K, n] (compiled once per block shape, unlike op-by-op eager jnp):
+    (packed codes [Kp / pack, n], float16 scales and offsets [Kp / G, n])."""
+    n = w.shape[1]
+    groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)
+    scale, offset = group_params(groups, fmt)
+    codes = encode(groups, scale, offset, fmt).reshape(-1, n)
+    return pack_codes(codes, fmt), scale[:, 0].astype(jnp.float16), offset[:, 0].astype(jnp.float16)
 
 
 def quantize_rtn(w, fmt: QuantFormat, act_scale=None) -> QArray:
-    """K-major weight [K, N] -> QArray. With act_scale (smoothing), w must already be scaled."""
-    k, n = w.shape
-    groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)  # [Kp / G, G, N]
-    scale, offset = group_params(groups, fmt)
-    codes = encode(groups, scale, offset, fmt).reshape(-1, n)
-    return to_qarray(codes, scale[:, 0], offset[:, 0], fmt, k, act_scale)
+    """K-major weight [K, N] -> a host (numpy) QArray. With act_scale (smoothing), w must already be scaled."""
+    values, scales, offsets = rtn_block(w, fmt)
+    return QArray(
+        values=np.asarray(values),
+        scales=np.asarray(scales),
+        offsets=None if fmt.symmetric else np.asarray(offsets),
+        act_scale=None if act_scale is None else np.asarray(act_scale, np.float16),
+        fmt=fmt,
+        k=w.shape[0],
+    )
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def rtn_dequantized(w, fmt: QuantFormat):
     """What RTN makes of w, as float32 [K, N] (used by searches that compare candidates)."""
     k, n = w.shape
