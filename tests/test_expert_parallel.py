@@ -128,26 +128,31 @@ def test_serving_engine_on_a_mesh_gives_generate_texts(tiny_tiers):
         assert [s.text() for s in streams] == want
 
 
+# The tiny model (Qwen3-MoE) runs on every mesh above; each other family's MoE layer runs on the
+# meshes where what it adds meets sharding: DeepSeek-V3's shared experts and sigmoid routing with
+# one expert per shard and beside tensor parallelism, GPT-OSS's expert biases and clamped SwiGLU
+# split over experts and tensor parallelism at once.
 FAMILY_CASES = {
-    "qwen3_moe": dict(overrides=None, randomize=()),
-    "deepseek_v3": dict(overrides=DEEPSEEK_V3["grouped-interleaved"], randomize=RANDOMIZED),  # shared experts, sigmoid
-    "gpt_oss": dict(overrides=None, randomize=EVERY_BIAS),  # expert biases, clamped SwiGLU
+    "deepseek_v3": dict(overrides=DEEPSEEK_V3["grouped-interleaved"], randomize=RANDOMIZED,
+                        meshes=["ep=8", "ep=4,tp=2"]),
+    "gpt_oss": dict(overrides=None, randomize=EVERY_BIAS, meshes=["ep=2,tp=2"]),
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_CASES))
 def family_model(request, tmp_path_factory):
     family = request.param
+    case = FAMILY_CASES[family]
     root = tmp_path_factory.mktemp(family)
-    make_checkpoint(family, root / "hf", **FAMILY_CASES[family])
+    make_checkpoint(family, root / "hf", overrides=case["overrides"], randomize=case["randomize"])
     out = convert_checkpoint(root / "hf", root / "jmoe", progress=False)
     prompt = list(range(3, 15))
-    return out, prompt, jmoe.generate(load(out), [prompt], max_new_tokens=16)[0]
+    return out, case["meshes"], prompt, jmoe.generate(load(out), [prompt], max_new_tokens=16)[0]
 
 
-def test_every_family_on_every_mesh(family_model):
-    out, prompt, want = family_model
-    for mesh in MESHES:
+def test_other_families_on_a_mesh(family_model):
+    out, meshes, prompt, want = family_model
+    for mesh in meshes:
         got = jmoe.generate(load(out, mesh=mesh), [prompt], max_new_tokens=16)[0]
         assert got == want, mesh
         shards = int(mesh.split(",")[0].split("=")[1])
