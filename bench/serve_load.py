@@ -107,14 +107,14 @@ def main(argv=None) -> None:
     write_result("serve_load", result)
 
 
-def serve_and_drive(model, name: str, *, seconds: float, streams: int, max_batch: int) -> dict:
+def serve_and_drive(model, name: str, *, seconds: float, streams: int, max_batch: int, context: int = 512) -> dict:
     """Start a server on an ephemeral port, drive it, wait for it to drain, check, stop it."""
     import uvicorn
 
     from jmoe.serving.batcher import BatchEngine
     from jmoe.serving.openai_api import create_app
 
-    engine = BatchEngine(model, max_batch=max_batch, max_waiting=4 * streams, context=512, reader_timeout=30.0,
+    engine = BatchEngine(model, max_batch=max_batch, max_waiting=4 * streams, context=context, reader_timeout=30.0,
                          warm_up=True)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, name), host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -82,6 +82,47 @@ def tiny_converted(tmp_path_factory) -> Path:
     return convert_checkpoint(TINY_HF, tmp_path_factory.mktemp("tiny") / "tiny", progress=False)
 
 
+SHORT_LAYERS = 2
+
+
+@pytest.fixture(scope="session")
+def short_hf_dir(tmp_path_factory) -> Path:
+    """The tiny model cut to its first SHORT_LAYERS decoder layers (their trained weights and routing,
+    the final norm, the tokenizer). For tests of mechanics (offloading, policies, serving,
+    speculation) that compare one way of running a model with another: their steps compile in a
+    fraction of the 8-layer model's time. Quality and parity tests use the whole model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("short") / "tiny-short"
+    out.mkdir()
+    tensors = load_file(TINY_HF / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")
+            or int(k.split(".")[2]) < SHORT_LAYERS}
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((TINY_HF / "config.json").read_text())
+    config["num_hidden_layers"] = SHORT_LAYERS
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TINY_HF / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def short_converted(short_hf_dir, tmp_path_factory) -> Path:
+    from convert import convert_checkpoint
+
+    return convert_checkpoint(short_hf_dir, tmp_path_factory.mktemp("short") / "short", progress=False)
+
+
+@pytest.fixture(scope="session")
+def short_model(short_converted):
+    import jmoe
+
+    return jmoe.load(short_converted, compute_dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_converted):
     import jmoe

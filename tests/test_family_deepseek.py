@@ -100,14 +100,15 @@ def test_latent_cache_is_what_the_budget_counts():
 
 # ---------------------------------------------------------------- downstream: tiers, policies, paths
 
-DOWNSTREAM = [("deepseek_v2", DEEPSEEK_V2["q-lora-grouped"], "rtn"),
-              ("deepseek_v3", DEEPSEEK_V3["grouped-interleaved"], "gptq"),
-              ("glm4_moe", GLM4_MOE["half-rotary-qk-norm"], "haq")]
+# each with one offloaded execution path (both run on the tiny model and every other family)
+DOWNSTREAM = [("deepseek_v2", DEEPSEEK_V2["q-lora-grouped"], "rtn", "layerwise"),
+              ("deepseek_v3", DEEPSEEK_V3["grouped-interleaved"], "gptq", "resident"),
+              ("glm4_moe", GLM4_MOE["half-rotary-qk-norm"], "haq", "layerwise")]
 IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 2047]
 
 
-@pytest.mark.parametrize("family,overrides,method", DOWNSTREAM, ids=[f for f, _, _ in DOWNSTREAM])
-def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method):
+@pytest.mark.parametrize("family,overrides,method,execution", DOWNSTREAM, ids=[d[0] for d in DOWNSTREAM])
+def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method, execution):
     """Integer tiers (calibrated through the family's own attention and cache layout for GPTQ and
     HAQ) track bf16; speculative decoding and offloaded runs on both paths give the resident
     tokens; DyMoE mixes tiers."""
@@ -138,12 +139,11 @@ def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method)
     # speculative decoding with the int2 copy as draft shares the latent cache and keeps greedy output
     assert jmoe.generate(resident, IDS, max_new_tokens=12, speculative="int2") == reference
     fixed = sum(v for k, v in resident.memory.items() if k != "experts")
-    for execution in ("layerwise", "resident"):
-        model = jmoe.load(out, tier="int4", compute_dtype="float32", device_budget=int(fixed + 0.4 * resident.memory[
-            "experts"]), policy="lru+prefetch+cpu", execution=execution, cpu_critical_tokens=1)
-        assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts
-        assert jmoe.generate(model, IDS, max_new_tokens=12) == reference, execution
-        model.residency.cache.check()
+    model = jmoe.load(out, tier="int4", compute_dtype="float32", device_budget=int(fixed + 0.4 * resident.memory[
+        "experts"]), policy="lru+prefetch+cpu", execution=execution, cpu_critical_tokens=1)
+    assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts
+    assert jmoe.generate(model, IDS, max_new_tokens=12) == reference, execution
+    model.residency.cache.check()
 
     model = jmoe.load(out, compute_dtype="float32", policy=DyMoE())
     assert len(jmoe.generate(model, IDS, max_new_tokens=8)) == 8

@@ -185,12 +185,12 @@ print(json.dumps({"hits": len(hits), "dir": jax.config.jax_compilation_cache_dir
 """
 
 
-def test_a_second_process_finds_the_steps_compiled(tiny_converted, tmp_path):
+def test_a_second_process_finds_the_steps_compiled(short_converted, tmp_path):
     cache = tmp_path / "xla"
 
     def run() -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JMOE_COMPILATION_CACHE": str(cache)}
-        done = subprocess.run([sys.executable, "-c", CACHE_CHILD, str(tiny_converted)], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", CACHE_CHILD, str(short_converted)], capture_output=True,
                               text=True, env=env, cwd=ROOT, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])

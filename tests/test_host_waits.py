@@ -19,8 +19,8 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def int4_int2(tmp_path_factory, tiny_hf_dir):
-    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("host_waits") / "m", tiers="int4,int2",
+def int4_int2(tmp_path_factory, short_hf_dir):
+    return convert_checkpoint(short_hf_dir, tmp_path_factory.mktemp("host_waits") / "m", tiers="int4,int2",
                               progress=False)
 
 

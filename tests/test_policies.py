@@ -22,8 +22,8 @@ PATHS = ["auto", "layerwise", "resident"]
 
 
 @pytest.fixture(scope="module")
-def int4_int2(tmp_path_factory, tiny_hf_dir):
-    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("policies") / "m", tiers="int4,int2",
+def int4_int2(tmp_path_factory, short_hf_dir):
+    return convert_checkpoint(short_hf_dir, tmp_path_factory.mktemp("policies") / "m", tiers="int4,int2",
                               progress=False)
 
 
@@ -60,7 +60,7 @@ def test_importance_is_gate_score_in_decode_and_heavy_hitters_in_prefill():
     assert list(order[:4]) == [1, 0, 3, 2]
 
 
-def test_four_zero_skips_the_unimportant_experts_without_renormalising(tiny_hf_dir):
+def test_four_zero_skips_the_unimportant_experts_without_renormalising(short_hf_dir):
     rng = np.random.default_rng(0)
     D, F, E, N, k = 16, 8, 6, 5, 2
     pool = ExpertWeights(rng.normal(size=(E, D, 2 * F)).astype(np.float32) * 0.3,
@@ -123,21 +123,21 @@ def test_named_policies_and_their_options_are_checked():
 
 @pytest.mark.parametrize("policy", ["dymoe-r1", "dynaexq", "dymoe"])
 def test_the_serving_engine_runs_the_precision_policies(int4_int2, uniform_int4, policy):
-    """Four requests through three rows of jmoe serve's engine: where a policy runs every expert at
+    """Three requests through two rows of jmoe serve's engine: where a policy runs every expert at
     hi (DyMoE with r = 1, DynaExq with room for all), each answer is the uniform-int4 one; DyMoE's
     default mix runs some experts at int2 and every request still completes."""
     from jmoe.serving import BatchEngine, Request
 
     made = {"dymoe-r1": DyMoE(r=1.0), "dynaexq": DynaExq(), "dymoe": DyMoE()}[policy]
-    model = jmoe.load(int4_int2, compute_dtype="float32", policy=made, max_seq_len=128, max_batch=3)
-    with BatchEngine(model, max_batch=3, context=128) as engine:
-        streams = [engine.submit(Request(list(IDS), 16, as_text=False)) for _ in range(4)]
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=made, max_seq_len=64, max_batch=2)
+    with BatchEngine(model, max_batch=2, context=64) as engine:
+        streams = [engine.submit(Request(list(IDS), 16, as_text=False)) for _ in range(3)]
         outputs = [list(s) for s in streams]
     if policy == "dymoe":
         assert all(len(o) == 16 and s.finish_reason == "length" for o, s in zip(outputs, streams))
         assert jmoe.stats(model)["uses_by_tier"]["int2"] > 0
     else:
-        assert outputs == [uniform_int4] * 4
+        assert outputs == [uniform_int4] * 3
 
 
 # ---------------------------------------------------------------- DynaExq
@@ -147,7 +147,7 @@ def test_the_serving_engine_runs_the_precision_policies(int4_int2, uniform_int4,
 def test_dynaexq_with_room_for_every_expert_at_hi_is_uniform_hi(int4_int2, uniform_int4, execution):
     model = jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(), execution=execution)
     assert jmoe.generate(model, IDS, max_new_tokens=16) == uniform_int4
-    assert jmoe.stats(model)["policy_state"]["resident_hi"] == 8 * 32
+    assert jmoe.stats(model)["policy_state"]["resident_hi"] == model.config.num_moe_layers * 32
 
 
 def test_hot_set_follows_hotness_with_hysteresis():
@@ -175,5 +175,5 @@ def test_promotions_ride_in_decode_steps_and_no_step_waits_for_one(int4_int2):
     decode = stats["host"]["decode"]
     assert decode["reads"] == stats["tokens"] - 1 and decode["executions"] == stats["tokens"] - 1
     state = stats["policy_state"]
-    assert state["promoting"] == 0 and 0 < state["resident_hi"] <= 8 * 8
+    assert state["promoting"] == 0 and 0 < state["resident_hi"] <= model.config.num_moe_layers * 8
     model.residency.cache.check()

@@ -21,8 +21,8 @@ IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
 
 
 @pytest.fixture(scope="module")
-def two_tiers(tmp_path_factory, tiny_hf_dir):
-    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("seams") / "m", tiers="bf16,int4,int2",
+def two_tiers(tmp_path_factory, short_hf_dir):
+    return convert_checkpoint(short_hf_dir, tmp_path_factory.mktemp("seams") / "m", tiers="bf16,int4,int2",
                               progress=False)
 
 
@@ -102,7 +102,8 @@ def test_a_plan_demotes_one_expert_and_prefetches_another_at_a_lower_tier(two_ti
     res = model.residency
     res.cache.settle()
     demote = next(k for k, v in res.cache.resident.items() if v == {"int4": res.cache.resident[k]["int4"]})
-    prefetch_key = next((layer, e) for layer in range(8) for e in range(32) if (layer, e) not in res.cache.resident)
+    prefetch_key = next((layer, e) for layer in range(model.config.num_moe_layers) for e in range(32)
+                        if (layer, e) not in res.cache.resident)
     policy.demote, policy.prefetch_key = demote, prefetch_key
     res.begin_step("decode")  # the plan starts the demotion and the prefetch in the background
     assert res.cache.code_of(demote) == INT4  # the int4 version serves until int2 is published
@@ -142,11 +143,11 @@ def test_a_draft_verify_loop_through_the_decoder_gives_the_greedy_tokens(two_tie
     assert sum(accepted) > 0  # the draft was right sometimes: verification really accepted its tokens
 
 
-def test_rows_of_a_batch_advance_by_different_amounts(tiny_model):
+def test_rows_of_a_batch_advance_by_different_amounts(short_model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 4000, size=n).tolist() for n in (5, 9, 3)]
     P = 9
-    decoder = Decoder(tiny_model, prompts, P, 32)
+    decoder = Decoder(short_model, prompts, P, 32)
     decoder.prefill()
     block = rng.integers(1, 4000, size=(3, 3))
     verified = np.asarray(decoder.verify(jnp.asarray(block, jnp.int32)))  # [3, 3, V]
@@ -156,18 +157,19 @@ def test_rows_of_a_batch_advance_by_different_amounts(tiny_model):
     stepped = np.asarray(decoder.decode(jnp.asarray(nxt, jnp.int32)))  # [3, V]
     for b, prompt in enumerate(prompts):
         for j in range(3):
-            reference = np.asarray(jmoe.forward(tiny_model, prompt + block[b, : j + 1].tolist()))[-1]
+            reference = np.asarray(jmoe.forward(short_model, prompt + block[b, : j + 1].tolist()))[-1]
             np.testing.assert_allclose(verified[b, j], reference, rtol=1e-4, atol=1e-4)
         kept = prompt + block[b, : moves[b]].tolist() + [int(nxt[b])]
-        np.testing.assert_allclose(stepped[b], np.asarray(jmoe.forward(tiny_model, kept))[-1], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(stepped[b], np.asarray(jmoe.forward(short_model, kept))[-1], rtol=1e-4, atol=1e-4)
 
 
-def test_all_resident_steps_keep_their_routing_on_the_device(tiny_model):
-    before = jmoe.stats(tiny_model)["steps"]
-    jmoe.generate(tiny_model, "def f(x):", max_new_tokens=3)
-    signals = tiny_model.residency.signals
-    assert isinstance(signals.ids, jax.Array) and signals.ids.shape == (8, 1, 1, 4)  # [layers, B, T, k]
+def test_all_resident_steps_keep_their_routing_on_the_device(short_model):
+    before = jmoe.stats(short_model)["steps"]
+    jmoe.generate(short_model, "def f(x):", max_new_tokens=3)
+    signals = short_model.residency.signals
+    layers = short_model.config.num_moe_layers
+    assert isinstance(signals.ids, jax.Array) and signals.ids.shape == (layers, 1, 1, 4)  # [layers, B, T, k]
     assert (np.asarray(signals.wanted) == TIER_CODES["bf16"]).all()
     assert (np.asarray(signals.chosen) == TIER_CODES["bf16"]).all() and not np.asarray(signals.missing).any()
-    stats = jmoe.stats(tiny_model)
+    stats = jmoe.stats(short_model)
     assert stats["steps"] > before and stats["host_syncs"] == 0

@@ -40,8 +40,8 @@ def start(server: Server) -> threading.Thread:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_converted):
-    return jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=256, max_batch=4)
+def model(short_converted):
+    return jmoe.load(short_converted, compute_dtype="float32", max_seq_len=256, max_batch=4)
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,9 @@ def encode(model, text: str) -> list[int]:
     return model.tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("budgeted", [False, True], ids=["resident", "offloaded"])
-def test_each_request_gets_what_it_gets_alone(tiny_converted, budgeted):
-    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=256, max_batch=3)
-    budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3 if budgeted else None
-    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget, max_seq_len=256, max_batch=3)
+def test_each_request_gets_what_it_gets_alone(short_converted):
+    """(Offloaded models: test_offloaded_policies_and_execution_paths_serve_what_generate_gives.)"""
+    model = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=256, max_batch=3)
     alone = [jmoe.generate(model, p, max_new_tokens=20) for p in PROMPTS]
     sampled = jmoe.generate(model, PROMPTS[0], max_new_tokens=20, temperature=0.9, top_k=40, seed=7)
     ids = jmoe.generate(model, encode(model, PROMPTS[2]), max_new_tokens=12)
@@ -41,28 +39,28 @@ def test_each_request_gets_what_it_gets_alone(tiny_converted, budgeted):
     assert all(s.finish_reason == "length" and s.usage["completion_tokens"] == 20 for s in streams[:8])
 
 
-def test_rows_leaving_out_of_order_are_compacted_without_changing_anyones_text(tiny_model):
+def test_rows_leaving_out_of_order_are_compacted_without_changing_anyones_text(short_model):
     limits = [5, 20, 9, 14, 3, 20, 11, 7]  # rows leave mid-batch; the live ones move to the front slots
-    alone = [jmoe.generate(tiny_model, p, max_new_tokens=n) for p, n in zip(PROMPTS, limits)]
-    with BatchEngine(tiny_model, max_batch=4, context=128) as engine:
-        streams = [engine.submit(Request(encode(tiny_model, p), max_tokens=n)) for p, n in zip(PROMPTS, limits)]
+    alone = [jmoe.generate(short_model, p, max_new_tokens=n) for p, n in zip(PROMPTS, limits)]
+    with BatchEngine(short_model, max_batch=4, context=128) as engine:
+        streams = [engine.submit(Request(encode(short_model, p), max_tokens=n)) for p, n in zip(PROMPTS, limits)]
         assert [s.text() for s in streams] == alone
         assert engine.bucket(1) == 1 and engine.bucket(3) == 4 and engine.bucket(4) == 4
 
 
-def test_stop_strings_and_eos_end_a_row(tiny_model):
-    with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
-        full = engine.submit(Request(encode(tiny_model, "12 + 35 ="), max_tokens=30)).text()
+def test_stop_strings_and_eos_end_a_row(short_model):
+    with BatchEngine(short_model, max_batch=2, context=128) as engine:
+        full = engine.submit(Request(encode(short_model, "12 + 35 ="), max_tokens=30)).text()
         stop = full[5:8]
-        cut = engine.submit(Request(encode(tiny_model, "12 + 35 ="), max_tokens=30, stop=[stop]))
+        cut = engine.submit(Request(encode(short_model, "12 + 35 ="), max_tokens=30, stop=[stop]))
         assert cut.text() == full[:full.index(stop)] and cut.finish_reason == "stop"
         assert cut.text() == ""  # a finished stream yields nothing more
 
 
-def test_cancelled_requests_free_their_slots_for_waiting_ones(tiny_model):
-    with BatchEngine(tiny_model, max_batch=2, context=256) as engine:
-        long_ones = [engine.submit(Request(encode(tiny_model, p), max_tokens=200)) for p in PROMPTS[:2]]
-        waiting = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=5))
+def test_cancelled_requests_free_their_slots_for_waiting_ones(short_model):
+    with BatchEngine(short_model, max_batch=2, context=256) as engine:
+        long_ones = [engine.submit(Request(encode(short_model, p), max_tokens=200)) for p in PROMPTS[:2]]
+        waiting = engine.submit(Request(encode(short_model, PROMPTS[2]), max_tokens=5))
         for s in long_ones:
             next(iter(s))  # running: a first piece arrived
             s.cancel()
@@ -73,33 +71,33 @@ def test_cancelled_requests_free_their_slots_for_waiting_ones(tiny_model):
         assert engine.running == 0
 
 
-def test_no_compile_after_warm_up(tiny_model):
-    with BatchEngine(tiny_model, max_batch=4, context=128) as engine:
+def test_no_compile_after_warm_up(short_model):
+    with BatchEngine(short_model, max_batch=4, context=128) as engine:
         # warm up: prefill of a 16-token prompt bucket, the batched step, sampling
-        first = [engine.submit(Request(encode(tiny_model, p), max_tokens=6)) for p in PROMPTS[:4]]
+        first = [engine.submit(Request(encode(short_model, p), max_tokens=6)) for p in PROMPTS[:4]]
         assert all(s.text() for s in first)
         compiled = CompileCounter.count()
-        later = [engine.submit(Request(encode(tiny_model, p), max_tokens=9)) for p in PROMPTS[4:]]
+        later = [engine.submit(Request(encode(short_model, p), max_tokens=9)) for p in PROMPTS[4:]]
         assert all(s.text() for s in later)
         assert CompileCounter.count() == compiled
 
 
-def test_a_warmed_up_engine_samples_with_any_warpers_without_compiling(tiny_model):
+def test_a_warmed_up_engine_samples_with_any_warpers_without_compiling(short_model):
     """Each combination of top-k, top-p and min-p is its own sampling executable: warm-up makes them all."""
-    with BatchEngine(tiny_model, max_batch=2, context=128, warm_up=True) as engine:
+    with BatchEngine(short_model, max_batch=2, context=128, warm_up=True) as engine:
         compiled = CompileCounter.count()
         samplings = [SamplingOptions(temperature=0.8, seed=1), SamplingOptions(temperature=0.8, top_k=5, seed=2),
                      SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.05, seed=3),
                      SamplingOptions(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=4),
                      SamplingOptions(repetition_penalty=1.2)]
-        streams = [engine.submit(Request(encode(tiny_model, PROMPTS[i % len(PROMPTS)]), max_tokens=5, sampling=s))
+        streams = [engine.submit(Request(encode(short_model, PROMPTS[i % len(PROMPTS)]), max_tokens=5, sampling=s))
                    for i, s in enumerate(samplings)]
         assert all(s.text() for s in streams)
         assert CompileCounter.count() == compiled
 
 
-def test_bad_requests_and_a_full_queue_are_refused(tiny_model):
-    with BatchEngine(tiny_model, max_batch=1, max_waiting=0, context=64) as engine:
+def test_bad_requests_and_a_full_queue_are_refused(short_model):
+    with BatchEngine(short_model, max_batch=1, max_waiting=0, context=64) as engine:
         with pytest.raises(InputError, match="empty"):
             engine.submit(Request([], max_tokens=4))
         with pytest.raises(InputError, match="leave room"):
@@ -134,13 +132,13 @@ class StepLog:
         pass
 
 
-def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(tiny_model):
+def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(short_model):
     text = (PROMPTS[0] + " jumps over the lazy dog. ") * 120
-    long_prompt = encode(tiny_model, text)[:1500]  # a 2048-token bucket: four 512-token prefill chunks
-    alone = jmoe.generate(tiny_model, long_prompt, max_new_tokens=6)
-    with BatchEngine(tiny_model, max_batch=2, context=2560, prefill_per_step=512) as engine:
+    long_prompt = encode(short_model, text)[:1500]  # a 2048-token bucket: four 512-token prefill chunks
+    alone = jmoe.generate(short_model, long_prompt, max_new_tokens=6)
+    with BatchEngine(short_model, max_batch=2, context=2560, prefill_per_step=512) as engine:
         log = engine.observer = StepLog(engine)
-        running = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=60))
+        running = engine.submit(Request(encode(short_model, PROMPTS[1]), max_tokens=60))
         next(iter(running))
         submitted_at_step = engine.steps
         long = engine.submit(Request(long_prompt, max_tokens=6, as_text=False))
@@ -150,14 +148,14 @@ def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(tiny_model):
         assert running.text() != ""
 
 
-def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
+def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(short_model):
     import time
 
-    with BatchEngine(tiny_model, max_batch=2, context=1024, reader_timeout=0.5) as engine:
-        stalled = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=1000))
+    with BatchEngine(short_model, max_batch=2, context=1024, reader_timeout=0.5) as engine:
+        stalled = engine.submit(Request(encode(short_model, PROMPTS[0]), max_tokens=1000))
         next(iter(stalled))  # one piece read, then no more
-        read = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=30, as_text=False, logprobs=2))
-        short = engine.submit(Request(encode(tiny_model, PROMPTS[3]), max_tokens=3, logprobs=0))
+        read = engine.submit(Request(encode(short_model, PROMPTS[1]), max_tokens=30, as_text=False, logprobs=2))
+        short = engine.submit(Request(encode(short_model, PROMPTS[3]), max_tokens=3, logprobs=0))
         pairs = list(read.with_logprobs())  # a reader that keeps reading is not cut
         assert read.finish_reason == "length" and len(pairs) == 30
         assert short.finish_reason == "length" and short.usage["completion_tokens"] == 3
@@ -166,7 +164,7 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
         while stalled.finish_reason is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert stalled.finish_reason == "reader_timeout" and stalled.usage["completion_tokens"] < 1000
-        late = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=30, timeout=0.0))
+        late = engine.submit(Request(encode(short_model, PROMPTS[2]), max_tokens=30, timeout=0.0))
         assert late.text() == "" and late.finish_reason == "timeout"
         with pytest.raises(InputError, match="logprobs"):
             engine.submit(Request([5, 6], max_tokens=4, logprobs=21))
@@ -175,10 +173,10 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(tiny_model):
 
 
 @pytest.mark.parametrize("policy, execution", [("lru+cpu", "auto"), ("lru", "layerwise"), ("lru+prefetch", "resident")])
-def test_offloaded_policies_and_execution_paths_serve_what_generate_gives(tiny_converted, policy, execution):
-    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=128, max_batch=2)
+def test_offloaded_policies_and_execution_paths_serve_what_generate_gives(short_converted, policy, execution):
+    plan = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=128, max_batch=2)
     budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3
-    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=budget, policy=policy,
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=budget, policy=policy,
                       execution=execution, max_seq_len=128, max_batch=2)
     alone = [jmoe.generate(model, p, max_new_tokens=12) for p in PROMPTS[:3]]
     with BatchEngine(model, max_batch=2, context=128) as engine:  # three requests through two rows
@@ -204,40 +202,40 @@ def failing_step(model, phase: str, *, token: int | None = None, times: int | No
     return step
 
 
-def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny_model, monkeypatch):
-    alone = jmoe.generate(tiny_model, PROMPTS[2], max_new_tokens=8)
-    with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
-        monkeypatch.setattr(tiny_model, "step", failing_step(tiny_model, "decode", times=1))
-        failed = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=8))
+def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(short_model, monkeypatch):
+    alone = jmoe.generate(short_model, PROMPTS[2], max_new_tokens=8)
+    with BatchEngine(short_model, max_batch=2, context=128) as engine:
+        monkeypatch.setattr(short_model, "step", failing_step(short_model, "decode", times=1))
+        failed = engine.submit(Request(encode(short_model, PROMPTS[0]), max_tokens=8))
         failed.text()
         assert failed.finish_reason == "error" and "injected decode failure" in failed.error
-        after = engine.submit(Request(encode(tiny_model, PROMPTS[2]), max_tokens=8))
+        after = engine.submit(Request(encode(short_model, PROMPTS[2]), max_tokens=8))
         assert after.text() == alone and after.finish_reason == "length"
         assert not engine.closed and engine.failure is None
 
 
-def test_a_request_whose_prefill_fails_fails_alone(tiny_model, monkeypatch):
-    prompt, other = encode(tiny_model, PROMPTS[1]), encode(tiny_model, PROMPTS[3])
+def test_a_request_whose_prefill_fails_fails_alone(short_model, monkeypatch):
+    prompt, other = encode(short_model, PROMPTS[1]), encode(short_model, PROMPTS[3])
     marker = next(t for t in prompt if t not in other)  # in the failing request's prefill only
-    alone = jmoe.generate(tiny_model, PROMPTS[3], max_new_tokens=30)
-    with BatchEngine(tiny_model, max_batch=2, context=128) as engine:
+    alone = jmoe.generate(short_model, PROMPTS[3], max_new_tokens=30)
+    with BatchEngine(short_model, max_batch=2, context=128) as engine:
         running = engine.submit(Request(other, max_tokens=30))
         pieces = iter(running)
         first = next(pieces)  # running when the other request arrives
-        monkeypatch.setattr(tiny_model, "step", failing_step(tiny_model, "prefill", token=marker))
+        monkeypatch.setattr(short_model, "step", failing_step(short_model, "prefill", token=marker))
         failed = engine.submit(Request(prompt, max_tokens=8))
         assert failed.text() == "" and failed.finish_reason == "error" and "injected prefill" in failed.error
         assert first + "".join(pieces) == alone and running.finish_reason == "length"
         assert engine.running == 0 and not engine.prefilling and not engine.closed
 
 
-def test_an_engine_whose_steps_keep_failing_stops_and_says_why(tiny_model, monkeypatch):
-    engine = BatchEngine(tiny_model, max_batch=1, context=64)
+def test_an_engine_whose_steps_keep_failing_stops_and_says_why(short_model, monkeypatch):
+    engine = BatchEngine(short_model, max_batch=1, context=64)
     told = []
     engine.on_failure = told.append
-    monkeypatch.setattr(tiny_model, "step", failing_step(tiny_model, "decode"))
-    running = engine.submit(Request(encode(tiny_model, PROMPTS[0]), max_tokens=8))
-    waiting = engine.submit(Request(encode(tiny_model, PROMPTS[1]), max_tokens=8))
+    monkeypatch.setattr(short_model, "step", failing_step(short_model, "decode"))
+    running = engine.submit(Request(encode(short_model, PROMPTS[0]), max_tokens=8))
+    waiting = engine.submit(Request(encode(short_model, PROMPTS[1]), max_tokens=8))
     for s in (running, waiting):
         s.text()
         assert s.finish_reason == "error" and "injected decode failure" in s.error

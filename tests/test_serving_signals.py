@@ -40,12 +40,12 @@ def start_server(model, cache, log) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def test_sigterm_and_sigint_stop_a_server_with_a_running_request(tiny_converted, tmp_path):
+def test_sigterm_and_sigint_stop_a_server_with_a_running_request(short_converted, tmp_path):
     compile_cache = tmp_path / "xla"  # shared by the rounds' servers: only the first one compiles its steps
     for i, sig in enumerate(ROUNDS):
         log_path = tmp_path / f"server{i}.log"
         with open(log_path, "w") as log:
-            server, base = start_server(tiny_converted, compile_cache, log)
+            server, base = start_server(short_converted, compile_cache, log)
         try:
             body = dict(prompt="The quick brown fox", max_tokens=40, temperature=0, stream=True)
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
