@@ -21,8 +21,8 @@ IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]
 
 
 @pytest.fixture(scope="module")
-def two_tiers(tmp_path_factory, short_hf_dir):
-    return convert_checkpoint(short_hf_dir, tmp_path_factory.mktemp("seams") / "m", tiers="bf16,int4,int2",
+def two_tiers(tmp_path_factory, tiny_hf_dir):  # the whole model: its prompt routes the experts SkipAndLower picks
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("seams") / "m", tiers="bf16,int4,int2",
                               progress=False)
 
 
