@@ -1,7 +1,7 @@
 """The quantization grid every quantizer shares: per-group scale/offset, codes, and packing.
 
-All functions take K-major weights with groups along K and work on numpy or jax arrays (jnp ops),
-so RTN runs eagerly and GPTQ/HAQ can use them inside jit.
+All functions take K-major weights with groups along K and work on numpy or jax arrays (jnp ops);
+the quantizers run them inside jit (RTN per matrix shape, GPTQ/HAQ per block), never op by op.
 """
 
 from __future__ import annotations
@@ -61,8 +61,13 @@ _pack_codes = jax.jit(pack_codes, static_argnums=1)  # one compile per shape, no
 
 def to_qarray(codes, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
     """Codes [Kp, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray."""
+    return host_qarray(_pack_codes(codes, fmt), scales, offsets, fmt, k, act_scale)
+
+
+def host_qarray(values, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
+    """Packed codes [Kp / pack, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray."""
     return QArray(
-        values=np.asarray(_pack_codes(codes, fmt)),
+        values=np.asarray(values),
         scales=np.asarray(scales, np.float16),
         offsets=None if fmt.symmetric else np.asarray(offsets, np.float16),
         act_scale=None if act_scale is None else np.asarray(act_scale, np.float16),

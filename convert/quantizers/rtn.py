@@ -6,9 +6,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from convert.quantizers.grid import decode, encode, group_params, pad_k
+from convert.quantizers.grid import decode, encode, group_params, host_qarray, pad_k
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
 
 
@@ -26,14 +25,7 @@ def rtn_block(w, fmt: QuantFormat):
 def quantize_rtn(w, fmt: QuantFormat, act_scale=None) -> QArray:
     """K-major weight [K, N] -> a host (numpy) QArray. With act_scale (smoothing), w must already be scaled."""
     values, scales, offsets = rtn_block(w, fmt)
-    return QArray(
-        values=np.asarray(values),
-        scales=np.asarray(scales),
-        offsets=None if fmt.symmetric else np.asarray(offsets),
-        act_scale=None if act_scale is None else np.asarray(act_scale, np.float16),
-        fmt=fmt,
-        k=w.shape[0],
-    )
+    return host_qarray(values, scales, offsets, fmt, w.shape[0], act_scale)
 
 
 @functools.partial(jax.jit, static_argnums=1)
