@@ -39,7 +39,12 @@ def run_job(cmd, processes=2, devices=2):
 
 @pytest.fixture(scope="module")
 def one_process_text(short_converted):
-    model = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=SEQ)
+    return one_process_output(short_converted)
+
+
+def one_process_output(path) -> str:
+    """What `jmoe generate` prints for generate_command's prompt, from one process."""
+    model = jmoe.load(path, compute_dtype="float32", max_seq_len=SEQ)
     return PROMPT + jmoe.generate(model, PROMPT, max_new_tokens=24) + "\n"
 
 
@@ -51,14 +56,12 @@ def test_two_processes_resident_give_one_process_tokens(short_converted, one_pro
 
 def test_two_processes_offloaded_under_a_per_device_budget(tiny_converted):
     """(The whole tiny model: a third of a device's share of a 2-layer model's experts leaves nothing to evict.)"""
-    want = PROMPT + jmoe.generate(jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=SEQ), PROMPT,
-                                  max_new_tokens=24) + "\n"
     plan = memory_plan(tiny_converted, compute_dtype="float32", max_seq_len=SEQ, policy="lru")
     budget = sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"] // 4 // 3
     job = run_job(generate_command(tiny_converted, "--mesh", "ep=4", "--policy", "lru", "--device-budget",
                                    str(budget), "--stats"))
     assert job.returncode == 0, job.stderr[-2000:]
-    assert job.stdout == want
+    assert job.stdout == one_process_output(tiny_converted)
     stats = job.stderr[job.stderr.index("{"):]
     assert '"transfers": 0,' not in stats and '"evictions": 0,' not in stats  # it did offload
 

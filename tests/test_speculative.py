@@ -93,9 +93,9 @@ def test_greedy_speculative_equals_greedy_per_family(tmp_path, family, placement
     make_checkpoint(family, tmp_path / "hf")
     path = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="bf16,int4", progress=False)
     ids = [3, 14, 15, 92, 65, 35]
-    expected = jmoe.generate(jmoe.load(path, compute_dtype="float32", tier="bf16"), ids, max_new_tokens=16)
-    model = (jmoe.load(path, compute_dtype="float32", tier="bf16") if placement == "resident"
-             else budgeted(path, 0.3, "int4"))
+    resident = jmoe.load(path, compute_dtype="float32", tier="bf16")
+    expected = jmoe.generate(resident, ids, max_new_tokens=16)
+    model = resident if placement == "resident" else budgeted(path, 0.3, "int4")
     assert jmoe.generate(model, ids, max_new_tokens=16, speculative="int4") == expected
     if placement == "offloaded":
         assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts
