@@ -26,6 +26,11 @@ def dev_tokens(tokenizer, domain: str, max_tokens: int | None = None) -> np.ndar
     return ids[:max_tokens] if max_tokens else ids
 
 
+def dev_prompts(tokenizer, n_tokens: int = 48) -> list[list[int]]:
+    """One prompt per domain: n_tokens from the middle of its dev text."""
+    return [tokenizer.encode((CORPUS / f"{d}.dev.txt").read_text()[5000:12000])[:n_tokens] for d in DOMAINS]
+
+
 def machine() -> dict:
     dev = jax.devices()[0]
     cpu = platform.processor() or platform.machine()
@@ -94,5 +99,5 @@ def write_result(name: str, payload: dict) -> Path:
     tag = "gpu" if jax.default_backend() == "gpu" else "cpu"
     path = RESULTS / f"{name}_{tag}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     return path

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, staging_bytes, write_result
+from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_prompts, dev_tokens, staging_bytes, write_result
 from bench.gpu_model import GpuParams, dense_bytes_of, replay
 from convert import convert_checkpoint
 from jmoe.decoding.evaluate import window_nll
@@ -220,7 +220,6 @@ def plot_shift(shift: dict, path: Path) -> None:
 
 
 def ablation(root: Path, new_tokens: int) -> dict:
-    from bench.offload import prompts
     from bench.synthetic import QWEN3_30B_A3B, write_checkpoint
 
     src = write_checkpoint(root / "synthetic-hf", layers=4, **QWEN3_30B_A3B)
@@ -237,7 +236,7 @@ def ablation(root: Path, new_tokens: int) -> dict:
         for name, make in modes.items():
             model = jmoe.load(path, tier="int4", compute_dtype="float32", policy=make(), device_budget=budget,
                               max_seq_len=512, trace=True)
-            items = items or prompts(model.tokenizer)
+            items = items or dev_prompts(model.tokenizer)
             jmoe.generate(model, items[0][:8], max_new_tokens=2)  # compile
             model.residency.reset_stats()
             model.trace.steps.clear()

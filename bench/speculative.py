@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, staging_bytes, write_result
+from bench.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, dev_prompts, staging_bytes, write_result
 from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from convert import convert_checkpoint
 
@@ -126,7 +126,6 @@ def tpot_vs_k(path: Path, n: int, new_tokens: int) -> dict:
 
 
 def synthetic(root: Path, new_tokens: int, fraction: float = 0.25) -> dict:
-    from bench.offload import prompts as offload_prompts
     from bench.synthetic import QWEN3_30B_A3B, write_checkpoint
 
     src = write_checkpoint(root / "synthetic-hf", layers=4, **QWEN3_30B_A3B)
@@ -143,7 +142,7 @@ def synthetic(root: Path, new_tokens: int, fraction: float = 0.25) -> dict:
         ("speculative int2, k auto", dict(device_budget=budget, draft="int2"), {"draft": "int2", "k": "auto"}),
     ):
         model = jmoe.load(path, **kw, **extra)
-        items = items or [ids[:16] for ids in offload_prompts(model.tokenizer)]
+        items = items or [ids[:16] for ids in dev_prompts(model.tokenizer)]
         rows[name] = run(model, items, new_tokens, speculative)
         rows[name].pop("outputs")
         rows[name]["target_pool_slots"] = model.residency.slots
