@@ -437,7 +437,13 @@ def test_logit_bias_and_min_p_change_the_answer(served):
 def test_bad_chat_messages_are_refused(served):
     base = served[0]
     for messages, culprit in (([], "messages"), ("hi", "messages"), ([{"role": "robot", "content": "x"}], "role"),
-                              ([{"role": "user", "content": 5}], "content"), ([3], "messages[0]")):
+                              ([{"role": "user", "content": 5}], "content"), ([3], "messages[0]"),
+                              ([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                             {"type": "image_url", "image_url": {"url": "x"}}]}],
+                               "messages[0].content[1].type"),
+                              ([{"role": "user", "content": [{"type": "text", "text": 7}]}],
+                               "messages[0].content[0].text"),
+                              ([{"role": "user", "content": ["text"]}], "messages[0].content[0]")):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=messages), timeout=30)
         assert response.status_code == 400 and culprit in response.json()["error"]["message"]
     hello = [{"role": "user", "content": "Hi"}]
@@ -445,6 +451,17 @@ def test_bad_chat_messages_are_refused(served):
                            ({"logprobs": True, "top_logprobs": 50}, "top_logprobs")):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=hello, **extra), timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == culprit
+
+
+def test_chat_content_parts_read_as_their_joined_text(served):
+    base = served[0]
+    body = dict(model=NAME, max_tokens=6, temperature=0)
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    answers = [httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                          json={**body, "messages": [{"role": "user", "content": content}]}).json()
+               for content in ("Hello", parts)]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert answers[0]["usage"] == answers[1]["usage"]
 
 
 def test_logprobs_are_the_models_log_softmax(served):

@@ -279,13 +279,33 @@ def _messages(body: dict, model) -> list[int]:
             raise ApiError(f"'messages[{i}]' must be an object", f"messages[{i}]")
         if m.get("role") not in ("system", "user", "assistant", "developer"):
             raise ApiError(f"'messages[{i}].role' must be system, user, assistant or developer", f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
-            raise ApiError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
-    chat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+    chat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _content(m.get("content"), i)}
+            for i, m in enumerate(messages)]
     try:
         return chat_prompt(model, chat)
     except InputError as e:
         raise ApiError(str(e), "messages") from None
+
+
+def _content(content, i: int) -> str:
+    """A message's text: a string, or OpenAI's list of content parts, whose text parts are joined
+    (this server reads no images, audio or files: any other part is refused, naming it)."""
+    field = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(f"'{field}' must be a string or a list of content parts", field)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ApiError(f"'{field}[{j}]' must be an object", f"{field}[{j}]")
+        if part.get("type") != "text":
+            raise ApiError(f"'{field}[{j}].type' must be 'text' (this server reads text only), got "
+                           f"{str(part.get('type'))[:40]!r}", f"{field}[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(f"'{field}[{j}].text' must be a string", f"{field}[{j}].text")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 # ----------------------------------------------------------------------------- responses
