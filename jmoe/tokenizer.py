@@ -67,8 +67,9 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     return list(messages)
 
 
-def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt") -> list[int]:
-    """One prompt -> token ids. Strings use the model's tokenizer; chat messages its chat template."""
+def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+    """One prompt -> token ids. Strings use the model's tokenizer (with the special tokens it adds,
+    such as a BOS, unless add_special_tokens is False); chat messages its chat template."""
     if isinstance(prompt, str):
         if not prompt:
             raise InputError(f"{name} is empty")
@@ -76,7 +77,7 @@ def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt") -> lis
             raise InputError("this model was converted without a tokenizer; pass token ids instead of text")
         check_text(name, prompt)
         with _LOCK:
-            ids = tokenizer.encode(prompt, add_special_tokens=True)
+            ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif is_chat(prompt):
         messages = check_messages(prompt)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -95,6 +96,14 @@ def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt") -> lis
     if len(ids) == 0:
         raise InputError(f"{name} is empty")
     return validate.token_ids(name, ids, vocab_size)
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Token ids -> text, special tokens included (ids the tokenizer does not know decode to nothing)."""
+    if tokenizer is None:
+        raise InputError("this model was converted without a tokenizer; it cannot turn ids into text")
+    with _LOCK:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 class StreamDetokenizer:

@@ -453,6 +453,42 @@ def test_bad_chat_messages_are_refused(served):
         assert response.status_code == 400 and response.json()["error"]["param"] == culprit
 
 
+def test_tokenize_and_detokenize_round_trip(served):
+    base, engine, model = served
+    text = PROMPTS[1]
+    ids = model.tokenizer.encode(text)
+    answer = httpx.post(f"{base}/tokenize", json={"model": NAME, "prompt": text}, timeout=30).json()
+    assert answer == {"tokens": ids, "count": len(ids), "max_model_len": engine.context}
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30).json()
+    assert plain["tokens"] == model.tokenizer.encode(text, add_special_tokens=False)
+    hello = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": hello}, timeout=30).json()
+    completion = httpx.post(f"{base}/v1/chat/completions", json={"messages": hello, "max_tokens": 1},
+                            timeout=60).json()
+    assert chat["count"] == completion["usage"]["prompt_tokens"] > 0
+    back = httpx.post(f"{base}/detokenize", json={"model": NAME, "tokens": ids}, timeout=30).json()
+    assert back == {"prompt": text}
+    assert httpx.post(f"{base}/detokenize", json={"tokens": []}, timeout=30).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize("path, body, culprit", [
+    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": ""}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role"),
+    ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"), ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model"),
+    ("/detokenize", {}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 4096]}, "tokens"), ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [2**31]}, "tokens"), ("/detokenize", {"tokens": [1.5]}, "tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens"), ("/detokenize", {"tokens": [1], "skip": 1}, "skip"),
+])
+def test_bad_tokenize_requests_get_a_4xx_naming_the_field(served, path, body, culprit):
+    response = httpx.post(f"{served[0]}{path}", json=body, timeout=30)
+    error = response.json()["error"]
+    assert 400 <= response.status_code < 500 and error["param"] == culprit and error["message"]
+
+
 def test_chat_content_parts_read_as_their_joined_text(served):
     base = served[0]
     body = dict(model=NAME, max_tokens=6, temperature=0)

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
 
+from jmoe import validate
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
 from jmoe.serving.batcher import (
@@ -33,7 +34,7 @@ from jmoe.serving.batcher import (
 )
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.metrics import EngineMetrics
-from jmoe.tokenizer import encode
+from jmoe.tokenizer import decode, encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
 MAX_JSON_DEPTH = 32  # nesting a request body may have (a chat request needs 4)
@@ -169,16 +170,8 @@ def _check_json(body: dict) -> None:
 def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens: int | None = None) -> Parsed:
     """Every field checked; the prompt tokenized (chat: with the model's chat template). max_tokens:
     the most a request may ask for (default: the model's context)."""
-    unknown = sorted(set(body) - FIELDS[chat])
-    if unknown:
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise ApiError(f"unknown field '{unknown[0]}'{more}", unknown[0])
-    requested = body.get("model")
-    if requested is not None and not isinstance(requested, str):
-        raise ApiError("'model' must be a string", "model")
-    if requested not in (None, model_name):
-        raise ApiError(f"the model '{requested}' does not exist; this server serves '{model_name}'", "model",
-                       status=404, code="model_not_found")
+    _check_fields(body, FIELDS[chat])
+    _check_model(body.get("model"), model_name)
     if chat:
         prompt = _messages(body, model)
     else:
@@ -218,6 +211,60 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
         raise ApiError(str(e), next((f for f in fields if str(e).startswith(f)), None)) from None
     return Parsed(prompt, _int(body, "n", 1, minimum=1, maximum=MAX_N), stream, include_usage, max_tokens,
                   sampling, _stop(body), _logprobs(body, chat))
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise ApiError(f"unknown field '{unknown[0]}'{more}", unknown[0])
+
+
+def _check_model(requested, model_name: str, param: str | None = "model") -> None:
+    """`requested` must name the served model (None: the served one); another name is a 404."""
+    if requested is not None and not isinstance(requested, str):
+        raise ApiError("'model' must be a string", param)
+    if requested not in (None, model_name):
+        raise ApiError(f"the model '{requested}' does not exist; this server serves '{model_name}'"[:300], param,
+                       status=404, code="model_not_found")
+
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+def parse_tokenize(body: dict, model, model_name: str) -> list[int]:
+    """A /tokenize body's ids: its `prompt` (with the tokenizer's special tokens unless
+    `add_special_tokens` is false) or its chat `messages` (as chat completions would prompt)."""
+    _check_fields(body, TOKENIZE_FIELDS)
+    _check_model(body.get("model"), model_name)
+    if ("prompt" in body) == ("messages" in body):
+        raise ApiError("give one of 'prompt' or 'messages'", "prompt")
+    if "messages" in body:
+        if "add_special_tokens" in body:
+            raise ApiError("'add_special_tokens' applies to 'prompt' (messages follow the chat template)",
+                           "add_special_tokens")
+        return _messages(body, model)
+    prompt = body["prompt"]
+    if not isinstance(prompt, str):
+        raise ApiError("'prompt' must be a string", "prompt")
+    special = _bool(body, "add_special_tokens", True)
+    try:
+        return encode(model.tokenizer, prompt, model.config.vocab_size, add_special_tokens=special)
+    except InputError as e:
+        raise ApiError(str(e), "prompt") from None
+
+
+def parse_detokenize(body: dict, model, model_name: str) -> list[int]:
+    """A /detokenize body's `tokens`: ids of the model's vocabulary (an empty list is empty text)."""
+    _check_fields(body, DETOKENIZE_FIELDS)
+    _check_model(body.get("model"), model_name)
+    if "tokens" not in body:
+        raise ApiError("'tokens' is required", "tokens")
+    try:
+        return validate.token_ids("tokens", body["tokens"], model.config.vocab_size)
+    except InputError as e:
+        raise ApiError(str(e), "tokens") from None
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict:
@@ -334,7 +381,7 @@ class LogprobFormat:
         self.tokenizer, self.chat = tokenizer, chat
 
     def text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return decode(self.tokenizer, [token])
 
     def __call__(self, entries: list[TokenLogprob], offset: int = 0) -> dict | None:
         if not entries:
@@ -505,10 +552,24 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
             return JSONResponse({"status": status, "error": engine.failure}, status_code=503)
         return {"status": "ok", "running": engine.running, "waiting": len(engine.waiting)}
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "jmoe"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "jmoe"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest):
+        ids = parse_tokenize(parse_body(await read_body(http)), model, model_name)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.context}
+
+    @app.post("/detokenize")
+    async def detokenize(http: HttpRequest):
+        ids = parse_detokenize(parse_body(await read_body(http)), model, model_name)
+        try:
+            return {"prompt": decode(model.tokenizer, ids)}
+        except InputError as e:
+            raise ApiError(str(e), "tokens") from None
 
     def submit(parsed: Parsed) -> list[Stream]:
         streams = []
