@@ -489,6 +489,16 @@ def test_bad_tokenize_requests_get_a_4xx_naming_the_field(served, path, body, cu
     assert 400 <= response.status_code < 500 and error["param"] == culprit and error["message"]
 
 
+def test_one_model_by_id_and_a_404_for_others(served):
+    base = served[0]
+    card = httpx.get(f"{base}/v1/models/{NAME}", timeout=10)
+    assert card.status_code == 200 and card.json() == httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]
+    assert client(base).models.retrieve(NAME).id == NAME
+    for other in ("gpt-9", "org/tiny", "tiny%20x"):
+        missing = httpx.get(f"{base}/v1/models/{other}", timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 def test_chat_content_parts_read_as_their_joined_text(served):
     base = served[0]
     body = dict(model=NAME, max_tokens=6, temperature=0)

@@ -558,6 +558,11 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
     async def models():
         return {"object": "list", "data": [model_card]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str):
+        _check_model(model_id, model_name, param=None)
+        return model_card
+
     @app.post("/tokenize")
     async def tokenize(http: HttpRequest):
         ids = parse_tokenize(parse_body(await read_body(http)), model, model_name)
