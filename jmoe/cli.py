@@ -15,6 +15,7 @@ from jmoe import validate
 from jmoe.errors import InputError, JmoeError
 from jmoe.tokenizer import first_line
 
+API_KEY_ENV = "JMOE_API_KEY"  # serve's API key when --api-key is not given
 MAX_BATCH = 4096  # rows decoded together at most (serve's --max-batch, bench's -b)
 MAX_SECONDS = 86400.0  # a day: the longest timeout an option takes
 MAX_SEQ_LEN = 2**31 - 1  # positions are int32 in the step
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=10.0,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish before they are cut "
                             "(default 10)")
+    serve.add_argument("--api-key", default=None,
+                       help=f"clients must send 'Authorization: Bearer KEY' to /v1/* and /tokenize, /detokenize "
+                            f"(default: ${API_KEY_ENV} if set, else no key; the variable keeps it out of ps)")
+    serve.add_argument("--allowed-origins", default=None,
+                       help="browser origins that may call the API (CORS): '*' or a comma-separated list such as "
+                            "https://app.example.com (default: none)")
 
     chat = sub.add_parser("chat", help="chat with a converted model in the terminal")
     chat.add_argument("model", help="directory written by `jmoe convert`")
@@ -211,6 +218,7 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise InputError(f"jmoe serve needs the serve extra: pip install 'jmoe[serve]' ({e})") from None
     server_options = serve_options(args)
+    app_options(args)  # a bad key or origin is refused before the model loads
     # a follower notes a stop signal from the start, and stops when process 0 does, never mid-step
     stops = StopSignals() if process_id() != 0 else None
     speculative = cli_speculative(args)
@@ -240,6 +248,17 @@ def serve_options(args) -> dict:
                 drain_timeout=validate.real("drain_timeout", args.drain_timeout, minimum=0.0, maximum=MAX_SECONDS))
 
 
+def app_options(args) -> dict:
+    """serve's options for the API itself (create_app's), checked: they are checked before the model
+    loads too. The key comes from --api-key, else from $JMOE_API_KEY."""
+    from jmoe.serving.openai_api import check_api_key, parse_origins
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    origins = None if args.allowed_origins is None else parse_origins(args.allowed_origins)
+    return dict(request_timeout=args.request_timeout, max_tokens=args.max_tokens,
+                api_key=None if api_key is None else check_api_key(api_key), allowed_origins=origins)
+
+
 def serve(args, model, engine_options: dict, server_options: dict) -> int:
     """Process 0 (or the only one): the engine behind the HTTP server, until it stops."""
     from pathlib import Path
@@ -255,9 +274,10 @@ def serve(args, model, engine_options: dict, server_options: dict) -> int:
     logging.getLogger("jmoe.access").setLevel(logging.INFO)
     mirror = Mirror() if jax.process_count() > 1 else None
     with BatchEngine(model, mirror=mirror, **engine_options) as engine:
-        app = create_app(engine, name, request_timeout=args.request_timeout, max_tokens=args.max_tokens)
-        server = Server(app, engine, **server_options)
-        print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} at once)",
+        options = app_options(args)
+        server = Server(create_app(engine, name, **options), engine, **server_options)
+        keyed = "; API key required" if options["api_key"] else ""
+        print(f"jmoe: serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} at once{keyed})",
               file=sys.stderr)
         server.run()
     if engine.failure is not None:

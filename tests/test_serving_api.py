@@ -499,6 +499,92 @@ def test_one_model_by_id_and_a_404_for_others(served):
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.fixture
+def app_client(served):
+    """make(**create_app options): Starlette's test client for another app over the module's engine
+    (nothing compiles); the engine's metrics stay the module server's."""
+    from starlette.testclient import TestClient
+
+    engine = served[1]
+    observer = engine.observer
+
+    def make(**options) -> TestClient:
+        app = create_app(engine, NAME, **options)
+        engine.observer = observer
+        return TestClient(app, raise_server_exceptions=False)
+
+    return make
+
+
+KEY = "sk-test-0123456789"
+
+
+def test_an_api_key_guards_the_api_but_not_health_or_metrics(app_client, caplog):
+    caplog.set_level(logging.INFO)
+    http = app_client(api_key=KEY)
+    keyed = {"Authorization": f"Bearer {KEY}"}
+    for method, path, body in (("GET", "/v1/models", None), ("GET", f"/v1/models/{NAME}", None),
+                               ("POST", "/v1/completions", OK), ("POST", "/tokenize", {"prompt": "a"}),
+                               ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/v1/nothing", None)):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+            refused = http.request(method, path, json=body, headers=headers)
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+            assert refused.json()["error"]["code"] == "invalid_api_key" and KEY not in refused.text
+        assert http.request(method, path, json=body, headers=keyed).status_code == (404 if "nothing" in path else 200)
+    assert http.get("/v1/models", headers={"Authorization": f"bearer  {KEY}"}).status_code == 200
+    assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+    answer = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
+                           ).completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    assert answer.choices[0].text
+    assert not [r for r in caplog.records if KEY in r.getMessage()]
+
+
+def test_api_options_of_jmoe_serve_are_checked(monkeypatch):
+    from jmoe import cli
+    from jmoe.errors import InputError
+
+    def options(*extra):
+        return cli.app_options(cli.build_parser().parse_args(["serve", "m", *extra]))
+
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    assert options()["api_key"] is None and options()["allowed_origins"] is None
+    monkeypatch.setenv(cli.API_KEY_ENV, KEY)
+    assert options()["api_key"] == KEY and options("--api-key", "other")["api_key"] == "other"
+    assert options("--allowed-origins", "https://a.example, http://localhost:3000")["allowed_origins"] == [
+        "https://a.example", "http://localhost:3000"]
+    assert options("--allowed-origins", "*")["allowed_origins"] == ["*"]
+    for bad in (["--api-key", ""], ["--api-key", "two words"], ["--api-key", "k\u00e9y"], ["--allowed-origins", ""],
+                ["--allowed-origins", "a.example"], ["--allowed-origins", "https://a.example/"],
+                ["--allowed-origins", "*,https://a.example"]):
+        with pytest.raises(InputError) as refused:
+            options(*bad)
+        assert KEY not in str(refused.value) and "two words" not in str(refused.value)
+
+
+PREFLIGHT = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_cors_only_when_origins_are_allowed(app_client):
+    plain = app_client()
+    assert plain.options("/v1/completions", headers=PREFLIGHT).status_code == 405  # as before: no CORS
+    assert "access-control-allow-origin" not in plain.get("/v1/models", headers={"Origin": "https://a.example"}).headers
+    http = app_client(allowed_origins=["https://a.example"], api_key=KEY)
+    preflight = http.options("/v1/completions", headers=PREFLIGHT)  # a preflight carries no key
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://a.example"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == PREFLIGHT["Access-Control-Request-Headers"]
+    answer = http.post("/v1/completions", json=OK, headers={"Origin": "https://a.example",
+                                                            "Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://a.example"
+    refused = http.post("/v1/completions", json=OK, headers={"Origin": "https://a.example"})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://a.example"
+    stranger = http.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://b.example"})
+    assert stranger.status_code == 400 and "origin" in stranger.json()["error"]["message"]
+    anyone = app_client(allowed_origins=["*"]).get("/v1/models", headers={"Origin": "https://b.example"})
+    assert anyone.headers["access-control-allow-origin"] == "*"
+
+
 def test_chat_content_parts_read_as_their_joined_text(served):
     base = served[0]
     body = dict(model=NAME, max_tokens=6, temperature=0)

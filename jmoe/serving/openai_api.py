@@ -12,8 +12,10 @@ leaves one line in the `jmoe.access` log.
 """
 
 import asyncio  # (no postponed annotations: FastAPI reads the endpoints' annotations, bound inside create_app)
+import hmac
 import json
 import logging
+import re
 import time
 import uuid
 import dataclasses
@@ -439,10 +441,11 @@ async def _whole_answers(receive, streams: list[Stream]) -> list | None:
             s.cancel()
 
 
-async def send_error(send, error: ApiError, close: bool = False) -> None:
-    """An OpenAI-style JSON error as a whole ASGI response."""
+async def send_error(send, error: ApiError, close: bool = False, headers: list | None = None) -> None:
+    """An OpenAI-style JSON error as a whole ASGI response (`headers`: more (name, value) byte pairs)."""
     body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *(headers or [])]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -512,16 +515,92 @@ class RequestGuard:
                         f"{tokens[0]}+{tokens[1]}" if tokens else "-")
 
 
+# the routes an API key guards (every /v1 route too); /health and /metrics stay open to probes and scrapers
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
+class ApiKeyGuard:
+    """ASGI middleware: the API's routes answer only requests that carry `Authorization: Bearer KEY`
+    (compared in constant time), others get an OpenAI-style 401."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self._guarded(scope["path"]) and not self._authorized(scope["headers"]):
+            error = ApiError("this server needs an API key: send 'Authorization: Bearer KEY' with the server's key",
+                             status=401, code="invalid_api_key")
+            return await send_error(send, error, headers=[(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _guarded(path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS
+
+    def _authorized(self, headers) -> bool:
+        value = next((v for name, v in headers if name == b"authorization"), b"")
+        scheme, _, key = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._key)
+
+
+def check_api_key(key: str) -> str:
+    """An API key a client can send in a header: printable ASCII without spaces (never shown in errors)."""
+    if not isinstance(key, str) or not key or not key.isascii() or not key.isprintable() or " " in key:
+        raise InputError("the API key must be a non-empty string of printable ASCII characters without spaces")
+    return key
+
+
+ORIGIN = re.compile(r"https?://[^/\s,]+")  # a scheme and a host (and port): no path, no trailing slash
+
+
+def parse_origins(text: str) -> list[str]:
+    """--allowed-origins: `*` (any origin) or a comma-separated list of origins such as
+    https://app.example.com or http://localhost:3000."""
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    if origins == ["*"]:
+        return origins
+    if not origins or "*" in origins:
+        raise InputError("allowed origins must be '*' alone or a comma-separated list of origins")
+    for origin in origins:
+        if not ORIGIN.fullmatch(origin):
+            raise InputError(f"allowed origin {origin[:100]!r} is not a scheme and host such as https://app.example.com")
+    return origins
+
+
+def _add_cors(app, origins: list[str]) -> None:
+    """Starlette's CORS middleware (a preflight answered, the origin's headers on every answer),
+    its refused preflights an OpenAI-style JSON 400 instead of plain text."""
+    from fastapi.responses import JSONResponse
+    from starlette.middleware.cors import CORSMiddleware
+
+    class Cors(CORSMiddleware):
+        def preflight_response(self, request_headers):
+            response = super().preflight_response(request_headers)
+            if response.status_code == 200:
+                return response
+            headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+            return JSONResponse(ApiError(response.body.decode()).body(), status_code=400, headers=headers)
+
+    app.add_middleware(Cors, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+
+
 def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float | None = None,
-               max_tokens: int | None = None):
+               max_tokens: int | None = None, api_key: str | None = None, allowed_origins: list[str] | None = None):
     """The FastAPI application serving `engine`'s model as `model_name`; a request still running
     `request_timeout` seconds after it arrived ends there (finish reason "length"); a request may
-    ask for at most `max_tokens` tokens (default: the engine's context)."""
+    ask for at most `max_tokens` tokens (default: the engine's context). With `api_key`, the API's
+    routes need it as a bearer token; `allowed_origins` (parse_origins') may call it from a browser."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="jmoe", docs_url=None, redoc_url=None)
+    # the last added runs first: the access log sees everything, a preflight needs no key
+    if api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=check_api_key(api_key))
+    if allowed_origins:
+        _add_cors(app, allowed_origins)
     app.add_middleware(RequestGuard)
     created = int(time.time())
     model = engine.model
