@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help=f"clients must send 'Authorization: Bearer KEY' to /v1/* and /tokenize, /detokenize "
                             f"(default: ${API_KEY_ENV} if set, else no key; the variable keeps it out of ps)")
+    serve.add_argument("--warm-up-echo", action="store_true",
+                       help="compile echo's prompt scoring (completions' echo with logprobs) at start-up; else its "
+                            "first request at each prompt-length bucket compiles it, pausing the engine meanwhile")
     serve.add_argument("--allowed-origins", default=None,
                        help="browser origins that may call the API (CORS): '*' or a comma-separated list such as "
                             "https://app.example.com (default: none)")
@@ -256,7 +259,8 @@ def app_options(args) -> dict:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     origins = None if args.allowed_origins is None else parse_origins(args.allowed_origins)
     return dict(request_timeout=args.request_timeout, max_tokens=args.max_tokens,
-                api_key=None if api_key is None else check_api_key(api_key), allowed_origins=origins)
+                api_key=None if api_key is None else check_api_key(api_key), allowed_origins=origins,
+                warm_up_echo=args.warm_up_echo)
 
 
 def serve(args, model, engine_options: dict, server_options: dict) -> int:

@@ -5,6 +5,7 @@ the culprit, failing steps, hung-up clients, connection limits and the access lo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import select
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 import jmoe
-from jmoe.serving import BatchEngine, batcher
+from jmoe.serving import BatchEngine, batcher, scoring
 from jmoe.serving.batcher import CompileCounter
 from jmoe.serving.openai_api import FINISH_REASONS, MAX_BODY_BYTES, create_app
 from jmoe.serving.server import Server
@@ -142,9 +143,13 @@ BAD = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"stream_options": 3}, "stream_options"),
     ({"model": "gpt-9"}, "model"), ({"model": 7}, "model"), ({"prompt": ""}, "prompt"), ({"prompt": None}, "prompt"),
-    ({"prompt": 42}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": 42}, "prompt"), ({"prompt": [1, -5]}, "prompt"), ({"prompt": ["a", 5]}, "prompt[1]"),
+    ({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt[1]"), ({"prompt": [[1], [2**31]]}, "prompt[1]"),
+    ({"prompt": ["a", ""]}, "prompt[1]"), ({"prompt": [[1, 2], "x" * 3000]}, "prompt[1]"),
+    # at most the engine's rows and queue (4 + 64) completions in all
+    ({"prompt": ["a"] * 69}, "prompt"), ({"prompt": ["a"] * 9, "n": 8}, "prompt"), ({"prompt": [[1]] * 10**5}, "prompt"),
     ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"), ({"echo": True, "max_tokens": -1}, "max_tokens"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     # fields silently ignored before: unknown ones, and logit_bias / min_p out of range
     ({"temprature": 0.5}, "temprature"), ({"top_a": 0.1}, "top_a"), ({"min_p": 1.5}, "min_p"),
@@ -447,7 +452,7 @@ def test_bad_chat_messages_are_refused(served):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=messages), timeout=30)
         assert response.status_code == 400 and culprit in response.json()["error"]["message"]
     hello = [{"role": "user", "content": "Hi"}]
-    for extra, culprit in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 3}, "logprobs"),
+    for extra, culprit in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo"),
                            ({"logprobs": True, "top_logprobs": 50}, "top_logprobs")):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=hello, **extra), timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == culprit
@@ -553,6 +558,7 @@ def test_api_options_of_jmoe_serve_are_checked(monkeypatch):
     assert options("--allowed-origins", "https://a.example, http://localhost:3000")["allowed_origins"] == [
         "https://a.example", "http://localhost:3000"]
     assert options("--allowed-origins", "*")["allowed_origins"] == ["*"]
+    assert options("--warm-up-echo")["warm_up_echo"] and not options()["warm_up_echo"]
     for bad in (["--api-key", ""], ["--api-key", "two words"], ["--api-key", "k\u00e9y"], ["--allowed-origins", ""],
                 ["--allowed-origins", "a.example"], ["--allowed-origins", "https://a.example/"],
                 ["--allowed-origins", "*,https://a.example"]):
@@ -583,6 +589,92 @@ def test_cors_only_when_origins_are_allowed(app_client):
     assert stranger.status_code == 400 and "origin" in stranger.json()["error"]["message"]
     anyone = app_client(allowed_origins=["*"]).get("/v1/models", headers={"Origin": "https://b.example"})
     assert anyone.headers["access-control-allow-origin"] == "*"
+
+
+def test_a_list_of_prompts_gets_n_choices_per_prompt_whole_and_streamed(served):
+    base, _, model = served
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[5]]
+    alone = [jmoe.generate(model, p, max_new_tokens=6) for p in prompts]
+    c = client(base)
+    whole = c.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in whole.choices] == list(range(6))
+    assert [ch.text for ch in whole.choices] == [a for a in alone for _ in range(2)]  # index = prompt * n + j
+    ids = [model.tokenizer.encode(p) for p in prompts]
+    assert whole.usage.prompt_tokens == sum(map(len, ids)) and whole.usage.completion_tokens == 36
+    as_ids = c.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert [ch.text for ch in as_ids.choices] == alone
+    texts = [""] * 6
+    for chunk in c.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True,
+                                      stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+        usage = chunk.usage
+    assert texts == [ch.text for ch in whole.choices] and usage.total_tokens == whole.usage.total_tokens
+
+
+def log_softmax(logits) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_echo_logprobs_are_the_prompts_log_softmax(served):
+    """echo with logprobs (lm-evaluation-harness's loglikelihood request): the text starts with the
+    prompt, and the logprobs cover its tokens (the first null), each the log-softmax of jmoe.forward's
+    logits before it; max_tokens 0 gives the prompt alone."""
+    base, _, model = served
+    prompt = PROMPTS[4]
+    ids = model.tokenizer.encode(prompt)
+    ref = log_softmax(jmoe.forward(model, ids))
+    texts = [model.tokenizer.decode([t]) for t in ids]
+    scored = post(base, {**OK, "prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 0}).json()
+    choice = scored["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == texts and lp["text_offset"] == [sum(map(len, texts[:i])) for i in range(len(ids))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], expected, atol=1e-4)
+    for i, top in enumerate(lp["top_logprobs"][1:]):
+        assert len(top) == 3 and sorted(top.values(), reverse=True) == pytest.approx(np.sort(ref[i])[::-1][:3], abs=1e-4)
+    # lm-evaluation-harness's local-completions: token-id prompts, max_tokens 1, logprobs 1; it sums
+    # token_logprobs[ctxlen:-1] (the continuation, not the one generated token)
+    context, continuation = ids[:3], ids[3:]
+    plain = post(base, {**OK, "prompt": [PROMPTS[1]], "max_tokens": 1, "temperature": 0, "logprobs": 1}).json()
+    harness = post(base, {**OK, "prompt": [ids, model.tokenizer.encode(PROMPTS[1])], "max_tokens": 1,
+                          "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}).json()
+    first, second = sorted(harness["choices"], key=lambda ch: ch["index"])
+    assert first["text"].startswith(prompt) and len(first["logprobs"]["token_logprobs"]) == len(ids) + 1
+    loglikelihood = sum(first["logprobs"]["token_logprobs"][len(context):-1])
+    assert loglikelihood == pytest.approx(sum(ref[i - 1, ids[i]] for i in range(len(context), len(ids))), abs=1e-3)
+    assert second["text"] == PROMPTS[1] + plain["choices"][0]["text"]
+    generated = {k: second["logprobs"][k][-1:] for k in ("tokens", "token_logprobs", "top_logprobs")}
+    assert generated == {k: plain["choices"][0]["logprobs"][k] for k in generated}
+    assert second["logprobs"]["text_offset"][-1] == len(PROMPTS[1])
+    echoed = post(base, {**OK, "prompt": [continuation], "echo": True, "max_tokens": 2, "temperature": 0}).json()
+    assert echoed["choices"][0]["text"].startswith(model.tokenizer.decode(continuation))
+    assert echoed["choices"][0]["logprobs"] is None
+
+
+def test_echo_scoring_warms_up_each_prompt_bucket_and_runs_beside_the_engine(served, monkeypatch):
+    from jmoe.serving.scoring import PromptScorer
+
+    base, _, model = served
+    scorer = PromptScorer(model)
+    lengths = []
+    real_forward = scoring.forward
+
+    def forward(model, ids):
+        lengths.append(len(ids))
+        return real_forward(model, ids)
+
+    monkeypatch.setattr(scoring, "forward", forward)
+    scorer.warm_up(20)
+    assert lengths == [16, 19]  # each bucket below the context (19: the longest prompt, bucket 32)
+    threads = []
+    monkeypatch.setattr(scorer, "score_now", lambda prompt, top: threads.append(threading.current_thread().name))
+    asyncio.run(scorer.score([1, 2], 0))
+    assert threads[0].startswith("jmoe-scorer")  # neither the event loop's thread nor the engine's
 
 
 def test_chat_content_parts_read_as_their_joined_text(served):

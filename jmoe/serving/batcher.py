@@ -79,12 +79,13 @@ class Request:
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability under the model (its logits before temperature and
-    filtering) and the `top` most likely tokens with theirs, most likely first."""
+    """A token's log-probability under the model (its logits before temperature and filtering) and
+    the `top` most likely tokens with theirs, most likely first. A prompt's first token, which
+    nothing predicts, has None for both."""
 
     token: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None
+    top: list[tuple[int, float]] | None
 
 
 class Stream:

@@ -36,23 +36,27 @@ from jmoe.serving.batcher import (
 )
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.metrics import EngineMetrics
+from jmoe.serving.scoring import PromptScorer
 from jmoe.tokenizer import decode, encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
 MAX_JSON_DEPTH = 32  # nesting a request body may have (a chat request needs 4)
-MAX_N = 8  # completions per request (each takes a slot)
+MAX_N = 8  # completions per prompt (each takes a slot)
+MAX_CHOICES = 256  # completions per request (prompts × n) at most, whatever the engine's queue holds
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI allows
 DEFAULT_MAX_TOKENS = 256
 CLIENT_GONE = 499  # the access log's status for a request whose client went away first (nginx's)
 access_log = logging.getLogger("jmoe.access")
-# fields this server does not implement, and the value each may still take (it asks for nothing)
-UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None,
-               "functions": None, "tool_choice": None, "response_format": None}
+# fields this server does not implement, and the value each may still take (it asks for nothing):
+# by endpoint, keyed by chat as FIELDS is (chat has no echo)
+_NOT_IMPLEMENTED = {"best_of": 1, "suffix": None, "tools": None, "functions": None, "tool_choice": None,
+                    "response_format": None}
+UNSUPPORTED = {False: _NOT_IMPLEMENTED, True: {**_NOT_IMPLEMENTED, "echo": False}}
 # every field a request may carry; any other is refused, naming it
 COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_k", "top_p", "min_p",
                  "repetition_penalty", "seed", "n", "stop", "logprobs", "logit_bias", "presence_penalty",
-                 "frequency_penalty", *UNSUPPORTED}
+                 "frequency_penalty", *UNSUPPORTED[True]}
 # OpenAI fields that ask nothing of the answer's content, accepted and ignored (documented as such)
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities"}
 FIELDS = {False: COMMON_FIELDS | IGNORED | {"prompt"},
@@ -121,7 +125,8 @@ def _stop(body: dict) -> list[str]:
 
 @dataclass
 class Parsed:
-    prompt: list[int]
+    prompts: list[list[int]]  # token ids of each prompt (chat: one); each gets n completions
+    texts: list[str | None]  # each prompt as given when it was text (echo repeats it), else None
     n: int
     stream: bool
     include_usage: bool
@@ -129,6 +134,11 @@ class Parsed:
     sampling: SamplingOptions
     stop: list[str]
     logprobs: int | None  # alternatives per token, None: no logprobs
+    echo: bool = False  # completions: each text (and its logprobs) starts with its prompt's
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -169,34 +179,39 @@ def _check_json(body: dict) -> None:
             pending.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
-def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens: int | None = None) -> Parsed:
-    """Every field checked; the prompt tokenized (chat: with the model's chat template). max_tokens:
-    the most a request may ask for (default: the model's context)."""
+def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens: int | None = None,
+                  max_choices: int = MAX_CHOICES) -> Parsed:
+    """Every field checked; the prompts tokenized (chat: with the model's chat template). max_tokens:
+    the most a request may ask for (default: the model's context); max_choices: the most
+    completions (prompts × n) it may ask for."""
     _check_fields(body, FIELDS[chat])
     _check_model(body.get("model"), model_name)
-    if chat:
-        prompt = _messages(body, model)
-    else:
-        prompt = _prompt(body, model)
-    if len(prompt) >= model.max_seq_len:
-        raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {model.max_seq_len}",
-                       "messages" if chat else "prompt", code="context_length_exceeded")
-    for name, inert in UNSUPPORTED.items():
+    n = _int(body, "n", 1, minimum=1, maximum=MAX_N)
+    prompts, texts = ([_messages(body, model)], [None]) if chat else _prompts(body, model, max_choices, n)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= model.max_seq_len:
+            field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {model.max_seq_len}",
+                           field, code="context_length_exceeded")
+    for name, inert in UNSUPPORTED[chat].items():
         if body.get(name) not in (None, inert):
             raise ApiError(f"'{name}' is not supported by this server", name)
     for kind in ("presence_penalty", "frequency_penalty"):
         if _real(body, kind, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise ApiError(f"'{kind}' is not supported by this server (use repetition_penalty)", kind)
+    echo = False if chat else _bool(body, "echo", False)
     bound = model.max_seq_len if max_tokens is None else max_tokens
     max_tokens = _int(body, "max_completion_tokens", None, minimum=1, maximum=bound) if chat else None
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", min(DEFAULT_MAX_TOKENS, bound), minimum=1, maximum=bound)
+    if max_tokens is None:  # echo may ask for none: the prompt's own logprobs
+        max_tokens = _int(body, "max_tokens", min(DEFAULT_MAX_TOKENS, bound), minimum=0 if echo else 1, maximum=bound)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError("'stream_options' must be an object", "stream_options")
     stream = _bool(body, "stream", False)
     if options is not None and not stream:
         raise ApiError("'stream_options' needs 'stream': true", "stream_options")
+    if echo and stream:
+        raise ApiError("'echo' is not supported with 'stream': true (ask for the whole answer)", "echo")
     include_usage = _bool(options or {}, "include_usage", False)
     try:
         sampling = SamplingOptions(
@@ -211,8 +226,8 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
     except InputError as e:
         fields = ("logit_bias", "min_p", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
         raise ApiError(str(e), next((f for f in fields if str(e).startswith(f)), None)) from None
-    return Parsed(prompt, _int(body, "n", 1, minimum=1, maximum=MAX_N), stream, include_usage, max_tokens,
-                  sampling, _stop(body), _logprobs(body, chat))
+    return Parsed(prompts, texts, n, stream, include_usage, max_tokens, sampling, _stop(body), _logprobs(body, chat),
+                  echo)
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
@@ -297,24 +312,43 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _prompt(body: dict, model) -> list[int]:
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _prompts(body: dict, model, max_choices: int, n: int) -> tuple[list[list[int]], list[str | None]]:
+    """The completions' prompts, as OpenAI takes them: a string, a list of token ids, or a list of
+    either (n completions each, at most max_choices in all); each one's ids, and its text when it
+    was given as text."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if prompt is None:
+        raise ApiError("'prompt' is required", "prompt")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [_prompt_ids(prompt, model, "prompt")], [prompt if isinstance(prompt, str) else None]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    if len(prompt) * n > max_choices:
+        raise ApiError(f"'prompt' holds {len(prompt)} prompts, {n} completion(s) each; this server answers at most "
+                       f"{max_choices} completions per request", "prompt")
+    ids = [_prompt_ids(item, model, f"prompt[{i}]") for i, item in enumerate(prompt)]
+    return ids, [item if isinstance(item, str) else None for item in prompt]
+
+
+def _prompt_ids(prompt, model, field: str) -> list[int]:
+    """One prompt's token ids: a non-empty string, tokenized, or token ids of the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError("'prompt' is empty", "prompt")
+            raise ApiError(f"'{field}' is empty", field)
         try:
             return encode(model.tokenizer, prompt, model.config.vocab_size)
         except InputError as e:  # a model converted without a tokenizer
-            raise ApiError(str(e), "prompt") from None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ApiError(str(e), field) from None
+    if _is_ids(prompt):
         if not all(0 <= t < model.config.vocab_size for t in prompt):
-            raise ApiError(f"'prompt' token ids must be in [0, {model.config.vocab_size})", "prompt")
+            raise ApiError(f"'{field}' token ids must be in [0, {model.config.vocab_size})", field)
         return list(prompt)
-    if prompt is None:
-        raise ApiError("'prompt' is required", "prompt")
-    raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+    raise ApiError(f"'{field}' must be a string or a non-empty list of token ids", field)
 
 
 def _messages(body: dict, model) -> list[int]:
@@ -360,8 +394,8 @@ def _content(content, i: int) -> str:
 # ----------------------------------------------------------------------------- responses
 
 
-def _usage(streams: list[Stream]) -> dict:
-    prompt = streams[0].usage["prompt_tokens"]
+def _usage(prompt: int, streams: list[Stream]) -> dict:
+    """OpenAI's usage: each prompt counted once (not once per completion), every completion's tokens."""
     completion = sum(s.usage["completion_tokens"] for s in streams)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -398,7 +432,15 @@ class LogprobFormat:
         tokens = [self.text(e.token) for e in entries]
         offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=offset))
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+                "top_logprobs": [None if e.top is None else {self.text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    @staticmethod
+    def joined(first: dict | None, then: dict | None) -> dict | None:
+        """Completions' logprobs of two texts one after the other (an echoed prompt, its completion)."""
+        if first is None or then is None:
+            return first or then
+        return {key: first[key] + then[key] for key in first}
 
 
 def _choice(chat: bool, index: int, text: str, finish: str | None, delta: bool = False, logprobs=None) -> dict:
@@ -409,6 +451,27 @@ def _choice(chat: bool, index: int, text: str, finish: str | None, delta: bool =
                 "finish_reason": finish}
     return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish}
+
+
+def _whole_choices(parsed: Parsed, chat: bool, answers: list, streams: list[Stream],
+                   prefixes: list | None, logprobs: LogprobFormat) -> list[dict]:
+    """The choices of a whole answer, prompt by prompt, n each; with echo each text and its logprobs
+    start with its prompt's (max_tokens 0: the prompt alone, finish reason "length")."""
+    choices = []
+    for c in range(len(parsed.prompts) * parsed.n):
+        text, entries = answers[c] if streams else ("", [])
+        finish = _finish(streams[c]) if streams else "length"
+        prefix, prefix_logprobs = prefixes[c // parsed.n] if prefixes is not None else ("", None)
+        generated = logprobs(entries, len(prefix))
+        choices.append(_choice(chat, c, prefix + text, finish, logprobs=LogprobFormat.joined(prefix_logprobs, generated)))
+    return choices
+
+
+def _drop(task: asyncio.Future) -> None:
+    """Cancel a task nobody will await any more (its error, if it failed, is not the answer's)."""
+    task.cancel()
+    if task.done() and not task.cancelled():
+        task.exception()  # read: no "exception was never retrieved" in the log
 
 
 async def _collect(stream: Stream) -> tuple[str, list[TokenLogprob]]:
@@ -586,11 +649,14 @@ def _add_cors(app, origins: list[str]) -> None:
 
 
 def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float | None = None,
-               max_tokens: int | None = None, api_key: str | None = None, allowed_origins: list[str] | None = None):
+               max_tokens: int | None = None, api_key: str | None = None, allowed_origins: list[str] | None = None,
+               warm_up_echo: bool = False):
     """The FastAPI application serving `engine`'s model as `model_name`; a request still running
     `request_timeout` seconds after it arrived ends there (finish reason "length"); a request may
     ask for at most `max_tokens` tokens (default: the engine's context). With `api_key`, the API's
-    routes need it as a bearer token; `allowed_origins` (parse_origins') may call it from a browser."""
+    routes need it as a bearer token; `allowed_origins` (parse_origins') may call it from a browser.
+    warm_up_echo: compile echo's prompt scoring now (else its first use at each prompt-length bucket
+    compiles it, holding the model meanwhile)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -618,6 +684,12 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                             status_code=error.status_code, headers=error.headers)
 
     metrics = EngineMetrics(engine)
+    # completions per request: what the engine's rows and queue can take at once (else it could only be a 429)
+    max_choices = min(MAX_CHOICES, max(MAX_N, engine.max_batch + engine.max_waiting))
+    # echo's prompt logprobs run forward beside the engine: not where other processes replay its steps
+    scorer = PromptScorer(model) if engine.mirror is None else None
+    if warm_up_echo and scorer is not None:
+        scorer.warm_up(engine.context)
 
     @app.get("/metrics")
     async def prometheus():
@@ -656,14 +728,17 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
             raise ApiError(str(e), "tokens") from None
 
     def submit(parsed: Parsed) -> list[Stream]:
+        """A stream per completion, prompt by prompt (choice index = prompt index * n + j); none when
+        no token is asked for (echo's max_tokens 0)."""
         streams = []
         try:
-            for i in range(parsed.n):
-                sampling = parsed.sampling
-                if i:  # the n answers of one request differ by their seeds
-                    sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1))
-                streams.append(engine.submit(Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop,
-                                                     logprobs=parsed.logprobs, timeout=request_timeout)))
+            for prompt in parsed.prompts if parsed.max_tokens else []:
+                for i in range(parsed.n):
+                    sampling = parsed.sampling
+                    if i:  # the n answers of one prompt differ by their seeds
+                        sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1))
+                    streams.append(engine.submit(Request(prompt, parsed.max_tokens, sampling, parsed.stop,
+                                                         logprobs=parsed.logprobs, timeout=request_timeout)))
         except (QueueFull, InputError, EngineClosed) as e:
             for s in streams:
                 s.cancel()
@@ -687,30 +762,47 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                 raise ApiError(f"the request body passes {MAX_BODY_BYTES} bytes, the most accepted", status=413)
         return bytes(body)
 
+    async def echoes(parsed: Parsed, logprobs: LogprobFormat) -> list[tuple[str, dict | None]]:
+        """Each prompt's echo: its text, and its tokens' logprobs when asked for."""
+        out = []
+        for ids, text in zip(parsed.prompts, parsed.texts):
+            text = decode(model.tokenizer, ids) if text is None else text
+            scored = None if parsed.logprobs is None else logprobs(await scorer.score(ids, parsed.logprobs))
+            out.append((text, scored))
+        return out
+
     async def complete(http: HttpRequest, chat: bool):
         parsed = parse_request(parse_body(await read_body(http)), model, model_name, chat=chat,
-                               max_tokens=max_tokens)
+                               max_tokens=max_tokens, max_choices=max_choices)
+        if parsed.echo and parsed.logprobs is not None and scorer is None:
+            raise ApiError("'echo' with 'logprobs' is not available when the model is served by several processes",
+                           "echo")
+        logprobs = LogprobFormat(model.tokenizer, chat)
         streams = submit(parsed)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
-        logprobs = LogprobFormat(model.tokenizer, chat)
         if parsed.stream:
-            return StreamingResponse(_events(http, head, streams, chat, parsed.include_usage, logprobs),
+            return StreamingResponse(_events(http, head, streams, chat, parsed, logprobs),
                                      media_type="text/event-stream")
-        answers = await _whole_answers(http.receive, streams)
-        usage = _usage(streams)
-        http.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
-        if answers is None:  # the client hung up: nobody reads this
-            return Response(status_code=CLIENT_GONE)
-        if failed := [s.error for s in streams if s.finish_reason == "error"]:
-            raise ApiError(f"the engine failed: {failed[0]}", status=500, kind="server_error")
-        return {**head, "choices": [_choice(chat, i, text, _finish(s), logprobs=logprobs(entries))
-                                    for i, ((text, entries), s) in enumerate(zip(answers, streams))],
-                "usage": usage}
+        echoed = asyncio.ensure_future(echoes(parsed, logprobs)) if parsed.echo else None  # beside the engine
+        try:
+            answers = await _whole_answers(http.receive, streams)
+            usage = _usage(parsed.prompt_tokens, streams)
+            http.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
+            if answers is None:  # the client hung up: nobody reads this
+                return Response(status_code=CLIENT_GONE)
+            if failed := [s.error for s in streams if s.finish_reason == "error"]:
+                raise ApiError(f"the engine failed: {failed[0]}", status=500, kind="server_error")
+            prefixes = await echoed if echoed is not None else None
+        finally:
+            if echoed is not None:
+                _drop(echoed)
+        return {**head, "choices": _whole_choices(parsed, chat, answers, streams, prefixes, logprobs), "usage": usage}
 
-    async def _events(http: HttpRequest, head: dict, streams: list[Stream], chat: bool, include_usage: bool,
+    async def _events(http: HttpRequest, head: dict, streams: list[Stream], chat: bool, parsed: Parsed,
                       logprobs: LogprobFormat):
+        include_usage = parsed.include_usage
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def event(choices, usage=None) -> str:
@@ -748,14 +840,15 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                     yield event([_choice(chat, i, "", _finish(streams[i]), delta=True)])
                     open_streams -= 1
             if include_usage:
-                yield f"data: {json.dumps({**chunk_head, 'choices': [], 'usage': _usage(streams)})}\n\n"
+                usage = _usage(parsed.prompt_tokens, streams)
+                yield f"data: {json.dumps({**chunk_head, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for p in pumps:
                 p.cancel()
             for s in streams:
                 s.cancel()  # the client went away (or everything finished: then a no-op)
-            usage = _usage(streams)
+            usage = _usage(parsed.prompt_tokens, streams)
             http.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
 
     @app.post("/v1/completions")
