@@ -147,9 +147,11 @@ BAD = [
     ({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt[1]"), ({"prompt": [[1], [2**31]]}, "prompt[1]"),
     ({"prompt": ["a", ""]}, "prompt[1]"), ({"prompt": [[1, 2], "x" * 3000]}, "prompt[1]"),
     # at most the engine's rows and queue (4 + 64) completions in all
-    ({"prompt": ["a"] * 69}, "prompt"), ({"prompt": ["a"] * 9, "n": 8}, "prompt"), ({"prompt": [[1]] * 10**5}, "prompt"),
+    ({"prompt": ["a"] * 69}, "prompt"), ({"prompt": ["a"] * 9, "n": 8}, "prompt"),
+    ({"prompt": [[1]] * 10**5}, "prompt"),
     ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"), ({"echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     # fields silently ignored before: unknown ones, and logit_bias / min_p out of range
     ({"temprature": 0.5}, "temprature"), ({"top_a": 0.1}, "top_a"), ({"min_p": 1.5}, "min_p"),
@@ -452,7 +454,8 @@ def test_bad_chat_messages_are_refused(served):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=messages), timeout=30)
         assert response.status_code == 400 and culprit in response.json()["error"]["message"]
     hello = [{"role": "user", "content": "Hi"}]
-    for extra, culprit in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo"),
+    for extra, culprit in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 3}, "logprobs"),
+                           ({"echo": True}, "echo"),
                            ({"logprobs": True, "top_logprobs": 50}, "top_logprobs")):
         response = httpx.post(f"{base}/v1/chat/completions", json=dict(model=NAME, messages=hello, **extra), timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == culprit
@@ -482,7 +485,8 @@ def test_tokenize_and_detokenize_round_trip(served):
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role"),
-    ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"), ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model"),
+    ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model"),
     ("/detokenize", {}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/detokenize", {"tokens": [1, 4096]}, "tokens"), ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": [2**31]}, "tokens"), ("/detokenize", {"tokens": [1.5]}, "tokens"),
@@ -630,13 +634,15 @@ def test_echo_logprobs_are_the_prompts_log_softmax(served):
     scored = post(base, {**OK, "prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 0}).json()
     choice = scored["choices"][0]
     lp = choice["logprobs"]
-    assert choice["text"] == prompt and choice["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0
     assert lp["tokens"] == texts and lp["text_offset"] == [sum(map(len, texts[:i])) for i in range(len(ids))]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     expected = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
     np.testing.assert_allclose(lp["token_logprobs"][1:], expected, atol=1e-4)
     for i, top in enumerate(lp["top_logprobs"][1:]):
-        assert len(top) == 3 and sorted(top.values(), reverse=True) == pytest.approx(np.sort(ref[i])[::-1][:3], abs=1e-4)
+        assert len(top) == 3
+        assert sorted(top.values(), reverse=True) == pytest.approx(np.sort(ref[i])[::-1][:3], abs=1e-4)
     # lm-evaluation-harness's local-completions: token-id prompts, max_tokens 1, logprobs 1; it sums
     # token_logprobs[ctxlen:-1] (the continuation, not the one generated token)
     context, continuation = ids[:3], ids[3:]
@@ -675,6 +681,16 @@ def test_echo_scoring_warms_up_each_prompt_bucket_and_runs_beside_the_engine(ser
     monkeypatch.setattr(scorer, "score_now", lambda prompt, top: threads.append(threading.current_thread().name))
     asyncio.run(scorer.score([1, 2], 0))
     assert threads[0].startswith("jmoe-scorer")  # neither the event loop's thread nor the engine's
+
+
+def test_echo_logprobs_are_refused_where_other_processes_replay_the_engine(served, app_client, monkeypatch):
+    monkeypatch.setattr(served[1], "mirror", object())  # (read when the app is made)
+    http = app_client()
+    monkeypatch.undo()
+    refused = http.post("/v1/completions", json={**OK, "echo": True, "logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    echoed = http.post("/v1/completions", json={**OK, "echo": True, "max_tokens": 0}).json()
+    assert echoed["choices"][0]["text"] == OK["prompt"]
 
 
 def test_chat_content_parts_read_as_their_joined_text(served):

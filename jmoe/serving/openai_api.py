@@ -1,11 +1,12 @@
 """An OpenAI-compatible HTTP API over a BatchEngine (FastAPI; `pip install 'jmoe[serve]'`).
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events in the OpenAI chunk
-format, ending with `data: [DONE]`, or answered whole), GET /v1/models, GET /health and GET /metrics
-(Prometheus). Every
+format, ending with `data: [DONE]`, or answered whole), GET /v1/models and /v1/models/{id}, POST
+/tokenize and /detokenize, GET /health and GET /metrics (Prometheus). An API key, when set, guards
+every route but /health and /metrics; allowed origins turn on CORS. Every
 request body is checked field by field before anything is queued; a bad one gets an OpenAI-style
-error (status 400, or 404 for an unknown model) naming the field, a full queue 429 with
-Retry-After. Every other error is an OpenAI-style JSON error too (500; 503 once the engine has
+error (status 400, 401 without the key, or 404 for an unknown model) naming the field, a full
+queue 429 with Retry-After. Every other error is an OpenAI-style JSON error too (500; 503 once the engine has
 stopped), never plain text. Answers, streamed or whole, are awaited on the event loop (no thread
 per request), and a client that goes away cancels its requests, freeing their slots. Each request
 leaves one line in the `jmoe.access` log.
@@ -463,7 +464,8 @@ def _whole_choices(parsed: Parsed, chat: bool, answers: list, streams: list[Stre
         finish = _finish(streams[c]) if streams else "length"
         prefix, prefix_logprobs = prefixes[c // parsed.n] if prefixes is not None else ("", None)
         generated = logprobs(entries, len(prefix))
-        choices.append(_choice(chat, c, prefix + text, finish, logprobs=LogprobFormat.joined(prefix_logprobs, generated)))
+        joined = LogprobFormat.joined(prefix_logprobs, generated)
+        choices.append(_choice(chat, c, prefix + text, finish, logprobs=joined))
     return choices
 
 
@@ -627,7 +629,8 @@ def parse_origins(text: str) -> list[str]:
         raise InputError("allowed origins must be '*' alone or a comma-separated list of origins")
     for origin in origins:
         if not ORIGIN.fullmatch(origin):
-            raise InputError(f"allowed origin {origin[:100]!r} is not a scheme and host such as https://app.example.com")
+            raise InputError(f"allowed origin {origin[:100]!r} is not a scheme and host "
+                             "such as https://app.example.com")
     return origins
 
 
