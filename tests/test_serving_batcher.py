@@ -179,9 +179,15 @@ def test_offloaded_policies_and_execution_paths_serve_what_generate_gives(short_
     model = jmoe.load(short_converted, compute_dtype="float32", device_budget=budget, policy=policy,
                       execution=execution, max_seq_len=128, max_batch=2)
     alone = [jmoe.generate(model, p, max_new_tokens=12) for p in PROMPTS[:3]]
+    scored_alone = np.asarray(jmoe.forward(model, encode(model, PROMPTS[3])))
     with BatchEngine(model, max_batch=2, context=128) as engine:  # three requests through two rows
-        texts = [s.text() for s in [engine.submit(Request(encode(model, p), max_tokens=12)) for p in PROMPTS[:3]]]
+        streams = [engine.submit(Request(encode(model, p), max_tokens=12)) for p in PROMPTS[:3]]
+        # what the server's echo scoring runs (jmoe/serving/scoring.py), from another thread, between the engine's steps
+        scored = [np.asarray(jmoe.forward(model, encode(model, PROMPTS[3]))) for _ in range(3)]
+        texts = [s.text() for s in streams]
     assert texts == alone
+    for logits in scored:
+        np.testing.assert_allclose(logits, scored_alone, atol=1e-4)
     model.residency.cache.check()
     assert jmoe.stats(model)["peak_resident_expert_bytes"] <= model.memory["experts"]
 
@@ -243,3 +249,18 @@ def test_an_engine_whose_steps_keep_failing_stops_and_says_why(short_model, monk
     assert engine.closed and "injected decode failure" in engine.failure and told == [engine.failure]
     with pytest.raises(EngineClosed, match="injected decode failure"):
         engine.submit(Request([5, 6], max_tokens=4))
+
+
+def test_a_row_that_ends_on_eos_reports_the_eos_tokens_logprob(short_model):
+    """One logprob per generated token, EOS included (lm-evaluation-harness reads the last one as
+    the generated token's): the EOS has no text, but its logprob goes out."""
+    eos = short_model.eos_token_ids[0]
+    with BatchEngine(short_model, max_batch=2, context=128) as engine:
+        stream = engine.submit(Request(encode(short_model, PROMPTS[0]), max_tokens=8, logprobs=2,
+                                       sampling=SamplingOptions(logit_bias={eos: 100.0})))
+        pieces = list(stream.with_logprobs())
+    entries = [entry for _, logprobs in pieces for entry in logprobs]
+    assert stream.finish_reason == "stop" and "".join(piece for piece, _ in pieces) == ""
+    last = np.asarray(jmoe.forward(short_model, encode(short_model, PROMPTS[0]))[-1], np.float64)
+    expected = last[eos] - last.max() - np.log(np.exp(last - last.max()).sum())  # the unbiased model's, as documented
+    assert [e.token for e in entries] == [eos] and entries[0].logprob == pytest.approx(expected, abs=1e-4)

@@ -854,6 +854,8 @@ class BatchEngine:
         if self.observer is not None:
             self.observer.token(row.stream, row.stream._since_last_token())
         if token in self.eos:
+            if logprob is not None:  # no text, but a scorer reads one logprob per generated token
+                row.logprobs.append(logprob)
             self._flush(row)
             self._free(b, "stop")
             return
