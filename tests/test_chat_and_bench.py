@@ -69,9 +69,11 @@ def test_bench_reports_pp_and_tg_rows_with_offload_figures(tiny_converted, capsy
     rows = json.loads(capsys.readouterr().out)
     assert [(r["test"], r["batch"]) for r in rows] == [("pp16", 1), ("tg4", 1), ("tg4", 2)]
     assert all(r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bytes_h2d_per_token"] >= 0 for r in rows)
+    # decode rows count the decode steps' own tokens (EOS banned: every row decodes all of them)
+    assert [r["tokens_per_run"] for r in rows] == [16, 3, 6]
     assert main(["bench", str(tiny_converted), "-p", "16", "-n", "4", "-r", "1", "--dtype", "float32"]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| test |") and "| pp16 | 1 |" in table and "| tg4 | 1 |" in table
+    assert table.startswith("| model | backend | test |") and "| pp16 | 1 |" in table and "| tg4 | 1 |" in table
 
 
 def test_bench_refuses_bad_lengths(tiny_converted, capsys):
