@@ -264,3 +264,22 @@ def test_a_row_that_ends_on_eos_reports_the_eos_tokens_logprob(short_model):
     last = np.asarray(jmoe.forward(short_model, encode(short_model, PROMPTS[0]))[-1], np.float64)
     expected = last[eos] - last.max() - np.log(np.exp(last - last.max()).sum())  # the unbiased model's, as documented
     assert [e.token for e in entries] == [eos] and entries[0].logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_warmed_up_offloaded_engine_compiles_nothing_on_the_request_path(short_converted):
+    """Under a budget (prefill layer-wise, in passes where a layer wants more experts than its pools
+    hold; decode fetching in the step): prompts of every length bucket, greedy and sampled, after
+    warm-up, compile nothing."""
+    plan = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=128, max_batch=2,
+                            policy="lru+prefetch")
+    budget = sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"] // 4
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=budget, policy="lru+prefetch",
+                      max_seq_len=128, max_batch=2)
+    words = " ".join(PROMPTS).split()
+    with BatchEngine(model, max_batch=2, context=128, warm_up=True) as engine:
+        compiled = CompileCounter.count()
+        streams = [engine.submit(Request(encode(model, " ".join(words[:n])), max_tokens=12,
+                                         sampling=SamplingOptions(temperature=0.9 * (n % 2), seed=n)))
+                   for n in (2, 9, 17, 30, 41)]
+        assert all(s.text() for s in streams)
+        assert CompileCounter.count() == compiled

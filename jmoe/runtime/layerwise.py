@@ -36,12 +36,18 @@ def _route(graphdef, state, h, valid, importance, experts: LayerExperts):
     return block.select(block.route(h.reshape(-1, h.shape[-1])), valid, importance, experts)
 
 
-def _experts(graphdef, state, x, h, ids, weights, wanted, valid, experts: LayerExperts, *, shared: bool):
-    """x + the routed experts visible in `experts` (at their wanted tiers) and, if `shared`, the shared expert."""
+def _experts(graphdef, state, x, h, ids, weights, wanted, valid, experts: LayerExperts, shared):
+    """x + the routed experts visible in `experts` (at their wanted tiers) and, if `shared` (a traced
+    bool: a layer split into passes adds it once, and a static flag would compile a second piece on
+    the request path), the shared expert."""
     block = nnx.merge(graphdef, state).mlp
     flat = h.reshape(-1, h.shape[-1])
     signals = block.resolve(Routing(ids, weights), wanted, valid, experts)
-    return x + block.experts_out(flat, signals, valid, experts, shared=shared).reshape(x.shape)
+    out = block.experts_out(flat, signals, valid, experts, shared=False)
+    extra = block.shared_out(flat)
+    if extra is not None:
+        out = out + jnp.where(shared, extra, jnp.zeros_like(extra))
+    return x + out.reshape(x.shape)
 
 
 @jax.jit
@@ -81,7 +87,7 @@ class LayerPieces:
                        for g, _ in self.layers]
         self.dense_mlp = [jit_for(_dense, g) for g, _ in self.layers]
         self.route = [jit_for(_route, g) for g, _ in self.layers]
-        self.experts = [jit_for(_experts, g, static_argnames=("shared",)) for g, _ in self.layers]
+        self.experts = [jit_for(_experts, g) for g, _ in self.layers]
         # the look-ahead predictor applies a MoE layer's norm and router to the previous layer's state
         self.predict = [jit_for(_predict, g) for g, _ in self.layers]
 
@@ -151,7 +157,7 @@ class LayerwiseRunner:
                 # resident to run twice); otherwise only this pass's experts are visible
                 visible = res.layer_experts(mi, self.phase, None if len(passes) == 1 and not cpu_experts else group)
                 return self.pieces.experts[i](state, x, h, signals.ids, signals.weights, signals.wanted,
-                                              self.valid_dev, visible, shared=p == 0)
+                                              self.valid_dev, visible, np.bool_(p == 0))
 
             x = with_kernel_fallback([res], run)
             count(executions=1)
