@@ -3,7 +3,8 @@
 jmoe_choice (multiple choice: loglikelihood requests, which it sends as completions with echo and
 logprobs) and jmoe_complete (generate_until). Each document's log-likelihoods, greedy flags and
 generated text are checked against jmoe.forward / jmoe.generate run directly on the model, and the
-accuracies lm-eval reports against the ones computed from those."""
+accuracies lm-eval reports against the ones computed from those. It runs lm-eval as
+`python -m bench.quality --server URL` does (bench.quality.evaluate_server)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ import time
 
 import huggingface_hub.constants
 import jax
-import lm_eval
 import numpy as np
 import pytest
-from lm_eval.tasks import TaskManager
 
 import jmoe
+from bench.quality import LM_EVAL_TASKS, evaluate_server
 from jmoe.serving import BatchEngine
 from jmoe.serving.openai_api import create_app
 from jmoe.serving.server import Server
 from tests.conftest import DATA
 
-TASKS = DATA / "lm_eval"
 NAME = "tiny"
 CONTEXT = 256
 
@@ -77,17 +76,12 @@ def continuation_logprobs(model, context: str, continuation: str) -> tuple[float
 
 def test_lm_eval_harness_through_the_server_scores_as_the_model_does(served, short_converted, offline):
     base, engine, model = served
+    assert LM_EVAL_TASKS == DATA / "lm_eval"
     began = time.monotonic()
-    # batches of 2 prompts per request, 2 requests at once: lists of token-id prompts, and echo
-    # scoring beside generation in the engine
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=dict(base_url=f"{base}/v1/completions", model=NAME, tokenizer_backend="huggingface",
-                        tokenizer=str(short_converted / "tokenizer"), max_length=CONTEXT, num_concurrent=2,
-                        batch_size=2, max_retries=1),
-        tasks=["jmoe_choice", "jmoe_complete"], task_manager=TaskManager(include_path=str(TASKS),
-                                                                         include_defaults=False),
-        log_samples=True, bootstrap_iters=0)
+    # bench.quality --server's path; batches of 2 prompts per request, 2 requests at once: lists of
+    # token-id prompts, and echo scoring beside generation in the engine
+    results = evaluate_server(base, short_converted, ["jmoe_choice", "jmoe_complete"], concurrent=2, batch_size=2)
+    assert results["config"]["model_args"]["model"] == NAME and results["config"]["model_args"]["max_length"] == CONTEXT
     elapsed = time.monotonic() - began
     samples = {task: sorted(results["samples"][task], key=lambda s: s["doc_id"]) for task in results["samples"]}
 
