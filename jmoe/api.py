@@ -8,7 +8,8 @@ from jmoe.runtime.loader import JmoeModel, load, memory_plan
 
 def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0, stop=None, stream: bool = False,
-             speculative=None, min_p: float = 0.0, logit_bias=None):
+             speculative=None, min_p: float = 0.0, logit_bias=None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0):
     """Generate a continuation of `prompt` (greedy unless temperature > 0).
 
     Args:
@@ -21,6 +22,10 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
         kept as it does).
       logit_bias: {token id: bias in [-100, 100]} added to those logits before everything else
         (greedy included; -100 in effect bans a token), as OpenAI's logit_bias.
+      presence_penalty, frequency_penalty: OpenAI's penalties, each in [-2, 2] (0 = off): every token
+        the row has generated so far (its prompt does not count) has its logit lowered by
+        frequency_penalty * its count + presence_penalty, after the repetition penalty and before the
+        temperature (as vLLM applies them; greedy included).
       seed: any integer in [0, 2**64): the sampling stream (all 64 bits count).
       stop: a string or strings that end generation (not included in the output).
       stream: yield pieces as they are produced instead of returning the whole output.
@@ -43,7 +48,8 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
 
     return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream_output=stream,
-                     speculative=speculative, min_p=min_p, logit_bias=logit_bias)
+                     speculative=speculative, min_p=min_p, logit_bias=logit_bias,
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
 
 
 def stats(model: JmoeModel) -> dict:

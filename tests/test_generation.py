@@ -119,3 +119,31 @@ def test_output_is_clamped_to_the_context(tiny_converted):
     model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=64)
     ids = jmoe.generate(model, list(range(1, 40)), max_new_tokens=100)
     assert len(ids) == 64 - 39  # every slot of the context used, none beyond
+
+
+PENALTY_PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 12]  # the short model's greedy output repeats a token
+
+
+def test_presence_and_frequency_penalties_in_greedy_generation(short_model):
+    """At 0 they are plain greedy; large, no generated token comes twice; and each token is the
+    argmax of the model's logits (jmoe.forward over the whole output, independent of the decode
+    loop) after the definition's penalties over the tokens generated before it, not the prompt's."""
+    import numpy as np
+
+    plain = jmoe.generate(short_model, PENALTY_PROMPT, max_new_tokens=24)
+    assert len(set(plain)) < len(plain)  # it repeats itself: the penalties have something to change
+    assert jmoe.generate(short_model, PENALTY_PROMPT, max_new_tokens=24, presence_penalty=0.0,
+                         frequency_penalty=0.0) == plain
+    distinct = jmoe.generate(short_model, PENALTY_PROMPT, max_new_tokens=24, presence_penalty=2.0,
+                             frequency_penalty=2.0)
+    assert len(distinct) == 24 and len(set(distinct)) == 24
+    presence, frequency = 0.5, 1.5
+    out = jmoe.generate(short_model, PENALTY_PROMPT, max_new_tokens=24, presence_penalty=presence,
+                        frequency_penalty=frequency)
+    assert out != plain and len(out) == 24
+    logits = np.asarray(jmoe.forward(short_model, PENALTY_PROMPT + out), np.float64)
+    V = logits.shape[-1]
+    for i, token in enumerate(out):
+        count = np.bincount(np.asarray(out[:i], int), minlength=V)
+        row = logits[len(PENALTY_PROMPT) - 1 + i] - frequency * count - presence * (count > 0)
+        assert row[token] >= row.max() - 1e-4, (i, token, int(row.argmax()))

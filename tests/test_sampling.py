@@ -37,7 +37,7 @@ def hf_processed(logits: np.ndarray, history: torch.Tensor | None, opts: Samplin
 
 
 def ours(logits: np.ndarray, seen: np.ndarray, opts: SamplingOptions) -> np.ndarray:
-    temperature, top_k, one_minus_top_p, penalty, min_p, bias = opts.device_params(logits.shape[-1])
+    temperature, top_k, one_minus_top_p, penalty, min_p, bias, _, _ = opts.device_params(logits.shape[-1])
     out = apply_repetition_penalty(jnp.asarray(logits) + bias, jnp.asarray(seen), penalty)
     return np.asarray(warp(out, temperature, top_k, one_minus_top_p, min_p))
 
@@ -203,3 +203,104 @@ def test_a_step_compiles_only_the_warpers_a_request_switches_on(opts, filters):
     jaxpr = str(jax.make_jaxpr(lambda x: sample_tokens(x, seen, jax.random.key(0), *params, greedy=opts.greedy,
                                                        filters=filters))(logits))
     assert ("sort" in jaxpr) == ("top_k" in filters or "top_p" in filters)
+
+
+# ---------------------------------------------------------------- OpenAI's presence and frequency penalties
+# (transformers has no processor for them: the reference is their definition, as OpenAI and vLLM give it)
+
+
+def reference_penalties(logits, prompts, generated, opts: SamplingOptions) -> np.ndarray:
+    """float64 numpy: the bias, the repetition penalty over prompt and output, then
+    logits[t] -= frequency * count[t] + presence * (count[t] > 0) over the generated tokens only."""
+    out = logits.astype(np.float64).copy()
+    for token, value in opts.logit_bias:
+        out[:, token] += value
+    for b in range(len(out)):
+        seen = sorted(set(prompts[b]) | set(generated[b]))
+        r = opts.repetition_penalty
+        out[b, seen] = np.where(out[b, seen] < 0, out[b, seen] * r, out[b, seen] / r)
+        count = np.bincount(np.asarray(generated[b], int), minlength=out.shape[1])
+        out[b] -= opts.frequency_penalty * count + opts.presence_penalty * (count > 0)
+    return out
+
+
+def history_of(prompts, generated, opts: SamplingOptions, V: int):
+    """A history as decoding builds it: the prompt's, then each generated token recorded in turn."""
+    from jmoe.decoding.sampling import prompt_history, record
+
+    history = jnp.asarray(prompt_history(prompts, V, opts))
+    for j in range(max(len(g) for g in generated)):
+        rows = [b for b, g in enumerate(generated) if j < len(g)]
+        history = record(history, jnp.asarray(rows), jnp.asarray([generated[b][j] for b in rows]))
+    return history
+
+
+PENALTIES = [
+    SamplingOptions(frequency_penalty=0.7),
+    SamplingOptions(presence_penalty=1.5),
+    SamplingOptions(presence_penalty=-0.8, frequency_penalty=2.0),  # negative: encourages repeats
+    SamplingOptions(presence_penalty=0.4, frequency_penalty=-2.0, repetition_penalty=1.3, logit_bias={3: 2.5}),
+]
+
+
+@pytest.mark.parametrize("opts", PENALTIES, ids=lambda o: f"p{o.presence_penalty}-f{o.frequency_penalty}")
+def test_presence_and_frequency_penalties_follow_their_definition(opts):
+    """Over a hand-made history: token 3 generated three times, 5 once, 7 only in the prompt (which
+    the repetition penalty counts and these penalties do not); the processed logits, and greedy and
+    top-k=1 draws from them, are the definition's."""
+    from jmoe.decoding.sampling import biased, sample_tokens
+
+    V = 10
+    logits = np.array([[0.5, -1.0, 2.0, 3.2, 0.0, 2.9, -0.3, 3.0, 1.0, -2.0],
+                       [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9]], np.float32)  # no ties: top-k=1 is greedy
+    prompts = [[7, 1], [2]]
+    generated = [[3, 5, 3, 3], [9, 9]]
+    history = history_of(prompts, generated, opts, V)
+    params = opts.device_params(V)
+    temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency = params
+    expected = reference_penalties(logits, prompts, generated, opts)
+    mine = np.asarray(biased(jnp.asarray(logits), history, penalty, bias, presence, frequency))
+    np.testing.assert_allclose(mine, expected, rtol=1e-6, atol=1e-6)
+    assert not opts.plain_greedy
+    greedy = np.asarray(sample_tokens(jnp.asarray(logits), history, jax.random.key(0), *params, greedy=True))
+    np.testing.assert_array_equal(greedy, expected.argmax(-1))
+    top1 = SamplingOptions(temperature=1.0, top_k=1, presence_penalty=opts.presence_penalty,
+                           frequency_penalty=opts.frequency_penalty, repetition_penalty=opts.repetition_penalty,
+                           logit_bias=opts.logit_bias)
+    drawn = np.asarray(sample_tokens(jnp.asarray(logits), history, jax.random.key(1), *top1.device_params(V),
+                                     greedy=False, filters=top1.filters))
+    np.testing.assert_array_equal(drawn, expected.argmax(-1))
+
+
+def test_penalties_at_zero_change_nothing_and_the_prompt_is_not_counted():
+    from jmoe.decoding.sampling import biased
+
+    V = 6
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(1, V)) * 4, jnp.float32)
+    off = SamplingOptions()
+    history = history_of([[0, 1, 2]], [[4, 4]], off, V)
+    _, _, _, penalty, _, bias, presence, frequency = off.device_params(V)
+    np.testing.assert_array_equal(np.asarray(biased(logits, history, penalty, bias, presence, frequency)),
+                                  np.asarray(logits))
+    on = SamplingOptions(presence_penalty=1.0, frequency_penalty=1.0, repetition_penalty=2.0)
+    history = history_of([[0, 1, 2]], [[]], on, V)  # a prompt, nothing generated yet
+    _, _, _, penalty, _, bias, presence, frequency = on.device_params(V)
+    got = np.asarray(biased(logits, history, penalty, bias, presence, frequency))
+    np.testing.assert_allclose(got, reference_penalties(np.asarray(logits), [[0, 1, 2]], [[]], on), rtol=1e-6)
+    np.testing.assert_array_equal(got[0, 3:], np.asarray(logits)[0, 3:])
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [2.5, -2.01, float("nan"), float("inf"), 1e308 * 10, "x", True, None])
+def test_bad_presence_and_frequency_penalties_are_refused(field, value):
+    from jmoe.errors import InputError
+
+    with pytest.raises(InputError, match=field):
+        SamplingOptions(**{field: value})
+
+
+def test_presence_and_frequency_penalties_take_their_whole_range():
+    for value in (-2, -2.0, 0, 1.25, 2):
+        opts = SamplingOptions(presence_penalty=value, frequency_penalty=value)
+        assert opts.presence_penalty == opts.frequency_penalty == float(value)
+        assert opts.plain_greedy == (value == 0)

@@ -65,6 +65,46 @@ def test_greedy_speculative_any_k(three_tiers, plain_greedy, k):
     assert jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative={"draft": "int2", "k": k}) == plain_greedy
 
 
+def test_greedy_speculative_with_presence_and_frequency_penalties_equals_plain(three_tiers):
+    """The draft's steps and the verification count the drafted tokens before each position (a
+    verification that missed them would keep drafts the plain penalised decode never picks)."""
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    kw = dict(max_new_tokens=NEW, presence_penalty=0.5, frequency_penalty=1.5)
+    expected = jmoe.generate(model, PROMPT, **kw)
+    assert expected != jmoe.generate(model, PROMPT, max_new_tokens=NEW)  # the penalties change the output
+    assert jmoe.generate(model, PROMPT, speculative=dict(draft="int4", k=3), **kw) == expected
+    spec = jmoe.stats(model)["speculative"]
+    assert spec["accepted_tokens"] > 0
+
+
+def test_a_verification_block_counts_the_drafts_before_each_position():
+    """processed_block at position j equals processed with the history plus drafts[:j] recorded one
+    by one (a token drafted twice counted twice), the prompt's mark left out of the counts."""
+    from jmoe.decoding.acceptance import processed_block
+    from jmoe.decoding.sampling import prompt_history, record
+
+    V, T = 16, 4
+    sampling = SamplingOptions(temperature=0.9, presence_penalty=0.3, frequency_penalty=1.1, repetition_penalty=1.2)
+    params = sampling.device_params(V)
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(2, T, V)) * 2, jnp.float32)
+    drafts = jnp.asarray([[3, 3, 9], [1, 4, 1]], jnp.int32)
+    history = record(jnp.asarray(prompt_history([[3, 7], [2]], V, sampling)), jnp.arange(2), jnp.asarray([9, 1]))
+    probs, picks = processed_block(logits, history, drafts, *params)
+    step = history
+    for j in range(T):
+        p, pick = _processed(logits[:, j], step, *params)
+        np.testing.assert_allclose(np.asarray(probs[:, j]), np.asarray(p), rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(picks[:, j]), np.asarray(pick))
+        if j < T - 1:
+            step = record(step, jnp.arange(2), drafts[:, j])
+    # the block's last position: token 3 of row 0 drafted twice, its logit 2 * 1.1 + 0.3 lower (after
+    # the repetition penalty, the prompt holding it) than token 0's, which nothing penalises
+    raw, free = float(logits[0, -1, 3]), float(logits[0, -1, 0])
+    penalised = (raw * 1.2 if raw < 0 else raw / 1.2) - 2 * 1.1 - 0.3
+    expected = float(probs[0, -1, 0]) * np.exp((penalised - free) / 0.9)
+    np.testing.assert_allclose(float(probs[0, -1, 3]), expected, rtol=1e-4)
+
+
 def test_rows_of_a_batch_accept_different_counts(three_tiers):
     model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
     rng = np.random.default_rng(3)

@@ -5,9 +5,9 @@ Acceptance: greedy keeps the longest prefix of drafts the target's argmax agrees
 is exactly the plain greedy one); sampling keeps drafted token d at position j with probability
 min(1, p_j(d) / q_j(d)) and, at the first rejection, draws from the normalised residual
 max(0, p_j - q_j) (from p_k when every draft was kept), so the output follows the target's
-distribution. p and q both go through the logit bias, repetition penalty, temperature, top-k, top-p
-and min-p, with the history as it stands at each position (the prompt's and earlier tokens', and
-the drafts before).
+distribution. p and q both go through the logit bias, the repetition, presence and frequency
+penalties, temperature, top-k, top-p and min-p, with the history as it stands at each position (the
+prompt's and earlier tokens', and the drafts before: each drafted token counted once more).
 """
 
 from __future__ import annotations
@@ -15,27 +15,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.decoding.sampling import ALL_FILTERS, biased, greedy_tokens, warp
+from jmoe.decoding.sampling import ALL_FILTERS, biased, greedy_tokens, record, warp
 
 
-def processed(logits, seen, temperature, top_k, one_minus_top_p, penalty, min_p, bias, filters=ALL_FILTERS):
-    """Next-token probabilities [B, V] and greedy choice [B] after the bias, the penalty and the
-    warpers (those in `filters`)."""
-    penalized = biased(logits, seen, penalty, bias)
+def processed(logits, seen, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency,
+              filters=ALL_FILTERS):
+    """Next-token probabilities [B, V] and greedy choice [B] after the bias, the penalties (over the
+    history `seen`, jmoe/decoding/sampling.py) and the warpers (those in `filters`)."""
+    penalized = biased(logits, seen, penalty, bias, presence, frequency)
     return (jax.nn.softmax(warp(penalized, temperature, top_k, one_minus_top_p, min_p, filters), axis=-1),
             greedy_tokens(penalized))
 
 
-def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty, min_p, bias,
-                    filters=ALL_FILTERS):
-    """`processed` at every position of a verification block: logits [B, T, V], seen [B, V] before
-    the block, drafted [B, T - 1] the tokens after positions 0..T-2 (position j's history is seen
-    plus drafted[:, :j]). Returns probabilities [B, T, V] and greedy choices [B, T]."""
+def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence,
+                    frequency, filters=ALL_FILTERS):
+    """`processed` at every position of a verification block: logits [B, T, V], seen [B, V] the
+    history before the block, drafted [B, T - 1] the tokens after positions 0..T-2 (position j's
+    history is seen with drafted[:, :j] counted in). Returns probabilities [B, T, V] and greedy
+    choices [B, T]."""
     B, T, V = logits.shape
-    later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1) > 0  # [B, T - 1, V]
-    history = seen[:, None, :] | jnp.concatenate([jnp.zeros((B, 1, V), bool), later], axis=1)
+    later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1)  # [B, T - 1, V]: drafted so far
+    history = seen.astype(jnp.int32)[:, None, :] + jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), later], axis=1)
     probs, pick = processed(logits.reshape(B * T, V), history.reshape(B * T, V), temperature, top_k,
-                            one_minus_top_p, penalty, min_p, bias, filters)
+                            one_minus_top_p, penalty, min_p, bias, presence, frequency, filters)
     return probs.reshape(B, T, V), pick.reshape(B, T)
 
 
@@ -55,7 +57,7 @@ def draft_tokens(step, last, cache, seen, rng, params, *, k: int, greedy: bool, 
         else:
             rng, key = jax.random.split(rng)
             nxt = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
-        seen = seen.at[jnp.arange(B), nxt].set(True)
+        seen = record(seen, jnp.arange(B), nxt)
         return (nxt, cache, seen, rng), (nxt, probs, gate)
 
     (_, cache, _, rng), (drafts, q, gates) = jax.lax.scan(body, (last.astype(jnp.int32), cache, seen, rng),
@@ -93,8 +95,8 @@ def accept(logits, drafts, q, seen, rng, params, *, greedy: bool, filters=ALL_FI
     nxt = nxt.astype(jnp.int32)
     kept = jnp.arange(k)[None, :] < accepted[:, None]
     rows = jnp.arange(B)[:, None]
-    seen = seen.at[rows, jnp.where(kept, drafts, V)].set(True, mode="drop")
-    seen = seen.at[jnp.arange(B), nxt].set(True)
+    seen = record(seen, rows, jnp.where(kept, drafts, V), mode="drop")
+    seen = record(seen, jnp.arange(B), nxt)
     return accepted, nxt, seen, rng
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.decoding import acceptance, summary
-from jmoe.decoding.sampling import ALL_FILTERS, sample_tokens
+from jmoe.decoding.sampling import ALL_FILTERS, record, sample_tokens
 from jmoe.layers.attention import AttentionMeta, KVCache
 from jmoe.layers.experts import ExpertState
 from jmoe.layers.modules import cache_bytes_per_token, cache_spec
@@ -91,7 +91,8 @@ def _fetching(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCac
 
 
 def _decode(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache, positions, seen, rng,
-            temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy, filters=ALL_FILTERS):
+            temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency, *, greedy,
+            filters=ALL_FILTERS):
     """One decode step and its sampling in one executable: tokens [B] -> (next tokens [B], seen, rng,
     cache, pools (None: not fetching), summary int32 [n] with the next tokens first, signals).
     positions: int32 [2, B], each row's cache slot (start) and first real slot (key_start): one transfer."""
@@ -99,14 +100,14 @@ def _decode(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache
     start, key_start = positions[0], positions[1]
     logits, cache, signals, pools = _run(graphdef, dense, experts, pools, tokens, cache, start, key_start,
                                          last_only=True, want_importance=False)
-    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias,
-                             greedy=greedy, filters=filters)
+    nxt, seen, rng = _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence,
+                             frequency, greedy=greedy, filters=filters)
     packed = summary.pack(signals, nxt) if fetching else nxt.astype(jnp.int32)
     return nxt, seen, rng, cache, (pools if fetching else None), packed, signals
 
 
 def _draft(graphdef, dense, experts: ExpertState, last, cache: KVCache, positions, seen, rng, temperature, top_k,
-           one_minus_top_p, penalty, min_p, bias, *, k, greedy, filters=ALL_FILTERS):
+           one_minus_top_p, penalty, min_p, bias, presence, frequency, *, k, greedy, filters=ALL_FILTERS):
     """A speculative draft's k decode steps in one executable (jmoe/decoding/acceptance.py):
     (drafts [B, k], their probabilities [B, k, V], the draft's routing [L, E] (gate weight over
     its tokens: the verification's look-ahead), cache, rng)."""
@@ -117,12 +118,13 @@ def _draft(graphdef, dense, experts: ExpertState, last, cache: KVCache, position
                                          last_only=True, want_importance=False)
         return logits, signals.gate, cache
 
-    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias)
+    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency)
     return acceptance.draft_tokens(step, last, cache, seen, rng, params, k=k, greedy=greedy, filters=filters)
 
 
 def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: KVCache, positions, seen, rng, q,
-            temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy, filters=ALL_FILTERS):
+            temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency, *, greedy,
+            filters=ALL_FILTERS):
     """A speculative cycle's verification in one executable: the target over each row's last token
     and its drafts (fetching what it lacks itself when given pools) and the acceptance
     (jmoe/decoding/acceptance.py). Returns (accepted [B], next token [B], seen, rng, cache, pools,
@@ -132,27 +134,27 @@ def _verify(graphdef, dense, experts: ExpertState, pools, last, drafts, cache: K
     block = jnp.concatenate([last[:, None], drafts], axis=1).astype(jnp.int32)
     logits, cache, signals, pools = _run(graphdef, dense, experts, pools, block, cache, start, key_start,
                                          last_only=False, want_importance=False)
-    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias)
+    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency)
     accepted, nxt, seen, rng = acceptance.accept(logits, drafts, q, seen, rng, params, greedy=greedy, filters=filters)
     tokens = jnp.concatenate([accepted, nxt, drafts.reshape(-1)])
     packed = summary.pack(signals, tokens) if fetching else tokens.astype(jnp.int32)
     return accepted, nxt, seen, rng, cache, (pools if fetching else None), packed, signals
 
 
-def _accept_again(logits, drafts, q, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy,
-                  filters=ALL_FILTERS):
+def _accept_again(logits, drafts, q, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence,
+                  frequency, *, greedy, filters=ALL_FILTERS):
     """The acceptance of a verification run again (its step was not exact): as in _verify."""
-    return acceptance.accept(logits, drafts, q, seen, rng, (temperature, top_k, one_minus_top_p, penalty, min_p, bias),
-                             greedy=greedy, filters=filters)
+    params = (temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency)
+    return acceptance.accept(logits, drafts, q, seen, rng, params, greedy=greedy, filters=filters)
 
 
-def _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy,
-            filters=ALL_FILTERS):
-    """logits [B, V] -> (next tokens [B], seen with them marked, the key for the next draw)."""
+def _sample(logits, seen, rng, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency, *,
+            greedy, filters=ALL_FILTERS):
+    """logits [B, V] -> (next tokens [B], the history with them counted, the key for the next draw)."""
     rng, key = jax.random.split(rng)
-    tokens = sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias,
-                           greedy=greedy, filters=filters)
-    seen = seen.at[jnp.arange(tokens.shape[0]), tokens].set(True)
+    tokens = sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence,
+                           frequency, greedy=greedy, filters=filters)
+    seen = record(seen, jnp.arange(tokens.shape[0]), tokens)
     return tokens, seen, rng
 
 

@@ -87,9 +87,9 @@ class Sampler:
     @staticmethod
     def cost(sampling: SamplingOptions, seen: np.ndarray) -> dict:
         """What making one costs the host: an executable making the key from the seed (its high
-        bits only when set), the history and 4 parameters moved to the device."""
+        bits only when set), the history, 7 scalar parameters and the bias moved to the device."""
         high = bool(sampling.seed >> 32)
-        return dict(executions=1, transfers=6 + high, nbytes=seen.nbytes + 16 + 4 * (1 + high))
+        return dict(executions=1, transfers=10 + high, nbytes=seen.nbytes + 4 * seen.shape[-1] + 28 + 4 * (1 + high))
 
     def advance(self, rng, seen) -> None:
         """A step drew with this sampler's key and history: take the ones it left."""
@@ -210,14 +210,15 @@ def stop_strings(stop: Any) -> list[str]:
 
 def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
              seed=0, stop: str | Sequence[str] | None = None, stream_output=False, speculative=None, min_p=0.0,
-             logit_bias=None):
+             logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0):
     """Every argument is checked here, before any work, so a streaming call fails at once."""
     from jmoe.runtime.loader import JmoeModel
 
     if not isinstance(model, JmoeModel):
         raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
     max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, minimum=1)
-    sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed, min_p, logit_bias or ())
+    sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed, min_p, logit_bias or (),
+                               presence_penalty, frequency_penalty)
     sampling.check_vocabulary(model.config.vocab_size)
     stops = stop_strings(stop)
     stream_output = validate.boolean("stream", stream_output)

@@ -4,8 +4,17 @@ The order and the arithmetic follow transformers' logits processors exactly:
 RepetitionPenaltyLogitsProcessor, then TemperatureLogitsWarper, TopKLogitsWarper,
 TopPLogitsWarper and MinPLogitsWarper (min_tokens_to_keep=1), each applied only when it is
 switched on. Filtered tokens get -inf. A logit bias (OpenAI's `logit_bias`: token -> a value added
-to its logit, -100 in effect bans it) is added to the raw logits before all of them. Greedy
-decoding applies the bias and the repetition penalty and takes the argmax.
+to its logit, -100 in effect bans it) is added to the raw logits before all of them. OpenAI's
+presence and frequency penalties (as vLLM applies them, after the repetition penalty and before the
+temperature) subtract `frequency_penalty * count + presence_penalty * (count > 0)` from each
+token's logit, count being how often the row has GENERATED it (its prompt does not count). Greedy
+decoding applies the bias and the penalties and takes the argmax.
+
+A row's history is one int32 per vocabulary token: how many times the row has generated it, plus
+PROMPT_MARK when its prompt holds it (marked only when the repetition penalty is on, the one thing
+that reads it). The repetition penalty applies to every token whose history is not 0, the presence
+and frequency penalties read the count below PROMPT_MARK. (A bool history, True for a seen token,
+is read as a count of 1.)
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ MAX_SEED = 2**64 - 1
 ALL_FILTERS = ("top_k", "top_p", "min_p")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
 MAX_TOP_K = 2**31 - 1  # the step takes top_k as an int32
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+PROMPT_MARK = 1 << 30  # a history's flag for a prompt token; the bits below count the row's generated ones
+HISTORY_DTYPE = np.int32
 FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))  # positive normal float32s
 
 
@@ -46,6 +58,8 @@ class SamplingOptions:
     seed: int = 0
     min_p: float = 0.0  # 0 = off
     logit_bias: tuple = ()  # ((token id, bias), ...) or a dict token -> bias; () = off
+    presence_penalty: float = 0.0  # 0 = off; in [-2, 2]
+    frequency_penalty: float = 0.0  # 0 = off; in [-2, 2]
 
     def __post_init__(self):
         temperature = validate.real("temperature", self.temperature, minimum=0.0)
@@ -60,6 +74,10 @@ class SamplingOptions:
             seed=validate.integer("seed", self.seed, minimum=0, maximum=MAX_SEED),
             min_p=validate.real("min_p", self.min_p, minimum=0.0, maximum=1.0),
             logit_bias=_logit_bias(self.logit_bias),
+            presence_penalty=validate.real("presence_penalty", self.presence_penalty, minimum=-MAX_PENALTY,
+                                           maximum=MAX_PENALTY),
+            frequency_penalty=validate.real("frequency_penalty", self.frequency_penalty, minimum=-MAX_PENALTY,
+                                            maximum=MAX_PENALTY),
         )
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -79,7 +97,8 @@ class SamplingOptions:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing changing the logits first: the argmax of the logits themselves."""
-        return self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
+        return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raise InputError unless every logit_bias token is in a vocabulary of this size."""
@@ -88,8 +107,8 @@ class SamplingOptions:
                 raise InputError(f"logit_bias token {token} is not in the vocabulary (size {vocab_size})")
 
     def device_params(self, vocab_size: int) -> tuple[jax.Array, ...]:
-        """(temperature, top_k, 1 - top_p, penalty, min_p, bias [vocab_size]) as the jitted sampler
-        takes them (one transfer each, no executable).
+        """(temperature, top_k, 1 - top_p, penalty, min_p, bias [vocab_size], presence, frequency) as
+        the jitted sampler takes them (one transfer each, no executable).
 
         1 - top_p is computed here in double precision, as transformers does in Python, and only
         then rounded to float32, so the top-p cut compares against the same float32 threshold.
@@ -105,6 +124,8 @@ class SamplingOptions:
             np.float32(self.repetition_penalty),
             np.float32(self.min_p),
             bias,
+            np.float32(self.presence_penalty),
+            np.float32(self.frequency_penalty),
         )))
 
     def rng(self) -> jax.Array:
@@ -137,13 +158,33 @@ def _seed_key(low, high_bits, *, high: bool):
 
 
 def prompt_history(prompts: list[list[int]], vocab_size: int, sampling: SamplingOptions) -> np.ndarray:
-    """[B, V] bool: the tokens each row has seen before its first new one (the prompt), which the
-    repetition penalty counts; all False when the penalty is off."""
-    seen = np.zeros((len(prompts), vocab_size), bool)
+    """[B, V] int32: each row's history before its first new token (see the module docstring):
+    PROMPT_MARK at its prompt's tokens, which the repetition penalty counts; all 0 when that
+    penalty is off (the presence and frequency penalties count generated tokens only)."""
+    seen = np.zeros((len(prompts), vocab_size), HISTORY_DTYPE)
     if sampling.repetition_penalty != 1.0:
         for b, p in enumerate(prompts):
-            seen[b, p] = True
+            seen[b, p] = PROMPT_MARK
     return seen
+
+
+def generated_counts(history):
+    """How many times each row generated each token: the history without its prompt mark (int32)."""
+    return history.astype(jnp.int32) & (PROMPT_MARK - 1)
+
+
+def record(history, rows, tokens, mode=None):
+    """The history with tokens[i] generated once more in row rows[i] (indices as `.at[]` takes
+    them; mode="drop" leaves out-of-range tokens out). A bool history only marks them."""
+    if history.dtype == jnp.bool_:
+        return history.at[rows, tokens].set(True, mode=mode)
+    return history.at[rows, tokens].add(1, mode=mode)
+
+
+def apply_presence_frequency(logits, counts, presence, frequency):
+    """OpenAI's presence and frequency penalties over the generated counts [B, V] (as vLLM applies
+    them): logits - frequency * count - presence * (count > 0)."""
+    return logits - frequency * counts.astype(logits.dtype) - presence * (counts > 0).astype(logits.dtype)
 
 
 def apply_repetition_penalty(logits, seen, penalty):
@@ -194,9 +235,12 @@ def warp(logits, temperature, top_k, one_minus_top_p, min_p=0.0, filters=ALL_FIL
     return logits
 
 
-def biased(logits, seen, penalty, bias):
-    """The logits greedy decoding and the warpers start from: the bias added, then the penalty."""
-    return apply_repetition_penalty(logits + bias, seen, penalty)
+def biased(logits, history, penalty, bias, presence, frequency):
+    """The logits greedy decoding and the warpers start from: the bias added, then the repetition
+    penalty (over the prompt's and the generated tokens), then the presence and frequency penalties
+    (over the generated ones)."""
+    logits = apply_repetition_penalty(logits + bias, history != 0, penalty)
+    return apply_presence_frequency(logits, generated_counts(history), presence, frequency)
 
 
 def greedy_tokens(logits):
@@ -211,10 +255,10 @@ def greedy_tokens(logits):
     return jnp.minimum(first, V - 1)
 
 
-def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias, *, greedy: bool,
-                  filters=ALL_FILTERS):
-    """logits [B, V] float32, seen [B, V] bool, bias [V] -> next tokens [B] int32."""
-    logits = biased(logits, seen, penalty, bias)
+def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalty, min_p, bias, presence, frequency,
+                  *, greedy: bool, filters=ALL_FILTERS):
+    """logits [B, V] float32, seen [B, V] the history (int32), bias [V] -> next tokens [B] int32."""
+    logits = biased(logits, seen, penalty, bias, presence, frequency)
     if greedy:
         return greedy_tokens(logits)
     return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p, min_p, filters),

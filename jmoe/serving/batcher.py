@@ -43,7 +43,7 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.decoding.generation import RowText, Sampler, stop_strings
-from jmoe.decoding.sampling import ALL_FILTERS, SamplingOptions, greedy_tokens, prompt_history
+from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, SamplingOptions, greedy_tokens, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, padded
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -224,8 +224,8 @@ class _Row:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy without a repetition penalty or a logit bias: its token comes from the step's one
-        argmax call."""
+        """Greedy without a repetition, presence or frequency penalty or a logit bias: its token comes
+        from the step's one argmax call."""
         return self.stream.request.sampling.plain_greedy
 
 
@@ -287,7 +287,7 @@ _put_rows_jit = jax.jit(lambda cache, rows: jax.tree.map(
 # one row of the step's logits [1, V]; the row index traced, so no row compiles a slice of its own
 _row_jit = jax.jit(lambda logits, b: jax.lax.dynamic_slice_in_dim(logits, b, 1))
 # every row's greedy token in one call: what the sampler draws for a greedy request without a
-# repetition penalty (the penalty of 1 leaves the logits exactly as they are)
+# repetition, presence or frequency penalty or logit bias (those off leave the logits exactly as they are)
 _greedy_jit = jax.jit(greedy_tokens)
 
 
@@ -454,7 +454,7 @@ class BatchEngine:
             SamplingOptions(temperature=1.0, **{name: switched_on[name] for name in names})
             for n in range(len(ALL_FILTERS) + 1) for names in itertools.combinations(ALL_FILTERS, n)]
         for sampling in samplings:
-            sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), bool))
+            sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), HISTORY_DTYPE))
             for _ in range(2):  # the first draw takes host arrays, later ones the device's it returned
                 sampler(_row_jit(logits, np.int32(0)))
 
