@@ -89,11 +89,27 @@ def test_a_warmed_up_engine_samples_with_any_warpers_without_compiling(short_mod
         samplings = [SamplingOptions(temperature=0.8, seed=1), SamplingOptions(temperature=0.8, top_k=5, seed=2),
                      SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.05, seed=3),
                      SamplingOptions(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=4),
-                     SamplingOptions(repetition_penalty=1.2)]
+                     SamplingOptions(repetition_penalty=1.2),
+                     SamplingOptions(presence_penalty=1.0, frequency_penalty=-0.5),  # traced: no step of their own
+                     SamplingOptions(temperature=0.8, top_k=5, presence_penalty=-1.0, frequency_penalty=2.0, seed=5)]
         streams = [engine.submit(Request(encode(short_model, PROMPTS[i % len(PROMPTS)]), max_tokens=5, sampling=s))
                    for i, s in enumerate(samplings)]
         assert all(s.text() for s in streams)
         assert CompileCounter.count() == compiled
+
+
+def test_rows_with_presence_and_frequency_penalties_beside_plain_rows_get_what_they_get_alone(short_model):
+    """Each row counts its own generated tokens: a penalised greedy row, a penalised sampled row and
+    plain greedy rows in one batch each give jmoe.generate's text for their options alone."""
+    options = [dict(), dict(presence_penalty=0.5, frequency_penalty=1.5),
+               dict(temperature=0.9, top_k=40, seed=7, presence_penalty=-0.5, frequency_penalty=1.0), dict()]
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[0], PROMPTS[4]]
+    alone = [jmoe.generate(short_model, p, max_new_tokens=20, **kw) for p, kw in zip(prompts, options)]
+    assert alone[1] != alone[0]  # the penalties change the text
+    with BatchEngine(short_model, max_batch=4, context=128) as engine:
+        streams = [engine.submit(Request(encode(short_model, p), max_tokens=20, sampling=SamplingOptions(**kw)))
+                   for p, kw in zip(prompts, options)]
+        assert [s.text() for s in streams] == alone
 
 
 def test_bad_requests_and_a_full_queue_are_refused(short_model):
