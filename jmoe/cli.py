@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI's, in [-2, 2]: lowers each token the output already holds (0 = off, default)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI's, in [-2, 2]: lowers each token by how often the output holds it (0 = off, "
+                          "default)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_speculative_options(gen, "default: chosen per cycle")
@@ -186,7 +191,8 @@ def cmd_generate(args) -> None:
     from jmoe.decoding.sampling import SamplingOptions
 
     # Refuse bad generation options before spending time on loading the model.
-    SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.min_p)
+    SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.min_p,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
     stop_strings(args.stop)
     speculative = cli_speculative(args)
@@ -194,6 +200,7 @@ def cmd_generate(args) -> None:
     pieces = jmoe.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop or None, stream=True, min_p=args.min_p,
+                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                            speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"))
     from jmoe.distributed.processes import is_main_process
 

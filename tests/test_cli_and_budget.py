@@ -24,6 +24,17 @@ def test_cli_convert_generate_info(tiny_hf_dir, tmp_path, capsys):
     assert info["tiers"]["bf16"]["total_expert_bytes"] == 8 * 32 * info["tiers"]["bf16"]["bytes_per_expert"]
 
 
+def test_cli_generate_takes_presence_and_frequency_penalties(short_converted, short_model, capsys):
+    prompt = "def main():\n    "
+    kw = dict(max_new_tokens=12, presence_penalty=0.5, frequency_penalty=1.5)
+    expected = jmoe.generate(short_model, prompt, **kw)
+    assert expected != jmoe.generate(short_model, prompt, max_new_tokens=12)
+    capsys.readouterr()
+    assert main(["generate", str(short_converted), prompt, "--max-new-tokens", "12", "--dtype", "float32",
+                 "--presence-penalty", "0.5", "--frequency-penalty", "1.5"]) == 0
+    assert capsys.readouterr().out == prompt + expected + "\n"
+
+
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing"), "hi"]) == 2
     assert "jmoe: error:" in capsys.readouterr().err
