@@ -152,7 +152,13 @@ BAD = [
     ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"),
     ({"echo": True, "max_tokens": -1}, "max_tokens"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"frequency_penalty": 10**400}, "frequency_penalty"),
+    (b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "frequency_penalty": 1e999}', "frequency_penalty"),
+    (b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "presence_penalty": -1e999}', "presence_penalty"),
+    (b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "presence_penalty": NaN}', "presence_penalty"),
     # fields silently ignored before: unknown ones, and logit_bias / min_p out of range
     ({"temprature": 0.5}, "temprature"), ({"top_a": 0.1}, "top_a"), ({"min_p": 1.5}, "min_p"),
     ({"min_p": -0.1}, "min_p"), ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
@@ -439,6 +445,36 @@ def test_logit_bias_and_min_p_change_the_answer(served):
     assert narrow == [model.tokenizer.decode(greedy_ids[:12])] * 2
     ignored = post(base, {**OK, "user": "someone", "metadata": {"k": "v"}, "store": False})
     assert ignored.status_code == 200
+
+
+def test_presence_and_frequency_penalties_answer_what_generate_gives(served):
+    """Completions (beside a plain greedy row, and streamed) and chat with the penalties give
+    jmoe.generate's output with them; a bad value on chat is a 400 naming the field too."""
+    base, engine, model = served
+    prompt = "def main():\n    "
+    ids = model.tokenizer.encode(prompt)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=1.5)
+    plain_ids = jmoe.generate(model, ids, max_new_tokens=20)
+    alone = jmoe.generate(model, ids, max_new_tokens=20, **penalties)
+    assert alone != plain_ids
+    body = {**OK, "prompt": prompt, "max_tokens": 20, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        penalised = pool.submit(post, base, {**body, **penalties})
+        plain = pool.submit(post, base, body)
+        assert penalised.result().json()["choices"][0]["text"] == model.tokenizer.decode(alone)
+        assert plain.result().json()["choices"][0]["text"] == model.tokenizer.decode(plain_ids)
+    streamed = client(base).completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                               **penalties)
+    assert "".join(ch.choices[0].text for ch in streamed) == model.tokenizer.decode(alone)
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_ids = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    answer = client(base).chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0,
+                                                  **penalties)
+    expected = jmoe.generate(model, chat_ids, max_new_tokens=16, **penalties)
+    assert answer.choices[0].message.content == model.tokenizer.decode(expected)
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", "x")):
+        refused = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, field: value}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
 
 
 def test_bad_chat_messages_are_refused(served):

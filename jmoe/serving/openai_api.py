@@ -197,9 +197,6 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
     for name, inert in UNSUPPORTED[chat].items():
         if body.get(name) not in (None, inert):
             raise ApiError(f"'{name}' is not supported by this server", name)
-    for kind in ("presence_penalty", "frequency_penalty"):
-        if _real(body, kind, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
-            raise ApiError(f"'{kind}' is not supported by this server (use repetition_penalty)", kind)
     echo = False if chat else _bool(body, "echo", False)
     bound = model.max_seq_len if max_tokens is None else max_tokens
     max_tokens = _int(body, "max_completion_tokens", None, minimum=1, maximum=bound) if chat else None
@@ -223,9 +220,12 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
             seed=_int(body, "seed", 0, minimum=0, maximum=MAX_SEED),
             min_p=_real(body, "min_p", 0.0, minimum=0.0, maximum=1.0),
             logit_bias=_logit_bias(body, model.config.vocab_size),
+            presence_penalty=_real(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
+            frequency_penalty=_real(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0),
         )
     except InputError as e:
-        fields = ("logit_bias", "min_p", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+        fields = ("logit_bias", "min_p", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
+                  "presence_penalty", "frequency_penalty")
         raise ApiError(str(e), next((f for f in fields if str(e).startswith(f)), None)) from None
     return Parsed(prompts, texts, n, stream, include_usage, max_tokens, sampling, _stop(body), _logprobs(body, chat),
                   echo)
