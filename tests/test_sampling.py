@@ -304,3 +304,29 @@ def test_presence_and_frequency_penalties_take_their_whole_range():
         opts = SamplingOptions(presence_penalty=value, frequency_penalty=value)
         assert opts.presence_penalty == opts.frequency_penalty == float(value)
         assert opts.plain_greedy == (value == 0)
+
+
+@pytest.mark.parametrize("seed", [3, 2**40])
+def test_what_a_sampler_costs_the_host_is_what_it_moves(seed):
+    """Sampler.cost (what jmoe counts for making one: its parameters, penalties included, the
+    history, the key) against bench/host_io's count of the transfers it makes."""
+    from bench import host_io
+    from jmoe.decoding.engine import _sample_jit
+    from jmoe.decoding.generation import Sampler
+
+    class Engine:
+        sample = _sample_jit
+
+    opts = SamplingOptions(temperature=0.7, seed=seed, presence_penalty=0.5, frequency_penalty=-1.0)
+    history = np.zeros((2, 300), np.int32)
+    Sampler(Engine, opts, history)  # compiled before counting
+    host_io.install()
+    try:
+        before = host_io.counts()
+        Sampler(Engine, opts, history)
+        moved = host_io.counts() - before
+    finally:
+        host_io.uninstall()
+    cost = Sampler.cost(opts, history)
+    assert (moved.executions, moved.transfers, moved.transfer_bytes) == (cost["executions"], cost["transfers"],
+                                                                         cost["nbytes"])
