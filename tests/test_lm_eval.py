@@ -45,7 +45,7 @@ def model(short_converted):
 @pytest.fixture(scope="module")
 def served(model):
     """(base URL, engine, model): a server on an ephemeral port, stopped after the module."""
-    engine = BatchEngine(model, max_batch=4, max_waiting=64, context=CONTEXT, warm_up=True)
+    engine = BatchEngine(model, max_batch=4, max_waiting=64, context=CONTEXT)  # no warm-up: nothing here is timed
     server = Server(create_app(engine, NAME), engine, port=0)
     thread = start(server)
     yield f"http://127.0.0.1:{server.port}", engine, model
