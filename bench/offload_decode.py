@@ -107,17 +107,22 @@ def gen_kw(name: str, temperature: float, seed: int, new_tokens: int) -> dict:
             **({"speculative": draft} if draft else {})}
 
 
+def streamed(model, ids, kw) -> tuple[float, float, int]:
+    """One streamed generate: (seconds to its first token, seconds from the first to the last, the
+    tokens after the first)."""
+    start = time.perf_counter()
+    first = last = None
+    n = 0
+    for _ in jmoe.generate(model, ids, stream=True, **kw):
+        last = time.perf_counter()
+        first = first or last
+        n += 1
+    return first - start, last - first, n - 1
+
+
 def decode_ms(model, prompts, kw) -> float:
-    seconds, tokens = 0.0, 0
-    for ids in prompts:
-        first = last = None
-        n = 0
-        for _ in jmoe.generate(model, ids, stream=True, **kw):
-            last = time.perf_counter()
-            first = first or last
-            n += 1
-        seconds, tokens = seconds + (last - first), tokens + n - 1
-    return 1e3 * seconds / max(tokens, 1)
+    runs = [streamed(model, ids, kw) for ids in prompts]
+    return 1e3 * sum(r[1] for r in runs) / max(sum(r[2] for r in runs), 1)
 
 
 def host_counts(model) -> dict:

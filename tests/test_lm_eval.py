@@ -8,7 +8,6 @@ accuracies lm-eval reports against the ones computed from those. It runs lm-eval
 
 from __future__ import annotations
 
-import threading
 import time
 
 import huggingface_hub.constants
@@ -19,22 +18,11 @@ import pytest
 import jmoe
 from bench.quality import LM_EVAL_TASKS, evaluate_server
 from jmoe.serving import BatchEngine
-from jmoe.serving.openai_api import create_app
-from jmoe.serving.server import Server
 from tests.conftest import DATA
+from tests.serving_helpers import serving
 
 NAME = "tiny"
 CONTEXT = 256
-
-
-def start(server: Server) -> threading.Thread:
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return thread
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +34,8 @@ def model(short_converted):
 def served(model):
     """(base URL, engine, model): a server on an ephemeral port, stopped after the module."""
     engine = BatchEngine(model, max_batch=4, max_waiting=64, context=CONTEXT)  # no warm-up: nothing here is timed
-    server = Server(create_app(engine, NAME), engine, port=0)
-    thread = start(server)
-    yield f"http://127.0.0.1:{server.port}", engine, model
-    server.stop()
-    thread.join(timeout=30)
-    engine.close()
+    with serving(engine, NAME) as base:
+        yield base, engine, model
 
 
 @pytest.fixture
@@ -67,10 +51,10 @@ def continuation_logprobs(model, context: str, continuation: str) -> tuple[float
     """log P(continuation | context) and whether greedy decoding would produce it, split into tokens
     as lm-eval splits them (the whole text's tokens past those of the context alone)."""
     whole = model.tokenizer.encode(context + continuation, add_special_tokens=False)
-    start = len(model.tokenizer.encode(context, add_special_tokens=False))
+    first = len(model.tokenizer.encode(context, add_special_tokens=False))
     logp = np.asarray(jax.nn.log_softmax(jmoe.forward(model, whole), axis=-1))  # row t predicts token t + 1
-    rows = logp[start - 1 : len(whole) - 1]
-    wanted = np.asarray(whole[start:])
+    rows = logp[first - 1 : len(whole) - 1]
+    wanted = np.asarray(whole[first:])
     return float(rows[np.arange(len(wanted)), wanted].sum()), bool((rows.argmax(-1) == wanted).all())
 
 

@@ -24,20 +24,11 @@ from jmoe.serving import BatchEngine, batcher, scoring
 from jmoe.serving.batcher import CompileCounter
 from jmoe.serving.openai_api import FINISH_REASONS, MAX_BODY_BYTES, create_app
 from jmoe.serving.server import Server
+from tests.serving_helpers import serving, start
 
 PROMPTS = ["The quick brown fox", "def main():\n    ", "12 + 35 =", "Python is", "import os\nimport",
            "Beware of", "class Stack:", "7 * 8 ="]
 NAME = "tiny"
-
-
-def start(server: Server) -> threading.Thread:
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return thread
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +40,8 @@ def model(short_converted):
 def served(model):
     """(base URL, engine, model): a server on an ephemeral port, stopped after the module."""
     engine = BatchEngine(model, max_batch=4, max_waiting=64, context=256, warm_up=True)
-    server = Server(create_app(engine, NAME), engine, port=0)
-    thread = start(server)
-    yield f"http://127.0.0.1:{server.port}", engine, model
-    server.stop()
-    thread.join(timeout=30)
-    engine.close()
+    with serving(engine, NAME) as base:
+        yield base, engine, model
 
 
 def client(base: str) -> openai.OpenAI:
