@@ -80,8 +80,10 @@ def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt", add_sp
             ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif is_chat(prompt):
         messages = check_messages(prompt)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise InputError("this model's tokenizer has no chat template; pass a plain string instead of messages")
+        if tokenizer is None:
+            raise InputError("this model was converted without a tokenizer; pass token ids instead of messages")
+        if not getattr(tokenizer, "chat_template", None):  # a base model (the bundled tiny one): a transcript
+            return encode(tokenizer, transcript(messages), vocab_size, name)
         try:
             with _LOCK:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -96,6 +98,12 @@ def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt", add_sp
     if len(ids) == 0:
         raise InputError(f"{name} is empty")
     return validate.token_ids(name, ids, vocab_size)
+
+
+def transcript(messages: Sequence[dict]) -> str:
+    """Chat messages as plain text for a model without a chat template: `role: content` lines, then
+    `assistant:` (generate, chat and the server all prompt such a model this way)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:

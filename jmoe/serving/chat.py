@@ -11,10 +11,7 @@ from jmoe.tokenizer import encode
 
 def chat_prompt(model, messages: list[dict]) -> list[int]:
     """Messages ({role, content}) -> prompt ids: the model's chat template, or for a base model
-    without one (the bundled tiny one) a plain `role: content` transcript ending with `assistant:`."""
-    if not getattr(model.tokenizer, "chat_template", None):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return encode(model.tokenizer, text, model.config.vocab_size)
+    without one (the bundled tiny one) a plain `role: content` transcript (jmoe.tokenizer.transcript)."""
     return encode(model.tokenizer, messages, model.config.vocab_size)
 
 
