@@ -500,6 +500,13 @@ def test_tokenize_and_detokenize_round_trip(served):
     back = httpx.post(f"{base}/detokenize", json={"model": NAME, "tokens": ids}, timeout=30).json()
     assert back == {"prompt": text}
     assert httpx.post(f"{base}/detokenize", json={"tokens": []}, timeout=30).json() == {"prompt": ""}
+    # lm-evaluation-harness's tokenizer_backend=remote: the special tokens from /tokenizer_info, ids from /tokenize
+    from lm_eval.utils import RemoteTokenizer
+
+    remote = RemoteTokenizer(f"{base}/v1/completions", timeout=30)
+    assert (remote.eos_token, remote.eos_token_id) == (model.tokenizer.eos_token, model.tokenizer.eos_token_id)
+    assert remote.encode(text) == model.tokenizer.encode(text, add_special_tokens=False)
+    assert remote.decode(ids) == text
 
 
 @pytest.mark.parametrize("path, body, culprit", [

@@ -2,7 +2,7 @@
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events in the OpenAI chunk
 format, ending with `data: [DONE]`, or answered whole), GET /v1/models and /v1/models/{id}, POST
-/tokenize and /detokenize, GET /health and GET /metrics (Prometheus). An API key, when set, guards
+/tokenize and /detokenize, GET /tokenizer_info, GET /health and GET /metrics (Prometheus). An API key, when set, guards
 every route but /health and /metrics; allowed origins turn on CORS. Every
 request body is checked field by field before anything is queued; a bad one gets an OpenAI-style
 error (status 400, 401 without the key, or 404 for an unknown model) naming the field, a full
@@ -581,7 +581,7 @@ class RequestGuard:
 
 
 # the routes an API key guards (every /v1 route too); /health and /metrics stay open to probes and scrapers
-KEYED_PATHS = ("/tokenize", "/detokenize")
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class ApiKeyGuard:
@@ -721,6 +721,16 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
     async def tokenize(http: HttpRequest):
         ids = parse_tokenize(parse_body(await read_body(http)), model, model_name)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.context}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The special tokens and chat template, for clients that tokenize through this server (as
+        lm-evaluation-harness's tokenizer_backend=remote does, with /tokenize and /detokenize)."""
+        tokenizer = model.tokenizer
+        if tokenizer is None:
+            raise ApiError("this model was converted without a tokenizer", None, status=404, code="no_tokenizer")
+        return {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "chat_template": getattr(tokenizer, "chat_template", None), "model_max_length": engine.context}
 
     @app.post("/detokenize")
     async def detokenize(http: HttpRequest):
