@@ -10,9 +10,11 @@ Comparisons, baseline -> method, both at that budget:
   default degrade mode and look-ahead prefetch): TTFT, TPOT, perplexity.
 - MoE-SpeQ: lru+prefetch at bf16 -> speculative decoding with the model's own int4 draft on
   lru+prefetch: TPOT, acceptance, perplexity unchanged (verification is exact).
-- DynaExq: a static hi/lo split (bf16 for the experts the calibration text routes to most, the rest
-  int4, never changed) -> DynaExq bf16/int4 (hotness tracked at run time): perplexity over a
-  prose -> code -> math shift, TPOT.
+- DynaExq: a static hi/lo split (int4 for the experts the calibration text routes to most, the rest
+  int2, never changed) -> DynaExq int4/int2 (hotness tracked at run time): perplexity over a
+  prose -> code -> math shift, beside the resident model at int4 and at int2, and TPOT. Both keep
+  every expert's int2 copy resident; the budget holds those besides --share of the int4 bytes.
+  (int4/int2, not bf16/int4: on this model int4 is within 2% of bf16, so only int2 shows a gap.)
 - HAQ: lru at bf16 (a miss is copied to the device) -> lru+cpu (a miss's decode tokens run on the
   host CPU; critical token count forced to 1, since here the "device" is this CPU and the measured
   cost model never prefers it).
@@ -32,8 +34,8 @@ policy (so a policy's state carries across the shift, as a server's would).
 
 --qwen-layers N runs the same pairs at Qwen3-30B-A3B's exact shapes cut to N layers (random weights,
 bench/offload_decode.py's conversion: int4 and int2 experts, int4 dense), hi/lo = int4/int2, with
-random-id prompts and calibration; no perplexity (random weights), DynaExq's pair at 75% of the int4
-expert bytes (every int2 copy resident is half of them). There the bytes an expert moves are real.
+random-id prompts and calibration; no perplexity (random weights). There the bytes an expert moves
+are a real model's.
 
     python -m bench.paper_headlines [--rounds 3] [--new-tokens 48] [--share 0.25] [--qwen-layers 4]
 """
@@ -46,17 +48,17 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, DOMAINS, TINY_HF, dev_tokens, planned_budget, write_result
+from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, planned_budget, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
-from bench.offload_decode import host_counts, per_token, spread
+from bench.offload_decode import host_counts, per_token, spread, streamed
 from jmoe.policies import DyMoE, DynaExq, trace_routing
 from jmoe.policies.placement import routed_counts
 from jmoe.serving.batcher import CompileCounter
@@ -70,12 +72,14 @@ PAPERS = {
         "claim": "TTFT 3.44x-22.7x lower and TPOT up to 14.58x faster than state-of-the-art offloading baselines",
         "setting": "commercial edge hardware (a 24 GB consumer GPU on PCIe Gen3, Mixtral-8x7B and Qwen3-30B-A3B)",
         "paper_tpot_speedup": 14.58,
+        "short": "TPOT up to 14.58x, TTFT 3.44–22.7x vs offloading baselines (24 GB GPU, PCIe Gen3)",
     },
     "moe_speq": {
         "paper": "MoE-SpeQ (arXiv 2511.14102)",
         "claim": "at most 2.34x speed-up over the state-of-the-art offloading framework, Phi-MoE",
         "setting": "one A100 40 GB, PCIe 4.0; FP16 target, GPTQ INT4 draft",
         "paper_tpot_speedup": 2.34,
+        "short": "up to 2.34x vs the best offloading framework (Phi-MoE, A100 40 GB, PCIe 4.0)",
     },
     "dynaexq": {
         "paper": "DynaExq (arXiv 2511.15015)",
@@ -83,6 +87,7 @@ PAPERS = {
                  "up to 2.73x throughput over offloading/prefetch baselines at batch 32 (v3)",
         "setting": "single RTX 5090 and A6000 GPUs (v2 abstract)",
         "paper_tpot_speedup": None,
+        "short": "up to 4.03 accuracy points over static low precision (RTX 5090, A6000)",
     },
     "haq": {
         "paper": "HAQ + CPU-GPU collaboration (arXiv 2508.07329)",
@@ -90,6 +95,7 @@ PAPERS = {
                  "Fiddler (arXiv 2402.07033), the critical-token cost model's origin: 1.26x single-batch decode",
         "setting": "Fiddler: Mixtral-8x7B 16-bit, Quadro RTX 6000 24 GB on PCIe Gen3",
         "paper_tpot_speedup": 1.26,
+        "short": "no latency figure (HAQ); Fiddler's CPU execution: 1.26x decode (Mixtral, PCIe Gen3)",
     },
 }
 
@@ -124,7 +130,7 @@ class Setup:
     prompts: list
     calibration: np.ndarray  # [L, E] routed counts of calibration text
     quality: bool  # perplexity is meaningful (trained weights)
-    dynaexq_share: float  # pools' share of hi expert bytes for the DynaExq pair (every lo copy is resident)
+    precision_tiers: tuple[str, str]  # the DynaExq pair's hi and lo: where their quality differs
 
 
 def convert_tiny(root: Path) -> Path:
@@ -149,7 +155,7 @@ def tiny_setup(root: Path, args) -> Setup:
                             for f in CALIB_FILES])
     prompts = [dev_tokens(tokenizer, d, args.prompt_tokens).tolist() for d in DOMAINS]
     return Setup("tiny-qwen3-moe (bf16, int4, int2; RTN)", path, "bf16", "int4", prompts, routed(path, "bf16", calib),
-                 quality=True, dynaexq_share=0.5)
+                 quality=True, precision_tiers=("int4", "int2"))
 
 
 def qwen_setup(args) -> Setup:
@@ -161,20 +167,32 @@ def qwen_setup(args) -> Setup:
     prompts = [rng.integers(10, 4000, args.prompt_tokens).tolist() for _ in range(3)]
     calib = rng.integers(10, 4000, args.calib_tokens).astype(np.int32)
     return Setup(f"{path.name} (random weights)", path, "int4", "int2", prompts, routed(path, "int4", calib),
-                 quality=False, dynaexq_share=0.75)
+                 quality=False, precision_tiers=("int4", "int2"))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One side of a comparison: its policy (a factory: each load gets a fresh one), the tier it
+    loads at, extra load and generate keywords, and whether every lo copy is resident (then the
+    budget holds all of them besides the hi share)."""
+    make_policy: object
+    tier: str
+    load_kw: dict = field(default_factory=dict)
+    gen_kw: dict = field(default_factory=dict)
+    all_lo: str | None = None
 
 
 def variants(setup: Setup) -> dict:
-    """name: (policy factory, extra load keywords, extra generate keywords)."""
     hi, lo = setup.hi, setup.lo
+    p_hi, p_lo = setup.precision_tiers
     return {
-        "lru": (lambda: "lru", {}, {}),
-        "dymoe": (lambda: DyMoE(hi=hi, lo=lo), {}, {}),
-        "lru+prefetch": (lambda: "lru+prefetch", {}, {}),
-        "speculative": (lambda: "lru+prefetch", {"draft": lo}, {"speculative": lo}),
-        "static-hi/lo": (lambda: StaticHiLo(setup.calibration, hi=hi, lo=lo), {}, {}),
-        "dynaexq": (lambda: DynaExq(hi=hi, lo=lo), {}, {}),
-        "lru+cpu": (lambda: "lru+cpu", {"cpu_critical_tokens": 1}, {}),
+        "lru": Variant(lambda: "lru", hi),
+        "dymoe": Variant(lambda: DyMoE(hi=hi, lo=lo), hi),
+        "lru+prefetch": Variant(lambda: "lru+prefetch", hi),
+        "speculative": Variant(lambda: "lru+prefetch", hi, {"draft": lo}, {"speculative": lo}),
+        "static-hi/lo": Variant(lambda: StaticHiLo(setup.calibration, hi=p_hi, lo=p_lo), p_hi, all_lo=p_lo),
+        "dynaexq": Variant(lambda: DynaExq(hi=p_hi, lo=p_lo), p_hi, all_lo=p_lo),
+        "lru+cpu": Variant(lambda: "lru+cpu", hi, {"cpu_critical_tokens": 1}),
     }
 
 
@@ -186,30 +204,23 @@ COMPARISONS = {  # paper: (baseline, method)
 }
 
 
-def load(setup: Setup, spec, share: float, **extra):
-    make_policy, load_kw, _ = spec
-    budget = planned_budget(setup.path, share, tier=setup.hi, compute_dtype="float32", policy=make_policy(),
-                            max_seq_len=MAX_SEQ_LEN, draft=load_kw.get("draft"))
-    return jmoe.load(setup.path, tier=setup.hi, compute_dtype="float32", max_seq_len=MAX_SEQ_LEN,
-                     policy=make_policy(), device_budget=budget, **load_kw, **extra), budget
+def load(setup: Setup, variant: Variant, share: float, **extra):
+    """(model, budget): pools holding `share` of the variant's tier's expert bytes (and every lo copy
+    where the variant keeps them all) beside every fixed reservation."""
+    plan_kw = dict(compute_dtype="float32", max_seq_len=MAX_SEQ_LEN, draft=variant.load_kw.get("draft"))
+    budget = planned_budget(setup.path, share, tier=variant.tier, policy=variant.make_policy(), **plan_kw)
+    if variant.all_lo:
+        budget += jmoe.memory_plan(setup.path, tier=variant.all_lo, **plan_kw)["all_experts"]
+    return jmoe.load(setup.path, tier=variant.tier, compute_dtype="float32", max_seq_len=MAX_SEQ_LEN,
+                     policy=variant.make_policy(), device_budget=budget, **variant.load_kw, **extra), budget
 
 
 # ---------------------------------------------------------------- timing
 
 def timed_workload(model, prompts, kw) -> tuple[float, float]:
     """(mean TTFT ms over the prompts, decode ms per token after each prompt's first)."""
-    ttft, decode_s, decode_tokens = 0.0, 0.0, 0
-    for ids in prompts:
-        start = time.perf_counter()
-        first = last = None
-        n = 0
-        for _ in jmoe.generate(model, ids, stream=True, **kw):
-            last = time.perf_counter()
-            first = first or last
-            n += 1
-        ttft += first - start
-        decode_s, decode_tokens = decode_s + (last - first), decode_tokens + n - 1
-    return 1e3 * ttft / len(prompts), 1e3 * decode_s / max(decode_tokens, 1)
+    runs = [streamed(model, ids, kw) for ids in prompts]
+    return 1e3 * sum(r[0] for r in runs) / len(runs), 1e3 * sum(r[1] for r in runs) / max(sum(r[2] for r in runs), 1)
 
 
 def time_pair(name: str, models: dict, gen: dict, prompts, args, temperature: float) -> dict:
@@ -263,10 +274,10 @@ def perplexities(model, args) -> dict:
                                mode="decode") for d in DOMAINS}
 
 
-def modelled_h100(setup: Setup, spec, share: float, args) -> dict:
+def modelled_h100(setup: Setup, variant: Variant, share: float, args) -> dict:
     """The sampled workload traced once more and replayed as an H100 on PCIe (modelled, not measured)."""
-    model, _ = load(setup, spec, share, trace=True)
-    kw = {"max_new_tokens": args.new_tokens, "temperature": 1.0, "seed": args.seed, **spec[2]}
+    model, _ = load(setup, variant, share, trace=True)
+    kw = {"max_new_tokens": args.new_tokens, "temperature": 1.0, "seed": args.seed, **variant.gen_kw}
     timed_workload(model, setup.prompts[:1], kw)
     model.trace.steps.clear()
     before = host_counts(model)["decode_tokens"]
@@ -279,25 +290,42 @@ def modelled_h100(setup: Setup, spec, share: float, args) -> dict:
 
 # ---------------------------------------------------------------- the run
 
-def run_comparison(paper: str, setup: Setup, args, reference_ppl: dict | None) -> dict:
+def resident_perplexity(setup: Setup, tier: str, args, known: dict) -> dict:
+    """The resident model's perplexities at `tier` (computed once per run)."""
+    if tier not in known:
+        model = jmoe.load(setup.path, tier=tier, compute_dtype="float32", max_seq_len=MAX_SEQ_LEN)
+        known[tier] = perplexities(model, args)
+        del model
+        gc.collect()
+    return known[tier]
+
+
+def run_comparison(paper: str, setup: Setup, args, references: dict | None) -> dict:
+    """Both sides timed, then (references: a dict to keep resident perplexities in, None: no quality)
+    their perplexities beside the resident model's at each tier they use, then modelled."""
     base, method = COMPARISONS[paper]
     specs = variants(setup)
-    share = max(args.share, setup.dynaexq_share) if paper == "dynaexq" else args.share
+    share = args.share
     models, budgets = {}, {}
     for side in (base, method):
         models[side], budgets[side] = load(setup, specs[side], share)
-    gen = {side: specs[side][2] for side in models}
-    out = {"baseline": base, "method": method, f"share_of_{setup.hi}_experts": share, "budget_bytes": budgets,
+    gen = {side: specs[side].gen_kw for side in models}
+    tiers = {side: specs[side].tier for side in (base, method)}
+    out = {"baseline": base, "method": method, "tiers": tiers, "every_lo_copy_resident": specs[method].all_lo,
+           "share_of_the_tiers_expert_bytes": share, "budget_bytes": budgets,
            "paper": PAPERS[paper]}
     for t in (0.0, 1.0):
         out[f"temperature_{t:g}"] = time_pair(paper, models, gen, setup.prompts, args, t)
     del models
     gc.collect()
-    if reference_ppl is not None:
-        out["perplexity"] = {}
+    if references is not None:
+        used = [setup.hi, *tiers.values(), specs[method].all_lo]
+        out["perplexity"] = {f"resident {t}": resident_perplexity(setup, t, args, references)
+                             for t in dict.fromkeys(used) if t}
+        top = resident_perplexity(setup, setup.hi, args, references)
         for side in (base, method):
             model, _ = load(setup, specs[side], share)
-            out["perplexity"][side] = {d: {"ppl": v, f"vs_resident_{setup.hi}": v / reference_ppl[d] - 1}
+            out["perplexity"][side] = {d: {"ppl": v, f"vs_resident_{setup.hi}": v / top[d] - 1}
                                        for d, v in perplexities(model, args).items()}
             del model
             gc.collect()
@@ -314,6 +342,36 @@ def run_comparison(paper: str, setup: Setup, args, reference_ppl: dict | None) -
               f"{method} {m[method]['modelled_tpot_ms']:.3f} ms (x{m['tpot_speedup']:.2f}), TTFT "
               f"x{m['ttft_speedup']:.2f}", flush=True)
     return out
+
+
+def markdown(result: dict) -> str:
+    """The README's table of one result file: each pair's speed-ups (measured, modelled), its
+    critical-path fetches and quality, beside the paper's claim."""
+    def ratio(x: dict) -> str:
+        return f"{x['median']:.2f}x [{x['min']:.2f}–{x['max']:.2f}]"
+
+    def ppl(c: dict, side: str) -> str:
+        if "perplexity" not in c:
+            return ""
+        return " / ".join(f"{e['ppl']:.2f}" for e in c["perplexity"][side].values())
+
+    lines = ["| paper: method vs baseline | TPOT speed-up, greedy / sampled | TTFT speed-up, greedy / sampled "
+             "| modelled H100 TPOT speed-up | critical-path fetches / token, baseline → method (sampled) "
+             "| perplexity prose / code / math, baseline → method | the paper's headline |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, c in result["comparisons"].items():
+        base, method = c["baseline"], c["method"]
+        greedy, sampled = c["temperature_0"], c["temperature_1"]
+        modelled = c.get("modelled_h100", {}).get("tpot_speedup")
+        misses = f"{sampled[base]['in_step_misses_per_token']:.1f} → {sampled[method]['in_step_misses_per_token']:.1f}"
+        quality = f"{ppl(c, base)} → {ppl(c, method)}" if "perplexity" in c else "(random weights)"
+        tiers = "/".join(dict.fromkeys(c.get("tiers", {}).values())) or result["hi"]
+        lines.append(f"| {name}: {method} vs {base} ({tiers}) | {ratio(greedy['tpot_speedup'])} / "
+                     f"{ratio(sampled['tpot_speedup'])} | {greedy['ttft_speedup']['median']:.2f}x / "
+                     f"{sampled['ttft_speedup']['median']:.2f}x | "
+                     f"{'' if modelled is None else f'{modelled:.2f}x'} | {misses} | {quality} | "
+                     f"{PAPERS[name]['short']} |")
+    return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -359,7 +417,14 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--no-model", action="store_true", help="skip the modelled H100 replay")
     parser.add_argument("--out", help="result name under bench/results (default paper_headlines_tiny or _qwen3)")
+    parser.add_argument("--report", action="store_true", help="print the README's tables from the result files")
     args = parser.parse_args()
+    if args.report:
+        for name in ("paper_headlines_tiny", "paper_headlines_qwen3"):
+            if (RESULTS / f"{name}_cpu.json").exists():
+                result = json.loads((RESULTS / f"{name}_cpu.json").read_text())
+                print(f"{result['model']}, pools {result['share']:.0%}:\n\n{markdown(result)}\n")
+        return
     papers = args.papers.split(",")
     if unknown := [p for p in papers if p not in COMPARISONS]:
         parser.error(f"unknown papers {unknown}; choose from {list(COMPARISONS)}")
@@ -367,20 +432,17 @@ def main() -> None:
     CompileCounter.count()  # listening before anything compiles
     with tempfile.TemporaryDirectory() as tmp:
         setup = qwen_setup(args) if args.qwen_layers else tiny_setup(Path(tmp), args)
-        reference_ppl = None
-        if setup.quality and not args.skip_quality:
-            resident = jmoe.load(setup.path, tier=setup.hi, compute_dtype="float32", max_seq_len=MAX_SEQ_LEN)
-            reference_ppl = perplexities(resident, args)
-            del resident
-            gc.collect()
-        result = {"model": setup.name, "hi": setup.hi, "lo": setup.lo, f"share_of_{setup.hi}_experts": args.share,
+        references = {} if setup.quality and not args.skip_quality else None
+        result = {"model": setup.name, "hi": setup.hi, "lo": setup.lo, "share": args.share,
                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
-                  "ppl_tokens": args.ppl_tokens, "device": str(jax.devices()[0].device_kind),
-                  f"resident_{setup.hi}_perplexity": reference_ppl, "comparisons": {}}
+                  "ppl_tokens": args.ppl_tokens, "device": str(jax.devices()[0].device_kind), "comparisons": {}}
+        earlier = RESULTS / f"{out_name}_{'gpu' if jax.default_backend() == 'gpu' else 'cpu'}.json"
+        if set(papers) != set(COMPARISONS) and earlier.exists():  # a run of some pairs updates those
+            result["comparisons"] = json.loads(earlier.read_text()).get("comparisons", {})
         for paper in papers:
-            result["comparisons"][paper] = run_comparison(paper, setup, args, reference_ppl)
+            result["comparisons"][paper] = run_comparison(paper, setup, args, references)
             path = write_result(out_name, result)
-    if set(papers) == set(COMPARISONS):
+    if set(result["comparisons"]) == set(COMPARISONS):
         plot(result, path.with_suffix(".png"))
     print(json.dumps({p: c["temperature_1"]["tpot_speedup"] for p, c in result["comparisons"].items()}))
 
