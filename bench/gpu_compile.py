@@ -675,13 +675,14 @@ def offload_spec(cfg, policy, device):
 
 def offloaded_decode_inputs(cfg, spec, on, in_host):
     """The model's graphdef and engine._decode's abstract inputs after it, for one row: (dense,
-    experts, pools, tokens, cache, positions, seen, rng, temperature, top_k, 1 - top_p, penalty, min_p, bias);
+    experts, pools, tokens, cache, positions, seen, rng, then the sampling parameters);
     `in_host` places the stores, `on` everything else."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from jmoe.decoding.engine import new_cache
+    from jmoe.decoding.sampling import HISTORY_DTYPE, SamplingOptions
     from jmoe.layers.experts import ExpertState, Selection
     from jmoe.layers.fetch import FetchInputs
     from jmoe.layers.transformer import abstract_model
@@ -701,11 +702,10 @@ def offloaded_decode_inputs(cfg, spec, on, in_host):
              for t, n in zip(spec.tiers, spec.cache_slots)}
     cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
     rng = jax.eval_shape(lambda: jax.random.key(0))
-    # temperature, top_k, 1 - top_p, penalty, min_p, logit bias [V]
-    scalars = (on((), jnp.float32), on((), jnp.int32), on((), jnp.float32), on((), jnp.float32), on((), jnp.float32),
-               on((cfg.vocab_size,), jnp.float32))
+    # the sampling parameters as the step takes them (SamplingOptions.device_params: their shapes and dtypes)
+    params = tuple(on(p.shape, p.dtype) for p in SamplingOptions().device_params(cfg.vocab_size))
     return graphdef, (dense, experts, pools, on((1,), jnp.int32), cache, on((2, 1), jnp.int32),
-                      on((1, cfg.vocab_size), jnp.bool_), on(rng.shape, rng.dtype), *scalars)
+                      on((1, cfg.vocab_size), HISTORY_DTYPE), on(rng.shape, rng.dtype), *params)
 
 
 def compile_offloaded_step(model: str, case: str, policy_name: str, tier: str, options: dict, device,

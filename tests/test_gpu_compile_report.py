@@ -228,3 +228,23 @@ def test_the_offload_canary_must_fail_its_checks():
     assert offload_canary_caught(caught)
     assert not offload_canary_caught(dict(checks=offload_checks(offloaded_step(), fetches=3, stores=1)))
     assert not offload_canary_caught(dict(status="compile error"))
+
+
+def test_the_offloaded_steps_inputs_are_what_the_step_takes():
+    """bench.gpu_compile spells out engine._decode's abstract inputs for the H100 check: traced here
+    on the CPU, so a changed step signature fails the suite, not only `make gpu-compile`."""
+    import functools
+
+    import jax
+
+    from bench.gpu_compile import STEP_LAYERS, offload_spec, offloaded_decode_inputs
+    from bench.random_checkpoint import model_named
+    from jmoe.decoding.engine import _decode
+    from jmoe.models import config_from_hf
+    from jmoe.policies import make_policy
+
+    cfg = config_from_hf(model_named("qwen3-30b-a3b").config_for(STEP_LAYERS))
+    spec = offload_spec(cfg, make_policy("lru+prefetch", "int4"), jax.devices("cpu")[0])
+    graphdef, args = offloaded_decode_inputs(cfg, spec, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct)
+    nxt = jax.eval_shape(functools.partial(_decode, graphdef, greedy=False), *args)[0]
+    assert nxt.shape == (1,)
