@@ -54,17 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="prompt text")
     add_model_options(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0,
-                     help="OpenAI's, in [-2, 2]: lowers each token the output already holds (0 = off, default)")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0,
-                     help="OpenAI's, in [-2, 2]: lowers each token by how often the output holds it (0 = off, "
-                          "default)")
-    gen.add_argument("--seed", type=int, default=0)
+    add_sampling_options(gen)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_speculative_options(gen, "default: chosen per cycle")
     gen.add_argument("--stats", action="store_true", help="print offload statistics (JSON) to stderr at the end")
@@ -106,11 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("model", help="directory written by `jmoe convert`")
     add_model_options(chat)
     chat.add_argument("--max-tokens", type=int, default=256, help="longest answer (default 256)")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
-    chat.add_argument("--seed", type=int, default=0)
+    add_sampling_options(chat)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
 
     bench = sub.add_parser("bench", help="prefill (pp) and decode (tg) tokens/s, as llama-bench reports them")
@@ -188,11 +174,8 @@ def cmd_convert(args) -> None:
 def cmd_generate(args) -> None:
     import jmoe
     from jmoe.decoding.generation import stop_strings
-    from jmoe.decoding.sampling import SamplingOptions
 
-    # Refuse bad generation options before spending time on loading the model.
-    SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.min_p,
-                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    sampling_options(args)  # bad generation options refused before the model loads
     validate.integer("max_new_tokens", args.max_new_tokens, minimum=1)
     stop_strings(args.stop)
     speculative = cli_speculative(args)
@@ -325,12 +308,34 @@ class StopSignals:
         return self._at is not None and time.monotonic() - self._at > seconds
 
 
-def cmd_chat(args) -> None:
+def add_sampling_options(parser) -> None:
+    """The sampling flags generate and chat share (SamplingOptions' fields)."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: lowers each token the output already holds (0 = off, default)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: lowers each token by how often the output holds it (0 = off, "
+                             "default)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def sampling_options(args):
+    """SamplingOptions from add_sampling_options' flags (checked: a bad value raises InputError naming it)."""
     from jmoe.decoding.sampling import SamplingOptions
+
+    return SamplingOptions(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.min_p,
+                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+
+
+def cmd_chat(args) -> None:
     from jmoe.serving import BatchEngine
     from jmoe.serving.chat import chat_loop
 
-    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, 1.0, args.seed, args.min_p)
+    sampling = sampling_options(args)
     max_tokens = validate.integer("max_tokens", args.max_tokens, minimum=1)
     model = load_model(args)
     print("compiling (once per prompt length bucket)...", file=sys.stderr, flush=True)
