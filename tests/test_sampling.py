@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from jmoe.decoding.sampling import SamplingOptions, apply_repetition_penalty, greedy_tokens, warp
+from jmoe.decoding.sampling import HISTORY_DTYPE, SamplingOptions, apply_repetition_penalty, greedy_tokens, warp
 
 
 def hf_processed(logits: np.ndarray, history: torch.Tensor | None, opts: SamplingOptions) -> np.ndarray:
@@ -143,7 +143,7 @@ def test_logit_bias_is_added_before_everything_and_bans_greedy_tokens():
     from jmoe.decoding.sampling import sample_tokens
 
     logits = jnp.asarray([[5.0, 4.0, 1.0, 0.0]] * 2, jnp.float32)
-    seen = jnp.zeros((2, 4), bool)
+    seen = jnp.zeros((2, 4), HISTORY_DTYPE)  # nothing generated, no prompt marked
 
     def draw(opts, greedy, key=0):
         return np.asarray(sample_tokens(logits, seen, jax.random.key(key), *opts.device_params(4), greedy=greedy))

@@ -11,7 +11,7 @@ from jax.scipy.special import gammaincc
 
 import jmoe
 from convert import convert_checkpoint
-from jmoe.decoding.sampling import SamplingOptions
+from jmoe.decoding.sampling import HISTORY_DTYPE, PROMPT_MARK, SamplingOptions
 from jmoe.decoding.speculative import Governor, _processed, accept
 from jmoe.layers.experts import VERIFY_BLOCK_ROWS, grouped_expert_ffn
 from tests.hf_models import FAMILIES, make_checkpoint
@@ -153,14 +153,14 @@ def test_speculative_sampling_follows_the_target_distribution():
     rng = np.random.default_rng(0)
     sampling = SamplingOptions(temperature=0.8, top_k=8, top_p=0.95, repetition_penalty=1.3, seed=1)
     params = sampling.device_params(V)
-    seen = np.zeros((B, V), bool)
-    seen[:, [2, 5]] = True
+    seen = np.zeros((B, V), HISTORY_DTYPE)
+    seen[:, [2, 5]] = PROMPT_MARK  # the prompt's tokens
     target = rng.normal(size=(k + 1, V)) * 2
     draft = target + rng.normal(size=(k + 1, V))  # a close but different draft
     q0 = np.asarray(_processed(jnp.asarray(np.tile(draft[0], (B, 1)), jnp.float32), jnp.asarray(seen), *params)[0])
     d1 = np.array([rng.choice(V, p=row / row.sum()) for row in q0[:1].astype(np.float64).repeat(B, 0)])
     seen1 = seen.copy()
-    seen1[np.arange(B), d1] = True
+    seen1[np.arange(B), d1] += 1
     q1 = np.asarray(_processed(jnp.asarray(np.tile(draft[1], (B, 1)), jnp.float32), jnp.asarray(seen1), *params)[0])
     d2 = np.array([rng.choice(V, p=row / row.sum()) for row in q1.astype(np.float64)])
     drafts = jnp.asarray(np.stack([d1, d2], axis=1), jnp.int32)
@@ -176,7 +176,7 @@ def test_speculative_sampling_follows_the_target_distribution():
     rows = first == mode
     second = np.where(accepted[rows] >= 2, d2[rows], nxt[rows])
     seen_m = seen[:1].copy()
-    seen_m[0, mode] = True
+    seen_m[0, mode] += 1
     p1 = np.asarray(_processed(logits[:1, 1], jnp.asarray(seen_m), *params)[0], np.float64)[0]
     assert chi_square_p(second, p1) > 1e-3
     assert 0 < (accepted == 0).mean() < 1  # both branches (accept, residual) were exercised

@@ -35,7 +35,7 @@ def processed_block(logits, seen, drafted, temperature, top_k, one_minus_top_p, 
     choices [B, T]."""
     B, T, V = logits.shape
     later = jnp.cumsum(jax.nn.one_hot(drafted, V, dtype=jnp.int32), axis=1)  # [B, T - 1, V]: drafted so far
-    history = seen.astype(jnp.int32)[:, None, :] + jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), later], axis=1)
+    history = seen[:, None, :] + jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), later], axis=1)
     probs, pick = processed(logits.reshape(B * T, V), history.reshape(B * T, V), temperature, top_k,
                             one_minus_top_p, penalty, min_p, bias, presence, frequency, filters)
     return probs.reshape(B, T, V), pick.reshape(B, T)

@@ -13,8 +13,7 @@ decoding applies the bias and the penalties and takes the argmax.
 A row's history is one int32 per vocabulary token: how many times the row has generated it, plus
 PROMPT_MARK when its prompt holds it (marked only when the repetition penalty is on, the one thing
 that reads it). The repetition penalty applies to every token whose history is not 0, the presence
-and frequency penalties read the count below PROMPT_MARK. (A bool history, True for a seen token,
-is read as a count of 1.)
+and frequency penalties read the count below PROMPT_MARK.
 """
 
 from __future__ import annotations
@@ -170,14 +169,12 @@ def prompt_history(prompts: list[list[int]], vocab_size: int, sampling: Sampling
 
 def generated_counts(history):
     """How many times each row generated each token: the history without its prompt mark (int32)."""
-    return history.astype(jnp.int32) & (PROMPT_MARK - 1)
+    return history & (PROMPT_MARK - 1)
 
 
 def record(history, rows, tokens, mode=None):
     """The history with tokens[i] generated once more in row rows[i] (indices as `.at[]` takes
-    them; mode="drop" leaves out-of-range tokens out). A bool history only marks them."""
-    if history.dtype == jnp.bool_:
-        return history.at[rows, tokens].set(True, mode=mode)
+    them; mode="drop" leaves out-of-range tokens out)."""
     return history.at[rows, tokens].add(1, mode=mode)
 
 
