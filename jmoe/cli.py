@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, seconds running requests get to finish before they are cut "
                             "(default 10)")
     serve.add_argument("--api-key", default=None,
-                       help=f"clients must send 'Authorization: Bearer KEY' to /v1/* and /tokenize, /detokenize "
-                            f"(default: ${API_KEY_ENV} if set, else no key; the variable keeps it out of ps)")
+                       help=f"clients must send 'Authorization: Bearer KEY' to /v1/*, /tokenize, /detokenize and "
+                            f"/tokenizer_info (default: ${API_KEY_ENV} if set, else no key; the variable keeps it out "
+                            "of ps)")
     serve.add_argument("--warm-up-echo", action="store_true",
                        help="compile echo's prompt scoring (completions' echo with logprobs) at start-up; else its "
                             "first request at each prompt-length bucket compiles it, pausing the engine meanwhile")

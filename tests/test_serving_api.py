@@ -564,7 +564,8 @@ def test_an_api_key_guards_the_api_but_not_health_or_metrics(app_client, caplog)
     keyed = {"Authorization": f"Bearer {KEY}"}
     for method, path, body in (("GET", "/v1/models", None), ("GET", f"/v1/models/{NAME}", None),
                                ("POST", "/v1/completions", OK), ("POST", "/tokenize", {"prompt": "a"}),
-                               ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/v1/nothing", None)):
+                               ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/tokenizer_info", None),
+                               ("GET", "/v1/nothing", None)):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
             refused = http.request(method, path, json=body, headers=headers)
             assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"

@@ -2,8 +2,8 @@
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events in the OpenAI chunk
 format, ending with `data: [DONE]`, or answered whole), GET /v1/models and /v1/models/{id}, POST
-/tokenize and /detokenize, GET /tokenizer_info, GET /health and GET /metrics (Prometheus). An API key, when set, guards
-every route but /health and /metrics; allowed origins turn on CORS. Every
+/tokenize and /detokenize, GET /tokenizer_info, GET /health and GET /metrics (Prometheus). An API
+key, when set, guards every route but /health and /metrics; allowed origins turn on CORS. Every
 request body is checked field by field before anything is queued; a bad one gets an OpenAI-style
 error (status 400, 401 without the key, or 404 for an unknown model) naming the field, a full
 queue 429 with Retry-After. Every other error is an OpenAI-style JSON error too (500; 503 once the engine has
