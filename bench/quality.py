@@ -14,7 +14,7 @@ bundled in tests/data/lm_eval; --include-path adds other task directories, and l
 download their data, so they need network). --tokenizer is the served model's Hugging Face
 tokenizer (a converted model's directory will do: its tokenizer/ is used), which lm-eval needs to
 split loglikelihood requests; the model's id and context are asked of the server (/v1/models,
-/tokenize). A server started with --api-key wants it in $OPENAI_API_KEY.
+/tokenizer_info). A server started with --api-key wants it in $OPENAI_API_KEY.
 
     jmoe serve out/tiny-qwen3-moe --port 8000 &
     python -m bench.quality --server http://127.0.0.1:8000 --tokenizer out/tiny-qwen3-moe [--out r.json]
@@ -38,14 +38,13 @@ TIERS = ("int8", "int4", "int2")
 LM_EVAL_TASKS = ROOT / "tests" / "data" / "lm_eval"  # jmoe_choice (multiple choice), jmoe_complete (generate_until)
 
 
-def ask(server: str, path: str, body: dict | None = None) -> dict:
-    """GET (or POST `body` to) the server's `path`, with $OPENAI_API_KEY as the key where it is set
-    (local-completions sends it too)."""
-    headers = {"content-type": "application/json"}
+def ask(server: str, path: str) -> dict:
+    """GET the server's `path`, with $OPENAI_API_KEY as the key where it is set (local-completions
+    sends it too)."""
+    headers = {}
     if os.environ.get("OPENAI_API_KEY"):
         headers["authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{server.rstrip('/')}{path}", data=data, headers=headers)
+    request = urllib.request.Request(f"{server.rstrip('/')}{path}", headers=headers)
     with urllib.request.urlopen(request, timeout=30) as answer:
         return json.load(answer)
 
@@ -64,7 +63,7 @@ def evaluate_server(server: str, tokenizer: str | Path, tasks=("jmoe_choice", "j
     model = model or ask(server, "/v1/models")["data"][0]["id"]
     args = dict(base_url=f"{server.rstrip('/')}/v1/completions", model=model,
                 tokenizer_backend="huggingface", tokenizer=str(tokenizer),
-                max_length=ask(server, "/tokenize", {"prompt": "x"})["max_model_len"],
+                max_length=ask(server, "/tokenizer_info")["model_max_length"],
                 num_concurrent=concurrent, batch_size=batch_size, max_retries=1)
     paths = [str(LM_EVAL_TASKS), *map(str, include_path)]
     manager = TaskManager(include_path=paths, include_defaults=False)
