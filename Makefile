@@ -26,15 +26,19 @@ demo: $(STAMP)
 # -n 2 --dist loadfile: two worker processes (the CI machine's two cores; most of a test's time is
 # XLA compiling, one core each), each test module on one worker so its fixtures are built once.
 # The H100 compile check (gpu-compile, below: its venv's download, then mostly one core compiling)
-# runs beside the suite, its output in a log printed at the end; either failing fails `make test`.
+# runs beside the suite, its output in a log printed after the tests; either failing fails `make
+# test`, whose last line is pytest's summary line again (what CI reads).
 TEST_WORKERS ?= 2
 GPU_COMPILE_LOG ?= gpu-compile.log
+TEST_LOG ?= test.log
 test: $(STAMP)
 	@echo "make gpu-compile runs beside the tests; its log: $(GPU_COMPILE_LOG)"
-	@$(MAKE) --no-print-directory gpu-compile > $(GPU_COMPILE_LOG) 2>&1 & compile=$$!; \
-	PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; tests=$$?; \
-	wait $$compile; compiled=$$?; tail -n 30 $(GPU_COMPILE_LOG); \
-	echo "tests: exit $$tests; gpu-compile: exit $$compiled"; [ $$tests -eq 0 ] && [ $$compiled -eq 0 ]
+	@$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) gpu-compile > $(GPU_COMPILE_LOG) 2>&1 & compile=$$!; \
+	{ PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; echo "$$?" > $(TEST_LOG).rc; } \
+		2>&1 | tee $(TEST_LOG); \
+	wait $$compile; compiled=$$?; tests=$$(cat $(TEST_LOG).rc); \
+	echo "gpu-compile: exit $$compiled; the end of its log:"; tail -n 30 $(GPU_COMPILE_LOG); \
+	tail -n 1 $(TEST_LOG); [ "$$tests" -eq 0 ] && [ "$$compiled" -eq 0 ]
 
 # Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
 bench: $(STAMP)
@@ -94,4 +98,4 @@ gpu-compile-jax0.11: $(GPU_AOT_NEXT_VENV)/.installed
 		--out bench/results/gpu_compile_h100_jax0.11.2.json
 
 clean:
-	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out .pytest_cache $(GPU_COMPILE_LOG)
+	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out .pytest_cache $(GPU_COMPILE_LOG) $(TEST_LOG) $(TEST_LOG).rc
