@@ -67,9 +67,11 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     return list(messages)
 
 
-def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt", add_special_tokens: bool = True,
+           tools: list[dict] | None = None) -> list[int]:
     """One prompt -> token ids. Strings use the model's tokenizer (with the special tokens it adds,
-    such as a BOS, unless add_special_tokens is False); chat messages its chat template."""
+    such as a BOS, unless add_special_tokens is False); chat messages its chat template (given
+    `tools` when set)."""
     if isinstance(prompt, str):
         if not prompt:
             raise InputError(f"{name} is empty")
@@ -86,7 +88,7 @@ def encode(tokenizer, prompt: Any, vocab_size: int, name: str = "prompt", add_sp
             return encode(tokenizer, transcript(messages), vocab_size, name)
         try:
             with _LOCK:
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, tools=tools)
         except Exception as e:  # the template is user-editable Jinja
             raise InputError(f"the chat template cannot render these messages: {first_line(e)}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

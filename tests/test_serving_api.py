@@ -156,6 +156,14 @@ BAD = [
     ({"top_k": 2**31}, "top_k"), ({"top_k": 10**6}, "top_k"), ({"max_tokens": 10**30}, "max_tokens"),
     ({"max_tokens": 257}, "max_tokens"), ({"seed": 2**64}, "seed"), ({"logprobs": 10**9}, "logprobs"),
     ({"n": 10**30}, "n"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    # structured output: a format or schema that is not one
+    ({"response_format": "json"}, "response_format"), ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format"),
     # not Unicode, or nested past what any request needs
     (b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
     (b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}', "stop[0]"),
@@ -432,6 +440,60 @@ def test_logit_bias_and_min_p_change_the_answer(served):
     assert narrow == [model.tokenizer.decode(greedy_ids[:12])] * 2
     ignored = post(base, {**OK, "user": "someone", "metadata": {"k": "v"}, "store": False})
     assert ignored.status_code == 200
+
+
+THING = {"type": "object", "additionalProperties": False, "required": ["name", "count", "kind"],
+         "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 99},
+                        "kind": {"enum": ["prose", "code", "math"]}}}
+
+
+def check_thing(text: str) -> None:
+    """`text` is a JSON object that THING's schema allows (checked field by field)."""
+    thing = json.loads(text)
+    assert set(thing) == {"name", "count", "kind"}, text
+    assert isinstance(thing["name"], str) and len(thing["name"]) <= 12, text
+    assert type(thing["count"]) is int and 0 <= thing["count"] <= 99, text
+    assert thing["kind"] in ("prose", "code", "math"), text
+
+
+def test_response_format_holds_answers_to_a_json_schema(served):
+    """json_schema answers, greedy and sampled, whole and streamed, completions and chat, are JSON
+    the schema allows and end by themselves; a plain greedy request beside them answers as alone;
+    json_object answers are JSON objects; seeded constrained answers repeat."""
+    base, engine, model = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": THING, "strict": True}}
+    alone = jmoe.generate(model, PROMPTS[0], max_new_tokens=16)
+    free = post(base, {**OK, "prompt": PROMPTS[1], "max_tokens": 64, "temperature": 0}).json()["choices"][0]["text"]
+    with pytest.raises(json.JSONDecodeError):  # the model left to itself writes no JSON
+        json.loads(free)
+    with ThreadPoolExecutor(4) as pool:
+        plain = pool.submit(post, base, {**OK, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
+        held = [pool.submit(post, base, {**OK, "prompt": p, "max_tokens": 64, "temperature": t, "seed": 5,
+                                         "response_format": fmt}) for p, t in ((PROMPTS[1], 0), (PROMPTS[3], 1.0),
+                                                                              (PROMPTS[4], 1.0))]
+        assert plain.result().json()["choices"][0]["text"] == alone
+        answers = [h.result().json()["choices"][0] for h in held]
+    for choice in answers:
+        assert choice["finish_reason"] == "stop"
+        check_thing(choice["text"])
+    again = post(base, {**OK, "prompt": PROMPTS[3], "max_tokens": 64, "temperature": 1.0, "seed": 5,
+                        "response_format": fmt}).json()["choices"][0]["text"]
+    assert again == answers[1]["text"]
+    cats = [{"role": "user", "content": "Count the cats"}]
+    chunks = client(base).chat.completions.create(model=NAME, messages=cats, max_tokens=64, temperature=1.0, seed=2,
+                                                  response_format=fmt, stream=True)
+    check_thing("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    objects = [post(base, {**OK, "prompt": prompt, "max_tokens": 64, "temperature": temperature, "seed": 1,
+                           "response_format": {"type": "json_object"}}).json()["choices"][0]
+               for prompt in PROMPTS[:3] for temperature in (0, 1.0)]
+    for choice in objects:  # each a JSON object, or one cut at max_tokens
+        assert choice["text"].startswith("{")
+        assert choice["finish_reason"] == "length" or isinstance(json.loads(choice["text"]), dict)
+    assert any(choice["finish_reason"] == "stop" for choice in objects)
+    text = post(base, {**OK, "prompt": PROMPTS[1], "max_tokens": 64, "temperature": 0,
+                       "response_format": {"type": "text"}}).json()["choices"][0]["text"]
+    assert text == free
 
 
 def test_presence_and_frequency_penalties_answer_what_generate_gives(served):
@@ -799,3 +861,116 @@ def test_an_oversize_body_without_a_length_is_cut_off(served):
     response = httpx.post(f"{base}/v1/completions", content=chunks, timeout=60)
     assert response.status_code == 413 and "bytes" in response.json()["error"]["message"]
     assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"
+
+
+# a chat template that takes tools, in the <tool_call> format Hermes' and Qwen's templates teach
+TOOL_TEMPLATE = """{%- if tools %}system: you may call these tools, each in a <tool_call></tool_call> block:
+{%- for tool in tools %} {{ tool.function.name }}{% endfor %}
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "assistant" and m.tool_calls %}assistant:
+{%- for c in m.tool_calls %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}
+{% elif m.role == "tool" %}tool: {{ m.content }}
+{% else %}{{ m.role }}: {{ m.content }}
+{% endif %}
+{%- endfor %}assistant:"""
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city"],
+                                                           "properties": {"city": {"type": "string",
+                                                                                   "maxLength": 10}}}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 999}}}}}
+
+
+def check_call(call: dict) -> None:
+    """A tool call in OpenAI's shape whose arguments the function's parameters allow (checked by hand)."""
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    arguments = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 10
+    else:
+        assert call["function"]["name"] == "add" and set(arguments) == {"a", "b"}
+        assert all(type(v) is int and 0 <= v <= 999 for v in arguments.values())
+
+
+def chat_post(base: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "max_tokens": 96, **body}, timeout=60)
+
+
+def test_tools_reach_the_template_and_required_calls_come_back_as_tool_calls(served, monkeypatch):
+    """With a template that takes tools: "required" and a named tool_choice give calls whose
+    arguments fit the schema (whole and streamed, finish reason tool_calls); "auto" renders the
+    tools into the prompt; a conversation with a call and its result renders."""
+    base, engine, model = served
+    ask = [{"role": "user", "content": "What is 12 + 35?"}]
+    untooled = chat_post(base, {"messages": ask}).json()["usage"]["prompt_tokens"]
+    monkeypatch.setattr(model.tokenizer, "chat_template", TOOL_TEMPLATE)
+    auto = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "temperature": 0}).json()
+    assert auto["usage"]["prompt_tokens"] > untooled + 10  # the tools were described to the model (briefly:
+    # the test model's context is 256 tokens)
+    assert auto["choices"][0]["message"].get("tool_calls") is None
+    assert auto["choices"][0]["finish_reason"] != "tool_calls"
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice, temperature in (("required", 0), ("required", 1.0), (named, 1.0)):
+        answer = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": choice,
+                                  "temperature": temperature, "seed": 4}).json()["choices"][0]
+        assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None, answer
+        [call] = answer["message"]["tool_calls"]
+        check_call(call)
+        if isinstance(choice, dict):
+            assert call["function"]["name"] == "add"
+    chunks = list(client(base).chat.completions.create(model=NAME, messages=ask, tools=[WEATHER], max_tokens=96,
+                                                       tool_choice="required", stream=True))
+    [delta] = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    check_call(delta.tool_calls[0].model_dump())
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    called = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 12, \"b\": 35}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "47"}]
+    follow = chat_post(base, {"messages": called, "tools": [ADD], "max_tokens": 4}).json()
+    assert "error" not in follow
+    assert follow["usage"]["prompt_tokens"] > auto["usage"]["prompt_tokens"]  # the call and its result rendered
+
+
+@pytest.mark.parametrize("body, culprit", [
+    ({"tools": [WEATHER]}, "tools"),  # the fixture's model has no chat template that takes tools
+    ({"tool_choice": "required"}, "tool_choice"), ({"tools": []}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "47"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add",
+                                                                                      "arguments": "{"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_get_a_400_naming_the_field(served, body, culprit, monkeypatch):
+    base, _, model = served
+    if "tool_choice" in body and "tools" in body:  # checked against a template that takes tools
+        monkeypatch.setattr(model.tokenizer, "chat_template", TOOL_TEMPLATE)
+    response = chat_post(base, {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == culprit
+    completions = post(base, {**OK, "tools": [WEATHER]})  # completions take no tools
+    assert completions.status_code == 400 and completions.json()["error"]["param"] == "tools"
+
+
+def test_tool_calls_are_read_from_hermes_blocks():
+    from jmoe.serving.tools import parse_tools, tool_calls
+
+    tools = parse_tools([WEATHER, ADD], None)
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call><tool_call>not json</tool_call>')
+    content, calls = tool_calls(text, tools)
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert content.startswith("Let me check.") and "unknown" in content and "not json" in content
+    assert tool_calls("no calls here", tools) == ("no calls here", [])

@@ -43,6 +43,7 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.decoding.generation import RowText, Sampler, stop_strings
+from jmoe.serving.structured import Constraint, masked_row
 from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, SamplingOptions, greedy_tokens, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, padded
 from jmoe.errors import InputError
@@ -75,6 +76,7 @@ class Request:
     as_text: bool = True  # pieces are text deltas (else token ids)
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
     timeout: float | None = None  # seconds from submit after which the request ends ("timeout")
+    grammar: str | None = None  # structured output: what its answer must follow (jmoe/serving/structured.py)
 
 
 @dataclass
@@ -216,6 +218,7 @@ class _Row:
     token: int = 0  # the last token drawn, fed to the next step
     generated: int = 0
     logprobs: list = field(default_factory=list)  # of tokens whose text has not gone out yet
+    constraint: Constraint | None = None  # the grammar its tokens must follow, if any
 
     def put(self, piece) -> None:
         """A piece to the stream, with the logprobs of the tokens behind it."""
@@ -224,9 +227,9 @@ class _Row:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy without a repetition, presence or frequency penalty or a logit bias: its token comes
-        from the step's one argmax call."""
-        return self.stream.request.sampling.plain_greedy
+        """Greedy without a repetition, presence or frequency penalty, a logit bias or a grammar: its
+        token comes from the step's one argmax call."""
+        return self.constraint is None and self.stream.request.sampling.plain_greedy
 
 
 @dataclass
@@ -434,6 +437,7 @@ class BatchEngine:
             # the next step dispatched from this one's tokens still on the device (_step's overlap)
             self._run_step(_greedy_jit(logits), np.zeros(n, np.int32), np.full(n, self.context, np.int32))
             _row_jit(logits, np.int32(0))
+            masked_row(logits, np.int32(0), np.zeros((1, -(-logits.shape[-1] // 32)), np.int32))  # a constrained row's
             _logprobs_jit(logits, np.zeros(n, np.int32))
             if self.draft is not None:
                 self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
@@ -709,8 +713,10 @@ class BatchEngine:
         self.cache = _insert_row_jit(self.cache, decoder.cache, np.int32(b))
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
         text = RowText(model.tokenizer, request.stop) if request.as_text else None
-        self.rows[b] = _Row(stream, sampler, text, prefill.clock)
-        token = int(np.asarray(sampler(prefill.logits))[0])
+        constraint = None if request.grammar is None else Constraint(
+            request.grammar, model.tokenizer, model.config.vocab_size, self.eos)
+        self.rows[b] = _Row(stream, sampler, text, prefill.clock, constraint=constraint)
+        token = self._draw(self.rows[b], prefill.logits, 0)
         logprob = token_logprobs(prefill.logits, {0: token}, self._wanted([self.rows[b]]))
         self._emit(b, token, logprob.get(0))
 
@@ -748,8 +754,8 @@ class BatchEngine:
             self.pos[slot[id(row)]] += 1
             if row.plain_greedy:
                 tokens[i] = int(greedy[i])
-            else:
-                tokens[i] = int(np.asarray(row.sampler(_row_jit(step.logits, np.int32(i))))[0])
+            elif (token := self._draw_or_end(row, step.logits, i)) is not None:
+                tokens[i] = token
         wanted = {i: k for i, k in self._wanted(rows).items() if i in tokens}  # not rows that ended meanwhile
         logprobs = token_logprobs(step.logits, tokens, wanted)
         for i, token in tokens.items():
@@ -817,8 +823,8 @@ class BatchEngine:
                     kept += 1
                 accepted.append(kept)
                 emitted[b] = [int(t) for t in block[b, 1:kept + 1]] + [int(picks[b, kept])]
-            else:
-                emitted[b] = [int(np.asarray(row.sampler(_row_jit(verify[:, 0], np.int32(b))))[0])]
+            elif (token := self._draw_or_end(row, verify[:, 0], b)) is not None:
+                emitted[b] = [token]
         self.model.stats.spec.count(k, np.asarray(accepted))
         width = verify.shape[1]
         flat = {b * width + j: t for b, tokens in emitted.items() for j, t in enumerate(tokens)}
@@ -844,6 +850,24 @@ class BatchEngine:
             logits = logits if corrected is None else corrected
         self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
         return logits
+
+    @staticmethod
+    def _draw(row: _Row, logits, i: int) -> int:
+        """Row `row`'s next token by its sampler, from row i of logits [n, V]; a constrained row's
+        from the tokens its grammar allows (its matcher then advanced past the one drawn)."""
+        if row.constraint is None:
+            return int(np.asarray(row.sampler(_row_jit(logits, np.int32(i))))[0])
+        token = int(np.asarray(row.sampler(masked_row(logits, np.int32(i), row.constraint.allowed())))[0])
+        row.constraint.advance(token)
+        return token
+
+    def _draw_or_end(self, row: _Row, logits, i: int) -> int | None:
+        """_draw, or None when the row's grammar fails it (that request ends with the error, not the step)."""
+        try:
+            return self._draw(row, logits, i)
+        except InputError as error:
+            self._free(next(b for b, r in enumerate(self.rows) if r is row), "error", str(error))
+            return None
 
     def _emit(self, b: int, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a row's new token (and its logprob, when asked for) to its stream, or end the row

@@ -9,10 +9,11 @@ from jmoe.serving.batcher import BatchEngine, Request
 from jmoe.tokenizer import encode
 
 
-def chat_prompt(model, messages: list[dict]) -> list[int]:
-    """Messages ({role, content}) -> prompt ids: the model's chat template, or for a base model
-    without one (the bundled tiny one) a plain `role: content` transcript (jmoe.tokenizer.transcript)."""
-    return encode(model.tokenizer, messages, model.config.vocab_size)
+def chat_prompt(model, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Messages ({role, content}) -> prompt ids: the model's chat template (given `tools`, OpenAI's
+    function tools, when set), or for a base model without one (the bundled tiny one) a plain
+    `role: content` transcript (jmoe.tokenizer.transcript)."""
+    return encode(model.tokenizer, messages, model.config.vocab_size, tools=tools)
 
 
 HELP = "/reset forgets the conversation, /quit (or Ctrl-D) leaves, /help shows this; Ctrl-C stops an answer"

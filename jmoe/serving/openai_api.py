@@ -6,7 +6,8 @@ format, ending with `data: [DONE]`, or answered whole), GET /v1/models and /v1/m
 key, when set, guards every route but /health and /metrics; allowed origins turn on CORS. Every
 request body is checked field by field before anything is queued; a bad one gets an OpenAI-style
 error (status 400, 401 without the key, or 404 for an unknown model) naming the field, a full
-queue 429 with Retry-After. Every other error is an OpenAI-style JSON error too (500; 503 once the engine has
+queue 429 with Retry-After. `response_format` (JSON, or JSON of a schema) is held by constrained
+decoding (jmoe/serving/structured.py). Every other error is an OpenAI-style JSON error too (500; 503 once the engine has
 stopped), never plain text. Answers, streamed or whole, are awaited on the event loop (no thread
 per request), and a client that goes away cancels its requests, freeing their slots. Each request
 leaves one line in the `jmoe.access` log.
@@ -37,7 +38,9 @@ from jmoe.serving.batcher import (
 )
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.metrics import EngineMetrics
+from jmoe.serving import structured
 from jmoe.serving.scoring import PromptScorer
+from jmoe.serving.tools import Tools, check_template, parse_tools, tool_calls
 from jmoe.tokenizer import decode, encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
@@ -51,13 +54,13 @@ CLIENT_GONE = 499  # the access log's status for a request whose client went awa
 access_log = logging.getLogger("jmoe.access")
 # fields this server does not implement, and the value each may still take (it asks for nothing):
 # by endpoint, keyed by chat as FIELDS is (chat has no echo)
-_NOT_IMPLEMENTED = {"best_of": 1, "suffix": None, "tools": None, "functions": None, "tool_choice": None,
-                    "response_format": None}
-UNSUPPORTED = {False: _NOT_IMPLEMENTED, True: {**_NOT_IMPLEMENTED, "echo": False}}
+_NOT_IMPLEMENTED = {"best_of": 1, "suffix": None, "functions": None}
+UNSUPPORTED = {False: {**_NOT_IMPLEMENTED, "tools": None, "tool_choice": None},
+               True: {**_NOT_IMPLEMENTED, "echo": False}}
 # every field a request may carry; any other is refused, naming it
 COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_k", "top_p", "min_p",
                  "repetition_penalty", "seed", "n", "stop", "logprobs", "logit_bias", "presence_penalty",
-                 "frequency_penalty", *UNSUPPORTED[True]}
+                 "frequency_penalty", "response_format", *UNSUPPORTED[False], *UNSUPPORTED[True]}
 # OpenAI fields that ask nothing of the answer's content, accepted and ignored (documented as such)
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities"}
 FIELDS = {False: COMMON_FIELDS | IGNORED | {"prompt"},
@@ -136,6 +139,8 @@ class Parsed:
     stop: list[str]
     logprobs: int | None  # alternatives per token, None: no logprobs
     echo: bool = False  # completions: each text (and its logprobs) starts with its prompt's
+    grammar: str | None = None  # what its answers follow (response_format, tool_choice; jmoe/serving/structured.py)
+    tools: Tools | None = None  # chat: the tools the template was given (tool calls are read back from answers)
 
     @property
     def prompt_tokens(self) -> int:
@@ -188,7 +193,8 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
     _check_fields(body, FIELDS[chat])
     _check_model(body.get("model"), model_name)
     n = _int(body, "n", 1, minimum=1, maximum=MAX_N)
-    prompts, texts = ([_messages(body, model)], [None]) if chat else _prompts(body, model, max_choices, n)
+    tools = _tools(body, model) if chat else None
+    prompts, texts = ([_messages(body, model, tools)], [None]) if chat else _prompts(body, model, max_choices, n)
     for i, prompt in enumerate(prompts):
         if len(prompt) >= model.max_seq_len:
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -227,8 +233,21 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
         fields = ("logit_bias", "min_p", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
                   "presence_penalty", "frequency_penalty")
         raise ApiError(str(e), next((f for f in fields if str(e).startswith(f)), None)) from None
+    try:
+        grammar = structured.grammar(body.get("response_format"), model.tokenizer, model.config.vocab_size,
+                                     model.eos_token_ids)
+    except InputError as e:
+        raise ApiError(str(e), "response_format") from None
+    if tools is not None and tools.grammar() is not None:
+        if grammar is not None:
+            raise ApiError("'response_format' and a 'tool_choice' that requires a call cannot both hold the answer",
+                           "response_format")
+        try:
+            grammar = structured.lark(tools.grammar(), model.tokenizer, model.config.vocab_size, model.eos_token_ids)
+        except InputError as e:
+            raise ApiError(str(e), "tools") from None
     return Parsed(prompts, texts, n, stream, include_usage, max_tokens, sampling, _stop(body), _logprobs(body, chat),
-                  echo)
+                  echo, grammar, tools)
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
@@ -352,23 +371,68 @@ def _prompt_ids(prompt, model, field: str) -> list[int]:
     raise ApiError(f"'{field}' must be a string or a non-empty list of token ids", field)
 
 
-def _messages(body: dict, model) -> list[int]:
+def _tools(body: dict, model) -> Tools | None:
+    """The request's tools (None: it renders none), refused unless the chat template takes them."""
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except InputError as e:
+        raise ApiError(str(e), "tool_choice" if str(e).startswith("'tool_choice'") else "tools") from None
+    if tools is not None:
+        try:
+            check_template(model.tokenizer)
+        except InputError as e:
+            raise ApiError(str(e), "tools") from None
+    return tools
+
+
+def _messages(body: dict, model, tools: Tools | None = None) -> list[int]:
     messages = body.get("messages")
     if messages is None:
         raise ApiError("'messages' is required", "messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(f"'messages[{i}]' must be an object", f"messages[{i}]")
-        if m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError(f"'messages[{i}].role' must be system, user, assistant or developer", f"messages[{i}].role")
-    chat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _content(m.get("content"), i)}
-            for i, m in enumerate(messages)]
+    chat = [_message(m, i) for i, m in enumerate(messages)]
     try:
-        return chat_prompt(model, chat)
+        return chat_prompt(model, chat, None if tools is None else tools.for_template())
     except InputError as e:
         raise ApiError(str(e), "messages") from None
+
+
+def _message(m, i: int) -> dict:
+    """One chat message as the template takes it: its role, its text, and a tool turn's call id or an
+    assistant turn's tool calls (whose content may then be null)."""
+    field = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ApiError(f"'{field}' must be an object", field)
+    role = m.get("role")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise ApiError(f"'{field}.role' must be system, user, assistant, developer or tool", f"{field}.role")
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+        raise ApiError(f"'{field}.tool_calls' must be a list of tool calls", f"{field}.tool_calls")
+    content = "" if calls and m.get("content") is None else _content(m.get("content"), i)
+    message = {"role": "system" if role == "developer" else role, "content": content}
+    if calls:
+        message["tool_calls"] = [{**c, "function": _called(c, f"{field}.tool_calls[{j}]")} for j, c in enumerate(calls)]
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise ApiError(f"'{field}.tool_call_id' must be a string (the call this answers)", f"{field}.tool_call_id")
+        message["tool_call_id"] = m["tool_call_id"]
+    return message
+
+
+def _called(call: dict, field: str) -> dict:
+    """A tool call's function with its arguments as an object (what chat templates print as JSON)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(f"'{field}.function' must name the function called", f"{field}.function")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise ApiError(f"'{field}.function.arguments' must be JSON", f"{field}.function.arguments") from None
+    return {"name": function["name"], "arguments": arguments}
 
 
 def _content(content, i: int) -> str:
@@ -465,8 +529,23 @@ def _whole_choices(parsed: Parsed, chat: bool, answers: list, streams: list[Stre
         prefix, prefix_logprobs = prefixes[c // parsed.n] if prefixes is not None else ("", None)
         generated = logprobs(entries, len(prefix))
         joined = LogprobFormat.joined(prefix_logprobs, generated)
-        choices.append(_choice(chat, c, prefix + text, finish, logprobs=joined))
+        choice = _choice(chat, c, prefix + text, finish, logprobs=joined)
+        if parsed.tools is not None:
+            _read_tool_calls(choice, "message", parsed.tools)
+        choices.append(choice)
     return choices
+
+
+def _read_tool_calls(choice: dict, key: str, tools: Tools) -> None:
+    """A chat choice's tool calls taken out of its text (`key`: "message", or "delta" when streamed);
+    an answer that calls a tool finishes with "tool_calls"."""
+    content, calls = tool_calls(choice[key].get("content") or "", tools)
+    if not calls:
+        return
+    choice[key]["content"] = content
+    choice[key]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)] if key == "delta" else calls
+    if choice["finish_reason"] in ("stop", None):
+        choice["finish_reason"] = "tool_calls"
 
 
 def _drop(task: asyncio.Future) -> None:
@@ -751,7 +830,8 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                     if i:  # the n answers of one prompt differ by their seeds
                         sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1))
                     streams.append(engine.submit(Request(prompt, parsed.max_tokens, sampling, parsed.stop,
-                                                         logprobs=parsed.logprobs, timeout=request_timeout)))
+                                                         logprobs=parsed.logprobs, timeout=request_timeout,
+                                                         grammar=parsed.grammar)))
         except (QueueFull, InputError, EngineClosed) as e:
             for s in streams:
                 s.cancel()
@@ -839,10 +919,14 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(streams))])
             sent = [0] * len(streams)  # text so far per choice: completions' text offsets
+            # with tools, a choice's text is held to its end: only then is it known to be a call or an answer
+            held = [("", []) for _ in streams] if parsed.tools is not None else None
             open_streams = len(streams)
             while open_streams:
                 i, piece, entries = await pieces.get()
-                if piece is not None:
+                if piece is not None and held is not None:
+                    held[i] = (held[i][0] + piece, held[i][1] + entries)
+                elif piece is not None:
                     yield event([_choice(chat, i, piece, None, delta=True, logprobs=logprobs(entries, sent[i]))])
                     sent[i] += len(piece)
                 elif streams[i].finish_reason == "error":
@@ -850,7 +934,15 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                     yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
                     return
                 else:
-                    yield event([_choice(chat, i, "", _finish(streams[i]), delta=True)])
+                    if held is not None and held[i][0]:
+                        choice = _choice(chat, i, held[i][0], _finish(streams[i]), delta=True,
+                                         logprobs=logprobs(held[i][1]))
+                        _read_tool_calls(choice, "delta", parsed.tools)
+                        finish, choice["finish_reason"] = choice["finish_reason"], None
+                        yield event([choice])
+                        yield event([_choice(chat, i, "", finish, delta=True)])
+                    else:
+                        yield event([_choice(chat, i, "", _finish(streams[i]), delta=True)])
                     open_streams -= 1
             if include_usage:
                 usage = _usage(parsed.prompt_tokens, streams)
