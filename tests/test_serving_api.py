@@ -137,7 +137,7 @@ BAD = [
     ({"prompt": ["a"] * 69}, "prompt"), ({"prompt": ["a"] * 9, "n": 8}, "prompt"),
     ({"prompt": [[1]] * 10**5}, "prompt"),
     ({"prompt": "x" * 3000}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
     ({"echo": True, "max_tokens": -1}, "max_tokens"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": -2.01}, "presence_penalty"),
@@ -753,6 +753,26 @@ def test_echo_logprobs_are_the_prompts_log_softmax(served):
     echoed = post(base, {**OK, "prompt": [continuation], "echo": True, "max_tokens": 2, "temperature": 0}).json()
     assert echoed["choices"][0]["text"].startswith(model.tokenizer.decode(continuation))
     assert echoed["choices"][0]["logprobs"] is None
+
+
+def test_streamed_echo_sends_what_the_whole_answer_holds(served):
+    """echo streamed: each choice's first chunk is its prompt (with its logprobs), then its
+    completion's chunks; joined, they are the whole answer's text and logprobs (max_tokens 0: the
+    prompt alone, finished "length")."""
+    base = served[0]
+    for max_tokens in (0, 6):
+        body = {**OK, "prompt": [PROMPTS[4], PROMPTS[2]], "echo": True, "logprobs": 2, "max_tokens": max_tokens,
+                "temperature": 0}
+        whole = sorted(post(base, body).json()["choices"], key=lambda ch: ch["index"])
+        chunks = list(client(base).completions.create(**{**body, "stream": True}))
+        for choice in whole:
+            mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice["index"]]
+            assert "".join(c.text for c in mine) == choice["text"]
+            assert mine[0].text == body["prompt"][choice["index"]]
+            logprobs = [c.logprobs for c in mine if c.logprobs is not None]
+            assert sum((lp.token_logprobs for lp in logprobs), []) == choice["logprobs"]["token_logprobs"]
+            assert sum((lp.text_offset for lp in logprobs), []) == choice["logprobs"]["text_offset"]
+            assert mine[-1].finish_reason == choice["finish_reason"]
 
 
 def test_echo_scoring_warms_up_each_prompt_bucket_and_runs_beside_the_engine(served, monkeypatch):

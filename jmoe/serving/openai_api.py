@@ -214,8 +214,6 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
     stream = _bool(body, "stream", False)
     if options is not None and not stream:
         raise ApiError("'stream_options' needs 'stream': true", "stream_options")
-    if echo and stream:
-        raise ApiError("'echo' is not supported with 'stream': true (ask for the whole answer)", "echo")
     include_usage = _bool(options or {}, "include_usage", False)
     try:
         sampling = SamplingOptions(
@@ -919,6 +917,13 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(streams))])
             sent = [0] * len(streams)  # text so far per choice: completions' text offsets
+            if parsed.echo:  # each choice's first chunk: its prompt (and the prompt's logprobs)
+                prefixes = await echoes(parsed, logprobs)
+                choices = len(parsed.prompts) * parsed.n
+                for c in range(choices):
+                    text, scored = prefixes[c // parsed.n]
+                    yield event([_choice(chat, c, text, None if streams else "length", logprobs=scored)])
+                sent = [len(prefixes[c // parsed.n][0]) for c in range(len(streams))]
             # with tools, a choice's text is held to its end: only then is it known to be a call or an answer
             held = [("", []) for _ in streams] if parsed.tools is not None else None
             open_streams = len(streams)
