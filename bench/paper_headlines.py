@@ -59,7 +59,8 @@ from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, pla
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from bench.offload_decode import host_counts, per_token, spread, streamed
-from jmoe.policies import DyMoE, DynaExq, trace_routing
+from jmoe import trace_routing
+from jmoe.policies import DyMoE, DynaExq
 from jmoe.policies.placement import routed_counts
 from jmoe.serving.batcher import CompileCounter
 

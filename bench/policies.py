@@ -33,7 +33,8 @@ from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_prompts, de
 from bench.gpu_model import GpuParams, dense_bytes_of, replay
 from convert import convert_checkpoint
 from jmoe.decoding.evaluate import window_nll
-from jmoe.policies import DyMoE, DynaExq, Plan, Policy, StaticPlacement, trace_routing
+from jmoe import trace_routing
+from jmoe.policies import DyMoE, DynaExq, Plan, Policy, StaticPlacement
 from jmoe.tiers import TIER_CODES
 
 WINDOW = 256

@@ -1,6 +1,6 @@
 """jmoe: run Mixture-of-Experts language models whose experts do not fit in accelerator memory."""
 
-from jmoe.api import JmoeModel, forward, generate, load, memory_plan, perplexity, stats
+from jmoe.api import JmoeModel, forward, generate, load, memory_plan, perplexity, stats, trace_routing
 from jmoe.config import ModelConfig
 from jmoe.errors import (
     BudgetError,
@@ -15,6 +15,6 @@ from jmoe.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "generate", "forward", "perplexity", "stats", "memory_plan", "JmoeModel", "ModelConfig",
+    "load", "generate", "forward", "perplexity", "stats", "memory_plan", "trace_routing", "JmoeModel", "ModelConfig",
     "JmoeError", "ConfigError", "CheckpointError", "FormatError", "InputError", "BudgetError", "OutputError",
 ]

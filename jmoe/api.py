@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jmoe.decoding.evaluate import check_model, forward, perplexity
+from jmoe.decoding.evaluate import forward, perplexity
+from jmoe.decoding.evaluate import window_routing as trace_routing
+from jmoe.decoding.loaded import check_model
 from jmoe.runtime.loader import JmoeModel, load, memory_plan
 
 
@@ -68,4 +70,4 @@ def stats(model: JmoeModel) -> dict:
                 **({"policy_state": state} if state else {})}
 
 
-__all__ = ["load", "generate", "forward", "perplexity", "stats", "memory_plan", "JmoeModel"]
+__all__ = ["load", "generate", "forward", "perplexity", "stats", "memory_plan", "trace_routing", "JmoeModel"]

@@ -17,7 +17,8 @@ import jmoe
 from convert import convert_checkpoint
 from convert.quantizers.rtn import quantize_rtn
 from cpu_kernels import native, ops
-from pallas_kernels.expert_ffn import default_backend, expert_ffn, expert_ffn_reference
+from jmoe.kernels import default_backend, expert_ffn
+from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups
 

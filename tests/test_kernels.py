@@ -16,8 +16,8 @@ from convert.quantizers.rtn import quantize_rtn
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
-from pallas_kernels import (expert_ffn, expert_ffn_pallas, expert_ffn_pallas_tiers, expert_ffn_reference,
-                            expert_ffn_tiers, supports, supports_tiers)
+from jmoe.kernels import expert_ffn, expert_ffn_tiers
+from pallas_kernels import expert_ffn_pallas, expert_ffn_pallas_tiers, expert_ffn_reference, supports, supports_tiers
 from pallas_kernels.expert_ffn_pallas import offsets_fit
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template

@@ -312,7 +312,7 @@ def test_what_a_sampler_costs_the_host_is_what_it_moves(seed):
     history, the key) against bench/host_io's count of the transfers it makes."""
     from bench import host_io
     from jmoe.decoding.engine import _sample_jit
-    from jmoe.decoding.generation import Sampler
+    from jmoe.decoding.sampling import Sampler
 
     class Engine:
         sample = _sample_jit

@@ -10,14 +10,8 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, new_cache
+from jmoe.decoding.loaded import check_model
 from jmoe.errors import InputError
-
-
-def check_model(model) -> None:
-    from jmoe.runtime.loader import JmoeModel
-
-    if not isinstance(model, JmoeModel):
-        raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
 
 
 def token_array(model, token_ids, minimum: int) -> np.ndarray:

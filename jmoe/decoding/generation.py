@@ -6,14 +6,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket
-from jmoe.decoding.sampling import SamplingOptions, prompt_history
+from jmoe.decoding.loaded import check_model
+from jmoe.decoding.sampling import Sampler, SamplingOptions, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, speculative_steps
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -66,39 +66,6 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
     if fit < max_new_tokens:
         log.warning("only %d new tokens fit in the %d-token context; generating that many", fit, max_seq_len)
     return Lengths(P, S, min(fit, max_new_tokens))
-
-
-class Sampler:
-    """Draws next tokens with the request's key and history. A decode step may draw inside itself
-    (advance() takes its new key and history), and a draw can be made again from corrected logits
-    with the key and history it started from, so a corrected step samples what an exact one would."""
-
-    def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
-        self.engine, self.greedy, self.filters = engine, sampling.greedy, sampling.filters
-        self.params = sampling.device_params(seen.shape[-1])
-        self.rng, self.seen = sampling.rng(), jax.device_put(seen)
-
-    def __call__(self, logits):
-        """Next tokens [B] from logits [B, V]."""
-        tokens, self.seen, self.rng = self.engine.sample(logits, self.seen, self.rng, *self.params, greedy=self.greedy,
-                                                         filters=self.filters)
-        return tokens
-
-    @staticmethod
-    def cost(sampling: SamplingOptions, seen: np.ndarray) -> dict:
-        """What making one costs the host: an executable making the key from the seed (its high
-        bits only when set), the history, 7 scalar parameters and the bias moved to the device."""
-        high = bool(sampling.seed >> 32)
-        return dict(executions=1, transfers=10 + high, nbytes=seen.nbytes + 4 * seen.shape[-1] + 28 + 4 * (1 + high))
-
-    def advance(self, rng, seen) -> None:
-        """A step drew with this sampler's key and history: take the ones it left."""
-        self.rng, self.seen = rng, seen
-
-    def redraw(self, logits, start: tuple):
-        """Draw again from `logits` with the (rng, seen) a draw started from, forgetting later draws."""
-        self.rng, self.seen = start
-        return self(logits)
 
 
 def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: SamplingOptions) -> Iterator[np.ndarray]:
@@ -212,10 +179,7 @@ def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top
              seed=0, stop: str | Sequence[str] | None = None, stream_output=False, speculative=None, min_p=0.0,
              logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0):
     """Every argument is checked here, before any work, so a streaming call fails at once."""
-    from jmoe.runtime.loader import JmoeModel
-
-    if not isinstance(model, JmoeModel):
-        raise InputError(f"model must be what jmoe.load returned, got {type(model).__name__}")
+    check_model(model)
     max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, minimum=1)
     sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed, min_p, logit_bias or (),
                                presence_penalty, frequency_penalty)

@@ -260,3 +260,36 @@ def sample_tokens(logits, seen, key, temperature, top_k, one_minus_top_p, penalt
         return greedy_tokens(logits)
     return jax.random.categorical(key, warp(logits, temperature, top_k, one_minus_top_p, min_p, filters),
                                   axis=-1).astype(jnp.int32)
+
+
+class Sampler:
+    """Draws next tokens with the request's key and history. A decode step may draw inside itself
+    (advance() takes its new key and history), and a draw can be made again from corrected logits
+    with the key and history it started from, so a corrected step samples what an exact one would."""
+
+    def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
+        self.engine, self.greedy, self.filters = engine, sampling.greedy, sampling.filters
+        self.params = sampling.device_params(seen.shape[-1])
+        self.rng, self.seen = sampling.rng(), jax.device_put(seen)
+
+    def __call__(self, logits):
+        """Next tokens [B] from logits [B, V]."""
+        tokens, self.seen, self.rng = self.engine.sample(logits, self.seen, self.rng, *self.params, greedy=self.greedy,
+                                                         filters=self.filters)
+        return tokens
+
+    @staticmethod
+    def cost(sampling: SamplingOptions, seen: np.ndarray) -> dict:
+        """What making one costs the host: an executable making the key from the seed (its high
+        bits only when set), the history, 7 scalar parameters and the bias moved to the device."""
+        high = bool(sampling.seed >> 32)
+        return dict(executions=1, transfers=10 + high, nbytes=seen.nbytes + 4 * seen.shape[-1] + 28 + 4 * (1 + high))
+
+    def advance(self, rng, seen) -> None:
+        """A step drew with this sampler's key and history: take the ones it left."""
+        self.rng, self.seen = rng, seen
+
+    def redraw(self, logits, start: tuple):
+        """Draw again from `logits` with the (rng, seen) a draw started from, forgetting later draws."""
+        self.rng, self.seen = start
+        return self(logits)

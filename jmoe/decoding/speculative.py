@@ -43,7 +43,7 @@ import numpy as np
 from jmoe import validate
 from jmoe.decoding import acceptance
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.sampling import ALL_FILTERS, SamplingOptions, prompt_history
+from jmoe.decoding.sampling import ALL_FILTERS, Sampler, SamplingOptions, prompt_history
 from jmoe.distributed.processes import agree
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
@@ -175,8 +175,6 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
     """Like generation.token_steps: yields [B] next tokens per step, -1 for a row with nothing new
     (rows accept different numbers of tokens), produced cycle by cycle (see the module docstring).
     Each cycle holds the model's lock: requests sharing the model interleave cycle by cycle."""
-    from jmoe.decoding.generation import Sampler
-
     cfg, B = model.config, len(prompts)
     draft = model.draft(options.draft)
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)

@@ -26,8 +26,7 @@ from jmoe.distributed.expert_parallel import expert_parallel_sum
 from jmoe.distributed.mesh import ExpertParallel
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
-from pallas_kernels import expert_ffn, expert_ffn_tiers
-from pallas_kernels.expert_ffn import default_backend
+from jmoe.kernels import default_backend, expert_ffn, expert_ffn_tiers
 from pallas_kernels.glu import SILU, GatedActivation
 
 if TYPE_CHECKING:  # fetch.py builds on this module

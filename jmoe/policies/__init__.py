@@ -7,7 +7,7 @@ from jmoe.policies.base import ExpertCounters, Key, LayerRouting, Plan, Policy, 
 from jmoe.policies.baselines import BASELINES, baseline
 from jmoe.policies.dymoe import DyMoE
 from jmoe.policies.dynaexq import DynaExq
-from jmoe.policies.placement import STRATEGIES, StaticPlacement, choose_experts, trace_routing
+from jmoe.policies.placement import STRATEGIES, StaticPlacement, choose_experts
 
 POLICY_NAMES = (*BASELINES, "dymoe", "dynaexq")
 
@@ -28,4 +28,4 @@ def make_policy(name: str, tier: str | None, **options) -> Policy:
 
 __all__ = ["POLICY_NAMES", "BASELINES", "ExpertCounters", "Key", "LayerRouting", "Plan", "Policy", "StepView",
            "check_plan", "make_policy", "baseline", "DyMoE", "DynaExq", "StaticPlacement", "STRATEGIES",
-           "choose_experts", "trace_routing"]
+           "choose_experts"]

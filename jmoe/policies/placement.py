@@ -82,7 +82,7 @@ def choose_experts(traces: np.ndarray, num_experts: int, n: int, strategy: str) 
 class StaticPlacement(Policy):
     def __init__(self, traces: np.ndarray, strategy: str = "two-stage", tier: str = "int4", cpu_execution: bool = True,
                  reserve_per_layer: int | None = None, name: str | None = None):
-        """traces: [tokens, layers, k] routed expert ids of calibration text (trace_routing gives them).
+        """traces: [tokens, layers, k] routed expert ids of calibration text (jmoe.decoding.evaluate.window_routing gives them).
         reserve_per_layer: pool slots kept free for experts fetched on demand (default: top-k)."""
         validate.choice("strategy", strategy, STRATEGIES)
         self.traces, self.strategy = np.asarray(traces, np.int64), strategy
@@ -105,9 +105,3 @@ class StaticPlacement(Policy):
     def evictable(self, tier: str, key: Key) -> bool:
         return self.placed is None or not self.placed[key]  # the placed set never leaves
 
-
-def trace_routing(model, token_ids, window: int = 256) -> np.ndarray:
-    """[T, L, k] routed expert ids of `token_ids` run through `model` in windows (any residency)."""
-    from jmoe.decoding.evaluate import window_routing
-
-    return window_routing(model, token_ids, window)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
-from pallas_kernels.expert_ffn import default_backend
+from jmoe.kernels import default_backend
 
 log = logging.getLogger("jmoe.runtime")
 T = TypeVar("T")

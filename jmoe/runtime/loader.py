@@ -17,6 +17,7 @@ from flax import nnx
 from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
+from jmoe.decoding.loaded import LoadedModel
 from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
@@ -35,14 +36,14 @@ from jmoe.runtime.store import ExpertStore
 from jmoe.runtime.trace import Trace
 from jmoe.tiers import TIER_NAMES
 from jmoe.tokenizer import load_tokenizer
-from pallas_kernels.expert_ffn import BACKENDS
+from jmoe.kernels import BACKENDS
 
 DEFAULT_MAX_SEQ_LEN = 4096
 log = logging.getLogger("jmoe.runtime")
 
 
 @dataclass
-class JmoeModel:
+class JmoeModel(LoadedModel):
     """What jmoe.load returns and jmoe.generate / jmoe.forward take."""
 
     path: Path

@@ -42,7 +42,8 @@ import numpy as np
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
-from jmoe.decoding.generation import RowText, Sampler, stop_strings
+from jmoe.decoding.generation import RowText, stop_strings
+from jmoe.decoding.sampling import Sampler
 from jmoe.serving.structured import Constraint, masked_row
 from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, SamplingOptions, greedy_tokens, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, padded

@@ -1,0 +1,5 @@
+"""Each kernel operation's entry point, which chooses the backend (pallas_kernels, cpu_kernels, or XLA) that runs it."""
+
+from jmoe.kernels.expert_ffn import BACKENDS, default_backend, expert_ffn, expert_ffn_tiers
+
+__all__ = ["BACKENDS", "default_backend", "expert_ffn", "expert_ffn_tiers"]
