@@ -80,7 +80,7 @@ def slice_ppl(model, tokenizer, tokens: int = 1024, domains=("prose", "code", "m
 @pytest.fixture(scope="module")
 def calibrated_dirs(tmp_path_factory, tiny_hf_dir):
     root = tmp_path_factory.mktemp("calibrated")
-    kw = dict(tiers="int2", calib=CALIB, calib_sequences=32, calib_seq_len=256, progress=False)
+    kw = dict(tiers="int2", calib=CALIB, calib_sequences=16, calib_seq_len=256, progress=False)
     return {m: convert_checkpoint(tiny_hf_dir, root / m, method=m, **kw) for m in ("gptq", "haq")}
 
 
