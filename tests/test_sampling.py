@@ -97,6 +97,18 @@ def test_many_ties_in_a_large_vocabulary(top_k, top_p):
                        identities=top_p == 1.0)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (0, 0.95), (1000, 1.0), (0, 0.5)])
+def test_a_real_vocabulary_of_bf16_logits_filters_like_transformers(top_k, top_p):
+    """Qwen3's 151,936 tokens, logits rounded through bfloat16 (a GPU step's): ties everywhere, and
+    -inf for tokens a bias banned."""
+    rng = np.random.default_rng(top_k)
+    logits = np.array(jnp.asarray(rng.normal(size=(2, 151_936)) * 4, jnp.bfloat16).astype(jnp.float32))
+    logits[:, rng.integers(0, 151_936, 100)] = -np.inf
+    opts = SamplingOptions(temperature=0.7, top_k=top_k, top_p=top_p)
+    assert_same_filter(ours(logits, np.zeros_like(logits, bool), opts), hf_processed(logits, None, opts),
+                       identities=False)
+
+
 def test_top_p_one_keeps_the_far_tail():
     logits = np.array([[30.0, 0.0, -40.0, -80.0]], np.float32)  # tail probabilities underflow float32 sums
     kept = ours(logits, np.zeros_like(logits, bool), SamplingOptions(temperature=1.0, top_p=1.0))
@@ -184,8 +196,9 @@ def test_a_logit_bias_token_beyond_the_vocabulary_is_refused():
     (SamplingOptions(repetition_penalty=1.5, top_k=5, top_p=0.5), ()),  # greedy: no warper changes the argmax
 ])
 def test_a_step_compiles_only_the_warpers_a_request_switches_on(opts, filters):
-    """The warpers a request leaves off are not in its step (no vocabulary-wide sort without top-k or
-    top-p), and its draws are those of the step with every warper at its off value."""
+    """The warpers a request leaves off are not in its step (no bisection over the vocabulary without
+    top-k or top-p, and no vocabulary-wide sort at all), and its draws are those of the step with
+    every warper at its off value."""
     from jmoe.decoding.sampling import ALL_FILTERS, sample_tokens
 
     assert opts.filters == filters
@@ -202,7 +215,8 @@ def test_a_step_compiles_only_the_warpers_a_request_switches_on(opts, filters):
         np.testing.assert_array_equal(draw(filters, key), draw(ALL_FILTERS, key))
     jaxpr = str(jax.make_jaxpr(lambda x: sample_tokens(x, seen, jax.random.key(0), *params, greedy=opts.greedy,
                                                        filters=filters))(logits))
-    assert ("sort" in jaxpr) == ("top_k" in filters or "top_p" in filters)
+    assert "sort" not in jaxpr
+    assert ("scan" in jaxpr or "while" in jaxpr) == ("top_k" in filters or "top_p" in filters)
 
 
 # ---------------------------------------------------------------- OpenAI's presence and frequency penalties
