@@ -6,6 +6,7 @@ the Rust fast tokenizers refuse some concurrent calls ("Already borrowed").
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,14 +22,29 @@ _LOCK = threading.Lock()
 def load_tokenizer(path: Path | None, error: type[JmoeError] = FormatError):
     if path is None or not Path(path).is_dir():
         return None
-    from transformers import (
-        AutoTokenizer,  # deferred: importing transformers takes seconds
-    )
-
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return tokenizer_class(Path(path)).from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for damaged tokenizer files
         raise error(f"the tokenizer in {path} cannot be loaded: {first_line(e)}") from None
+
+
+def tokenizer_class(path: Path):
+    """The class AutoTokenizer would load the tokenizer in `path` with, found without importing
+    AutoTokenizer: that import pulls in transformers' model configuration and with it torch, where
+    installed (2.4 s against 0.8-1.1 s for the tokenizer's own module). Where the files name no
+    class transformers holds, or custom code (auto_map), AutoTokenizer itself."""
+    import transformers  # deferred: importing transformers takes a second
+
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        name = config.get("tokenizer_class")
+        if isinstance(name, str) and "auto_map" not in config:
+            found = getattr(transformers, name, None)
+            if isinstance(found, type) and hasattr(found, "from_pretrained"):
+                return found
+    except (OSError, ValueError, AttributeError, ImportError):
+        pass
+    return transformers.AutoTokenizer
 
 
 def first_line(e: BaseException) -> str:
