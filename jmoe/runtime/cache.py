@@ -344,9 +344,12 @@ class CacheManager:
     def movable(self, tier: str, keep=(), shard: int | None = None) -> list[Key]:
         """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in
         `keep`; only those of expert shard `shard` when given)."""
-        owner, locked, resident = self.pools[tier].owner, self.locked[tier], self.resident
-        return [k for k in self.in_tier[tier] if k not in self.pinned and k not in keep and self.evictable(tier, k)
-                and (shard is None or owner(k[1]) == shard) and resident[k][tier] not in locked]
+        pool, locked, resident, pinned, evictable = self.pools[tier], self.locked[tier], self.resident, self.pinned, \
+            self.evictable
+        owner = pool.owner if shard is not None and pool.shards > 1 else None  # one shard owns every expert
+        # the cheap tests first, the policy's last: every step's landing candidates walk the whole pool
+        return [k for k in self.in_tier[tier] if k not in pinned and k not in keep and resident[k][tier] not in locked
+                and (owner is None or owner(k[1]) == shard) and evictable(tier, k)]
 
     def _drop_above(self, key: Key, code: int) -> None:
         if key in self.pinned:
