@@ -208,14 +208,11 @@ def _bisect(keys, goes_up):
     """Per row, the smallest key k in [min(keys), max(keys)] for which goes_up(k [..., 1]) holds
     (a predicate that holds from some key on, and at the largest key)."""
     lo, hi = keys.min(-1, keepdims=True), keys.max(-1, keepdims=True)
-
-    def halve(_, bounds):
-        lo, hi = bounds
+    for _ in range(KEY_BITS):  # unrolled: a loop would split a GPU step's one command buffer
         mid = lo + (hi - lo) // 2
         up = goes_up(mid)
-        return jnp.where(up, lo, mid + 1), jnp.where(up, mid, hi)
-
-    return jax.lax.fori_loop(0, KEY_BITS, halve, (lo, hi))[0]
+        lo, hi = jnp.where(up, lo, mid + 1), jnp.where(up, mid, hi)
+    return lo
 
 
 def top_k_filter(logits, top_k):
