@@ -43,12 +43,11 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
 from jmoe.decoding.generation import RowText, stop_strings
-from jmoe.decoding.sampling import Sampler
-from jmoe.serving.structured import Constraint, masked_row
-from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, SamplingOptions, greedy_tokens, prompt_history
+from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, Sampler, SamplingOptions, greedy_tokens, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions, padded
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
+from jmoe.serving.structured import Constraint, masked_row
 
 # "reader_timeout": cut off because its reader left its output unread for reader_timeout seconds
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "reader_timeout", "error")

@@ -24,7 +24,7 @@ import numpy as np
 from jmoe.errors import InputError
 
 # JSON without optional whitespace: a model cannot pad an answer with blank lines forever
-_COMPACT = {"whitespace_flexible": False}
+COMPACT_JSON = {"whitespace_flexible": False}
 _TOKENIZERS: dict = {}  # id(hf tokenizer) -> (tokenizer, llguidance's view of it)
 _LOCK = threading.Lock()
 
@@ -76,7 +76,7 @@ def grammar(response_format, tokenizer, vocab_size: int, eos_token_ids) -> str |
         raise InputError("this model was converted without a tokenizer; 'response_format' needs one")
     llg = _llguidance()
     try:
-        text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+        text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT_JSON)
     except (ValueError, TypeError, RuntimeError) as e:
         raise InputError(f"'response_format' schema: {e}"[:300]) from None
     return _checked(text, "'response_format' schema", tokenizer, vocab_size, eos_token_ids)

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from jmoe.errors import InputError
+from jmoe.serving.structured import COMPACT_JSON
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # as OpenAI allows
@@ -52,8 +53,7 @@ class Tools:
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": f["name"]},
                                  "arguments": f.get("parameters") or {"type": "object"}}} for f in chosen]
-        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
-                  "x-guidance": {"whitespace_flexible": False}}  # compact: no room to pad the call forever
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": COMPACT_JSON}
         opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
         return f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}"
 
