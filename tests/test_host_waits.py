@@ -104,6 +104,10 @@ def test_the_offloaded_decode_step_writes_its_pools_in_place(int4_int2, policy):
     copied = [line.strip()[:120] for line in compiled[0].splitlines() if " copy(" in line
               and any(f"= {dtypes.get(d, d)}[{','.join(map(str, shape))}]" in line for d, shape in pool_shapes)]
     assert not copied, copied
+    # every stage of a layer carries its name into the executable (what a profile shows)
+    for stage in ("layer_0/attention/", "layer_0/moe/router/", "layer_0/moe/fetch/", "layer_0/moe/experts/",
+                  f"layer_{len(model.config.moe_layer_indices) - 1}/moe/experts/"):
+        assert stage in compiled[0], stage
 
 
 def test_resident_decode_reads_once_and_dispatches_once_per_token(int4_int2):

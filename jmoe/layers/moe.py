@@ -79,17 +79,20 @@ class MoEBlock(nnx.Module):
 
     def experts_out(self, h, signals: LayerSignals, token_valid, experts: LayerExperts, *, shared: bool = True):
         """Routed experts at their chosen tiers plus (when `shared`) the shared expert, h [N, D] -> [N, D]."""
-        out = routed_experts(h, Routing(signals.ids, signals.weights), signals.chosen, token_valid, experts,
-                             self.activation)
-        extra = self.shared_out(h) if shared else None
+        with jax.named_scope("experts"):
+            out = routed_experts(h, Routing(signals.ids, signals.weights), signals.chosen, token_valid, experts,
+                                 self.activation)
+        with jax.named_scope("shared_expert"):
+            extra = self.shared_out(h) if shared else None
         return out if extra is None else out + extra
 
     def __call__(self, h, token_valid, token_importance, experts: LayerExperts, serve=None):
         """Route, select tiers, run: h [N, D] -> ([N, D], LayerSignals). `serve(routing, wanted,
         token_valid, experts)`, when given, returns the experts to run from once it has fetched
         what this step wants (jmoe/layers/fetch.py)."""
-        routing = self.route(h)
-        wanted = wanted_tiers(routing, token_valid, token_importance, experts)
+        with jax.named_scope("router"):
+            routing = self.route(h)
+            wanted = wanted_tiers(routing, token_valid, token_importance, experts)
         if serve is not None:
             experts = serve(routing, wanted, token_valid, experts)
         signals = self.resolve(routing, wanted, token_valid, experts)

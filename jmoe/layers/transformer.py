@@ -83,10 +83,14 @@ def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMet
     caches, signals, importance = [], [], []
     for i in range(runner.num_layers):
         moe = runner.is_moe(i)
-        x, h, layer_cache, received = runner.attend(i, x, None if cache is None else cache.layers[i], meta,
-                                                    want_importance and moe)
-        imp = None if received is None else current_importance(received, meta)
-        x, layer_signals = runner.feed_forward(i, x, h, meta, imp)
+        # named scopes: a profile (or the HLO's op metadata) reads "layer_3/moe/experts", not fusion numbers
+        with jax.named_scope(f"layer_{i}"):
+            with jax.named_scope("attention"):
+                x, h, layer_cache, received = runner.attend(i, x, None if cache is None else cache.layers[i], meta,
+                                                            want_importance and moe)
+                imp = None if received is None else current_importance(received, meta)
+            with jax.named_scope("moe" if moe else "mlp"):
+                x, layer_signals = runner.feed_forward(i, x, h, meta, imp)
         caches.append(layer_cache)
         if moe:
             signals.append(layer_signals)
@@ -141,10 +145,12 @@ class TracedLayers:
             return self.model.layers[i].feed_forward(x, h, valid, imp, experts)
 
         def serve(routing, wanted, token_valid, experts):
-            served = self.fetcher.serve(mi, routing, wanted, token_valid, experts)
+            with jax.named_scope("fetch"):
+                served = self.fetcher.serve(mi, routing, wanted, token_valid, experts)
             self.pools = served.pools
             if self.fetcher.spec.predict:  # the next layer's, from this layer's state
-                self._look_ahead(mi, x, valid)
+                with jax.named_scope("look_ahead"):
+                    self._look_ahead(mi, x, valid)
             return served
 
         return self.model.layers[i].feed_forward(x, h, valid, imp, experts, serve)
