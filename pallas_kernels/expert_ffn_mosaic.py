@@ -9,7 +9,7 @@ int4 pools in decode, in two launches (x @ gate_up over all 2F columns, then h @
   grid (blocks, N / 128, splits)   one program (a warpgroup, 128 threads) per row block, 128-column
                                    N tile and K split; K is split until every program's steps fit
                                    in flight at once (at most MOSAIC_STAGES) and there are about
-                                   TARGET_PROGRAMS programs
+                                   device_config's target_programs programs
   per program                      the block's slot is read from shared memory; `emit_pipeline`
                                    copies, with TMA, 64 packed rows x 128 columns of codes (and the
                                    tile's scale/offset rows and activations) of that slot per K
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import device_config
 from pallas_kernels.expert_ffn_pallas import _planar  # the activations in the packing layout, as there
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray
@@ -38,7 +39,6 @@ from pallas_kernels.qarray import QArray
 TILE_ROWS = 64  # packed rows per K step: the WGMMA register layout tiles 64 rows
 TILE_N = 128  # output columns per program: 128 bytes of every code row
 MOSAIC_STAGES = 4  # K steps per program at most, all of them in flight at once
-TARGET_PROGRAMS = 4 * 132  # as the Triton path: split K until about this many programs
 SLOT_PAD = 32  # a shared-memory copy moves a multiple of 128 bytes: slots padded to 32 int32
 GRID_NAMES = ("block", "tile", "split")
 
@@ -76,8 +76,10 @@ def launch_plan(rows: int, w: QArray) -> dict:
     steps = w.values.shape[-2] // TILE_ROWS
     tiles = w.n // TILE_N
     # enough splits that every program's K steps are in flight at once (copied in the pipeline's
-    # prologue: its loop then never waits to reuse a buffer), and about TARGET_PROGRAMS programs
-    want = max(-(-steps // MOSAIC_STAGES), min(steps, -(-TARGET_PROGRAMS // (rows * tiles))))
+    # prologue: its loop then never waits to reuse a buffer), and about the device's target number of
+    # programs (as the Triton path)
+    target = device_config.current().target_programs
+    want = max(-(-steps // MOSAIC_STAGES), min(steps, -(-target // (rows * tiles))))
     splits = min(d for d in range(want, steps + 1) if steps % d == 0)
     plane = fmt.group_size // fmt.pack
     param_rows = max(1, TILE_ROWS // plane) * (1 if fmt.symmetric else 2)

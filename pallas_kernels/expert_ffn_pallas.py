@@ -49,10 +49,10 @@ Tile choices (GPU):
   (and offset) row applies to the whole step; on the dot path one group, and at least 16 packed rows
   (int2 with groups of 32 has 8 per group, so two groups are taken per step). 64 rows for plain
   weights.
-- Decode grid: a handful of experts times N / BN tiles leaves most of an H100's 132 SMs idle, so K is
-  split over programs (float32 partial sums, added outside the kernel) until there are about
-  TARGET_PROGRAMS programs. For gate/up the gated activation then runs outside too, on the summed
-  partials (it is not linear).
+- Decode grid: a handful of experts times N / BN tiles leaves most of a GPU's multiprocessors (an
+  H100's 132) idle, so K is split over programs (float32 partial sums, added outside the kernel)
+  until there are about the device's target_programs (pallas_kernels/device_config.py). For gate/up
+  the gated activation then runs outside too, on the summed partials (it is not linear).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import device_config
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, int8_per_token
 
@@ -85,9 +86,9 @@ DECODE_WIDE_CODE_WARPS = 8
 PREFILL_BLOCK_N = 128
 PLAIN_BLOCK_K = 64
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
-# Decode splits K over programs when the (blocks x N tiles) grid alone would leave an H100's 132 SMs
-# idle: about this many programs (several resident per SM), partial sums per split added outside.
-TARGET_PROGRAMS = 4 * 132
+# Decode splits K over programs when the (blocks x N tiles) grid alone would leave the GPU's
+# multiprocessors idle: about device_config.current().target_programs programs (several resident
+# per multiprocessor), partial sums per split added outside.
 PREFILL_PARAMS = dict(num_warps=4, num_stages=3)
 # int8 codes at prefill: the gate/up tile (gate and up float32 accumulators and the dequantised
 # int8 step) needs more than 255 registers per thread at 4 warps and spills (compiled for an H100,
@@ -621,7 +622,7 @@ def _splits(plans, blocks: int, n_out: int) -> int:
     if not plans[0].gemv:
         return 1
     programs = blocks * (n_out // max(p.block_n for p in plans))
-    want = min(min(p.num_steps for p in plans), -(-TARGET_PROGRAMS // programs))
+    want = min(min(p.num_steps for p in plans), -(-device_config.current().target_programs // programs))
     return max(d for d in range(1, want + 1) if all(p.num_steps % d == 0 for p in plans))
 
 

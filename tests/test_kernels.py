@@ -537,7 +537,11 @@ def test_other_errors_are_not_taken_for_kernel_failures():
 
 
 def test_decode_splits_k_to_fill_the_gpu():
-    from pallas_kernels.expert_ffn_pallas import TARGET_PROGRAMS, _plan, _splits
+    from pallas_kernels.device_config import current
+    from pallas_kernels.expert_ffn_pallas import _plan, _splits
+
+    TARGET_PROGRAMS = current().target_programs
+    assert TARGET_PROGRAMS == 4 * 132  # traced without a GPU: the H100 SXM's (what gpu-compile targets)
 
     for shape, experts, quant in ((MIXTRAL, 2, fmt(4, 64)), (QWEN3_30B, 8, fmt(4, 64)), (MIXTRAL, 2, None)):
         D, F = shape["D"], shape["F"]
@@ -557,6 +561,20 @@ def test_decode_splits_k_to_fill_the_gpu():
                              rows, jax.ShapeDtypeStruct((2,), jnp.int32), gate_up, down)
     expected = _splits([_plan(down, 1, MIXTRAL["D"], None, jnp.bfloat16)], 2, MIXTRAL["D"])
     assert f"grid_z = {expected} : i32" in lowered.as_text()
+
+
+def test_gpu_launch_settings_follow_the_device():
+    from types import SimpleNamespace as Device
+
+    from pallas_kernels.device_config import DEFAULT, for_device
+
+    assert for_device(Device(platform="cpu", device_kind="cpu")) == DEFAULT
+    # the device's own multiprocessor count first, then its name, then the default
+    assert for_device(Device(platform="gpu", device_kind="NVIDIA H100 PCIe", core_count=114)).target_programs == 456
+    assert for_device(Device(platform="gpu", device_kind="NVIDIA H100 PCIe")).multiprocessors == 114
+    assert for_device(Device(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB")).multiprocessors == 108
+    assert for_device(Device(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")).multiprocessors == 132
+    assert for_device(Device(platform="gpu", device_kind="some new GPU")) == DEFAULT
 
 
 # ----------------------------------------------------------------------------- several tiers in one launch
