@@ -19,15 +19,21 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
       prompt: a string, chat messages ([{"role": ..., "content": ...}], through the model's chat
         template), token ids, or a list of any one of these kinds for a batch.
       max_new_tokens: stop after this many new tokens (earlier at EOS or a stop string).
-      temperature, top_k, top_p, repetition_penalty, min_p: sampling controls (0 / 0 / 1 / 1 / 0 =
-        off), with transformers' semantics and order (penalty, temperature, top-k, top-p, min-p; ties
+      temperature: sampling temperature (0 = greedy). With top_k, top_p, repetition_penalty and
+        min_p, transformers' semantics and order (penalty, temperature, top-k, top-p, min-p; ties
         kept as it does).
+      top_k: keep the k likeliest tokens (0 = off).
+      top_p: keep the smallest set of tokens whose probability reaches p (1 = off).
+      repetition_penalty: transformers' repetition penalty (1 = off).
+      min_p: drop tokens below min_p times the likeliest token's probability (0 = off).
       logit_bias: {token id: bias in [-100, 100]} added to those logits before everything else
         (greedy included; -100 in effect bans a token), as OpenAI's logit_bias.
-      presence_penalty, frequency_penalty: OpenAI's penalties, each in [-2, 2] (0 = off): every token
-        the row has generated so far (its prompt does not count) has its logit lowered by
+      presence_penalty: OpenAI's presence penalty, in [-2, 2] (0 = off): every token the row has
+        generated so far (its prompt does not count) has its logit lowered by
         frequency_penalty * its count + presence_penalty, after the repetition penalty and before the
         temperature (as vLLM applies them; greedy included).
+      frequency_penalty: OpenAI's frequency penalty, in [-2, 2] (0 = off), applied with
+        presence_penalty as above.
       seed: any integer in [0, 2**64): the sampling stream (all 64 bits count).
       stop: a string or strings that end generation (not included in the output).
       stream: yield pieces as they are produced instead of returning the whole output.
