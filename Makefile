@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench gpu gpu-dry-run gpu-compile gpu-compile-jax0.11 clean
+.PHONY: demo test bench gpu gpu-dry-run gpu-compile gpu-compile-jax0.11 docs readme-check clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard cpu_kernels/src/*)
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,25 @@ $(STAMP): pyproject.toml setup.py $(wildcard cpu_kernels/src/*)
 demo: $(STAMP)
 	$(BIN)/jmoe convert examples/tiny-qwen3-moe -o out/tiny-qwen3-moe --force
 	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 56MiB --stats
+
+# The documentation site (docs/, mkdocs.yml) into site/, failing on any warning: a broken link, a
+# docstring mkdocstrings cannot read, or a results table that no longer matches bench/results/*.json
+# (docs/gen_tables.py writes them). The docs extra's packages go into the main venv without
+# reinstalling jmoe itself.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" \
+		| xargs $(BIN)/pip install --quiet
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python docs/gen_tables.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The README's and the tutorial's runnable blocks (marked <!-- runnable -->), in order, in a
+# temporary directory against a fresh conversion of the bundled model (docs/check_readme.py).
+readme-check: $(STAMP)
+	$(BIN)/python docs/check_readme.py
 
 # PYTHONNODEBUGRANGES: Python 3.11's traceback formatting parses source lines (ast.parse) to place
 # its carets, and two threads doing that at once (a library's background thread reporting an error
@@ -98,4 +117,4 @@ gpu-compile-jax0.11: $(GPU_AOT_NEXT_VENV)/.installed
 		--out bench/results/gpu_compile_h100_jax0.11.2.json
 
 clean:
-	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out .pytest_cache $(GPU_COMPILE_LOG) $(TEST_LOG) $(TEST_LOG).rc
+	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out site .pytest_cache $(GPU_COMPILE_LOG) $(TEST_LOG) $(TEST_LOG).rc

@@ -1,0 +1,309 @@
+"""Write the results tables of README.md and docs/*.md from bench/results/*.json.
+
+Each generated table sits between two markers in a markdown file:
+
+    <!-- gen_tables: NAME -->
+    ...written by this script...
+    <!-- /gen_tables -->
+
+and every table says which machine its figures came from (the JSON's "machine" field); figures
+that a model of a GPU produced, not a GPU, say "modelled".
+
+    python docs/gen_tables.py           # rewrite the tables in place
+    python docs/gen_tables.py --check   # exit 1 if a table differs from what the JSON gives
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MARKER = re.compile(r"(<!-- gen_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /gen_tables -->)", re.S)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def machine(data: dict) -> str:
+    """One line naming the machine a results file came from."""
+    m = data["machine"]
+    if m.get("backend") == "gpu":
+        return f"{m['device']} (host: {m['cpu']}, {m['cpu_count']} cores; jax {m['jax']})"
+    return f"{m['cpu']} CPU, {m['cpu_count']} cores, no GPU (jax {m['jax']})"
+
+
+def source(*names: str) -> str:
+    return ", ".join(f"`bench/results/{n}`" for n in names)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def f(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def med(stat: dict, digits: int = 1, spread: bool = True) -> str:
+    """A {median, min, max} record as "median [min-max]"."""
+    text = f(stat["median"], digits)
+    if spread and stat.get("min") is not None and stat["min"] != stat["max"]:
+        text += f" [{f(stat['min'], digits)}–{f(stat['max'], digits)}]"
+    return text
+
+
+def ratio(stat: dict) -> str:
+    """A {median, min, max} speed ratio as "0.97x [0.95–0.98]"."""
+    return f"{stat['median']:.2f}x [{stat['min']:.2f}–{stat['max']:.2f}]"
+
+
+# --- the tables ---------------------------------------------------------------------------------
+
+def headline() -> str:
+    ppl = load("perplexity_tiny_cpu.json")
+    quality = load("quality_tiny_cpu.json")
+    shapes = load("real_shapes_cpu.json")
+    offload = load("offload_decode_qwen3_cpu.json")
+    io = load("decode_io_after_cpu.json")
+    serve = load("serve_tiny_cpu.json")
+    gpu = load("gpu_kernels_h100.json")
+
+    prose = ppl["domains"]["prose"]
+    rows = [[
+        "Tiny Qwen3-MoE, prose perplexity, jmoe vs transformers (float32)",
+        f"{prose['jmoe_ppl']:.4f} vs {prose['transformers_ppl']:.4f}",
+        machine(ppl), source("perplexity_tiny_cpu.json"),
+    ]]
+    by = {(r["method"], r["tier"], r["activations"]): r for r in quality["rows"]}
+    base = by[("-", "bf16", "bf16/f32")]["prose"]
+    gptq4, gptq2 = by[("gptq", "int4", "float")]["prose"], by[("gptq", "int2", "float")]["prose"]
+    rows.append([
+        "Tiny Qwen3-MoE, prose perplexity over bf16, GPTQ int4 / int2 experts",
+        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq2 / base - 1):.1f}%",
+        machine(quality), source("quality_tiny_cpu.json"),
+    ])
+    s = shapes["summary"]
+    for ours, theirs, label in [
+        ("jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", "int4 throughout, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"),
+        ("jmoe bf16 resident", "llama.cpp BF16", "bf16 vs llama.cpp BF16"),
+    ]:
+        ratio = shapes["ratios"][f"{ours} / {theirs}"]["decode_tok_s@0"]["median"]
+        rows.append([
+            f"Qwen3-30B-A3B shapes (8 of 48 layers), decode tok/s, {label}",
+            f"{f(s[ours]['decode_tok_s@0']['median'])} vs {f(s[theirs]['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
+            machine(shapes), source("real_shapes_cpu.json"),
+        ])
+    lru = offload["runs"]["temperature_0"]["lru@25%"]
+    rows.append([
+        "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
+        f"{lru['speed_vs_resident']['median']:.2f}×",
+        machine(offload), source("offload_decode_qwen3_cpu.json"),
+    ])
+    case = io["cases"]["lru"]
+    rows.append([
+        "Tiny model offloaded (`lru`), blocking host reads per decode token; ms/token over resident",
+        f"{case['counts']['decode']['blocking_reads']:.1f}; {case['timing']['ratio']['median']:.2f}×",
+        machine(io), source("decode_io_after_cpu.json"),
+    ])
+    top = serve["runs"]["resident"][-1]
+    rows.append([
+        f"`jmoe serve` engine, {top['streams']} streams, tiny model: tok/s, engine vs threads calling `generate`",
+        f"{f(top['batched']['aggregate_tokens_per_s'], 0)} vs {f(top['threaded']['aggregate_tokens_per_s'], 0)} "
+        f"({top['aggregate_speedup']:.2f}×)",
+        machine(serve), source("serve_tiny_cpu.json"),
+    ])
+    k = next(k for k in gpu["kernels"] if k["model"] == "qwen3-30b-a3b" and k["phase"] == "decode" and k["tier"] == "int4")
+    rows.append([
+        "Qwen3-30B-A3B int4 expert kernels, one decode token, measured",
+        f"{f(k['kernel_GBps'], 0)} GB/s",
+        machine(gpu), source("gpu_kernels_h100.json"),
+    ])
+    mg = offload["modelled_gpu"]
+    rows.append([
+        "Offloaded decode (`lru`, a quarter of the experts) at Qwen3 shapes, 8 layers, on an H100 over PCIe: **modelled**",
+        f"{mg['cases']['lru@25%']['modelled_tpot_ms']:.2f} ms/token (resident {mg['cases']['resident']['modelled_tpot_ms']:.2f}),"
+        " modelled",
+        f"modelled, not measured ({mg['params']['name']}), from traces recorded on the {machine(offload)}",
+        source("offload_decode_qwen3_cpu.json"),
+    ])
+    return table(["what", "figure", "machine", "source"], rows)
+
+
+def real_shapes() -> str:
+    d = load("real_shapes_cpu.json")
+    s = d["summary"]
+    gib = 2 ** 30
+    rows = []
+    for key, label in [
+        ("jmoe bf16 resident", "jmoe bf16 experts, bf16 dense"),
+        ("llama.cpp BF16", "llama.cpp BF16"),
+        ("jmoe int4 resident", "jmoe int4 experts, bf16 dense"),
+        ("jmoe int4 + dense int4 resident", "jmoe int4 experts, `--dense-tier int4`"),
+        ("jmoe int4 + dense int4 resident, int8 dot", "jmoe int4 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
+        ("llama.cpp Q4_0", "llama.cpp Q4_0"),
+        ("jmoe int4 pools 25%", "jmoe int4, pools holding 25% of the experts"),
+        ("jmoe bf16 pools 25%", "jmoe bf16, pools holding 25% of the experts"),
+    ]:
+        r = s[key]
+        rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
+        rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"], 2 if r["decode_tok_s@0"]["median"] < 10 else 1),
+                     med(r["decode_tok_s@512"], 2 if r["decode_tok_s@512"]["median"] < 10 else 1), rss])
+    out = table(["", "prefill tok/s (512)", "decode tok/s (depth 0)", "decode tok/s (depth 512)", "peak RSS / loaded GiB"], rows)
+    return out + f"\n\nMachine: {machine(d)}; {d['settings']['rounds']} rounds, median [min–max] ({source('real_shapes_cpu.json')})."
+
+
+def perplexity() -> str:
+    d = load("perplexity_tiny_cpu.json")
+    rows = [[dom, f(r["tokens_scored"], 0), f"{r['jmoe_ppl']:.4f}", f"{r['transformers_ppl']:.4f}"]
+            for dom, r in d["domains"].items()]
+    out = table(["domain", "tokens", "jmoe perplexity", "transformers perplexity"], rows)
+    return out + f"\n\nMachine: {machine(d)} ({source('perplexity_tiny_cpu.json')})."
+
+
+def quality() -> str:
+    names = {"-": "—", "rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
+    rows = []
+    plain = load("quality_tiny_cpu.json")
+    dot = load("quality_tiny_int8_dot_cpu.json")
+    for data, file in [(plain, "quality_tiny_cpu.json"), (dot, "quality_tiny_int8_dot_cpu.json")]:
+        for r in data["rows"]:
+            if data is dot and r["method"] == "-":
+                continue
+            acts = {"bf16/f32": "float", "int8 per group (cpu_dot)": "int8 per group (`cpu_dot=\"int8\"`)"}.get(
+                r["activations"], r["activations"])
+            tier = r["tier"] + (" W8A8" if r["activations"] == "int8 per token" else "")
+            rows.append([names[r["method"]], tier, acts, f"{r['prose']:.3f}", f"{r['code']:.3f}", f"{r['math']:.3f}"])
+    return table(["method", "tier", "activations", "prose", "code", "math"], rows) + (
+        f"\n\nMachines: the float and W8A8 rows, {machine(plain)} ({source('quality_tiny_cpu.json')}); "
+        f"the `cpu_dot=\"int8\"` rows, {machine(dot)} ({source('quality_tiny_int8_dot_cpu.json')}).")
+
+
+def decode_io() -> str:
+    before, after = load("decode_io_before_cpu.json"), load("decode_io_after_cpu.json")
+    rows = []
+    for key, case in after["cases"].items():
+        b = before["cases"][key]["counts"]["decode"]
+        a = case["counts"]["decode"]
+        r = case["timing"]["ratio"] if case["timing"] else None
+        ratio = "1.0x" if key == "resident" or r is None else f"{r['median']:.1f}x [{r['min']:.1f}–{r['max']:.1f}]"
+        rows.append([case["counts"]["label"].replace(" (auto)", ""),
+                     f"{b['blocking_reads']:.1f} → {a['blocking_reads']:.1f}",
+                     f"{b['executions']:.1f} → {a['executions']:.1f}",
+                     f"{b['transfers']:.1f} → {a['transfers']:.1f}",
+                     ratio])
+    out = table(["policy", "blocking reads / token", "executions / token", "host-to-device transfers / token",
+                 "ms/token now, x resident (same rounds)"], rows)
+    return out + (f"\n\nMachine: {machine(after)} (after; before: {machine(before)}); "
+                  f"{source('decode_io_before_cpu.json', 'decode_io_after_cpu.json')}.")
+
+
+def offload_quality() -> str:
+    d = load("offload_quality_tiny_cpu.json")
+    rows = []
+    for mode, r in d["modes"].items():
+        cells = []
+        for dom in ("prose", "code", "math"):
+            pct = r["over_bf16_pct"][dom]
+            cells.append(f"{r[dom]:.2f}" if mode == "resident bf16" else f"{r[dom]:.2f} ({pct:+.2f}%)")
+        rows.append([mode, *cells, f"{100 * r['degraded_share']:.1f}%"])
+    out = table(["mode", "prose", "code", "math", "expert uses degraded"], rows)
+    return out + f"\n\nMachine: {machine(d)} ({source('offload_quality_tiny_cpu.json')})."
+
+
+def offload_decode() -> str:
+    d = load("offload_decode_qwen3_cpu.json")
+    greedy, sampled = d["runs"]["temperature_0"], d["runs"]["temperature_1"]
+    rows = []
+    for key, g in greedy.items():
+        s = sampled[key]
+        rows.append([key,
+                     f"{g['decode_ms']['median']:.1f}, {ratio(g['speed_vs_resident'])}",
+                     f"{s['decode_ms']['median']:.1f}, {ratio(s['speed_vs_resident'])}",
+                     f"{g['reads_per_token']:.2f} / {g['executions_per_token']:.2f}",
+                     f"{g['in_step_fetches_per_token']:.1f}, {s['in_step_fetches_per_token']:.1f}",
+                     f"{g['hit_rate']:.2f}"])
+    out = table(["case", "greedy: ms/token, x resident", "sampled (T = 1): ms/token, x resident",
+                 "blocking reads / executions per token", "in-step fetches / token (greedy, sampled)", "hit rate"], rows)
+    mg = d["modelled_gpu"]
+    modelled = table(["case", "H100 TPOT, ms (modelled)", "x max(resident, PCIe floor) (modelled)"],
+                     [[k, f"{c['modelled_tpot_ms']:.2f}", f"{c['vs_max_of_resident_and_pcie']:.2f}"]
+                      for k, c in mg["cases"].items()])
+    return (out + f"\n\nMachine: {machine(d)} ({source('offload_decode_qwen3_cpu.json')}).\n\n"
+            + modelled + f"\n\nModelled, not measured: {mg['params']['name']}, from the traces of the CPU run above.")
+
+
+def serve() -> str:
+    tiny = load("serve_tiny_cpu.json")
+    q = load("serve_qwen3-30b-a3b-2L-int4_cpu.json")
+    q8 = load("serve_qwen3-30b-a3b-2L-int4-int8dot_cpu.json")
+
+    def cell(r):
+        return (f"{f(r['batched']['aggregate_tokens_per_s'], 1)} / {f(r['threaded']['aggregate_tokens_per_s'], 1)}"
+                f" ({r['aggregate_speedup']:.2f}×)")
+
+    cols = [tiny["runs"]["resident"], tiny["runs"]["offloaded"], q["runs"]["resident"], q8["runs"]["resident"]]
+    rows = [[str(cols[0][i]["streams"]), *[cell(c[i]) for c in cols]] for i in range(len(cols[0]))]
+    out = table(["streams", "tiny, resident: engine / threads tok/s", "tiny, a third of the experts' bytes",
+                 "Qwen3 2-layer slice", "the slice, `--cpu-dot int8`"], rows)
+    return out + (f"\n\nMachine: {machine(tiny)} "
+                  f"({source('serve_tiny_cpu.json', 'serve_qwen3-30b-a3b-2L-int4_cpu.json', 'serve_qwen3-30b-a3b-2L-int4-int8dot_cpu.json')}).")
+
+
+TABLES = {
+    "headline": headline,
+    "real-shapes": real_shapes,
+    "perplexity": perplexity,
+    "quality": quality,
+    "decode-io": decode_io,
+    "offload-quality": offload_quality,
+    "offload-decode": offload_decode,
+    "serve": serve,
+}
+
+
+def files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def render(text: str) -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in TABLES:
+            raise SystemExit(f"gen_tables: unknown table {name!r}")
+        return m.group(1) + TABLES[name]() + "\n" + m.group(4)
+    return MARKER.sub(sub, text)
+
+
+def stale() -> list[Path]:
+    """The markdown files whose generated tables differ from what the JSON gives."""
+    return [p for p in files() if render(p.read_text()) != p.read_text()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a table is out of date; write nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for p in bad:
+            print(f"gen_tables: {p.relative_to(ROOT)} is out of date; run python docs/gen_tables.py", file=sys.stderr)
+        return 1 if bad else 0
+    for p in files():
+        text = p.read_text()
+        new = render(text)
+        if new != text:
+            p.write_text(new)
+            print(f"gen_tables: wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
