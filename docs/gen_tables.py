@@ -154,6 +154,8 @@ def real_shapes() -> str:
     ]:
         r = s[key]
         rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
+        if r["kind"] == "jmoe" and r["rss_over_loaded"]["median"] >= 1:
+            rss += f" ({r['rss_over_loaded']['median']:.2f}x)"
         rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"], 2 if r["decode_tok_s@0"]["median"] < 10 else 1),
                      med(r["decode_tok_s@512"], 2 if r["decode_tok_s@512"]["median"] < 10 else 1), rss])
     out = table(["", "prefill tok/s (512)", "decode tok/s (depth 0)", "decode tok/s (depth 512)", "peak RSS / loaded GiB"], rows)
@@ -192,15 +194,17 @@ def decode_io() -> str:
     for key, case in after["cases"].items():
         b = before["cases"][key]["counts"]["decode"]
         a = case["counts"]["decode"]
-        r = case["timing"]["ratio"] if case["timing"] else None
-        ratio = "1.0x" if key == "resident" or r is None else f"{r['median']:.1f}x [{r['min']:.1f}–{r['max']:.1f}]"
+        def times(timing):
+            r = timing["ratio"] if timing else None
+            return "1.0x" if key == "resident" or r is None else f"{r['median']:.1f}x [{r['min']:.1f}–{r['max']:.1f}]"
+        ratio = f"{times(before['cases'][key].get('timing'))} → {times(case['timing'])}"
         rows.append([case["counts"]["label"].replace(" (auto)", ""),
                      f"{b['blocking_reads']:.1f} → {a['blocking_reads']:.1f}",
                      f"{b['executions']:.1f} → {a['executions']:.1f}",
                      f"{b['transfers']:.1f} → {a['transfers']:.1f}",
                      ratio])
     out = table(["policy", "blocking reads / token", "executions / token", "host-to-device transfers / token",
-                 "ms/token now, x resident (same rounds)"], rows)
+                 "ms/token, x resident (same rounds)"], rows)
     return out + (f"\n\nMachine: {machine(after)} (after; before: {machine(before)}); "
                   f"{source('decode_io_before_cpu.json', 'decode_io_after_cpu.json')}.")
 
@@ -212,7 +216,8 @@ def offload_quality() -> str:
         cells = []
         for dom in ("prose", "code", "math"):
             pct = r["over_bf16_pct"][dom]
-            cells.append(f"{r[dom]:.2f}" if mode == "resident bf16" else f"{r[dom]:.2f} ({pct:+.2f}%)")
+            digits = 3 if dom == "math" else 2
+            cells.append(f"{r[dom]:.{digits}f}" if mode == "resident bf16" else f"{r[dom]:.{digits}f} ({pct:+.2f}%)")
         rows.append([mode, *cells, f"{100 * r['degraded_share']:.1f}%"])
     out = table(["mode", "prose", "code", "math", "expert uses degraded"], rows)
     return out + f"\n\nMachine: {machine(d)} ({source('offload_quality_tiny_cpu.json')})."
@@ -222,6 +227,10 @@ def offload_decode() -> str:
     d = load("offload_decode_qwen3_cpu.json")
     greedy, sampled = d["runs"]["temperature_0"], d["runs"]["temperature_1"]
     rows = []
+    resident = [(min(r[k]["resident_decode_ms"]["median"] for k in r), max(r[k]["resident_decode_ms"]["median"] for k in r))
+                for r in (greedy, sampled)]
+    rows.append(["resident", f"{resident[0][0]:.1f}–{resident[0][1]:.1f}", f"{resident[1][0]:.1f}–{resident[1][1]:.1f}",
+                 "1 / 1", "", ""])
     for key, g in greedy.items():
         s = sampled[key]
         rows.append([key,
