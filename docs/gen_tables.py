@@ -266,6 +266,64 @@ def serve() -> str:
                   f"({source('serve_tiny_cpu.json', 'serve_qwen3-30b-a3b-2L-int4_cpu.json', 'serve_qwen3-30b-a3b-2L-int4-int8dot_cpu.json')}).")
 
 
+def convert_memory() -> str:
+    d = load("convert_memory_cpu.json")
+    gb = 1e9
+    rows = []
+    for c in d["cases"]:
+        size = f"{c['checkpoint_bytes'] / gb:.2f} GB" if c["checkpoint_bytes"] > gb else f"{c['checkpoint_bytes'] / 1e6:.1f} MB"
+        tiers = c["tiers"].replace(",", ", ") + (f" ({c['written_bytes'] / gb:.1f} GB)" if c["written_bytes"] > gb else "")
+        rows.append([c["model"], size, c["method"].upper(), tiers, f(c["seconds"], 1 if c["seconds"] < 100 else 0),
+                     f"{c['peak_rss_bytes'] / gb:.2f} GB", f"{c['peak_anon_bytes'] / gb:.2f} GB"])
+    out = table(["checkpoint", "size", "method", "tiers written", "seconds", "peak RSS", "peak anonymous"], rows)
+    return out + f"\n\nMachine: {machine(d)} ({source('convert_memory_cpu.json')})."
+
+
+def overhead() -> str:
+    d = load("overhead_tiny_cpu.json")
+    names = {"resident": "all resident", "lru+prefetch/auto": "`auto` (default)",
+             "lru+prefetch/resident": "`resident`", "lru+prefetch/layerwise": "`layerwise`"}
+    rows = [[names.get(k, k), f"{v['tpot_ms']:.2f}", f"{v['ratio_to_resident']:.2f}", f"{v['host_syncs_per_token']:.0f}"]
+            for k, v in sorted(d["variants"].items(), key=lambda kv: kv[1]["ratio_to_resident"] if kv[0] != "resident" else 0)]
+    out = table(["path", "TPOT, ms (CPU)", "× all-resident", "host syncs per token"], rows)
+    return out + f"\n\nMachine: {machine(d)}; median of {d['repeats']} rounds ({source('overhead_tiny_cpu.json')})."
+
+
+def gpu_decode_ab() -> str:
+    d = load("gpu_decode_ab_gpu.json")
+    names = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B", "gpt-oss-20b": "GPT-OSS-20B",
+             "deepseek-v2-lite": "DeepSeek-V2-Lite"}
+    rows = []
+    for c in d["cases"]:
+        mb = c["unique_weight_bytes"] / 1e6
+        rows.append([f"{names.get(c['model'], c['model'])} {c['tier']} ({mb:,.1f} MB)" if mb < 100 else
+                     f"{names.get(c['model'], c['model'])} {c['tier']} ({mb:,.0f} MB)",
+                     f"{c['reference_us']:.1f} µs", f"{c['before_us']:.1f} µs", f"{c['after_us']:.1f} µs",
+                     f"{f(c['after_unique_GBps'], 0)} GB/s"])
+    out = table(["decode, one token", "XLA reference", "kernels before", "kernels now", "now: weight bytes / time"], rows)
+    return out + (f"\n\nMeasured on an {machine(d)}, {d['timing']}; before = commit {d['before']} "
+                  f"({source('gpu_decode_ab_gpu.json')}).")
+
+
+def scale_out() -> str:
+    d = load("scale_out_qwen3-30b-a3b-8L_cpu.json")
+    rows = []
+    for r in d["rows"]:
+        dec, pre = r["decode_collectives"], r["prefill_collectives"]
+        coll = f"{dec['all_reduces']}, {pre['all_reduces']}"
+        if dec["all_reduces"] and r["ep"] == 2:
+            coll += f" ({dec['bytes_each'] // 1024} KiB, {pre['bytes_each'] // 1024} KiB each)"
+        rows.append([str(r["ep"]), f"{f(r['expert_bytes_per_device'] / 2**20, 0)} MiB", f(r["pool_slots_per_device"], 0), coll,
+                     f"{r['cpu_pp_tokens_per_s']:.1f} / {r['cpu_tg_tokens_per_s']:.1f}",
+                     f"{r['busiest_shard_experts_per_decode_step']:.1f}",
+                     f"{r['h100']['modelled_tpot_s'] * 1e3:.3f} ms/token (modelled)"])
+    out = table(["ep", "expert bytes / device", "slots / device", "all-reduces per step (decode, prefill)",
+                 "CPU pp64 / tg8 tok/s", "busiest shard's experts per decode step", "8 L, H100 × ep, modelled"], rows)
+    h = d["rows"][0]["h100"]
+    return out + (f"\n\nMachine: {machine(d)}, split into XLA:CPU devices ({source('scale_out_qwen3-30b-a3b-8L_cpu.json')}); "
+                  f"the last column is modelled, not measured ({h['gpu']['name']}, {h['link']['name']}).")
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
@@ -275,6 +333,10 @@ TABLES = {
     "offload-quality": offload_quality,
     "offload-decode": offload_decode,
     "serve": serve,
+    "convert-memory": convert_memory,
+    "overhead": overhead,
+    "gpu-decode-ab": gpu_decode_ab,
+    "scale-out": scale_out,
 }
 
 
