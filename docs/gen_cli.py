@@ -7,6 +7,8 @@ print it.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +52,13 @@ def markdown() -> str:
         out.append("| argument | meaning | default |\n| --- | --- | --- |")
         out.extend("| " + " | ".join(r) + " |" for r in rows)
         out.append("")
+    # The launcher builds its parser inside main(): its own --help, run at build time.
+    launch = subprocess.run([sys.executable, "-m", "jmoe.launch", "--help"], capture_output=True, text=True,
+                            env=dict(os.environ, COLUMNS="100"), check=True)
+    out.append("## python -m jmoe.launch\n")
+    out.append("Runs a command as several local processes of one jax.distributed job "
+               "(see [Scale-out](scale-out.md)).\n")
+    out.append("```text\n" + launch.stdout.strip() + "\n```\n")
     return "\n".join(out)
 
 
