@@ -43,6 +43,10 @@ def blocks(path: Path) -> list[tuple[str, str, int]]:
     return [(m["lang"], m["code"], text.count("\n", 0, m.start()) + 3) for m in BLOCK.finditer(text)]
 
 
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(path, *b) for path in FILES for b in blocks(path)]
     if args.list:
         for path, lang, code, line in todo:
-            print(f"--- {path.relative_to(ROOT)}:{line} ({lang})\n{code}")
+            print(f"--- {rel(path)}:{line} ({lang})\n{code}")
         return 0
     if not todo:
         print("check_readme: no runnable block found", file=sys.stderr)
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print("check_readme: the demo conversion failed", file=sys.stderr)
             return 1
         for path, lang, code, line in todo:
-            where = f"{path.relative_to(ROOT)}:{line}"
+            where = f"{rel(path)}:{line}"
             print(f"--- {where} ({lang})", flush=True)
             t = time.monotonic()
             rc = run(lang, code, work, env)
