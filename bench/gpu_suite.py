@@ -39,7 +39,7 @@ import jmoe
 from bench.common import RESULTS, ROOT, machine, planned_budget, timed
 from convert import convert_checkpoint
 from jmoe.runtime.host_store import host_sharding
-from jmoe.serving.batcher import CompileCounter
+from jmoe.serving.compiles import CompileCounter
 
 PROMPTS = ROOT / "tests" / "data"
 QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128)

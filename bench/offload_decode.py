@@ -49,7 +49,7 @@ from bench.common import machine, planned_budget, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from jmoe.policies import DyMoE
-from jmoe.serving.batcher import CompileCounter
+from jmoe.serving.compiles import CompileCounter
 
 MAX_SEQ_LEN = 512
 PCIE_GB_PER_S = 46.0  # the host-to-device rate measured on the one H100 lent so far

@@ -62,7 +62,7 @@ from bench.offload_decode import host_counts, per_token, spread, streamed
 from jmoe import trace_routing
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.policies.placement import routed_counts
-from jmoe.serving.batcher import CompileCounter
+from jmoe.serving.compiles import CompileCounter
 
 MAX_SEQ_LEN = 512
 

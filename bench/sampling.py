@@ -21,7 +21,7 @@ import numpy as np
 from bench.common import write_result
 from jmoe.decoding.engine import _sample_jit
 from jmoe.decoding.sampling import HISTORY_DTYPE, SamplingOptions
-from jmoe.serving.batcher import CompileCounter
+from jmoe.serving.compiles import CompileCounter
 
 VOCAB = 151_936  # Qwen3's
 CASES = {

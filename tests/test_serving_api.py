@@ -20,8 +20,8 @@ import openai
 import pytest
 
 import jmoe
-from jmoe.serving import BatchEngine, batcher, scoring
-from jmoe.serving.batcher import CompileCounter
+from jmoe.serving import BatchEngine, requests, scoring
+from jmoe.serving.compiles import CompileCounter
 from jmoe.serving.openai_api import FINISH_REASONS, MAX_BODY_BYTES, create_app
 from jmoe.serving.server import Server
 from tests.serving_helpers import serving, start
@@ -269,7 +269,7 @@ def test_an_engine_that_cannot_go_on_stops_the_server_with_status_1(model, monke
 
     always_failing_decode(model, monkeypatch)
     with BatchEngine(model, max_batch=1, context=64) as engine:
-        stream = engine.submit(batcher.Request([5, 6], max_tokens=4))
+        stream = engine.submit(requests.Request([5, 6], max_tokens=4))
         stream.text()
         assert stream.finish_reason == "error"
         wait_for(lambda: engine.closed, what="the engine to stop")
@@ -366,7 +366,7 @@ def test_whole_requests_wait_without_threads_and_hung_up_ones_free_their_rows(se
 
 
 def test_every_finish_reason_of_the_engine_has_one_for_the_client():
-    assert set(FINISH_REASONS) | {"error"} == set(batcher.FINISH_REASONS)
+    assert set(FINISH_REASONS) | {"error"} == set(requests.FINISH_REASONS)
     assert FINISH_REASONS["reader_timeout"] == "reader_timeout"  # a cut-off reader is not a natural end
 
 

@@ -10,7 +10,8 @@ import jmoe
 from jmoe.decoding.sampling import SamplingOptions
 from jmoe.errors import InputError
 from jmoe.serving import BatchEngine, QueueFull, Request
-from jmoe.serving.batcher import CompileCounter, EngineClosed
+from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.requests import EngineClosed
 
 PROMPTS = ["The quick brown fox", "def main():\n    ", "12 + 35 =", "Python is", "import os\nimport",
            "Beware of", "class Stack:", "7 * 8 ="]

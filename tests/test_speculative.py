@@ -305,7 +305,7 @@ def test_the_serving_engine_speculates_with_the_same_texts(three_tiers, plain_gr
     tokens), a sampled row draws from the verification's first position (its seeded tokens), and
     logprobs come from the verification's logits; drafts were accepted."""
     from jmoe.serving import BatchEngine, Request
-    from jmoe.serving.batcher import CompileCounter
+    from jmoe.serving.compiles import CompileCounter
 
     model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16", max_seq_len=64, max_batch=2)
     prompts = [PROMPT, PROMPT[3:], PROMPT[::-1], [9, 8, 7, 6, 5]]

@@ -24,16 +24,13 @@ stop, ending every request with the error and setting `failure`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -41,170 +38,20 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, new_cache
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, new_cache
 from jmoe.decoding.generation import RowText, stop_strings
-from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, Sampler, SamplingOptions, greedy_tokens, prompt_history
-from jmoe.decoding.speculative import SpeculativeOptions, padded
+from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, Sampler, SamplingOptions, prompt_history
+from jmoe.decoding.speculative import SpeculativeOptions
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
+from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.kv_rows import Prefill, insert_row, move_row, put_rows, take_rows
+from jmoe.serving.logits import MAX_TOP_LOGPROBS, greedy_jit, logprobs_jit, row_jit, token_logprobs
+from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob, _Replayed
+from jmoe.serving.speculation import Speculation
 from jmoe.serving.structured import Constraint, masked_row
 
-# "reader_timeout": cut off because its reader left its output unread for reader_timeout seconds
-FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "reader_timeout", "error")
-DEFAULT_ENGINE_DRAFT_K = 3  # drafted tokens per cycle when speculative k is "auto" (a fixed k: few shapes)
-MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's bound)
-
 log = logging.getLogger("jmoe.serving")
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound: the caller should retry later."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine takes no more requests: it was closed, or it failed (see BatchEngine.failure)."""
-
-
-@dataclass
-class Request:
-    """What one request asks for; `prompt` is token ids."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    stop: list[str] = field(default_factory=list)
-    as_text: bool = True  # pieces are text deltas (else token ids)
-    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
-    timeout: float | None = None  # seconds from submit after which the request ends ("timeout")
-    grammar: str | None = None  # structured output: what its answer must follow (jmoe/serving/structured.py)
-
-
-@dataclass
-class TokenLogprob:
-    """A token's log-probability under the model (its logits before temperature and filtering) and
-    the `top` most likely tokens with theirs, most likely first. A prompt's first token, which
-    nothing predicts, has None for both."""
-
-    token: int
-    logprob: float | None
-    top: list[tuple[int, float]] | None
-
-
-class Stream:
-    """A submitted request's output: iterate for its pieces (text deltas or token ids); afterwards
-    `finish_reason` and `usage` say how it ended. cancel() frees its slot at the next step."""
-
-    _ids = itertools.count()
-
-    def __init__(self, request: Request, id: int | None = None):
-        self.request = request
-        self.id = next(Stream._ids) if id is None else id  # what process 0 and its followers call it
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.usage = dict(prompt_tokens=len(request.prompt), completion_tokens=0)
-        self.submitted = self._last_token_at = time.perf_counter()
-        self.unread_since: float | None = None  # when the oldest piece the reader has not taken was put
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self._events: queue.Queue = queue.Queue()
-        self._drained = False  # the reader has seen the end
-        self._cancelled = threading.Event()
-        self._wake_reader = None  # called (on the engine thread) after each event: an async reader's wake-up
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def __iter__(self) -> Iterator:
-        return (piece for piece, _ in self.with_logprobs())
-
-    def with_logprobs(self) -> Iterator[tuple]:
-        """The pieces, each with the TokenLogprobs of the tokens it holds (empty unless the request
-        asked for logprobs)."""
-        while not self._drained:
-            kind, value, logprobs = self._events.get()
-            if kind == "done":
-                self._drained = True
-                return
-            self._taken()
-            yield value, logprobs
-
-    async def with_logprobs_async(self):
-        """with_logprobs() for an asyncio reader: waits on the event loop, holding no thread."""
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the loop has closed: nobody is waiting any more
-                pass
-
-        self._wake_reader = wake
-        try:
-            while not self._drained:
-                try:
-                    kind, value, logprobs = self._events.get_nowait()
-                except queue.Empty:
-                    ready.clear()
-                    if self._events.empty():  # else an event came between the two looks
-                        await ready.wait()
-                    continue
-                if kind == "done":
-                    self._drained = True
-                    return
-                self._taken()
-                yield value, logprobs
-        finally:
-            self._wake_reader = None
-
-    def _taken(self) -> None:
-        """The reader took a piece: what is left was put before now, so it has waited unread since
-        then at the latest."""
-        self.unread_since = time.perf_counter() if self._events.qsize() else None
-
-    def text(self) -> str:
-        """Everything (text requests): blocks until the request ends."""
-        return "".join(self)
-
-    def _put(self, piece, logprobs: list | None = None) -> None:
-        now = time.perf_counter()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        if self.unread_since is None:
-            self.unread_since = now
-        self._events.put(("piece", piece, logprobs or []))
-        self._wake()
-
-    def _wake(self) -> None:
-        wake = self._wake_reader
-        if wake is not None:
-            wake()
-
-    def _since_last_token(self) -> float:
-        """Seconds since this stream's previous token (or since it was submitted); resets the mark."""
-        now = time.perf_counter()
-        last, self._last_token_at = self._last_token_at, now
-        return now - last
-
-    def _finish(self, reason: str, error: str | None = None) -> None:
-        self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
-        self._events.put(("done", reason, []))
-        self._wake()
-
-
-class _Replayed(Stream):
-    """A follower's copy of one of process 0's requests: nobody reads it, so it keeps nothing."""
-
-    def _put(self, piece, logprobs: list | None = None) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-
-    def _finish(self, reason: str, error: str | None = None) -> None:
-        self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
 
 
 @dataclass
@@ -243,111 +90,6 @@ class _Dispatched:
     started: float
 
 
-class _Prefill:
-    """A waiting request's prompt on its way in: prefilled alone, a chunk per advance() (the chunks
-    Decoder.prefill takes), so a long prompt shares the engine's time with the running rows."""
-
-    def __init__(self, model, stream: Stream, context: int):
-        prompt = stream.request.prompt
-        prompt_len = bucket(len(prompt), MIN_PROMPT_BUCKET, context)
-        if prompt_len + 1 > context:  # no room after bucket padding: no padding then
-            prompt_len = len(prompt)
-        self.stream = stream
-        self.clock = RequestClock()  # time to first token counts the prefill
-        self.decoder = Decoder(model, [prompt], prompt_len, context)
-        self._chunks = self.decoder.prefill_chunks()
-        self.logits = None
-
-    @property
-    def done(self) -> bool:
-        return self.decoder.pos[0] >= self.decoder.prompt_len
-
-    def advance(self) -> int:
-        """Prefill the next chunk: its tokens."""
-        taken, self.logits = next(self._chunks)
-        return taken
-
-
-def _insert_row(cache, row_cache, slot):
-    """The batch cache with row `slot` replaced by a one-row cache's row."""
-    return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0], slot, 0), cache, row_cache)
-
-
-_insert_row_jit = jax.jit(_insert_row, donate_argnums=0)
-
-
-def _move_row(cache, src, dst):
-    """The batch cache with row `dst` replaced by row `src` (compacting live rows to the front)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_update_index_in_dim(
-        a, jax.lax.dynamic_index_in_dim(a, src, 0, keepdims=False), dst, 0), cache)
-
-
-_move_row_jit = jax.jit(_move_row, donate_argnums=0)
-# the first n rows of the batch cache, and the batch cache with them written back
-_take_rows_jit = jax.jit(lambda cache, n: jax.tree.map(lambda a: a[:n], cache), static_argnums=1)
-_put_rows_jit = jax.jit(lambda cache, rows: jax.tree.map(
-    lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, 0, 0), cache, rows), donate_argnums=0)
-# one row of the step's logits [1, V]; the row index traced, so no row compiles a slice of its own
-_row_jit = jax.jit(lambda logits, b: jax.lax.dynamic_slice_in_dim(logits, b, 1))
-# every row's greedy token in one call: what the sampler draws for a greedy request without a
-# repetition, presence or frequency penalty or logit bias (those off leave the logits exactly as they are)
-_greedy_jit = jax.jit(greedy_tokens)
-
-
-@jax.jit
-def _logprobs_jit(logits, tokens):
-    """Per row: the log-probability of tokens[b] and the MAX_TOP_LOGPROBS most likely tokens with theirs."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
-    top, ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logprobs.shape[-1]))
-    return chosen, top, ids
-
-
-def token_logprobs(logits, tokens: dict[int, int], wanted: dict[int, int]) -> dict[int, TokenLogprob]:
-    """TokenLogprobs of the rows in `wanted` (row -> alternatives) for their drawn `tokens`, from a
-    step's logits [n, V]: one device call for every row."""
-    if not wanted:
-        return {}
-    drawn = np.zeros(logits.shape[0], np.int32)
-    for b, token in tokens.items():
-        drawn[b] = token
-    chosen, top, ids = (np.asarray(a) for a in _logprobs_jit(logits, drawn))
-    return {b: TokenLogprob(tokens[b], float(chosen[b]), [(int(i), float(v)) for i, v in zip(ids[b, :k], top[b, :k])])
-            for b, k in wanted.items()}
-
-
-class CompileCounter:
-    """XLA compilations in this process since it started counting: jax's backend-compile events and
-    its persistent cache's hits (an executable read from the cache was traced and lowered all the
-    same, on the request's path; without them a warm cache would hide every recompile)."""
-
-    EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
-    _count = 0
-    _registered = False
-    _lock = threading.Lock()
-
-    @classmethod
-    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
-        if event in cls.EVENTS:
-            with cls._lock:
-                cls._count += 1
-
-    @classmethod
-    def start(cls) -> None:
-        """Count from now on (an engine starts it before its warm-up, so /metrics counts every
-        compile since start-up, scraped or not)."""
-        with cls._lock:
-            if not cls._registered:
-                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-                cls._registered = True
-
-    @classmethod
-    def count(cls) -> int:
-        cls.start()
-        with cls._lock:
-            return cls._count
-
-
 class BatchEngine:
     """Runs submitted requests in one continuously batched decode loop on its own thread.
 
@@ -383,7 +125,7 @@ class BatchEngine:
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
         self.waiting: deque[Stream] = deque()
-        self.prefilling: deque[_Prefill] = deque()  # admitted, prompt not all in yet (oldest first)
+        self.prefilling: deque[Prefill] = deque()  # admitted, prompt not all in yet (oldest first)
         # prompt tokens prefilled between two decode steps, at most (at least one chunk): a long
         # prompt arriving does not stall the running streams for its whole prefill
         self.prefill_per_step = validate.integer("prefill_per_step", prefill_per_step, minimum=1)
@@ -391,12 +133,11 @@ class BatchEngine:
         # a client that stops reading does not hold its slot until max_tokens
         self.reader_timeout = None if reader_timeout is None else validate.real(
             "reader_timeout", reader_timeout, minimum=0.0)
-        # speculative decoding (jmoe/decoding/speculative.py): a cycle drafts k tokens per row with
+        # speculative decoding (jmoe/serving/speculation.py): a cycle drafts k tokens per row with
         # the model's low-precision copy and verifies them in one pass; greedy rows keep the prefix
         # the target agrees with, other rows draw one token from the verification's first position
         options = SpeculativeOptions.parse(speculative)
-        self.draft = model.draft(options.draft) if options else None
-        self.draft_k = (options.k or DEFAULT_ENGINE_DRAFT_K) if options else 0
+        self.speculation = Speculation(model, options) if options else None
         self.steps = 0
         self._inflight: _Dispatched | None = None  # a step dispatched ahead of reading the last one back
         # told of every step (seconds, live rows), token (stream, seconds since its previous one or
@@ -426,28 +167,21 @@ class BatchEngine:
         prompt_len = MIN_PROMPT_BUCKET
         while prompt_len < self.context:
             decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context)
-            _greedy_jit(decoder.prefill())
-            self.cache = _insert_row_jit(self.cache, decoder.cache, np.int32(0))
+            greedy_jit(decoder.prefill())
+            self.cache = insert_row(self.cache, decoder.cache, np.int32(0))
             prompt_len *= 2
-        self.cache = _move_row_jit(self.cache, np.int32(0), np.int32(0))
+        self.cache = move_row(self.cache, np.int32(0), np.int32(0))
         n = 1
         while True:
             logits = self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
                                     np.full(n, self.context, np.int32))
             # the next step dispatched from this one's tokens still on the device (_step's overlap)
-            self._run_step(_greedy_jit(logits), np.zeros(n, np.int32), np.full(n, self.context, np.int32))
-            _row_jit(logits, np.int32(0))
+            self._run_step(greedy_jit(logits), np.zeros(n, np.int32), np.full(n, self.context, np.int32))
+            row_jit(logits, np.int32(0))
             masked_row(logits, np.int32(0), np.zeros((1, -(-logits.shape[-1] // 32)), np.int32))  # a constrained row's
-            _logprobs_jit(logits, np.zeros(n, np.int32))
-            if self.draft is not None:
-                self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
-                               np.full(n, self.context, np.int32), residency=self.draft)
-                for width in sorted({2, padded(np.zeros((1, self.draft_k + 1)), self.context).shape[1]}):
-                    verify = self._run_step(np.full((n, width), self.pad, np.int32), np.zeros(n, np.int32),
-                                            np.full(n, self.context, np.int32), last_only=False, phase="verify")
-                    _greedy_jit(verify)
-                    _row_jit(verify[:, 0], np.int32(0))
-                    _logprobs_jit(verify.reshape(-1, verify.shape[-1]), np.zeros(n * width, np.int32))
+            logprobs_jit(logits, np.zeros(n, np.int32))
+            if self.speculation is not None:
+                self.speculation.warm_up(self, n)
             if n == self.max_batch:
                 break
             n = self.bucket(n + 1)
@@ -460,7 +194,7 @@ class BatchEngine:
         for sampling in samplings:
             sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), HISTORY_DTYPE))
             for _ in range(2):  # the first draw takes host arrays, later ones the device's it returned
-                sampler(_row_jit(logits, np.int32(0)))
+                sampler(row_jit(logits, np.int32(0)))
 
     # ------------------------------------------------------------------ public
 
@@ -520,7 +254,7 @@ class BatchEngine:
             self.waiting.extend(_Replayed(request, i) for i, request in d["admit"])
             self._admit()
             if self.running:
-                self._speculative_step() if self.draft is not None else self._step()
+                self.speculation.step(self) if self.speculation is not None else self._step()
         self._fail_all(None)
 
     def __enter__(self):
@@ -561,7 +295,7 @@ class BatchEngine:
         self._admit(None if admitting is None else len(admitting))
         if self.running:
             try:
-                self._speculative_step() if self.draft is not None else self._step()
+                self.speculation.step(self) if self.speculation is not None else self._step()
             except Exception as error:  # noqa: BLE001 - the step's requests fail, the engine goes on
                 if self.mirror is not None:  # the other processes ran this step too: no one-sided recovery
                     raise
@@ -673,7 +407,7 @@ class BatchEngine:
         live = [b for b, row in enumerate(self.rows) if row is not None]
         for dst, src in enumerate(live):
             if src != dst:
-                self.cache = _move_row_jit(self.cache, np.int32(src), np.int32(dst))
+                self.cache = move_row(self.cache, np.int32(src), np.int32(dst))
                 self.rows[dst], self.rows[src] = self.rows[src], None
                 self.pos[dst], self.key_start[dst] = self.pos[src], self.key_start[src]
                 self.pos[src], self.key_start[src] = 0, self.context
@@ -690,7 +424,7 @@ class BatchEngine:
                     break
                 stream = self.waiting.popleft()
             try:
-                self.prefilling.append(_Prefill(self.model, stream, self.context))
+                self.prefilling.append(Prefill(self.model, stream, self.context))
             except Exception as error:  # noqa: BLE001 - this request fails, not the engine
                 self._request_failed(stream, error)
         budget = self.prefill_per_step
@@ -704,13 +438,13 @@ class BatchEngine:
             except Exception as error:  # noqa: BLE001 - this request fails, not the engine
                 self._request_failed(p.stream, error)
 
-    def _start(self, b: int, prefill: _Prefill) -> None:
+    def _start(self, b: int, prefill: Prefill) -> None:
         """A prefilled request takes row b (the first free one): its cache row copied in, its first token."""
         stream, decoder, model = prefill.stream, prefill.decoder, self.model
         request = stream.request
         sampler = Sampler(model.engine, request.sampling,
                           prompt_history([request.prompt], model.config.vocab_size, request.sampling))
-        self.cache = _insert_row_jit(self.cache, decoder.cache, np.int32(b))
+        self.cache = insert_row(self.cache, decoder.cache, np.int32(b))
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
         text = RowText(model.tokenizer, request.stop) if request.as_text else None
         constraint = None if request.grammar is None else Constraint(
@@ -738,7 +472,7 @@ class BatchEngine:
             tokens = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
             step = self._dispatch(tokens, rows, np.where([r is not None for r in rows], self.pos[:n], 0))
         rows = step.rows
-        greedy = _greedy_jit(step.logits) if any(r is not None and r.plain_greedy for r in rows) else None
+        greedy = greedy_jit(step.logits) if any(r is not None and r.plain_greedy for r in rows) else None
         if greedy is not None and self._can_overlap(step):
             live = np.asarray([r is not None for r in rows])
             self._inflight = self._dispatch(greedy, rows, np.where(live, step.pos + 1, 0))
@@ -775,7 +509,7 @@ class BatchEngine:
         the same slots, nothing else running, all plain greedy, room for one more token each, and no
         speculative cycles (they draft from host tokens)."""
         live = [r for r in step.rows if r is not None]
-        return (self.draft is None and all(r.plain_greedy for r in live) and len(live) == self.running
+        return (self.speculation is None and all(r.plain_greedy for r in live) and len(live) == self.running
                 and all(a is b for a, b in zip(self.rows, step.rows))
                 and bool((step.pos[[r is not None for r in step.rows]] + 1 < self.context).all()))
 
@@ -785,70 +519,18 @@ class BatchEngine:
         return {b: row.stream.request.logprobs for b, row in enumerate(rows)
                 if row is not None and row.stream.request.logprobs is not None}
 
-    def _speculative_step(self) -> None:
-        """One speculative cycle over the first bucket(live) slots: the draft decodes k tokens per
-        row, the target verifies them with each row's last token in one pass, and each row emits
-        what it keeps (a plain step when no row is plain greedy or there is no room to draft)."""
-        self._compact()
-        n = self.bucket(self.running)
-        rows = self.rows[:n]
-        live = np.asarray([r is not None for r in rows])
-        greedy = [b for b, r in enumerate(rows) if r is not None and r.plain_greedy]
-        pos = np.where(live, self.pos[:n], 0).astype(np.int32)
-        need = max(r.stream.request.max_tokens - r.generated for r in rows if r is not None)
-        k = min(self.draft_k, self.context - 1 - int(pos[live].max()), need - 1)
-        if not greedy or k <= 0:
-            return self._step()
-        started = time.perf_counter()
-        key_start = self.key_start[:n].copy()
-        last = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
-        drafts = [last]
-        for j in range(k):
-            drafts.append(np.asarray(_greedy_jit(self._run_step(drafts[-1], pos + j, key_start, residency=self.draft)),
-                                     np.int32))
-        block = np.stack(drafts, axis=1)  # [n, k + 1]: each row's last token, then its drafts
-        block = padded(block, self.context - int(pos.max()))
-        verify = self._run_step(block, pos, key_start, last_only=False, phase="verify")  # [n, W, V]
-        picks = np.asarray(_greedy_jit(verify))  # [n, W]
-        self.steps += 1
-        if self.observer is not None:
-            self.observer.step(time.perf_counter() - started, self.running)
-        emitted, accepted = {}, []
-        for b, row in enumerate(rows):
-            if row is None:
-                continue
-            if row.plain_greedy:
-                kept = 0
-                while kept < k and picks[b, kept] == block[b, kept + 1]:
-                    kept += 1
-                accepted.append(kept)
-                emitted[b] = [int(t) for t in block[b, 1:kept + 1]] + [int(picks[b, kept])]
-            elif (token := self._draw_or_end(row, verify[:, 0], b)) is not None:
-                emitted[b] = [token]
-        self.model.stats.spec.count(k, np.asarray(accepted))
-        width = verify.shape[1]
-        flat = {b * width + j: t for b, tokens in emitted.items() for j, t in enumerate(tokens)}
-        wanted = {b * width + j: k_top for b, k_top in self._wanted(rows).items() for j in range(len(emitted[b]))}
-        logprobs = token_logprobs(verify.reshape(n * width, -1), flat, wanted)
-        for b, tokens in emitted.items():
-            for j, t in enumerate(tokens):
-                if self.rows[b] is None:  # ended on an earlier token of its block
-                    break
-                self.pos[b] += 1
-                self._emit(b, t, logprobs.get(b * width + j))
-
     def _run_step(self, tokens, pos, key_start, *, residency=None, last_only: bool = True, phase: str = "decode"):
         """The model's step over the first len(tokens) rows of the batch cache (taken out and written
         back when they are not all of it), settled: logits [n, V] (a decode step: tokens [n]), or
         [n, T, V] with last_only=False (tokens [n, T]). `residency`: the draft's experts."""
         n = len(tokens)
-        cache = self.cache if n == self.max_batch else _take_rows_jit(self.cache, n)
+        cache = self.cache if n == self.max_batch else take_rows(self.cache, n)
         logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, key_start, last_only=last_only,
                                                  phase=phase, residency=residency, defer=True)
         if pending is not None:
             corrected, cache = self.model.settle(pending, cache)
             logits = logits if corrected is None else corrected
-        self.cache = cache if n == self.max_batch else _put_rows_jit(self.cache, cache)
+        self.cache = cache if n == self.max_batch else put_rows(self.cache, cache)
         return logits
 
     @staticmethod
@@ -856,7 +538,7 @@ class BatchEngine:
         """Row `row`'s next token by its sampler, from row i of logits [n, V]; a constrained row's
         from the tokens its grammar allows (its matcher then advanced past the one drawn)."""
         if row.constraint is None:
-            return int(np.asarray(row.sampler(_row_jit(logits, np.int32(i))))[0])
+            return int(np.asarray(row.sampler(row_jit(logits, np.int32(i))))[0])
         token = int(np.asarray(row.sampler(masked_row(logits, np.int32(i), row.constraint.allowed())))[0])
         row.constraint.advance(token)
         return token

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from jmoe.decoding.sampling import SamplingOptions
-from jmoe.serving.batcher import BatchEngine, Request
+from jmoe.serving.batcher import BatchEngine
+from jmoe.serving.requests import Request
 from jmoe.tokenizer import encode
 
 

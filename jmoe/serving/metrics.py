@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jmoe.serving.batcher import BatchEngine, CompileCounter, Stream
+from jmoe.serving.batcher import BatchEngine
+from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.requests import Stream
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

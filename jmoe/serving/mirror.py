@@ -24,7 +24,7 @@ def request_to_dict(request) -> dict:
 
 
 def request_from_dict(d: dict):
-    from jmoe.serving.batcher import Request
+    from jmoe.serving.requests import Request
 
     return Request(**{**d, "sampling": SamplingOptions(**d["sampling"])})
 

@@ -27,15 +27,9 @@ from itertools import accumulate
 from jmoe import validate
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
-from jmoe.serving.batcher import (
-    MAX_TOP_LOGPROBS,
-    BatchEngine,
-    EngineClosed,
-    QueueFull,
-    Request,
-    Stream,
-    TokenLogprob,
-)
+from jmoe.serving.batcher import BatchEngine
+from jmoe.serving.logits import MAX_TOP_LOGPROBS
+from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.metrics import EngineMetrics
 from jmoe.serving import structured

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET
 from jmoe.decoding.evaluate import forward
-from jmoe.serving.batcher import TokenLogprob, token_logprobs
+from jmoe.serving.logits import token_logprobs
+from jmoe.serving.requests import TokenLogprob
 
 
 class PromptScorer:
