@@ -22,7 +22,8 @@ import pytest
 import jmoe
 from jmoe.serving import BatchEngine, requests, scoring
 from jmoe.serving.compiles import CompileCounter
-from jmoe.serving.openai_api import FINISH_REASONS, MAX_BODY_BYTES, create_app
+from jmoe.serving.openai_api import FINISH_REASONS, create_app
+from jmoe.serving.validation import MAX_BODY_BYTES
 from jmoe.serving.server import Server
 from tests.serving_helpers import serving, start
 
@@ -199,12 +200,12 @@ def test_the_requests_that_killed_the_engine_leave_it_answering_alike(served):
 
 
 def test_an_unexpected_error_is_a_json_500_and_one_log_record(served, monkeypatch, caplog):
-    from jmoe.serving import openai_api
+    from jmoe.serving import validation
 
     def broken(*args, **kwargs):
         raise TypeError("an unexpected error")
 
-    monkeypatch.setattr(openai_api, "encode", broken)
+    monkeypatch.setattr(validation, "encode", broken)
     response = post(served[0], OK)
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
     assert "TypeError" in response.json()["error"]["message"]
