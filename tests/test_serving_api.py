@@ -995,3 +995,71 @@ def test_tool_calls_are_read_from_hermes_blocks():
     assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
     assert content.startswith("Let me check.") and "unknown" in content and "not json" in content
     assert tool_calls("no calls here", tools) == ("no calls here", [])
+
+
+# templates that teach the other tool-call formats the server reads (in the words their families' templates use)
+MISTRAL_TEMPLATE = """{%- if tools %}[AVAILABLE_TOOLS]{% for tool in tools %} {{ tool.function.name }}{% endfor %}
+[/AVAILABLE_TOOLS] call them as [TOOL_CALLS] followed by a JSON list
+{% endif %}{%- for m in messages %}{{ m.role }}: {{ m.content }}
+{% endfor %}assistant:"""
+LLAMA3_TEMPLATE = """{%- if tools %}Respond in the format {"name": function name, "parameters": dictionary of argument \
+name and its value}. Tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}
+{% endif %}{%- for m in messages %}{{ m.role }}: {{ m.content }}
+{% endfor %}assistant:"""
+
+
+@pytest.mark.parametrize("template, opening", [(MISTRAL_TEMPLATE, "[TOOL_CALLS]["), (LLAMA3_TEMPLATE, '{"name":')])
+def test_required_calls_in_the_mistral_and_llama_formats(served, monkeypatch, template, opening):
+    """The template's format is recognised, a required call is written in it (the raw answer, read
+    without tools, shows it) and comes back as tool_calls whose arguments fit the schema."""
+    base, _, model = served
+    from jmoe.serving import openai_api
+
+    monkeypatch.setattr(model.tokenizer, "chat_template", template)
+    answers, read = [], openai_api.tool_calls
+    monkeypatch.setattr(openai_api, "tool_calls", lambda text, tools: answers.append(text) or read(text, tools))
+    ask = [{"role": "user", "content": "What is 12 + 35?"}]
+    named = {"type": "function", "function": {"name": "add"}}
+    answer = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": named,
+                              "temperature": 1.0, "seed": 2}).json()["choices"][0]
+    assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None, answer
+    [call] = answer["message"]["tool_calls"]
+    check_call(call)
+    assert call["function"]["name"] == "add"
+    [raw] = answers  # the answer as drawn: in the template's format
+    assert raw.startswith(opening) and '"add"' in raw, raw
+
+
+def test_tool_calls_are_read_in_each_format():
+    from types import SimpleNamespace
+
+    from jmoe.errors import InputError
+    from jmoe.serving.tools import HERMES, LLAMA3, MISTRAL, parse_tools, template_format
+
+    names = parse_tools([WEATHER, ADD], None).names
+    args = lambda calls: [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]  # noqa: E731
+    # Mistral: a JSON list after [TOOL_CALLS] (text before it is content), or newer templates' name[ARGS]{...}
+    content, calls = MISTRAL.read('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                                  '{"name": "get_weather", "arguments": {"city": "Oslo"}}]', names)
+    assert content == "Sure." and args(calls) == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
+    content, calls = MISTRAL.read('[TOOL_CALLS]add[ARGS]{"a": 3, "b": 4}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+                                  names)
+    assert content is None and args(calls) == [("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Rome"})]
+    for text in ('[TOOL_CALLS][{"name": "unknown", "arguments": {}}]', "[TOOL_CALLS] not json", "no calls"):
+        assert MISTRAL.read(text, names) == (text, [])
+    # Llama 3.1: the whole answer is the call(s), "parameters" holding the arguments
+    content, calls = LLAMA3.read('<|python_tag|>{"name": "add", "parameters": {"a": 5, "b": 6}}; '
+                                 '{"name": "get_weather", "parameters": {"city": "Lima"}}', names)
+    assert content is None and args(calls) == [("add", {"a": 5, "b": 6}), ("get_weather", {"city": "Lima"})]
+    for text in ('The answer is {"name": "add"}', '{"name": "unknown", "parameters": {}}', '{"name": "add"} and more'):
+        assert LLAMA3.read(text, names) == (text, [])
+    # the format a template teaches; a marker the tokenizer holds as one special token is drawn as that token
+    of = lambda template: template_format(SimpleNamespace(chat_template=template))  # noqa: E731
+    assert (of(TOOL_TEMPLATE), of(MISTRAL_TEMPLATE), of(LLAMA3_TEMPLATE)) == (HERMES, MISTRAL, LLAMA3)
+    with pytest.raises(InputError, match="format"):  # GPT-OSS's harmony: not read back
+        of("{% for tool in tools %}{{ tool }}{% endfor %}<|channel|>commentary to=functions.{{ name }}")
+    with pytest.raises(InputError, match="no tools"):
+        of("{% for m in messages %}{{ m.content }}{% endfor %}")
+    special = SimpleNamespace(added_tokens_encoder={"[TOOL_CALLS]": 5})
+    assert MISTRAL.call_grammar({}, special).startswith("start: <[5]> calls")
+    assert MISTRAL.call_grammar({}, None).startswith('start: "[TOOL_CALLS]" calls')

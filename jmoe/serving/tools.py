@@ -1,16 +1,20 @@
 """Tool calls on chat completions (OpenAI's `tools` and `tool_choice`), for chat templates that take tools.
 
 The tools go to the model's chat template (which describes them to the model in its own words);
-the answer's tool calls are read back in the format such templates teach, Hermes' and Qwen's:
+the answer's tool calls are read back in the format the template teaches, told by what it says:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+    Hermes / Qwen2.5 / Qwen3   <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
+    Mistral                    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
+                               (or, from newer templates, [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"})
+    Llama 3.1 / 3.2 / 3.3      {"name": "get_weather", "parameters": {"city": "Paris"}}  (the whole answer,
+                               after an optional <|python_tag|>; several joined by ";")
 
 `tool_choice` "auto" (the default with tools) lets the model answer or call; "none" renders no
-tools; "required", or one named function, holds the answer to such a call by constrained
-decoding (jmoe/serving/structured.py), its arguments to the function's parameter schema. A model
-whose template takes no tools, or not in this format, is refused with a 400 naming `tools`.
+tools; "required", or one named function, holds the answer to one call in the template's format by
+constrained decoding (jmoe/serving/structured.py), its arguments to the function's parameter
+schema (a marker the tokenizer holds as one special token is drawn as that token). A model whose
+template takes no tools, or in another format (GPT-OSS's harmony channels, DeepSeek's tool-call
+tokens), is refused with a 400 naming `tools`.
 """
 
 from __future__ import annotations
@@ -18,15 +22,137 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jmoe.errors import InputError
 from jmoe.serving.structured import COMPACT_JSON
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # as OpenAI allows
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_DECODER = json.JSONDecoder()
+
+
+def _call(name: str, arguments) -> dict:
+    """One call in OpenAI's shape (arguments as a JSON string)."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+
+
+def _json_values(text: str, separator: str = "") -> list | None:
+    """The JSON values `text` is made of (optionally joined by `separator`), or None when it is not only that."""
+    values, i, text = [], 0, text.strip()
+    while i < len(text):
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+        while i < len(text) and (text[i].isspace() or (separator and text[i] == separator)):
+            i += 1
+    return values
+
+
+def _marker(tokenizer, text: str) -> str:
+    """A literal of a Lark grammar: the tokenizer's special token when it holds `text` as one, else the text."""
+    added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    return f"<[{added[text]}]>" if text in added else json.dumps(text)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one family of chat templates writes tool calls: what in a template tells it, how a
+    forced call is written (a Lark grammar around one call's JSON) and how calls are read back."""
+
+    name: str
+    markers: tuple  # a template that contains all of these teaches this format
+    key: str = "arguments"  # the call's field holding its arguments
+
+    def call_grammar(self, call_schema: dict, tokenizer) -> str:
+        raise NotImplementedError
+
+    def read(self, text: str, names: set) -> tuple[str | None, list[dict]]:
+        """An answer -> (its content outside tool calls, or None when nothing else is said; its calls
+        in OpenAI's shape). What is not a call of one of the tools stays in the content."""
+        raise NotImplementedError
+
+    def _as_call(self, value, names: set) -> dict | None:
+        if isinstance(value, dict) and value.get("name") in names:
+            return _call(value["name"], value.get(self.key, value.get("arguments", {})))
+        return None
+
+
+class _Hermes(ToolFormat):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+    def call_grammar(self, call_schema, tokenizer):
+        opening = _marker(tokenizer, self.OPEN) + ' "\\n"'
+        closing = '"\\n" ' + _marker(tokenizer, self.CLOSE)
+        return f"start: {opening} call {closing}\ncall: %json {json.dumps(call_schema)}"
+
+    def read(self, text, names):
+        calls, kept, start = [], [], 0
+        for match in self._BLOCK.finditer(text):
+            values = _json_values(match.group(1))
+            call = self._as_call(values[0], names) if values and len(values) == 1 else None
+            if call is None:
+                continue
+            calls.append(call)
+            kept.append(text[start:match.start()])
+            start = match.end()
+        kept.append(text[start:])
+        content = "".join(kept).strip()
+        return (content or None) if calls else text, calls
+
+
+class _Mistral(ToolFormat):
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def call_grammar(self, call_schema, tokenizer):
+        calls = {"type": "array", "minItems": 1, "maxItems": 1, "items": call_schema, "x-guidance": COMPACT_JSON}
+        return f"start: {_marker(tokenizer, self.OPEN)} calls\ncalls: %json {json.dumps(calls)}"
+
+    def read(self, text, names):
+        head, found, rest = text.partition(self.OPEN)
+        if not found:
+            return text, []
+        calls = []
+        for part in rest.split(self.OPEN):
+            name, has_args, arguments = part.partition(self.ARGS)
+            if has_args:  # name[ARGS]{...}
+                values = _json_values(arguments)
+                call = self._as_call({"name": name.strip(), "arguments": values[0]}, names) if values else None
+                calls.append(call)
+                continue
+            values = _json_values(part)
+            listed = values[0] if values and len(values) == 1 else None
+            listed = listed if isinstance(listed, list) else [listed]
+            calls.extend(self._as_call(v, names) for v in listed)
+        if not calls or None in calls:
+            return text, []
+        return head.strip() or None, calls
+
+
+class _Llama3(ToolFormat):
+    TAG = "<|python_tag|>"
+
+    def call_grammar(self, call_schema, tokenizer):
+        return f"start: call\ncall: %json {json.dumps(call_schema)}"
+
+    def read(self, text, names):
+        body = text.strip()
+        body = body[len(self.TAG):] if body.startswith(self.TAG) else body
+        values = _json_values(body, ";") if body.startswith("{") else None
+        calls = [self._as_call(v, names) for v in values or []]
+        if not calls or None in calls:
+            return text, []
+        return None, calls
+
+
+HERMES = _Hermes("hermes", ("<tool_call>",))
+MISTRAL = _Mistral("mistral", ("[TOOL_CALLS]",))
+LLAMA3 = _Llama3("llama3", ('"parameters": dictionary of argument name',), key="parameters")
+FORMATS = (HERMES, MISTRAL, LLAMA3)
 
 
 @dataclass(frozen=True)
@@ -36,6 +162,7 @@ class Tools:
     functions: tuple  # ({"name", "description"?, "parameters"?}, ...)
     choice: str  # "auto", "required" or "function" (a named one: `name`)
     name: str | None = None
+    format: ToolFormat = field(default=HERMES)  # the template's (template_format)
 
     def for_template(self) -> list[dict]:
         """The tools as chat templates take them."""
@@ -45,17 +172,17 @@ class Tools:
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
 
-    def grammar(self) -> str | None:
+    def grammar(self, tokenizer=None) -> str | None:
         """What the answer must be, as a grammar (llguidance's Lark), or None when the model may answer freely."""
         if self.choice == "auto":
             return None
+        key = self.format.key
         chosen = [f for f in self.functions if self.choice == "required" or f["name"] == self.name]
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
                   "properties": {"name": {"const": f["name"]},
-                                 "arguments": f.get("parameters") or {"type": "object"}}} for f in chosen]
+                                 key: f.get("parameters") or {"type": "object"}}} for f in chosen]
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": COMPACT_JSON}
-        opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
-        return f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}"
+        return self.format.call_grammar(schema, tokenizer)
 
 
 def parse_tools(tools, tool_choice) -> Tools | None:
@@ -101,31 +228,22 @@ def parse_tools(tools, tool_choice) -> Tools | None:
                      "\"function\": {\"name\": ...}} naming one of the tools")
 
 
-def check_template(tokenizer) -> None:
-    """Refuse tools unless the model's chat template takes them in the <tool_call> format."""
+def template_format(tokenizer) -> ToolFormat:
+    """The tool-call format the model's chat template teaches; refuses a template that takes no
+    tools, or takes them in a format this server cannot read back."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if not isinstance(template, str) or "tools" not in template or OPEN not in template:
-        raise InputError("this model's chat template takes no tools in the <tool_call> format (Hermes, Qwen) "
-                         "that this server reads back")
+    if isinstance(template, dict):  # several named templates: the one chat uses, or the one for tools
+        template = template.get("tool_use") or template.get("default")
+    if not isinstance(template, str) or "tools" not in template:
+        raise InputError("this model's chat template takes no tools")
+    for fmt in FORMATS:
+        if all(marker in template for marker in fmt.markers):
+            return fmt
+    raise InputError("this model's chat template takes tools in a format this server does not read back "
+                     "(it reads Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] and Llama 3.1 JSON calls)")
 
 
 def tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     """An answer -> (its content outside tool calls, or None when nothing else is said; its calls
-    in OpenAI's shape). A block that is not a call of one of the tools stays in the content."""
-    calls, kept, start = [], [], 0
-    for match in _CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or call.get("name") not in tools.names:
-            continue
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
-        kept.append(text[start:match.start()])
-        start = match.end()
-    kept.append(text[start:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    in OpenAI's shape), in the request's template's format."""
+    return tools.format.read(text, tools.names)

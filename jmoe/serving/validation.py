@@ -4,6 +4,7 @@ sampling parameters, prompts and chat messages; a bad body raises ApiError namin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from jmoe.errors import InputError
 from jmoe.serving import structured
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.logits import MAX_TOP_LOGPROBS
-from jmoe.serving.tools import Tools, check_template, parse_tools
+from jmoe.serving.tools import Tools, parse_tools, template_format
 from jmoe.tokenizer import encode
 
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused before it is parsed
@@ -204,12 +205,13 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
                                      model.eos_token_ids)
     except InputError as e:
         raise ApiError(str(e), "response_format") from None
-    if tools is not None and tools.grammar() is not None:
+    if tools is not None and tools.choice != "auto":
         if grammar is not None:
             raise ApiError("'response_format' and a 'tool_choice' that requires a call cannot both hold the answer",
                            "response_format")
         try:
-            grammar = structured.lark(tools.grammar(), model.tokenizer, model.config.vocab_size, model.eos_token_ids)
+            grammar = structured.lark(tools.grammar(model.tokenizer), model.tokenizer, model.config.vocab_size,
+                                      model.eos_token_ids)
         except InputError as e:
             raise ApiError(str(e), "tools") from None
     return Parsed(prompts, texts, n, stream, include_usage, max_tokens, sampling, _stop(body), _logprobs(body, chat),
@@ -345,7 +347,7 @@ def _tools(body: dict, model) -> Tools | None:
         raise ApiError(str(e), "tool_choice" if str(e).startswith("'tool_choice'") else "tools") from None
     if tools is not None:
         try:
-            check_template(model.tokenizer)
+            tools = dataclasses.replace(tools, format=template_format(model.tokenizer))
         except InputError as e:
             raise ApiError(str(e), "tools") from None
     return tools
