@@ -44,20 +44,28 @@ readme-check: $(STAMP)
 # report of a failing test into a pytest INTERNALERROR that hides it.
 # -n 2 --dist loadfile: two worker processes (the CI machine's two cores; most of a test's time is
 # XLA compiling, one core each), each test module on one worker so its fixtures are built once.
-# The H100 compile check (gpu-compile, below: its venv's download, then mostly one core compiling)
-# runs beside the suite, its output in a log printed after the tests; either failing fails `make
+# Beside the suite, one after another (mostly one core): the H100 compile check (gpu-compile, below:
+# its venv's download, then compiling), the docs site (docs) and the README's commands
+# (readme-check), each into its log, printed after the tests; any of them failing fails `make
 # test`, whose last line is pytest's summary line again (what CI reads).
 TEST_WORKERS ?= 2
 GPU_COMPILE_LOG ?= gpu-compile.log
+DOCS_LOG ?= docs.log
+README_LOG ?= readme-check.log
 TEST_LOG ?= test.log
+BESIDE := gpu-compile:$(GPU_COMPILE_LOG) docs:$(DOCS_LOG) readme-check:$(README_LOG)
 test: $(STAMP)
-	@echo "make gpu-compile runs beside the tests; its log: $(GPU_COMPILE_LOG)"
-	@$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) gpu-compile > $(GPU_COMPILE_LOG) 2>&1 & compile=$$!; \
+	@echo "beside the tests, in turn: make gpu-compile, docs and readme-check; their logs: $(GPU_COMPILE_LOG), $(DOCS_LOG), $(README_LOG)"
+	@for job in $(BESIDE); do \
+		$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) $${job%%:*} > $${job#*:} 2>&1; \
+		echo "$$?" > $${job#*:}.rc; \
+	done & beside=$$!; \
 	{ PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; echo "$$?" > $(TEST_LOG).rc; } \
 		2>&1 | tee $(TEST_LOG); \
-	wait $$compile; compiled=$$?; tests=$$(cat $(TEST_LOG).rc); \
-	echo "gpu-compile: exit $$compiled; the end of its log:"; tail -n 30 $(GPU_COMPILE_LOG); \
-	tail -n 1 $(TEST_LOG); [ "$$tests" -eq 0 ] && [ "$$compiled" -eq 0 ]
+	wait $$beside; failed=0; \
+	for job in $(BESIDE); do log=$${job#*:}; rc=$$(cat $$log.rc); \
+		echo "make $${job%%:*}: exit $$rc; the end of its log:"; tail -n 20 $$log; [ "$$rc" -eq 0 ] || failed=1; done; \
+	tail -n 1 $(TEST_LOG); [ "$$(cat $(TEST_LOG).rc)" -eq 0 ] && [ "$$failed" -eq 0 ]
 
 # Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
 bench: $(STAMP)
