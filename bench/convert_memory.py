@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import CALIB_FILES, ROOT, TINY_HF, write_result
-from bench.synthetic import QWEN3_30B_A3B, checkpoint_bytes, write_checkpoint
+from bench.lib.common import CALIB_FILES, ROOT, TINY_HF, write_result
+from bench.lib.synthetic import QWEN3_30B_A3B, checkpoint_bytes, write_checkpoint
 
 TIERS = "bf16,int8,int4,int2"
 CALIB = ",".join(str(p) for p in CALIB_FILES)

@@ -20,7 +20,7 @@ then the three generates of the workload once, so that nothing compiles in what 
 not exhaust; the governor's choice of draft length also reads cycle times, which compilation
 would distort). The measured generates therefore repeat the warm-up's, on caches it left.
 
-Counting (one process, this one): a case is loaded, bench.host_io installed (it clears JAX's
+Counting (one process, this one): a case is loaded, bench.lib.host_io installed (it clears JAX's
 caches, so the warm-up compiles through the counted dispatch path) and the case warmed up; the
 counts are taken around the three generates. Reported per generated token ("all", the prefill
 included) and per decode token ("decode": from the first streamed token to the end of the stream,
@@ -66,8 +66,8 @@ from pathlib import Path
 import jax
 
 import jmoe
-from bench import host_io
-from bench.common import CORPUS, DOMAINS, RESULTS, ROOT, TINY_HF, machine
+from bench.lib import host_io
+from bench.lib.common import CORPUS, DOMAINS, RESULTS, ROOT, TINY_HF, machine
 from jmoe.policies import DyMoE, DynaExq
 
 STATS_COUNTERS = ("host_syncs", "replays", "transfers", "bytes_h2d", "tokens", "steps", "expert_uses", "evictions",

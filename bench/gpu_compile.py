@@ -2,7 +2,7 @@
 
 Deviceless ahead-of-time compilation: with the CUDA plugin wheels that match the installed jax
 (`make gpu-compile` builds them into .venv-gpu-aot) and JAX_PLATFORMS=cpu,
-`jax.experimental.topologies.get_topology_desc` gives a compile-only H100 (bench/gpu_aot/
+`jax.experimental.topologies.get_topology_desc` gives a compile-only H100 (bench/lib/gpu_aot/
 h100_target_config.pbtxt: sm_90, 132 SMs, 227 KB of opt-in shared memory per block). A jitted
 function whose inputs are ShapeDtypeStructs on it runs `.lower().compile()` through XLA's real GPU
 pipeline: its Triton, PTX, and ptxas for sm_90a. Nothing runs; every figure here is what the
@@ -72,7 +72,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TARGET_CONFIG = HERE / "gpu_aot" / "h100_target_config.pbtxt"
+TARGET_CONFIG = HERE / "lib" / "gpu_aot" / "h100_target_config.pbtxt"
 
 # hidden D, expert width F, top_k, and whether the family adds biases and the clamped SwiGLU
 MODELS = {
@@ -461,7 +461,7 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
     import jax.numpy as jnp
     from flax import nnx
 
-    from bench.random_checkpoint import model_named
+    from bench.lib.random_checkpoint import model_named
     from jmoe.decoding.engine import _forward, new_cache
     from jmoe.layers.experts import ExpertState, Selection
     from jmoe.layers.transformer import abstract_model
@@ -716,7 +716,7 @@ def compile_offloaded_step(model: str, case: str, policy_name: str, tier: str, o
     conditional, as on the CPU (the offload canary)."""
     import jax
 
-    from bench.random_checkpoint import model_named
+    from bench.lib.random_checkpoint import model_named
     from jmoe.decoding.engine import _decode
     from jmoe.models import config_from_hf
     from jmoe.policies import make_policy

@@ -3,7 +3,7 @@ earlier one loaded from a file (e.g. `git show REV:pallas_kernels/expert_ffn_pal
 
 Every real model shape of bench/gpu_compile.py (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B with biases
 and the clamped SwiGLU, DeepSeek-V2-Lite) at every tier, one decode token routed to top_k experts of a
-full pool: per-call time within a jitted chain of calls (bench.common.in_graph_seconds) for both
+full pool: per-call time within a jitted chain of calls (bench.lib.common.in_graph_seconds) for both
 versions and the XLA reference, unique weight bytes per second, and each version's error against
 the reference. Needs a GPU; writes bench/results/gpu_decode_ab_gpu.json.
 
@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import RESULTS, in_graph_seconds, machine
+from bench.lib.common import RESULTS, in_graph_seconds, machine
 from bench.kernels import TIERS, expert_bytes, max_relative_error, random_pool
-from bench.random_checkpoint import model_named
+from bench.lib.random_checkpoint import model_named
 from jmoe.layers.experts import expert_activation
 from jmoe.models import config_from_hf
 from pallas_kernels import expert_ffn_pallas, expert_ffn_reference
 
-# the real models' configs (bench/random_checkpoint.py) give every shape, bias and activation
+# the real models' configs (bench/lib/random_checkpoint.py) give every shape, bias and activation
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "deepseek-v2-lite")
 
 

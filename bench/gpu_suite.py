@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
-from bench.common import RESULTS, ROOT, machine, planned_budget, timed
+from bench.lib.common import RESULTS, ROOT, machine, planned_budget, timed
 from convert import convert_checkpoint
 from jmoe.runtime.host_store import host_sharding
 from jmoe.serving.compiles import CompileCounter
@@ -98,7 +98,7 @@ def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None) -> lis
 
 
 def synthetic_model(root: Path, layers: int, shape: dict, tiers: str) -> Path:
-    from bench.synthetic import write_checkpoint
+    from bench.lib.synthetic import write_checkpoint
 
     src = write_checkpoint(root / "hf", layers=layers, **shape)
     return convert_checkpoint(src, root / "model", tiers=tiers, progress=False)

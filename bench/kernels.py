@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import in_graph_seconds, timed, write_result
+from bench.lib.common import in_graph_seconds, timed, write_result
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, PREFILL_BLOCK_ROWS, block_layout
 from jmoe.tiers import tier_format
 from pallas_kernels import expert_ffn_pallas, expert_ffn_reference, supports
@@ -156,7 +156,7 @@ def run_case(model: str, phase: str, tier: str, tokens: int, on_gpu: bool, repea
 
 
 def gpu_timings(kernel, reference, args, case: Case, gate_up, down, repeat: int) -> dict:
-    """kernel_ms / reference_ms: per call within a jitted chain of calls (bench.common.in_graph_seconds),
+    """kernel_ms / reference_ms: per call within a jitted chain of calls (bench.lib.common.in_graph_seconds),
     what a model step pays; *_call_ms: one call timed alone, dispatch and host sync included."""
     kernel_s = in_graph_seconds(kernel, args, repeat=repeat)
     reference_s = in_graph_seconds(reference, args, repeat=repeat)

@@ -1,6 +1,6 @@
 """Load time and memory of a loaded model on the CPU, resident and offloaded, each in a fresh process.
 
-Writes a random Qwen3-MoE checkpoint (bench/synthetic.py; default hidden 1024, 64 experts, 4
+Writes a random Qwen3-MoE checkpoint (bench/lib/synthetic.py; default hidden 1024, 64 experts, 4
 layers), converts it to bf16 + int4 (RTN), then per case starts a new Python process that loads the
 model and generates 64 tokens, reading its peak RSS (VmHWM) from /proc/self/status after the load
 and after generating. The ratio compares the peak's growth with what the model needs: the bytes
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, write_result
+from bench.lib.common import ROOT, write_result
 
 CASES = [  # (name, tier, policy, share of every expert the pools hold)
     ("resident bf16", "bf16", "resident", None),
@@ -108,7 +108,7 @@ def child(args) -> None:
 
 
 def prepare(work: Path, hidden: int, experts: int, layers: int) -> Path:
-    from bench.synthetic import write_checkpoint
+    from bench.lib.synthetic import write_checkpoint
     from convert import convert_checkpoint
 
     hf, out = work / "hf", work / "m"

@@ -1,6 +1,6 @@
 """Offloaded decode at a real model's shapes: every mode against the resident model, in one run.
 
-Model: Qwen3-30B-A3B's exact shapes cut to --layers layers (random weights, bench/random_checkpoint.py),
+Model: Qwen3-30B-A3B's exact shapes cut to --layers layers (random weights, bench/lib/random_checkpoint.py),
 converted with `--tiers int4,int2 --dense-tier int4 --method rtn`, computed in float32 on the CPU and bfloat16 on a GPU.
 Pass --model to use a converted directory instead (it must hold the int4 and int2 tiers).
 
@@ -23,7 +23,7 @@ case (speed relative to resident) taken within each round. The run fails if anyt
 timed window. Counters (jmoe.stats()["host"], per decode token: blocking reads, executions,
 transfers, bytes; in-step fetches, replays, degraded uses) are differenced over the timed rounds.
 
-Modelled GPU (--no-model to skip): each case once more with trace=True, replayed by bench/gpu_model.py
+Modelled GPU (--no-model to skip): each case once more with trace=True, replayed by bench/lib/gpu_model.py
 (an H100 on PCIe Gen5; labelled modelled, nothing ran on a GPU), beside the PCIe floor: the expert
 bytes the CPU run really moved per decode token at 46 GB/s, and the modelled resident step.
 
@@ -45,9 +45,9 @@ import jax
 import numpy as np
 
 import jmoe
-from bench.common import machine, planned_budget, write_result
+from bench.lib.common import machine, planned_budget, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
-from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
+from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from jmoe.policies import DyMoE
 from jmoe.serving.compiles import CompileCounter
 
@@ -68,7 +68,7 @@ CASES = {
 def converted(args) -> Path:
     if args.model:
         return Path(args.model)
-    from bench.random_checkpoint import write_checkpoint
+    from bench.lib.random_checkpoint import write_checkpoint
     from convert import convert_checkpoint
 
     data = Path(args.data or os.environ.get("JMOE_BENCH_DATA", Path.home() / ".cache" / "jmoe-bench"))

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import jmoe
-from bench.common import DOMAINS, TINY_HF, dev_tokens, planned_budget, write_result
+from bench.lib.common import DOMAINS, TINY_HF, dev_tokens, planned_budget, write_result
 from convert import convert_checkpoint
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.runtime.loader import memory_plan

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.common import TINY_HF, write_result
+from bench.lib.common import TINY_HF, write_result
 from convert import convert_checkpoint
 
 PROMPT = "def fibonacci(n):\n    "

@@ -3,7 +3,7 @@
 Model: the bundled tiny Qwen3-MoE (8 layers, 32 experts, top-4; trained, so its routing is skewed
 and domain-dependent), converted with the bf16, int4 and int2 tiers (RTN), computed in float32.
 Budget: every fixed term of jmoe.memory_plan for the policy (dense weights, KV cache, workspace,
-staging, fetch slots, draft) plus --share of the bf16 expert bytes (bench.common.planned_budget).
+staging, fetch slots, draft) plus --share of the bf16 expert bytes (bench.lib.common.planned_budget).
 
 Comparisons, baseline -> method, both at that budget:
 - DyMoE: lru at bf16 (exact: every routed expert at bf16, misses fetched) -> DyMoE bf16/int4 (its
@@ -19,7 +19,7 @@ Comparisons, baseline -> method, both at that budget:
   host CPU; critical token count forced to 1, since here the "device" is this CPU and the measured
   cost model never prefers it).
 Every pair is also traced on the sampled workload and replayed as an H100 on PCIe Gen5
-(bench/gpu_model.py; labelled modelled, nothing ran on a GPU): the papers' claims are about a
+(bench/lib/gpu_model.py; labelled modelled, nothing ran on a GPU): the papers' claims are about a
 device behind a slow link, and on this CPU a "transfer" is a memcpy.
 
 Workload: three prompts (the first --prompt-tokens tokens of the prose, code and math dev texts),
@@ -55,9 +55,9 @@ import jax
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, planned_budget, write_result
+from bench.lib.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, planned_budget, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
-from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
+from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from bench.offload_decode import host_counts, per_token, spread, streamed
 from jmoe import trace_routing
 from jmoe.policies import DyMoE, DynaExq

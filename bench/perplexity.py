@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import DOMAINS, TINY_HF, dev_tokens, write_result
+from bench.lib.common import DOMAINS, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
 from jmoe.decoding.evaluate import window_nll
 

@@ -4,7 +4,7 @@
    in decode mode (teacher-forced, token by token, so decode-phase policies decide per token) on
    the first `--tokens` tokens of each dev split, bytes moved per token, peak resident expert
    bytes, share of uses at int2, measured CPU time per token and modelled GPU time per token
-   (bench/gpu_model.py), for uniform int4, uniform int2, DyMoE 4/2 and 4/0 at several r, a
+   (bench/lib/gpu_model.py), for uniform int4, uniform int2, DyMoE 4/2 and 4/0 at several r, a
    random assignment of DyMoE 4/2's share of int2 uses (does importance beat chance?), DynaExq at
    several hi copies per layer, and static placement strategies (per-layer hit rates).
 2. Workload shift: prose -> code -> math, `--shift-tokens` each, token by token; DynaExq (8 of 32
@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_prompts, dev_tokens, staging_bytes, write_result
-from bench.gpu_model import GpuParams, dense_bytes_of, replay
+from bench.lib.common import (CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_prompts, dev_tokens, staging_bytes,
+                              write_result)
+from bench.lib.gpu_model import GpuParams, dense_bytes_of, replay
 from convert import convert_checkpoint
 from jmoe.decoding.evaluate import window_nll
 from jmoe import trace_routing
@@ -221,7 +222,7 @@ def plot_shift(shift: dict, path: Path) -> None:
 
 
 def ablation(root: Path, new_tokens: int) -> dict:
-    from bench.synthetic import QWEN3_30B_A3B, write_checkpoint
+    from bench.lib.synthetic import QWEN3_30B_A3B, write_checkpoint
 
     src = write_checkpoint(root / "synthetic-hf", layers=4, **QWEN3_30B_A3B)
     path = convert_checkpoint(src, root / "synthetic", tiers="int4,int2", progress=False)

@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 import jmoe
-from bench.common import CALIB_FILES, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
+from bench.lib.common import CALIB_FILES, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
 
 TIERS = ("int8", "int4", "int2")

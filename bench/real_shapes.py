@@ -1,7 +1,7 @@
 """Real size, real speed: jmoe on a real model's exact layer shapes, beside llama.cpp, on the CPU.
 
 Writes a random-weight Hugging Face checkpoint with a named model's exact shapes cut to --layers
-layers (bench/random_checkpoint.py), converts it with `jmoe convert --tiers <tiers> --method rtn`
+layers (bench/lib/random_checkpoint.py), converts it with `jmoe convert --tiers <tiers> --method rtn`
 (and, where `jmoe convert` has --dense-tier, once more with every dense weight at int4), and
 measures, each configuration in its own fresh process so its peak memory is its own:
 
@@ -13,13 +13,13 @@ measures, each configuration in its own fresh process so its peak memory is its 
   (load's cpu_dot: float inputs, or inputs rounded to int8 per group as llama.cpp's Q8 dot does);
 - a fresh process's load and first-token time with a cold and a warm XLA compilation cache
   (JMOE_COMPILATION_CACHE pointed at a new directory, then at the same one again);
-- where llama.cpp is found (bench/llama_cpp.py: JMOE_LLAMA_CPP or PATH, and how to build it), the
+- where llama.cpp is found (bench/lib/llama_cpp.py: JMOE_LLAMA_CPP or PATH, and how to build it), the
   same checkpoint as GGUF BF16, Q8_0, Q4_K_M and Q4_0 under `llama-bench -t 2 -p 512 -n 128`.
 
 Every round runs each configuration once, jmoe and llama.cpp alternating (the order rotates by
 round); results are medians with [min-max] over rounds, and each jmoe / llama.cpp ratio is taken
 within a round. Writes bench/results/real_shapes_cpu.json (or --out) and a PNG beside it; prints
-the markdown tables (also: python -m bench.real_shapes_report).
+the markdown tables (also: python -m bench.lib.real_shapes_report).
 
     python -m bench.real_shapes --model qwen3-30b-a3b --layers 8 --rounds 3 --data ~/bench-data
     python -m bench.real_shapes --quick --skip-llama        # tiny token counts, 1 layer: checks the bench
@@ -39,10 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import llama_cpp
-from bench.common import RESULTS, ROOT, machine
-from bench.random_checkpoint import MODELS, checkpoint_bytes, model_named, write_checkpoint
-from bench.real_shapes_report import markdown, plot, ratios, summarize
+from bench.lib import llama_cpp
+from bench.lib.common import RESULTS, ROOT, machine
+from bench.lib.random_checkpoint import MODELS, checkpoint_bytes, model_named, write_checkpoint
+from bench.lib.real_shapes_report import markdown, plot, ratios, summarize
 
 # --placements names: all-resident, or pools holding that share of the experts
 PLACEMENTS = {"resident": None, "50%": 0.5, "25%": 0.25}
@@ -148,7 +148,7 @@ def budget_for(path: Path, tier: str, fraction: float | None, max_seq_len: int) 
     if fraction is None:
         return None
     import jmoe
-    from bench.common import staging_bytes
+    from bench.lib.common import staging_bytes
 
     plan = jmoe.memory_plan(path, tier=tier, max_seq_len=max_seq_len, policy=OFFLOAD_POLICY)
     fixed = sum(v for k, v in plan.items() if k not in ("all_experts", "draft"))
@@ -167,7 +167,7 @@ def loaded_bytes(path: Path, tier: str, max_seq_len: int) -> int:
 
 
 def run_jmoe_child(spec: dict, env: dict | None, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "bench.real_shapes_child", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "bench.lib.real_shapes_child", json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     log.write_text(proc.stderr)
     if proc.returncode != 0:

@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from bench.common import write_result
+from bench.lib.common import write_result
 from jmoe.decoding.engine import _sample_jit
 from jmoe.decoding.sampling import HISTORY_DTYPE, SamplingOptions
 from jmoe.serving.compiles import CompileCounter

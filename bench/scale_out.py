@@ -5,7 +5,7 @@ The mesh's devices here are XLA:CPU devices carved out of one machine (8 of them
 cores): every device repeats the dense part of the step, so their tokens/s are a ratio of work,
 not a speed-up. The per-device figures (expert bytes, pool slots, collectives) are what a real
 mesh would hold and do. The H100 figures replay each decode step's routing (which experts each
-shard ran, read back per step) with bench/gpu_model.py's H100 parameters and an assumed NVLink
+shard ran, read back per step) with bench/lib/gpu_model.py's H100 parameters and an assumed NVLink
 all-reduce cost: modelled, not measured.
 
     python -m bench.scale_out                                   # the bundled tiny model
@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jmoe  # noqa: E402
-from bench.common import ROOT, write_result  # noqa: E402
-from bench.gpu_model import GpuParams, dense_bytes_of  # noqa: E402
+from bench.lib.common import ROOT, write_result  # noqa: E402
+from bench.lib.gpu_model import GpuParams, dense_bytes_of  # noqa: E402
 from jmoe import bench as llama_bench  # noqa: E402
 from jmoe.decoding.engine import new_cache  # noqa: E402
 from jmoe.runtime.loader import memory_plan  # noqa: E402

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.common import ROOT, write_result
+from bench.lib.common import ROOT, write_result
 from jmoe.serving import BatchEngine, Request
 
 DEV = ROOT / "tests" / "data"

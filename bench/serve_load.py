@@ -86,7 +86,7 @@ def drive(base: str, model_name: str, *, seconds: float, streams: int, seed: int
 
 def main(argv=None) -> None:
     import jmoe
-    from bench.common import write_result
+    from bench.lib.common import write_result
     from convert import convert_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -14,7 +14,7 @@ routing fidelity, hits at verification and time (measured on this machine, model
    budget holding 25% of the int4 experts besides the draft: modelled GPU TPOT speculative vs
    plain LRU + prefetch, both at the same total budget and at the same target pool.
 
-Every GPU time here is modelled (bench/gpu_model.py replays the run's trace), never measured.
+Every GPU time here is modelled (bench/lib/gpu_model.py replays the run's trace), never measured.
 
     python -m bench.speculative [--prompts 4] [--new-tokens 48]
 """
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, dev_prompts, staging_bytes, write_result
-from bench.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
+from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, dev_prompts, staging_bytes, write_result
+from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from convert import convert_checkpoint
 
 PROMPT_TOKENS = 32
@@ -126,7 +126,7 @@ def tpot_vs_k(path: Path, n: int, new_tokens: int) -> dict:
 
 
 def synthetic(root: Path, new_tokens: int, fraction: float = 0.25) -> dict:
-    from bench.synthetic import QWEN3_30B_A3B, write_checkpoint
+    from bench.lib.synthetic import QWEN3_30B_A3B, write_checkpoint
 
     src = write_checkpoint(root / "synthetic-hf", layers=4, **QWEN3_30B_A3B)
     path = convert_checkpoint(src, root / "synthetic", tiers="int4,int2", progress=False)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmoe
-from bench.common import CORPUS, TINY_HF, timed, write_result
+from bench.lib.common import CORPUS, TINY_HF, timed, write_result
 from convert import convert_checkpoint
 from jmoe.decoding.engine import new_cache
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from bench.common import TINY_HF, write_result
+from bench.lib.common import TINY_HF, write_result
 from jmoe.config import ModelConfig
 from jmoe.format import RecordLayout
 from jmoe.layers.modules import cache_bytes_per_token

@@ -238,7 +238,7 @@ def test_the_offloaded_steps_inputs_are_what_the_step_takes():
     import jax
 
     from bench.gpu_compile import STEP_LAYERS, offload_spec, offloaded_decode_inputs
-    from bench.random_checkpoint import model_named
+    from bench.lib.random_checkpoint import model_named
     from jmoe.decoding.engine import _decode
     from jmoe.models import config_from_hf
     from jmoe.policies import make_policy

@@ -1,5 +1,5 @@
 """Offloaded decode waits for the host once per token: one blocking read and one executable per
-decoded token for every policy, counted by bench/host_io (which patches JAX, independently of
+decoded token for every policy, counted by bench/lib/host_io (which patches JAX, independently of
 jmoe), and jmoe.stats() counting the same."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jmoe
-from bench import host_io
+from bench.lib import host_io
 from convert import convert_checkpoint
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.runtime.loader import memory_plan

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from bench.random_checkpoint import MODELS, RealModel, write_checkpoint
-from bench.real_shapes_report import markdown, ratios, summarize
+from bench.lib.random_checkpoint import MODELS, RealModel, write_checkpoint
+from bench.lib.real_shapes_report import markdown, ratios, summarize
 from jmoe.models import config_from_hf
 from jmoe.models.checkpoint import expert_tensor_names, fused_expert_names
 

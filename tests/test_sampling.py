@@ -324,8 +324,8 @@ def test_presence_and_frequency_penalties_take_their_whole_range():
 @pytest.mark.parametrize("seed", [3, 2**40])
 def test_what_a_sampler_costs_the_host_is_what_it_moves(seed):
     """Sampler.cost (what jmoe counts for making one: its parameters, penalties included, the
-    history, the key) against bench/host_io's count of the transfers it makes."""
-    from bench import host_io
+    history, the key) against bench/lib/host_io's count of the transfers it makes."""
+    from bench.lib import host_io
     from jmoe.decoding.engine import _sample_jit
     from jmoe.decoding.sampling import Sampler
 

@@ -1,11 +1,11 @@
-"""The run trace and the GPU time model that replays it (bench/gpu_model.py)."""
+"""The run trace and the GPU time model that replays it (bench/lib/gpu_model.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 import jmoe
-from bench.gpu_model import GpuParams, dense_bytes_of, replay
+from bench.lib.gpu_model import GpuParams, dense_bytes_of, replay
 from jmoe.runtime.trace import StepRecord
 
 IDS = [5, 17, 99, 3, 42, 250, 7, 61]

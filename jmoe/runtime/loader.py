@@ -400,7 +400,7 @@ def load(
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
       trace: record per step the expert bytes read, transfers and host waits (model.trace), for
-        bench/gpu_model.py to replay with GPU parameters.
+        bench/lib/gpu_model.py to replay with GPU parameters.
       draft: reserve a speculative draft at this tier ("int4", "int2"): every expert at it resident,
         taken from the budget before the pools are sized (jmoe.generate(..., speculative=draft)).
       mesh: expert parallelism, "ep=N" or "ep=N,tp=M" (or {"ep": N, "tp": M}): each of N expert

@@ -1,4 +1,4 @@
-"""A record of what a run did, step by step, for bench/gpu_model.py to replay with GPU parameters.
+"""A record of what a run did, step by step, for bench/lib/gpu_model.py to replay with GPU parameters.
 
 On a machine without a GPU, measured times are CPU times; the trace says what a GPU would have
 had to do instead: per step, how many tokens it ran, how many expert bytes each MoE layer's

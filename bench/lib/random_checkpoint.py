@@ -11,13 +11,13 @@ Weights are bf16, written straight into each safetensors shard one tensor at a t
 for the embeddings and head, one per layer), so a multi-GB checkpoint never sits in memory.
 Scales keep activations finite: in-projections normal * 0.02, out-projections smaller so each
 token's own embedding stays visible through depth, norms 1, biases small. Routing is skewed on
-purpose, as in bench/synthetic.py: token embeddings share a direction u and each router row adds
+purpose, as in bench/lib/synthetic.py: token embeddings share a direction u and each router row adds
 b_e * u with b heavy-tailed, so a few experts per layer take most tokens, like a trained model.
 
 The tokenizer is the bundled tiny model's, padded with unreachable tokens to the real vocabulary
 size (config.json's vocab_size is the real one), so text prompts work and every id has a token.
 
-    python -m bench.random_checkpoint qwen3-30b-a3b OUT [--layers 2]
+    python -m bench.lib.random_checkpoint qwen3-30b-a3b OUT [--layers 2]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
-from bench.common import TINY_HF
+from bench.lib.common import TINY_HF
 
 STD = 0.02  # in-projections, embeddings, LM head
 OUT_STD = 0.004  # out-projections (attention output, expert down)

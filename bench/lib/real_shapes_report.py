@@ -1,7 +1,7 @@
 """Summaries of bench/real_shapes.py rounds: medians with [min-max], jmoe / llama.cpp ratios per
 round, a markdown table for the README, and a plot.
 
-    python -m bench.real_shapes_report [bench/results/real_shapes_cpu.json]   # prints the tables
+    python -m bench.lib.real_shapes_report [bench/results/real_shapes_cpu.json]   # prints the tables
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.common import RESULTS
+from bench.lib.common import RESULTS
 
 SPEED_METRICS = ("prefill_tok_s", "decode_tok_s@0", "decode_tok_s@512")
 MEMORY_METRICS = ("peak_rss_bytes", "decode_peak_rss_bytes")

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
 CORPUS = ROOT.parent / "shared" / "corpus"

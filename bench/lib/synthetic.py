@@ -7,7 +7,7 @@ component along one direction u, and each layer's router adds b_e * u to expert 
 drawn from a heavy-tailed distribution, so a few experts per layer take most tokens, like the
 trained models the offload policies are built for.
 
-    python -m bench.synthetic OUT [--layers 4] [--hidden 2048] [--experts 128] [--top-k 8]
+    python -m bench.lib.synthetic OUT [--layers 4] [--hidden 2048] [--experts 128] [--top-k 8]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from bench.common import TINY_HF
+from bench.lib.common import TINY_HF
 
 QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128)
 

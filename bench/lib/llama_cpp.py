@@ -29,7 +29,7 @@ was measured with; 20-40 minutes on 2 cores):
     venv/bin/pip install sentencepiece
     export JMOE_LLAMA_CPP_PYTHON=~/llama-build/venv/bin/python
 
-The random checkpoints of bench/random_checkpoint.py carry a tiny tokenizer padded to the real
+The random checkpoints of bench/lib/random_checkpoint.py carry a tiny tokenizer padded to the real
 vocabulary, which convert_hf_to_gguf.py refuses (it recognises a BPE pre-tokenizer by hashing how
 it splits a test string). The GGUF is therefore converted from a sibling directory that links the
 same weights and config and holds a tokenizer rebuilt from a vocabulary file llama.cpp ships:
@@ -91,7 +91,7 @@ def find_llama_cpp() -> LlamaCpp:
         found = shutil.which("llama-bench")
         if not found:
             raise LlamaCppMissing("llama-bench not found: set JMOE_LLAMA_CPP=/path/to/build/bin "
-                                  "(bench/llama_cpp.py says how to build it)")
+                                  "(bench/lib/llama_cpp.py says how to build it)")
         bin_dir = Path(found).resolve().parent
     if not (bin_dir / "llama-quantize").is_file():
         raise LlamaCppMissing(f"{bin_dir} has llama-bench but no llama-quantize (build both targets)")

@@ -15,7 +15,7 @@ model, tier, device budget and policy, prompt and generation lengths, and the mo
 
 End-of-sequence tokens are ignored, as llama-bench does, so every run decodes all its tokens.
 
-    python -m bench.real_shapes_child '{"mode": "speed", "path": ..., "tier": "int4", ...}'
+    python -m bench.lib.real_shapes_child '{"mode": "speed", "path": ..., "tier": "int4", ...}'
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Helpers of the benchmarks (and of the tests that check them): nothing here is a benchmark to run."""
