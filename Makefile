@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 56MiB --stats
 
 # The documentation site (docs/, mkdocs.yml) into site/, failing on any warning: a broken link, a
-# docstring mkdocstrings cannot read, or a results table that no longer matches bench/results/*.json
+# docstring mkdocstrings cannot read, or a results table that no longer matches bench/results/*/*.json
 # (docs/gen_tables.py writes them). The docs extra's packages go into the main venv without
 # reinstalling jmoe itself.
 DOCS_STAMP := $(VENV)/.docs-installed
@@ -67,7 +67,7 @@ test: $(STAMP)
 		echo "make $${job%%:*}: exit $$rc; the end of its log:"; tail -n 20 $$log; [ "$$rc" -eq 0 ] || failed=1; done; \
 	tail -n 1 $(TEST_LOG); [ "$$(cat $(TEST_LOG).rc)" -eq 0 ] && [ "$$failed" -eq 0 ]
 
-# Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/*.json.
+# Every benchmark, in turn (about two hours on a 2-core CPU); each writes bench/results/<benchmark>/*.json.
 bench: $(STAMP)
 	$(BIN)/python -m bench.speed_vs_transformers
 	$(BIN)/python -m bench.perplexity
@@ -83,7 +83,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.real_shapes
 
 # On a lent GPU machine (no network, no venv: jax[cuda] and the rest preinstalled), from the tree:
-# pytest -m gpu, kernel and bandwidth benchmarks, resident and offloaded decode; bench/results/gpu_suite_gpu.json.
+# pytest -m gpu, kernel and bandwidth benchmarks, resident and offloaded decode; bench/results/gpu_suite/gpu_suite_gpu.json.
 gpu:
 	PYTHONPATH=. $(PYTHON) -m bench.gpu_suite
 

@@ -78,7 +78,7 @@ def main() -> None:
             run = convert_in_child(TINY_HF, tmp / f"tiny-{method}", method)
             cases.append({"model": "tiny-qwen3-moe", "checkpoint_bytes": checkpoint_bytes(TINY_HF), **run})
             print(json.dumps(cases[-1]), flush=True)
-    write_result("convert_memory", {
+    write_result("convert_memory", "convert_memory", {
         "note": "peak_rss_bytes: the conversion process's VmHWM (includes memory-mapped checkpoint pages, "
                 "which the kernel can reclaim); peak_anon_bytes: its peak anonymous memory, sampled every 20 ms",
         "cases": cases,

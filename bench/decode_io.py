@@ -42,8 +42,8 @@ many cores other processes kept busy during the round (from /proc/stat).
         [--cases lru,dymoe] [--load-kw '{"execution": "auto"}'] [--model converted_dir]
 
 --load-kw adds keyword arguments to every case's jmoe.load (the budget search included), not to
-the timing's resident baseline. --out is a file name under bench/results (".json" and the
-"_cpu"/"_gpu" tag added) or a path ending in ".json".
+the timing's resident baseline. --out is a file name under bench/results/decode_io (".json" and
+the "_cpu"/"_gpu" tag added) or a path ending in ".json".
 """
 
 from __future__ import annotations
@@ -63,11 +63,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
-
 import jmoe
 from bench.lib import host_io
-from bench.lib.common import CORPUS, DOMAINS, RESULTS, ROOT, TINY_HF, machine
+from bench.lib.common import CORPUS, DOMAINS, ROOT, TINY_HF, machine, result_path
 from jmoe.policies import DyMoE, DynaExq
 
 STATS_COUNTERS = ("host_syncs", "replays", "transfers", "bytes_h2d", "tokens", "steps", "expert_uses", "evictions",
@@ -436,7 +434,7 @@ def table(results: dict, window: str) -> str:
 def out_path(out: str) -> Path:
     if out.endswith(".json"):
         return Path(out)
-    return RESULTS / f"{out}_{'gpu' if jax.default_backend() == 'gpu' else 'cpu'}.json"
+    return result_path("decode_io", out)
 
 
 def parse_args():

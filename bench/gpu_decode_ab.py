@@ -5,7 +5,7 @@ Every real model shape of bench/gpu_compile.py (Qwen3-30B-A3B, Mixtral-8x7B, GPT
 and the clamped SwiGLU, DeepSeek-V2-Lite) at every tier, one decode token routed to top_k experts of a
 full pool: per-call time within a jitted chain of calls (bench.lib.common.in_graph_seconds) for both
 versions and the XLA reference, unique weight bytes per second, and each version's error against
-the reference. Needs a GPU; writes bench/results/gpu_decode_ab_gpu.json.
+the reference. Needs a GPU; writes bench/results/gpu_decode_ab/gpu_decode_ab_gpu.json.
 
     python -m bench.gpu_decode_ab --before before.py [--before-label e72a9a6]
 """
@@ -90,7 +90,8 @@ def main() -> None:
             row["before_over_after"] = row["before_us"] / row["after_us"]
             print(json.dumps(row), flush=True)
             rows_out.append(row)
-    out = RESULTS / "gpu_decode_ab_gpu.json"
+    out = RESULTS / "gpu_decode_ab" / "gpu_decode_ab_gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(machine=machine(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                                    before=args.before_label, timing="per call within a jitted chain of 20 calls",
                                    cases=rows_out), indent=1) + "\n")

@@ -14,7 +14,7 @@ Needs no network and no ../shared (prompts come from tests/data, models are gene
 Decode timings warm up on the whole workload first, report the median time between tokens with
 its spread and the host's reads / executions per token, and fail if anything compiles while timed.
 
-Writes bench/results/gpu_suite_gpu.json with the device name. `--dry-run` runs every part at toy
+Writes bench/results/gpu_suite/gpu_suite_gpu.json with the device name. `--dry-run` runs every part at toy
 sizes on whatever backend there is (CPU: kernels in interpret mode), to check the suite itself;
 its JSON goes to gpu_suite_dry_run_<backend>.json and its numbers mean nothing.
 
@@ -198,9 +198,9 @@ def main() -> None:
     started = time.perf_counter()
     result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "dry_run": dry, "parts": parts}
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "gpu_suite").mkdir(parents=True, exist_ok=True)
     name = "gpu_suite" if parts == list(PARTS) else "gpu_suite_" + "_".join(parts)
-    out = RESULTS / (f"{name}_gpu.json" if not dry else f"{name}_dry_run_{backend}.json")
+    out = RESULTS / "gpu_suite" / (f"{name}_gpu.json" if not dry else f"{name}_dry_run_{backend}.json")
 
     def save(complete: bool = False) -> None:
         """Written after every part: a run cut short (a lent GPU's time is short) keeps what it measured."""

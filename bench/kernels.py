@@ -197,7 +197,7 @@ def main():
                 cases.append(r)
     mode = ("compiled Pallas Triton kernel" if on_gpu else
             "Pallas interpret mode on CPU: a correctness run; wall times are not kernel performance")
-    write_result("kernels", {
+    write_result("kernels", "kernels", {
         "mode": mode,
         "dtype": jnp.dtype(DTYPE).name,
         "block_rows": {"decode": 1, "prefill": PREFILL_BLOCK_ROWS},

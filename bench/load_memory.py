@@ -152,7 +152,7 @@ def main() -> None:
               f"64 tokens {r['generate_64_s']:6.2f} s  reserved {r['reserved_bytes'] / 2**20:8.1f} MiB  "
               f"peak RSS load {r['peak_rss_load_ratio']:.2f}x  generate {r['peak_rss_generate_ratio']:.2f}x  "
               f"(raw {r['raw_peak_rss_load_ratio']:.2f}x / {r['raw_peak_rss_generate_ratio']:.2f}x)", flush=True)
-    write_result(f"load_memory_{args.label}", {
+    write_result("load_memory", f"load_memory_{args.label}", {
         "model": {"hidden": args.hidden, "experts": args.experts, "layers": args.layers, "tiers": ["bf16", "int4"]},
         "new_tokens": NEW_TOKENS, "max_seq_len": MAX_SEQ_LEN, "cases": results,
     })

@@ -264,7 +264,7 @@ def main() -> None:
         if args.out.endswith(".json"):  # a path of its own (a check of the bench, say)
             Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
         else:
-            write_result(args.out, result)
+            write_result("offload_decode", args.out, result)
 
     save(timed_run(path, names, prompts, args, save))
     if not args.no_model:

@@ -81,7 +81,7 @@ def main() -> None:
                   + f"  degraded {entry['degraded_share']:.3f} skipped {entry['skipped_share']:.3f}", flush=True)
         exact, resident = result["modes"]["exact lru int4"], result["modes"]["resident int4"]
         result["exact_equals_resident"] = all(math.isclose(exact[d], resident[d], rel_tol=1e-5) for d in DOMAINS)
-    write_result(args.out, result)
+    write_result("offload_quality", args.out, result)
     if not result["exact_equals_resident"]:
         raise SystemExit("exact offloading's perplexity differs from the resident model's at its tier")
 

@@ -80,7 +80,7 @@ def main() -> None:
             result["variants"][name] = entry
             print(f"{name:28s} TPOT {entry['tpot_ms']:.2f} ms  x{entry['ratio_to_resident']:.2f}  "
                   f"hit rate {entry['hit_rate']}  syncs/token {entry.get('host_syncs_per_token')}")
-    write_result(args.name, result)
+    write_result("overhead", args.name, result)
 
 
 if __name__ == "__main__":

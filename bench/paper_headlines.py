@@ -55,7 +55,8 @@ import jax
 import numpy as np
 
 import jmoe
-from bench.lib.common import CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, planned_budget, write_result
+from bench.lib.common import (CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, planned_budget, result_path,
+                              write_result)
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from bench.offload_decode import host_counts, per_token, spread, streamed
@@ -417,13 +418,14 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=30.0)
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--no-model", action="store_true", help="skip the modelled H100 replay")
-    parser.add_argument("--out", help="result name under bench/results (default paper_headlines_tiny or _qwen3)")
+    parser.add_argument("--out", help="result name under bench/results/paper_headlines "
+                                      "(default paper_headlines_tiny or _qwen3)")
     parser.add_argument("--report", action="store_true", help="print the README's tables from the result files")
     args = parser.parse_args()
     if args.report:
         for name in ("paper_headlines_tiny", "paper_headlines_qwen3"):
-            if (RESULTS / f"{name}_cpu.json").exists():
-                result = json.loads((RESULTS / f"{name}_cpu.json").read_text())
+            if (RESULTS / "paper_headlines" / f"{name}_cpu.json").exists():
+                result = json.loads((RESULTS / "paper_headlines" / f"{name}_cpu.json").read_text())
                 print(f"{result['model']}, pools {result['share']:.0%}:\n\n{markdown(result)}\n")
         return
     papers = args.papers.split(",")
@@ -437,12 +439,12 @@ def main() -> None:
         result = {"model": setup.name, "hi": setup.hi, "lo": setup.lo, "share": args.share,
                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
                   "ppl_tokens": args.ppl_tokens, "device": str(jax.devices()[0].device_kind), "comparisons": {}}
-        earlier = RESULTS / f"{out_name}_{'gpu' if jax.default_backend() == 'gpu' else 'cpu'}.json"
+        earlier = result_path("paper_headlines", out_name)
         if set(papers) != set(COMPARISONS) and earlier.exists():  # a run of some pairs updates those
             result["comparisons"] = json.loads(earlier.read_text()).get("comparisons", {})
         for paper in papers:
             result["comparisons"][paper] = run_comparison(paper, setup, args, references)
-            path = write_result(out_name, result)
+            path = write_result("paper_headlines", out_name, result)
     if set(result["comparisons"]) == set(COMPARISONS):
         plot(result, path.with_suffix(".png"))
     print(json.dumps({p: c["temperature_1"]["tpot_speedup"] for p, c in result["comparisons"].items()}))

@@ -68,7 +68,8 @@ def main() -> None:
             }
             print(f"{domain}: jmoe {rows[domain]['jmoe_ppl']:.4f}  transformers {rows[domain]['transformers_ppl']:.4f}  "
                   f"({n} tokens)")
-    write_result("perplexity_tiny", {"model": "tiny-qwen3-moe", "dtype": "float32", "window": args.window, "domains": rows})
+    write_result("perplexity", "perplexity_tiny",
+                 {"model": "tiny-qwen3-moe", "dtype": "float32", "window": args.window, "domains": rows})
 
 
 if __name__ == "__main__":

@@ -283,13 +283,13 @@ def main() -> None:
         root = Path(tmp)
         path = convert_tiny(root, args.calib_sequences)
         if args.only_importance:
-            previous = json.loads((RESULTS / "policies_cpu.json").read_text())
+            previous = json.loads((RESULTS / "policies" / "policies_cpu.json").read_text())
             previous.pop("machine", None)
             ids = {d: dev_tokens(jmoe.load(path, tier="int2").tokenizer, d, args.tokens) for d in DOMAINS}
             previous["quality"]["rows"] = {k: v for k, v in previous["quality"]["rows"].items() if "unbudgeted" not in
                                            k or "DynaExq" in k}
             previous["quality"]["rows"].update(importance_vs_chance(path, ids))
-            write_result("policies", previous)
+            write_result("policies", "policies", previous)
             return
         tracer = jmoe.load(path, compute_dtype="float32", tier="int4")
         calib_text = " ".join(p.read_text()[:60_000] for p in CALIB_FILES)
@@ -298,26 +298,27 @@ def main() -> None:
         dev_traces = trace_routing(tracer, dev_ids, WINDOW)
         del tracer
         if args.only_shift:
-            previous = json.loads((RESULTS / "policies_cpu.json").read_text())
+            previous = json.loads((RESULTS / "policies" / "policies_cpu.json").read_text())
             previous.pop("machine", None)
             previous["workload_shift"] = workload_shift(path, args.shift_tokens, calib_traces)
-            plot_shift(previous["workload_shift"], RESULTS / "policies_shift_cpu.png")
-            write_result("policies", previous)
+            plot_shift(previous["workload_shift"], RESULTS / "policies" / "policies_shift_cpu.png")
+            write_result("policies", "policies", previous)
             return
         result = {"model": "tiny-qwen3-moe (GPTQ int4 + int2)", "gpu_params_modelled": GpuParams().__dict__,
                   "quality": quality_table(path, args.tokens, calib_traces, dev_traces)}
         if args.only_quality:
-            previous = json.loads((RESULTS / "policies_cpu.json").read_text())
+            previous = json.loads((RESULTS / "policies" / "policies_cpu.json").read_text())
             previous.pop("machine", None)
-            write_result("policies", {**previous, **result})
+            write_result("policies", "policies", {**previous, **result})
             return
         shift = workload_shift(path, args.shift_tokens, calib_traces)
-        plot = RESULTS / "policies_shift_cpu.png"
+        plot = RESULTS / "policies" / "policies_shift_cpu.png"
+        plot.parent.mkdir(parents=True, exist_ok=True)
         plot_shift(shift, plot)
         result["workload_shift"] = shift
         if not args.skip_ablation:
             result["dymoe_ablation_synthetic_qwen3_30b_a3b_4L"] = ablation(root, args.ablation_tokens)
-    write_result("policies", result)
+    write_result("policies", "policies", result)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def main() -> None:
         "rows": rows,
         "seconds": timings,
     }
-    write_result("quality_tiny" if args.cpu_dot == "float" else "quality_tiny_int8_dot", payload)
+    write_result("quality", "quality_tiny" if args.cpu_dot == "float" else "quality_tiny_int8_dot", payload)
 
 
 if __name__ == "__main__":

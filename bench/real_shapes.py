@@ -18,7 +18,7 @@ measures, each configuration in its own fresh process so its peak memory is its 
 
 Every round runs each configuration once, jmoe and llama.cpp alternating (the order rotates by
 round); results are medians with [min-max] over rounds, and each jmoe / llama.cpp ratio is taken
-within a round. Writes bench/results/real_shapes_cpu.json (or --out) and a PNG beside it; prints
+within a round. Writes bench/results/real_shapes/real_shapes_cpu.json (or --out) and a PNG beside it; prints
 the markdown tables (also: python -m bench.lib.real_shapes_report).
 
     python -m bench.real_shapes --model qwen3-30b-a3b --layers 8 --rounds 3 --data ~/bench-data
@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep conversions already under --data (their times are then not measured)")
     p.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")),
                    help="where checkpoints and conversions are written")
-    p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/real_shapes_cpu.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results JSON (default bench/results/real_shapes/real_shapes_cpu.json)")
     args = p.parse_args(argv)
     q = args.quick
     args.layers = args.layers or (1 if q else 8)
@@ -311,7 +312,7 @@ def main(argv=None) -> None:
         "runs": runs,
         "total_s": time.perf_counter() - t_start,
     }
-    out = args.out or RESULTS / "real_shapes_cpu.json"
+    out = args.out or RESULTS / "real_shapes" / "real_shapes_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     png = plot(result, out.with_suffix(".png"))

@@ -69,7 +69,7 @@ def main(argv=None) -> None:
         results[name] = time_case(options, args.rows, args.repeat)
         r = results[name]
         print(f"{name:40s} {r['median_ms']:7.2f} ms [{r['min_ms']:.2f}-{r['max_ms']:.2f}]")
-    write_result(args.out, {"vocab": VOCAB, "rows": args.rows, "repeat": args.repeat, "cases": results})
+    write_result("sampling", args.out, {"vocab": VOCAB, "rows": args.rows, "repeat": args.repeat, "cases": results})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ all-reduce cost: modelled, not measured.
     python -m bench.scale_out --model DIR --tier int4 --label qwen3-30b-a3b-2L   # a bench/real_shapes slice
     python -m bench.scale_out --budget-share 0.5                # offloaded: half of each device's experts
 
-Writes bench/results/scale_out_<label>_cpu.json.
+Writes bench/results/scale_out/scale_out_<label>_cpu.json.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
               f"{row['decode_collectives']['all_reduces']} all-reduces/decode step, "
               f"CPU pp{args.prompt} {row['cpu_pp_tokens_per_s']:.1f} tg{args.tokens} {row['cpu_tg_tokens_per_s']:.1f} "
               f"tok/s; H100 x{ep} modelled {row['h100']['modelled_tpot_s'] * 1e3:.3f} ms/token")
-    write_result(f"scale_out_{args.label}", dict(
+    write_result("scale_out", f"scale_out_{args.label}", dict(
         model=str(args.model or "bundled tiny model"), devices="XLA:CPU devices sharing this machine's cores: CPU "
         "tokens/s are a ratio of work, not of speed", rows=rows))
 

@@ -9,7 +9,7 @@ are windows of tests/data's dev text, `--tokens` new tokens each, greedy.
     python -m bench.serve                                 # the bundled tiny model, resident and offloaded
     python -m bench.serve --model DIR --tier int4 --label qwen3-30b-a3b-2L   # e.g. a bench/real_shapes slice
 
-Writes bench/results/serve_<label>_cpu.json (or _gpu).
+Writes bench/results/serve/serve_<label>_cpu.json (or _gpu).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
         print(f"{args.label}, {placement}:", flush=True)
         runs[placement] = measure(model, streams, args.tokens)
         del model
-    write_result(f"serve_{args.label}",
+    write_result("serve", f"serve_{args.label}",
                  dict(model=args.label, tier=args.tier, cpu_dot=args.cpu_dot, new_tokens=args.tokens, runs=runs))
 
 

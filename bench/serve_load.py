@@ -6,7 +6,7 @@ is sampled throughout.
 
     python -m bench.serve_load [--seconds 120] [--streams 32] [--max-batch 8]
 
-Writes bench/results/serve_load_cpu.json. tests/test_serving_load.py runs a short version.
+Writes bench/results/serve_load/serve_load_cpu.json. tests/test_serving_load.py runs a short version.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     rss = result["rss_samples"]
     print({k: v for k, v in result.items() if k != "rss_samples"}, "RSS MiB first/last:",
           rss[0] >> 20, rss[-1] >> 20)
-    write_result("serve_load", result)
+    write_result("serve_load", "serve_load", result)
 
 
 def serve_and_drive(model, name: str, *, seconds: float, streams: int, max_batch: int, context: int = 512) -> dict:

@@ -197,10 +197,11 @@ def main() -> None:
                   "under_budget_25pct": under_budget(path, args.prompts, args.new_tokens)}
         by_k = tpot_vs_k(path, args.prompts, args.new_tokens)
         result["tpot_vs_k"] = by_k
-        plot_k(by_k, RESULTS / "speculative_k_cpu.png")
+        (RESULTS / "speculative").mkdir(parents=True, exist_ok=True)
+        plot_k(by_k, RESULTS / "speculative" / "speculative_k_cpu.png")
         if not args.skip_synthetic:
             result["synthetic_qwen3_30b_a3b_4L_25pct"] = synthetic(root, min(args.new_tokens, 32))
-    write_result("speculative", result)
+    write_result("speculative", "speculative", result)
 
 
 if __name__ == "__main__":

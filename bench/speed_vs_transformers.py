@@ -122,7 +122,7 @@ def main() -> None:
             "decode": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
         },
     }
-    write_result("speed_tiny", result)
+    write_result("speed_vs_transformers", "speed_tiny", result)
     for k in ("prefill", "decode"):
         print(f"{k}: jmoe {ours[f'{k}_tokens_per_s']:.0f} tok/s, transformers {theirs[f'{k}_tokens_per_s']:.0f} tok/s, "
               f"ratio {result['ratio_jmoe_over_transformers'][k]:.2f}")

@@ -78,7 +78,7 @@ def main() -> None:
     for name, table in tables.items():
         sizes = {t: f"{r['bytes_per_expert']} B ({r['bits_per_weight']:.2f} bit)" for t, r in table["tiers"].items()}
         print(name, sizes, table["kv_cache"])
-    write_result("tier_bytes", {"models": tables})
+    write_result("tier_bytes", "tier_bytes", {"models": tables})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Write the results tables of README.md and docs/*.md from bench/results/*.json.
+"""Write the results tables of README.md and docs/*.md from bench/results/<benchmark>/*.json.
 
 Each generated table sits between two markers in a markdown file:
 
@@ -68,19 +68,19 @@ def ratio(stat: dict) -> str:
 # --- the tables ---------------------------------------------------------------------------------
 
 def headline() -> str:
-    ppl = load("perplexity_tiny_cpu.json")
-    quality = load("quality_tiny_cpu.json")
-    shapes = load("real_shapes_cpu.json")
-    offload = load("offload_decode_qwen3_cpu.json")
-    io = load("decode_io_after_cpu.json")
-    serve = load("serve_tiny_cpu.json")
-    gpu = load("gpu_kernels_h100.json")
+    ppl = load("perplexity/perplexity_tiny_cpu.json")
+    quality = load("quality/quality_tiny_cpu.json")
+    shapes = load("real_shapes/real_shapes_cpu.json")
+    offload = load("offload_decode/offload_decode_qwen3_cpu.json")
+    io = load("decode_io/decode_io_after_cpu.json")
+    serve = load("serve/serve_tiny_cpu.json")
+    gpu = load("gpu_suite/gpu_kernels_h100.json")
 
     prose = ppl["domains"]["prose"]
     rows = [[
         "Tiny Qwen3-MoE, prose perplexity, jmoe vs transformers (float32)",
         f"{prose['jmoe_ppl']:.4f} vs {prose['transformers_ppl']:.4f}",
-        machine(ppl), source("perplexity_tiny_cpu.json"),
+        machine(ppl), source("perplexity/perplexity_tiny_cpu.json"),
     ]]
     by = {(r["method"], r["tier"], r["activations"]): r for r in quality["rows"]}
     base = by[("-", "bf16", "bf16/f32")]["prose"]
@@ -88,7 +88,7 @@ def headline() -> str:
     rows.append([
         "Tiny Qwen3-MoE, prose perplexity over bf16, GPTQ int4 / int2 experts",
         f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq2 / base - 1):.1f}%",
-        machine(quality), source("quality_tiny_cpu.json"),
+        machine(quality), source("quality/quality_tiny_cpu.json"),
     ])
     s = shapes["summary"]
     for ours, theirs, label in [
@@ -99,32 +99,32 @@ def headline() -> str:
         rows.append([
             f"Qwen3-30B-A3B shapes (8 of 48 layers), decode tok/s, {label}",
             f"{f(s[ours]['decode_tok_s@0']['median'])} vs {f(s[theirs]['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
-            machine(shapes), source("real_shapes_cpu.json"),
+            machine(shapes), source("real_shapes/real_shapes_cpu.json"),
         ])
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
         f"{lru['speed_vs_resident']['median']:.2f}×",
-        machine(offload), source("offload_decode_qwen3_cpu.json"),
+        machine(offload), source("offload_decode/offload_decode_qwen3_cpu.json"),
     ])
     case = io["cases"]["lru"]
     rows.append([
         "Tiny model offloaded (`lru`), blocking host reads per decode token; ms/token over resident",
         f"{case['counts']['decode']['blocking_reads']:.1f}; {case['timing']['ratio']['median']:.2f}×",
-        machine(io), source("decode_io_after_cpu.json"),
+        machine(io), source("decode_io/decode_io_after_cpu.json"),
     ])
     top = serve["runs"]["resident"][-1]
     rows.append([
         f"`jmoe serve` engine, {top['streams']} streams, tiny model: tok/s, engine vs threads calling `generate`",
         f"{f(top['batched']['aggregate_tokens_per_s'], 0)} vs {f(top['threaded']['aggregate_tokens_per_s'], 0)} "
         f"({top['aggregate_speedup']:.2f}×)",
-        machine(serve), source("serve_tiny_cpu.json"),
+        machine(serve), source("serve/serve_tiny_cpu.json"),
     ])
     k = next(k for k in gpu["kernels"] if k["model"] == "qwen3-30b-a3b" and k["phase"] == "decode" and k["tier"] == "int4")
     rows.append([
         "Qwen3-30B-A3B int4 expert kernels, one decode token, measured",
         f"{f(k['kernel_GBps'], 0)} GB/s",
-        machine(gpu), source("gpu_kernels_h100.json"),
+        machine(gpu), source("gpu_suite/gpu_kernels_h100.json"),
     ])
     mg = offload["modelled_gpu"]
     rows.append([
@@ -132,13 +132,13 @@ def headline() -> str:
         f"{mg['cases']['lru@25%']['modelled_tpot_ms']:.2f} ms/token (resident {mg['cases']['resident']['modelled_tpot_ms']:.2f}),"
         " modelled",
         f"modelled, not measured ({mg['params']['name']}), from traces recorded on the {machine(offload)}",
-        source("offload_decode_qwen3_cpu.json"),
+        source("offload_decode/offload_decode_qwen3_cpu.json"),
     ])
     return table(["what", "figure", "machine", "source"], rows)
 
 
 def real_shapes() -> str:
-    d = load("real_shapes_cpu.json")
+    d = load("real_shapes/real_shapes_cpu.json")
     s = d["summary"]
     gib = 2 ** 30
     rows = []
@@ -159,23 +159,24 @@ def real_shapes() -> str:
         rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"], 2 if r["decode_tok_s@0"]["median"] < 10 else 1),
                      med(r["decode_tok_s@512"], 2 if r["decode_tok_s@512"]["median"] < 10 else 1), rss])
     out = table(["", "prefill tok/s (512)", "decode tok/s (depth 0)", "decode tok/s (depth 512)", "peak RSS / loaded GiB"], rows)
-    return out + f"\n\nMachine: {machine(d)}; {d['settings']['rounds']} rounds, median [min–max] ({source('real_shapes_cpu.json')})."
+    return out + (f"\n\nMachine: {machine(d)}; {d['settings']['rounds']} rounds, median [min–max] "
+                  f"({source('real_shapes/real_shapes_cpu.json')}).")
 
 
 def perplexity() -> str:
-    d = load("perplexity_tiny_cpu.json")
+    d = load("perplexity/perplexity_tiny_cpu.json")
     rows = [[dom, f(r["tokens_scored"], 0), f"{r['jmoe_ppl']:.4f}", f"{r['transformers_ppl']:.4f}"]
             for dom, r in d["domains"].items()]
     out = table(["domain", "tokens", "jmoe perplexity", "transformers perplexity"], rows)
-    return out + f"\n\nMachine: {machine(d)} ({source('perplexity_tiny_cpu.json')})."
+    return out + f"\n\nMachine: {machine(d)} ({source('perplexity/perplexity_tiny_cpu.json')})."
 
 
 def quality() -> str:
     names = {"-": "—", "rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
     rows = []
-    plain = load("quality_tiny_cpu.json")
-    dot = load("quality_tiny_int8_dot_cpu.json")
-    for data, file in [(plain, "quality_tiny_cpu.json"), (dot, "quality_tiny_int8_dot_cpu.json")]:
+    plain = load("quality/quality_tiny_cpu.json")
+    dot = load("quality/quality_tiny_int8_dot_cpu.json")
+    for data, file in [(plain, "quality/quality_tiny_cpu.json"), (dot, "quality/quality_tiny_int8_dot_cpu.json")]:
         for r in data["rows"]:
             if data is dot and r["method"] == "-":
                 continue
@@ -184,12 +185,12 @@ def quality() -> str:
             tier = r["tier"] + (" W8A8" if r["activations"] == "int8 per token" else "")
             rows.append([names[r["method"]], tier, acts, f"{r['prose']:.3f}", f"{r['code']:.3f}", f"{r['math']:.3f}"])
     return table(["method", "tier", "activations", "prose", "code", "math"], rows) + (
-        f"\n\nMachines: the float and W8A8 rows, {machine(plain)} ({source('quality_tiny_cpu.json')}); "
-        f"the `cpu_dot=\"int8\"` rows, {machine(dot)} ({source('quality_tiny_int8_dot_cpu.json')}).")
+        f"\n\nMachines: the float and W8A8 rows, {machine(plain)} ({source('quality/quality_tiny_cpu.json')}); "
+        f"the `cpu_dot=\"int8\"` rows, {machine(dot)} ({source('quality/quality_tiny_int8_dot_cpu.json')}).")
 
 
 def decode_io() -> str:
-    before, after = load("decode_io_before_cpu.json"), load("decode_io_after_cpu.json")
+    before, after = load("decode_io/decode_io_before_cpu.json"), load("decode_io/decode_io_after_cpu.json")
     rows = []
     for key, case in after["cases"].items():
         b = before["cases"][key]["counts"]["decode"]
@@ -206,11 +207,11 @@ def decode_io() -> str:
     out = table(["policy", "blocking reads / token", "executions / token", "host-to-device transfers / token",
                  "ms/token, x resident (same rounds)"], rows)
     return out + (f"\n\nMachine: {machine(after)} (after; before: {machine(before)}); "
-                  f"{source('decode_io_before_cpu.json', 'decode_io_after_cpu.json')}.")
+                  f"{source('decode_io/decode_io_before_cpu.json', 'decode_io/decode_io_after_cpu.json')}.")
 
 
 def offload_quality() -> str:
-    d = load("offload_quality_tiny_cpu.json")
+    d = load("offload_quality/offload_quality_tiny_cpu.json")
     rows = []
     for mode, r in d["modes"].items():
         cells = []
@@ -220,11 +221,11 @@ def offload_quality() -> str:
             cells.append(f"{r[dom]:.{digits}f}" if mode == "resident bf16" else f"{r[dom]:.{digits}f} ({pct:+.2f}%)")
         rows.append([mode, *cells, f"{100 * r['degraded_share']:.1f}%"])
     out = table(["mode", "prose", "code", "math", "expert uses degraded"], rows)
-    return out + f"\n\nMachine: {machine(d)} ({source('offload_quality_tiny_cpu.json')})."
+    return out + f"\n\nMachine: {machine(d)} ({source('offload_quality/offload_quality_tiny_cpu.json')})."
 
 
 def offload_decode() -> str:
-    d = load("offload_decode_qwen3_cpu.json")
+    d = load("offload_decode/offload_decode_qwen3_cpu.json")
     greedy, sampled = d["runs"]["temperature_0"], d["runs"]["temperature_1"]
     rows = []
     resident = [(min(r[k]["resident_decode_ms"]["median"] for k in r), max(r[k]["resident_decode_ms"]["median"] for k in r))
@@ -245,14 +246,13 @@ def offload_decode() -> str:
     modelled = table(["case", "H100 TPOT, ms (modelled)", "x max(resident, PCIe floor) (modelled)"],
                      [[k, f"{c['modelled_tpot_ms']:.2f}", f"{c['vs_max_of_resident_and_pcie']:.2f}"]
                       for k, c in mg["cases"].items()])
-    return (out + f"\n\nMachine: {machine(d)} ({source('offload_decode_qwen3_cpu.json')}).\n\n"
+    return (out + f"\n\nMachine: {machine(d)} ({source('offload_decode/offload_decode_qwen3_cpu.json')}).\n\n"
             + modelled + f"\n\nModelled, not measured: {mg['params']['name']}, from the traces of the CPU run above.")
 
 
 def serve() -> str:
-    tiny = load("serve_tiny_cpu.json")
-    q = load("serve_qwen3-30b-a3b-2L-int4_cpu.json")
-    q8 = load("serve_qwen3-30b-a3b-2L-int4-int8dot_cpu.json")
+    labels = ("tiny", "qwen3-30b-a3b-2L-int4", "qwen3-30b-a3b-2L-int4-int8dot")
+    tiny, q, q8 = (load(f"serve/serve_{label}_cpu.json") for label in labels)
 
     def cell(r):
         return (f"{f(r['batched']['aggregate_tokens_per_s'], 1)} / {f(r['threaded']['aggregate_tokens_per_s'], 1)}"
@@ -263,11 +263,11 @@ def serve() -> str:
     out = table(["streams", "tiny, resident: engine / threads tok/s", "tiny, a third of the experts' bytes",
                  "Qwen3 2-layer slice", "the slice, `--cpu-dot int8`"], rows)
     return out + (f"\n\nMachine: {machine(tiny)} "
-                  f"({source('serve_tiny_cpu.json', 'serve_qwen3-30b-a3b-2L-int4_cpu.json', 'serve_qwen3-30b-a3b-2L-int4-int8dot_cpu.json')}).")
+                  f"({source(*(f'serve/serve_{label}_cpu.json' for label in labels))}).")
 
 
 def convert_memory() -> str:
-    d = load("convert_memory_cpu.json")
+    d = load("convert_memory/convert_memory_cpu.json")
     gb = 1e9
     rows = []
     for c in d["cases"]:
@@ -276,21 +276,22 @@ def convert_memory() -> str:
         rows.append([c["model"], size, c["method"].upper(), tiers, f(c["seconds"], 1 if c["seconds"] < 100 else 0),
                      f"{c['peak_rss_bytes'] / gb:.2f} GB", f"{c['peak_anon_bytes'] / gb:.2f} GB"])
     out = table(["checkpoint", "size", "method", "tiers written", "seconds", "peak RSS", "peak anonymous"], rows)
-    return out + f"\n\nMachine: {machine(d)} ({source('convert_memory_cpu.json')})."
+    return out + f"\n\nMachine: {machine(d)} ({source('convert_memory/convert_memory_cpu.json')})."
 
 
 def overhead() -> str:
-    d = load("overhead_tiny_cpu.json")
+    d = load("overhead/overhead_tiny_cpu.json")
     names = {"resident": "all resident", "lru+prefetch/auto": "`auto` (default)",
              "lru+prefetch/resident": "`resident`", "lru+prefetch/layerwise": "`layerwise`"}
     rows = [[names.get(k, k), f"{v['tpot_ms']:.2f}", f"{v['ratio_to_resident']:.2f}", f"{v['host_syncs_per_token']:.0f}"]
             for k, v in sorted(d["variants"].items(), key=lambda kv: kv[1]["ratio_to_resident"] if kv[0] != "resident" else 0)]
     out = table(["path", "TPOT, ms (CPU)", "× all-resident", "host syncs per token"], rows)
-    return out + f"\n\nMachine: {machine(d)}; median of {d['repeats']} rounds ({source('overhead_tiny_cpu.json')})."
+    return out + (f"\n\nMachine: {machine(d)}; median of {d['repeats']} rounds "
+                  f"({source('overhead/overhead_tiny_cpu.json')}).")
 
 
 def gpu_decode_ab() -> str:
-    d = load("gpu_decode_ab_gpu.json")
+    d = load("gpu_decode_ab/gpu_decode_ab_gpu.json")
     names = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B", "gpt-oss-20b": "GPT-OSS-20B",
              "deepseek-v2-lite": "DeepSeek-V2-Lite"}
     rows = []
@@ -302,11 +303,11 @@ def gpu_decode_ab() -> str:
                      f"{f(c['after_unique_GBps'], 0)} GB/s"])
     out = table(["decode, one token", "XLA reference", "kernels before", "kernels now", "now: weight bytes / time"], rows)
     return out + (f"\n\nMeasured on an {machine(d)}, {d['timing']}; before = commit {d['before']} "
-                  f"({source('gpu_decode_ab_gpu.json')}).")
+                  f"({source('gpu_decode_ab/gpu_decode_ab_gpu.json')}).")
 
 
 def scale_out() -> str:
-    d = load("scale_out_qwen3-30b-a3b-8L_cpu.json")
+    d = load("scale_out/scale_out_qwen3-30b-a3b-8L_cpu.json")
     rows = []
     for r in d["rows"]:
         dec, pre = r["decode_collectives"], r["prefill_collectives"]
@@ -320,7 +321,8 @@ def scale_out() -> str:
     out = table(["ep", "expert bytes / device", "slots / device", "all-reduces per step (decode, prefill)",
                  "CPU pp64 / tg8 tok/s", "busiest shard's experts per decode step", "8 L, H100 × ep, modelled"], rows)
     h = d["rows"][0]["h100"]
-    return out + (f"\n\nMachine: {machine(d)}, split into XLA:CPU devices ({source('scale_out_qwen3-30b-a3b-8L_cpu.json')}); "
+    return out + (f"\n\nMachine: {machine(d)}, split into XLA:CPU devices "
+                  f"({source('scale_out/scale_out_qwen3-30b-a3b-8L_cpu.json')}); "
                   f"the last column is modelled, not measured ({h['gpu']['name']}, {h['link']['name']}).")
 
 

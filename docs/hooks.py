@@ -1,5 +1,5 @@
 """MkDocs hooks: the CLI reference from jmoe's argparse parser, and a check that the generated
-results tables match bench/results/*.json."""
+results tables match bench/results/<benchmark>/*.json."""
 
 from __future__ import annotations
 

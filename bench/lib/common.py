@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: machine description, timing, result files."""
+"""Shared benchmark helpers: machine description, timing, result files (bench/results/<benchmark>/)."""
 
 from __future__ import annotations
 
@@ -94,10 +94,17 @@ def planned_budget(path: Path, share: float, **plan_kw) -> int:
     return sum(plan.values()) + int(share * experts)
 
 
-def write_result(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def result_path(bench: str, name: str) -> Path:
+    """bench/results/BENCH/NAME_cpu.json (or _gpu): each benchmark's results in a folder named after
+    it (bench/BENCH.py); the file names keep their benchmark's prefix."""
     tag = "gpu" if jax.default_backend() == "gpu" else "cpu"
-    path = RESULTS / f"{name}_{tag}.json"
+    return RESULTS / bench / f"{name}_{tag}.json"
+
+
+def write_result(bench: str, name: str, payload: dict) -> Path:
+    """The payload and the machine that ran it, to result_path(bench, name)."""
+    path = result_path(bench, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     return path

@@ -1,7 +1,7 @@
 """Summaries of bench/real_shapes.py rounds: medians with [min-max], jmoe / llama.cpp ratios per
 round, a markdown table for the README, and a plot.
 
-    python -m bench.lib.real_shapes_report [bench/results/real_shapes_cpu.json]   # prints the tables
+    python -m bench.lib.real_shapes_report [bench/results/real_shapes/real_shapes_cpu.json]   # prints the tables
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def plot(result: dict, path: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("result", type=Path, nargs="?", default=RESULTS / "real_shapes_cpu.json")
+    parser.add_argument("result", type=Path, nargs="?", default=RESULTS / "real_shapes" / "real_shapes_cpu.json")
     args = parser.parse_args()
     print(markdown(json.loads(args.result.read_text())))
 
