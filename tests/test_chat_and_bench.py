@@ -14,16 +14,16 @@ from jmoe.serving import BatchEngine
 from jmoe.serving.chat import chat_loop, chat_prompt
 
 
-def test_chat_answers_each_turn_with_the_history_and_forgets_on_reset(tiny_converted):
+def test_chat_answers_each_turn_with_the_history_and_forgets_on_reset(short_converted):
     turns = "Hello\n/help\n/reset\nWhat is 12 + 35?\n/quit\n"
-    done = subprocess.run([sys.executable, "-m", "jmoe.cli", "chat", str(tiny_converted), "--max-tokens", "8",
+    done = subprocess.run([sys.executable, "-m", "jmoe.cli", "chat", str(short_converted), "--max-tokens", "8",
                            "--dtype", "float32", "--max-seq-len", "256"], input=turns, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "(conversation forgotten)" in out and out.count("> ") >= 5
     assert out.count("/reset forgets the conversation") == 2  # the banner, and /help's answer (not the model's)
-    model = jmoe.load(tiny_converted, compute_dtype="float32")
+    model = jmoe.load(short_converted, compute_dtype="float32")
     first = jmoe.generate(model, chat_prompt(model, [{"role": "user", "content": "Hello"}]), max_new_tokens=8)
     assert model.tokenizer.decode(first) in out  # the first answer is the model's greedy answer to that turn
 
@@ -45,7 +45,7 @@ class InterruptingOutput(io.StringIO):
         return super().write(text)
 
 
-def test_ctrl_c_stops_the_answer_not_the_chat(tiny_model):
+def test_ctrl_c_stops_the_answer_not_the_chat(short_model):
     stdin = io.StringIO("Tell me a story\nHello\n")
     out = InterruptingOutput()
 
@@ -54,7 +54,7 @@ def test_ctrl_c_stops_the_answer_not_the_chat(tiny_model):
             out.answering = True  # what follows a read line is the answer
             return stdin.readline()
 
-    with BatchEngine(tiny_model, max_batch=1, context=256) as engine:
+    with BatchEngine(short_model, max_batch=1, context=256) as engine:
         chat_loop(engine, max_tokens=32, sampling=SamplingOptions(), stdin=Reader(), stdout=out)
         assert engine.running == 0  # the stopped answer freed its row
     text = out.getvalue()

@@ -496,7 +496,7 @@ def test_no_kernel_indexes_a_pool_with_overflowing_32bit_offsets(shape, quant, s
 
 
 @pytest.mark.parametrize("budgeted, execution", [(False, "auto"), (True, "auto"), (True, "layerwise")])
-def test_kernels_that_fail_to_compile_fall_back_to_xla_with_one_warning(tiny_converted, caplog, budgeted,
+def test_kernels_that_fail_to_compile_fall_back_to_xla_with_one_warning(short_converted, caplog, budgeted,
                                                                          execution):
     # On the CPU, compiled (non-interpret) Pallas kernels cannot be built: the failure a GPU with an
     # unsupported Triton would give. The model warns once and runs the XLA reference path.
@@ -505,10 +505,10 @@ def test_kernels_that_fail_to_compile_fall_back_to_xla_with_one_warning(tiny_con
     if jax.default_backend() == "gpu":
         pytest.skip("the compiled kernels build on a GPU")
     ids = [5, 17, 99, 3]
-    reference = jmoe.generate(jmoe.load(tiny_converted, compute_dtype="float32"), ids, max_new_tokens=6)
-    plan = jmoe.memory_plan(tiny_converted, compute_dtype="float32")
+    reference = jmoe.generate(jmoe.load(short_converted, compute_dtype="float32"), ids, max_new_tokens=6)
+    plan = jmoe.memory_plan(short_converted, compute_dtype="float32")
     budget = plan["dense"] + plan["kv_cache"] + plan["workspace"] + plan["all_experts"] // 3 if budgeted else None
-    model = jmoe.load(tiny_converted, compute_dtype="float32", kernel_backend="pallas", device_budget=budget,
+    model = jmoe.load(short_converted, compute_dtype="float32", kernel_backend="pallas", device_budget=budget,
                       execution=execution)
     with caplog.at_level("WARNING", logger="jmoe.runtime"):
         assert jmoe.generate(model, ids, max_new_tokens=6) == reference
