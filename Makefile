@@ -95,7 +95,8 @@ gpu-dry-run: $(STAMP)
 # jax, jaxlib and the CUDA 13 plugin at the main venv's jax version, ptxas and NVVM (about 256 MB to
 # download); registers, spills, shared memory, grids and decode-loop checks per kernel, and the offloaded
 # decode step's checks (pinned-host stores, async host slices, one command buffer), to
-# bench/results/gpu_compile_h100.json. Fails on any spill, compile error or failed check (part of `make test`).
+# bench/results/gpu_compile/gpu_compile_h100.json. Fails on any spill, compile error or failed check
+# (part of `make test`).
 GPU_AOT_VENV ?= .venv-gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
 # What a compile-only venv holds besides the project: $(call gpu_aot_wheels,JAX_VERSION)
@@ -112,7 +113,7 @@ gpu-compile: $(GPU_AOT_STAMP)
 
 # The same against the GPU machines' versions (jax 0.11.2, CUDA 13): jaxlib 0.11 has no wheel for
 # Python 3.11, so this needs a Python 3.12 (PYTHON312; with pyenv: PYENV_VERSION=3.12.1). Not part of
-# `make test`. Writes bench/results/gpu_compile_h100_jax0.11.2.json (its XLA dumps no PTX: no loop checks).
+# `make test`. Writes bench/results/gpu_compile/gpu_compile_h100_jax0.11.2.json (its XLA dumps no PTX: no loop checks).
 PYTHON312 ?= python3.12
 GPU_AOT_NEXT_VENV ?= .venv-gpu-aot-jax0.11
 $(GPU_AOT_NEXT_VENV)/.installed:
@@ -122,7 +123,7 @@ $(GPU_AOT_NEXT_VENV)/.installed:
 
 gpu-compile-jax0.11: $(GPU_AOT_NEXT_VENV)/.installed
 	PYTHONPATH=. JAX_PLATFORMS=cpu $(GPU_AOT_NEXT_VENV)/bin/python -m bench.gpu_compile \
-		--out bench/results/gpu_compile_h100_jax0.11.2.json
+		--out bench/results/gpu_compile/gpu_compile_h100_jax0.11.2.json
 
 clean:
 	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out site .pytest_cache $(GPU_COMPILE_LOG) $(TEST_LOG) $(TEST_LOG).rc

@@ -48,7 +48,7 @@ A canary case compiles a block that is known to spill (float32 rows on the dot p
 check itself is broken and the run fails.
 
     make gpu-compile                         # builds .venv-gpu-aot once, then runs this
-    python -m bench.gpu_compile --out bench/results/gpu_compile_h100.json
+    python -m bench.gpu_compile --out bench/results/gpu_compile/gpu_compile_h100.json
 
     python -m bench.gpu_compile --only-offload --models qwen3-30b-a3b --out /tmp/offload.json
 
@@ -833,7 +833,7 @@ def main(argv=None) -> int:
                         help="leave out the offloaded decode steps (experts fetched from pinned-host stores)")
     parser.add_argument("--only-offload", action="store_true",
                         help="only the offloaded decode steps (no kernel cases, other steps or spill canary)")
-    parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile_h100.json"))
+    parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile" / "gpu_compile_h100.json"))
     args = parser.parse_args(argv)
     _setup_environment()
     device, jax = compile_only_device()
