@@ -205,6 +205,26 @@ def make_cache(store, host, slots: dict[str, int], staging_transfers: int):
     return CacheManager(host, pools, handles, staging, Stats(), device)
 
 
+def test_steps_in_flight_leave_a_layers_working_set_unlocked(two_tier_store, two_tier_host):
+    """Each dispatched step locks its landing candidates until it is read; several in flight (a
+    thread's next step, other threads' on the same model) must still leave one token's experts of
+    a layer (top_k slots) to a step run again layer by layer, or a small pool has nothing to fetch into."""
+    cache = make_cache(two_tier_store, two_tier_host, {"int4": 6}, 2)
+    for expert in range(3):
+        assert cache.request((0, expert), "int4") == "started"
+    cache.settle()
+    top_k = 4
+    taken = [cache.landing_candidates("int4", 6, keep_unlocked=top_k) for _ in range(3)]  # three steps in flight
+    assert [len(t) for t in taken] == [2, 0, 0] and len(cache.locked["int4"]) == 2
+    slots = [slot for slot, _ in taken[0]]
+    keys = {(1, e) for e in range(top_k)}  # a layer none of whose experts is resident: all four to fetch
+    room = len([s for s in cache.free["int4"][0] if s not in cache.locked["int4"]]) + len(cache.movable("int4", keys))
+    assert room >= 1
+    cache.unlock("int4", slots)  # the step is read: its candidates are free to lock again
+    assert len(cache.landing_candidates("int4", 6, keep_unlocked=top_k)) == 2
+    assert len(cache.landing_candidates("int4", 6)) == 4  # without the reserve a step would lock the rest
+
+
 def test_promotion_replaces_and_lower_requests_reuse(two_tier_store, two_tier_host):
     cache = make_cache(two_tier_store, two_tier_host, {"int4": 2, "int2": 2}, 2)
     key = (3, 5)

@@ -288,12 +288,18 @@ class CacheManager:
                 self.stats.prefetch_issued += 1
         return slot
 
-    def landing_candidates(self, tier: str, n: int) -> list[tuple[int, Key | None]]:
+    def landing_candidates(self, tier: str, n: int, keep_unlocked: int = 0) -> list[tuple[int, Key | None]]:
         """Up to n (slot, the key whose `tier` version is in it, or None for a free slot) that a step
         may fetch experts into, in the order it should take them: free slots, then the versions the
         policy would evict first. A resident one keeps serving until the step overwrites it (only a
         step that does not route to it there does); nothing else claims these slots until the step
-        is read (unlock), when each one the step took is `land`ed."""
+        is read (unlock), when each one the step took is `land`ed.
+
+        At most as many as leave `keep_unlocked` of the pool's slots unlocked: the steps in flight
+        (this thread's next one, other threads' on the same model) never lock the slots a step run
+        again layer by layer needs for one token's experts of a layer (else a small pool has none
+        left to fetch into, and the step fails)."""
+        n = min(n, max(0, self.pools[tier].shard_slots - len(self.locked[tier]) - keep_unlocked))
         out = [(slot, None) for slot in reversed(self.free[tier][0]) if slot not in self.locked[tier]][:n]
         if len(out) < n:
             out += [(self.resident[k][tier], k) for k in self._eviction_order(tier, n - len(out))]

@@ -133,7 +133,7 @@ class InStepFetch:
         taken = []
         wanted = min(spec.landing, int(np.ceil(2 * self.chosen_per_step)) + res.cfg.top_k)
         for i, tier in enumerate(spec.tiers):
-            candidates = res.cache.landing_candidates(tier, wanted)
+            candidates = res.cache.landing_candidates(tier, wanted, keep_unlocked=min(res.cfg.top_k, E))
             for j, (slot, key) in enumerate(candidates):
                 landing[i, j], keys[i, j] = slot, -1 if key is None else key[0] * E + key[1]
             taken.append([key for _, key in candidates])
