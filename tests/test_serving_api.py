@@ -1008,7 +1008,14 @@ name and its value}. Tools:{% for tool in tools %} {{ tool.function.name }}{% en
 {% endfor %}assistant:"""
 
 
-@pytest.mark.parametrize("template, opening", [(MISTRAL_TEMPLATE, "[TOOL_CALLS]["), (LLAMA3_TEMPLATE, '{"name":')])
+DEEPSEEK_V31_TEMPLATE = """{%- if tools %}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %} \
+<｜tool▁calls▁begin｜>
+{% endif %}{%- for m in messages %}{{ m.role }}: {{ m.content }}
+{% endfor %}assistant:"""
+
+
+@pytest.mark.parametrize("template, opening", [(MISTRAL_TEMPLATE, "[TOOL_CALLS]["), (LLAMA3_TEMPLATE, '{"name":'),
+                                               (DEEPSEEK_V31_TEMPLATE, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add")])
 def test_required_calls_in_the_mistral_and_llama_formats(served, monkeypatch, template, opening):
     """The template's format is recognised, a required call is written in it (the raw answer, read
     without tools, shows it) and comes back as tool_calls whose arguments fit the schema."""
@@ -1020,21 +1027,21 @@ def test_required_calls_in_the_mistral_and_llama_formats(served, monkeypatch, te
     monkeypatch.setattr(openai_api, "tool_calls", lambda text, tools: answers.append(text) or read(text, tools))
     ask = [{"role": "user", "content": "What is 12 + 35?"}]
     named = {"type": "function", "function": {"name": "add"}}
-    answer = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": named,
+    answer = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": named, "max_tokens": 160,
                               "temperature": 1.0, "seed": 2}).json()["choices"][0]
     assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None, answer
     [call] = answer["message"]["tool_calls"]
     check_call(call)
     assert call["function"]["name"] == "add"
     [raw] = answers  # the answer as drawn: in the template's format
-    assert raw.startswith(opening) and '"add"' in raw, raw
+    assert raw.startswith(opening) and "add" in raw, raw
 
 
 def test_tool_calls_are_read_in_each_format():
     from types import SimpleNamespace
 
     from jmoe.errors import InputError
-    from jmoe.serving.tools import HERMES, LLAMA3, MISTRAL, parse_tools, template_format
+    from jmoe.serving.tools import DEEPSEEK, DEEPSEEK_V31, HERMES, LLAMA3, MISTRAL, parse_tools, template_format
 
     names = parse_tools([WEATHER, ADD], None).names
     args = lambda calls: [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]  # noqa: E731
@@ -1060,6 +1067,19 @@ def test_tool_calls_are_read_in_each_format():
         of("{% for tool in tools %}{{ tool }}{% endfor %}<|channel|>commentary to=functions.{{ name }}")
     with pytest.raises(InputError, match="no tools"):
         of("{% for m in messages %}{{ m.content }}{% endfor %}")
+    # DeepSeek-V3 / R1 (the function's name, then its arguments fenced as JSON) and V3.1 (name, arguments)
+    begin, call, sep, end, ends = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                                   "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+    text = (f'Checking.{begin}{call}function{sep}get_weather\n```json\n{{"city": "Oslo"}}\n```{end}'
+            f'{call}function{sep}add\n```json\n{{"a": 1, "b": 2}}\n```{end}{ends}')
+    content, calls = DEEPSEEK.read(text, names)
+    assert content == "Checking." and args(calls) == [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]
+    content, calls = DEEPSEEK_V31.read(f'{begin}{call}add{sep}{{"a": 7, "b": 8}}{end}{ends}', names)
+    assert content is None and args(calls) == [("add", {"a": 7, "b": 8})]
+    for text in (f"{begin}{call}unknown{sep}{{}}{end}{ends}", f"{begin}{call}add{sep}not json{end}{ends}"):
+        assert DEEPSEEK.read(text, names) == (text, [])
+    assert of(f"{{% if tools %}}{begin}```json{{% endif %}}") == DEEPSEEK
+    assert of(f"{{% if tools %}}{begin}{{% endif %}}") == of(DEEPSEEK_V31_TEMPLATE) == DEEPSEEK_V31
     special = SimpleNamespace(added_tokens_encoder={"[TOOL_CALLS]": 5})
     assert MISTRAL.call_grammar({}, special).startswith("start: <[5]> calls")
     assert MISTRAL.call_grammar({}, None).startswith('start: "[TOOL_CALLS]" calls')

@@ -8,13 +8,16 @@ the answer's tool calls are read back in the format the template teaches, told b
                                (or, from newer templates, [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"})
     Llama 3.1 / 3.2 / 3.3      {"name": "get_weather", "parameters": {"city": "Paris"}}  (the whole answer,
                                after an optional <|python_tag|>; several joined by ";")
+    DeepSeek-V3 / R1           <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+                               ```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+                               (V3.1: <｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}...)
 
 `tool_choice` "auto" (the default with tools) lets the model answer or call; "none" renders no
 tools; "required", or one named function, holds the answer to one call in the template's format by
 constrained decoding (jmoe/serving/structured.py), its arguments to the function's parameter
 schema (a marker the tokenizer holds as one special token is drawn as that token). A model whose
-template takes no tools, or in another format (GPT-OSS's harmony channels, DeepSeek's tool-call
-tokens), is refused with a 400 naming `tools`.
+template takes no tools, or in another format (GPT-OSS's harmony channels), is refused with a 400
+naming `tools`.
 """
 
 from __future__ import annotations
@@ -149,10 +152,60 @@ class _Llama3(ToolFormat):
         return None, calls
 
 
+class _DeepSeek(ToolFormat):
+    """DeepSeek-V3 / R1: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>;
+    V3.1 (`fenced` False): <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>; the calls inside
+    <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>."""
+
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    fenced = True  # V3 / R1 (V3.1: _DeepSeekV31)
+
+    def call_grammar(self, call_schema, tokenizer):
+        m = lambda text: _marker(tokenizer, text)  # noqa: E731
+        alternatives = []
+        for entry in call_schema.get("anyOf", [call_schema]):
+            name, arguments = entry["properties"]["name"]["const"], entry["properties"][self.key]
+            arguments = json.dumps({**arguments, "x-guidance": COMPACT_JSON})
+            if self.fenced:
+                alternatives.append(f'"function" {m(self.SEP)} {json.dumps(name)} "\\n```json\\n" %json {arguments} '
+                                    '"\\n```"')
+            else:
+                alternatives.append(f"{json.dumps(name)} {m(self.SEP)} %json {arguments}")
+        rules = "\n".join(f"call{i}: {a}" for i, a in enumerate(alternatives))
+        calls = " | ".join(f"call{i}" for i in range(len(alternatives)))
+        return f"start: {m(self.BEGIN)} {m(self.CALL)} call {m(self.CALL_END)} {m(self.END)}\ncall: {calls}\n{rules}"
+
+    def read(self, text, names):
+        head, found, rest = text.partition(self.BEGIN)
+        if not found:
+            return text, []
+        calls = []
+        for block in rest.split(self.END)[0].split(self.CALL)[1:]:
+            left, has_sep, right = block.split(self.CALL_END)[0].partition(self.SEP)
+            if left.strip() == "function":  # V3 / R1: the name, then the arguments fenced as JSON
+                name, _, arguments = right.partition("\n")
+                arguments = arguments.strip().removeprefix("```json").removesuffix("```")
+            else:
+                name, arguments = left, right
+            values = _json_values(arguments) if has_sep else None
+            calls.append(self._as_call({"name": name.strip(), "arguments": values[0]}, names)
+                         if values and len(values) == 1 else None)
+        if not calls or None in calls:
+            return text, []
+        return head.strip() or None, calls
+
+
+class _DeepSeekV31(_DeepSeek):
+    fenced = False
+
+
 HERMES = _Hermes("hermes", ("<tool_call>",))
 MISTRAL = _Mistral("mistral", ("[TOOL_CALLS]",))
 LLAMA3 = _Llama3("llama3", ('"parameters": dictionary of argument name',), key="parameters")
-FORMATS = (HERMES, MISTRAL, LLAMA3)
+DEEPSEEK = _DeepSeek("deepseek", (_DeepSeek.BEGIN, "```json"))
+DEEPSEEK_V31 = _DeepSeekV31("deepseek-v3.1", (_DeepSeek.BEGIN,))
+FORMATS = (HERMES, MISTRAL, LLAMA3, DEEPSEEK, DEEPSEEK_V31)  # the first whose markers a template holds
 
 
 @dataclass(frozen=True)
@@ -240,7 +293,8 @@ def template_format(tokenizer) -> ToolFormat:
         if all(marker in template for marker in fmt.markers):
             return fmt
     raise InputError("this model's chat template takes tools in a format this server does not read back "
-                     "(it reads Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] and Llama 3.1 JSON calls)")
+                     "(it reads Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS], Llama 3.1 JSON and DeepSeek's "
+                     "tool-call tokens)")
 
 
 def tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
