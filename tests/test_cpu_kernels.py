@@ -66,6 +66,8 @@ def test_narrower_instruction_sets_compute_the_same(isa):
     chosen = subprocess.run([sys.executable, "-c", "from cpu_kernels import native; print(native.isa())"],
                             cwd=root, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert chosen == isa
+    if native.isa() == isa:  # this CPU's widest path is this one: this module's own tests ran it already
+        return
     tests = "test_ragged_widths_and_padded_groups or (test_expert_ffn_qwen3_widths and 16-6 and (int4 or bf16))"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                           cwd=root, env=env, capture_output=True, text=True)
