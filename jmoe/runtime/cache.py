@@ -347,6 +347,12 @@ class CacheManager:
             else:
                 locked[slot] -= 1
 
+    def room(self, tier: str, keep=(), shard: int = 0) -> int:
+        """Slots of `tier` (of expert shard `shard`) a fetch could take now: free ones no step in
+        flight may write, and the versions that could be evicted (movable)."""
+        locked = self.locked[tier]
+        return sum(slot not in locked for slot in self.free[tier][shard]) + len(self.movable(tier, keep, shard))
+
     def movable(self, tier: str, keep=(), shard: int | None = None) -> list[Key]:
         """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in
         `keep`; only those of expert shard `shard` when given)."""

@@ -458,7 +458,7 @@ class Offloaded:
         room: dict[tuple[str, int], int] = {}  # (tier, shard) -> slots a pass may fill
         for tier, pool in self.pools.items():
             for shard in range(pool.shards):
-                room[(tier, shard)] = len(self.cache.free[tier][shard]) + len(self.cache.movable(tier, keys, shard))
+                room[(tier, shard)] = self.cache.room(tier, keys, shard)
         passes: list[dict[int, str]] = [{e: wanted[e] for e in resident}] if resident else []
         used: dict[tuple[str, int], int] = {}
         for expert in (e for e in wanted if e not in resident):
