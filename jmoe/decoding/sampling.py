@@ -207,12 +207,23 @@ def order_keys(x):
 def _bisect(keys, goes_up):
     """Per row, the smallest key k in [min(keys), max(keys)] for which goes_up(k [..., 1]) holds
     (a predicate that holds from some key on, and at the largest key)."""
-    lo, hi = keys.min(-1, keepdims=True), keys.max(-1, keepdims=True)
-    for _ in range(KEY_BITS):  # unrolled: a loop would split a GPU step's one command buffer
+
+    def halve(bounds):
+        lo, hi = bounds
         mid = lo + (hi - lo) // 2
         up = goes_up(mid)
-        lo, hi = jnp.where(up, lo, mid + 1), jnp.where(up, mid, hi)
-    return lo
+        return jnp.where(up, lo, mid + 1), jnp.where(up, mid, hi)
+
+    def unrolled(bounds):  # a loop would split a GPU step's one command buffer
+        for _ in range(KEY_BITS):
+            bounds = halve(bounds)
+        return bounds[0]
+
+    def looped(bounds):  # XLA:CPU compiles 32 copies of a vocabulary-wide reduction slowly (~0.5 s each filter)
+        return jax.lax.fori_loop(0, KEY_BITS, lambda _, b: halve(b), bounds)[0]
+
+    bounds = (keys.min(-1, keepdims=True), keys.max(-1, keepdims=True))
+    return jax.lax.platform_dependent(bounds, cpu=looped, default=unrolled)  # chosen when lowered: no conditional
 
 
 def top_k_filter(logits, top_k):
