@@ -59,12 +59,14 @@ fails one of its checks, or the canary compiles.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import functools
 import itertools
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -111,8 +113,13 @@ def _setup_environment() -> None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     os.environ["JMOE_CPU_KERNELS"] = "off"  # dense products as on a GPU (jnp.dot), not the host's FFI kernels
     os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
+    # The CUDA compiler writes a temporary directory per Mosaic GPU kernel and leaves it: every
+    # temporary file of this run goes under one directory, removed when the run ends.
+    scratch = tempfile.mkdtemp(prefix="jmoe-gpu-compile-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch
     # Mosaic GPU kernels compile outside XLA's pipeline: their PTX goes to a directory of their own
-    os.environ["MOSAIC_GPU_DUMP_TO"] = tempfile.mkdtemp(prefix="jmoe-mosaic-gpu-")
+    os.environ["MOSAIC_GPU_DUMP_TO"] = tempfile.mkdtemp(prefix="mosaic-gpu-ptx-")
     os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
 
 
