@@ -14,6 +14,13 @@ import pytest
 TEST_CPU_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", TEST_CPU_DEVICES)
 
+# Most of the suite's time is XLA:CPU compiling. LLVM at -O1 rather than XLA's -O2 compiles its
+# fused loops faster and, at the suite's small shapes, runs them about as fast (matrix products are
+# library calls either way). Set before the backend starts; the processes tests start inherit it.
+# A level the caller gave is kept.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1").strip()
+
 # The suite neither reads nor fills the user's persistent compilation cache (jmoe/runtime/compile_cache.py):
 # it starts one of its own, empty, shared by this run's workers and the processes tests start, so a
 # step that several tests build (same model, same shapes) compiles once per run; the controller
