@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -326,6 +327,129 @@ def scale_out() -> str:
                   f"the last column is modelled, not measured ({h['gpu']['name']}, {h['link']['name']}).")
 
 
+MODEL_NAMES = {"tiny-qwen3-moe": "tiny-qwen3-moe", "qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B",
+               "deepseek-v2-lite": "DeepSeek-V2-Lite", "gpt-oss-20b": "GPT-OSS-20B"}
+TIERS = ("bf16", "int8", "int4", "int2")
+
+
+def size(nbytes: int) -> str:
+    """Bytes under 1 MiB in full, else MiB or GiB to three significant figures."""
+    if nbytes < 1 << 20:
+        return f"{nbytes:,} B"
+    value, unit = (nbytes / (1 << 30), "GiB") if nbytes >= 1 << 30 else (nbytes / (1 << 20), "MiB")
+    return f"{sig3(value)} {unit}"
+
+
+def sig3(value: float) -> str:
+    """Three significant figures, trailing zeros kept (18.0, 9.00, 336, 1,234)."""
+    decimals = max(0, 2 - math.floor(math.log10(abs(value)))) if value else 2
+    return f"{value:,.{decimals}f}"
+
+
+def tier_bytes() -> str:
+    d = load("tier_bytes/tier_bytes_cpu.json")
+    rows, totals = [], []
+    for key, m in d["models"].items():
+        name, tiers = MODEL_NAMES.get(key, key), m["tiers"]
+        rows.append([name, *[size(tiers[t]["bytes_per_expert"]) + ("" if t == "bf16" else
+                                                                  f" ({tiers[t]['bits_per_weight']:.2f} bit)")
+                             for t in TIERS]])
+        totals.append([f"all experts: {name} ({m['experts']:,})",
+                       *[size(tiers[t]["total_expert_bytes"]) for t in TIERS]])
+    out = table(["model", *TIERS], rows + totals)
+    return out + f"\n\nFrom the record layout, no machine involved ({source('tier_bytes/tier_bytes_cpu.json')})."
+
+
+def policies() -> str:
+    d = load("policies/policies_cpu.json")
+    rows = []
+    for label, r in d["quality"]["rows"].items():
+        if "both tiers resident" in label:
+            continue
+        ppl = r["perplexity"]
+        rows.append([label, f"{ppl['prose']:.2f}", f"{ppl['code']:.2f}", f"{ppl['math']:.3f}",
+                     f"{r['geo_mean_perplexity']:.3f}", f"{r['int2_share_of_uses']:.3f}", f"{r['skipped_uses']:,}",
+                     f"{r['bytes_h2d_per_token'] / 1024:.1f}", f"{r['peak_resident_expert_bytes'] / (1 << 20):.2f}",
+                     f"{1e3 * r['cpu_s_per_token_measured']:.1f}", f"{1e6 * r['gpu_s_per_token_modelled']:.0f}"])
+    out = table(["policy", "prose", "code", "math", "geo-mean", "int2 share of uses", "skipped uses",
+                 "KiB moved per token", "peak resident expert MiB", "CPU ms/token (measured)",
+                 "GPU µs/token (modelled)"], rows)
+    return out + (f"\n\nMachine: {machine(d)}; GPU times modelled ({d['gpu_params_modelled']['name']}) from the "
+                  f"run's trace ({source('policies/policies_cpu.json')}).")
+
+
+def policies_both_resident() -> str:
+    d = load("policies/policies_cpu.json")
+    rows = d["quality"]["rows"]
+    chosen = [("uniform int4", "uniform int4"), ("DyMoE 4/2, r = 0.75", "DyMoE 4/2 r=0.75, both tiers resident"),
+              ("random int2, same share", "random 4/2, same int2 share, both tiers resident"),
+              ("uniform int2", "uniform int2")]
+    out = table(["policy (both tiers resident)", "int2 share of uses", "prose", "code", "math", "geo-mean"],
+                [[name, f"{rows[key]['int2_share_of_uses']:.3f}", f"{rows[key]['perplexity']['prose']:.2f}",
+                  f"{rows[key]['perplexity']['code']:.2f}", f"{rows[key]['perplexity']['math']:.3f}",
+                  f"{rows[key]['geo_mean_perplexity']:.3f}"] for name, key in chosen])
+    return out + f"\n\nMachine: {machine(d)} ({source('policies/policies_cpu.json')})."
+
+
+def placement_hit_rates() -> str:
+    d = load("policies/policies_cpu.json")
+    names = {"frequency": "global frequency", "paths": "activation paths", "two-stage": "two-stage"}
+    out = table(["strategy", "mean", "std", "max − min"],
+                [[names.get(k, k), f"{r['mean']:.3f}", f"{r['std']:.3f}", f"{r['max_min_gap']:.3f}"]
+                 for k, r in d["quality"]["placement_hit_rates_on_dev"].items()])
+    return out + f"\n\nFrom the routing of the dev splits ({source('policies/policies_cpu.json')})."
+
+
+def speculative_acceptance() -> str:
+    d = load("speculative/speculative_cpu.json")
+    runs = d["acceptance_by_domain"]
+    order = sorted(runs, key=lambda k: (k.split()[1] != "int4", ("prose", "code", "math").index(k.split()[0])))
+    rows = []
+    for key in order:
+        split, draft = key.split()
+        r = runs[key]
+        rows.append([split, draft, f"{r['acceptance_rate']:.3f}",
+                     " / ".join(f"{a:.2f}" for a in r["acceptance_by_position"]),
+                     f"{r['tokens_per_cycle']:.2f}", f"{r['draft_routing_fidelity']:.3f}"])
+    k = len(next(iter(runs.values()))["acceptance_by_position"])
+    out = table(["dev split", "draft", "acceptance", f"per drafted position (k = {k})", "tokens per cycle",
+                 "draft routing fidelity"], rows)
+    return out + f"\n\nMachine: {machine(d)} ({source('speculative/speculative_cpu.json')})."
+
+
+def workload_shift() -> str:
+    d = load("policies/policies_cpu.json")
+    names = {"uniform int4": "uniform int4 (unbudgeted)", "uniform int2": "uniform int2 (unbudgeted)",
+             "DynaExq 8/32": "DynaExq 8/32, count hotness", "LRU int4 (same budget)": "LRU int4, same budget",
+             "placement two-stage int4 (same budget)": "static placement (two-stage) int4 + CPU, same budget"}
+    rows = []
+    for label, r in d["workload_shift"]["runs"].items():
+        st = r["stats"]
+        moves = f"{st['promotions']:,} / {st['demotions']:,}" if st["promotions"] or st["demotions"] else "—"
+        rows.append([names.get(label, label), f"{r['perplexity']:.3f}", f"{st['bytes_h2d'] / st['steps'] / 1024:.2f}",
+                     moves, f"{1e3 * r['cpu_s_per_token_measured']:.1f}", f"{1e6 * r['gpu_s_per_token_modelled']:.0f}"])
+    out = table(["run", "perplexity", "KiB moved per token (loading included)", "promotions / demotions",
+                 "CPU ms/token (measured)", "GPU µs/token (modelled)"], rows)
+    return out + f"\n\nMachine: {machine(d)}; GPU times modelled ({source('policies/policies_cpu.json')})."
+
+
+def dymoe_ablation() -> str:
+    d = load("policies/policies_cpu.json")
+    runs = d["dymoe_ablation_synthetic_qwen3_30b_a3b_4L"]
+    configs = list(dict.fromkeys(k.rsplit(" @ ", 1)[0] for k in runs))
+    names = {"cache": "cache (LRU)", "+prefetch": "+ prefetch", "+4/2": "+ 4/2", "+4/2+prefetch": "+ 4/2 + prefetch",
+             "+4/0+prefetch": "+ 4/0 + prefetch"}
+
+    def cells(r):
+        return [sig3(r["bytes_h2d_per_token"] / (1 << 20)), f"{1e3 * r['cpu_tpot_s_measured']:.0f}",
+                f"{1e3 * r['gpu_tpot_s_modelled']:.3f}"]
+
+    rows = [[names.get(c, c), *cells(runs[f"{c} @ 25%"]), *cells(runs[f"{c} @ 50%"])] for c in configs]
+    out = table(["configuration", "25%: MiB/token", "CPU ms", "GPU ms (modelled)", "50%: MiB/token", "CPU ms",
+                 "GPU ms (modelled)"], rows)
+    return out + f"\n\nMachine: {machine(d)}; GPU times modelled ({source('policies/policies_cpu.json')})."
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
@@ -339,6 +463,13 @@ TABLES = {
     "overhead": overhead,
     "gpu-decode-ab": gpu_decode_ab,
     "scale-out": scale_out,
+    "tier-bytes": tier_bytes,
+    "policies": policies,
+    "policies-both-resident": policies_both_resident,
+    "placement-hit-rates": placement_hit_rates,
+    "speculative-acceptance": speculative_acceptance,
+    "workload-shift": workload_shift,
+    "dymoe-ablation": dymoe_ablation,
 }
 
 
