@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))  # bench.lib, run as a script
 MARKER = re.compile(r"(<!-- gen_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /gen_tables -->)", re.S)
 
 
@@ -450,6 +451,14 @@ def dymoe_ablation() -> str:
     return out + f"\n\nMachine: {machine(d)}; GPU times modelled ({source('policies/policies_cpu.json')})."
 
 
+def paper_headlines(model: str) -> str:
+    from bench.lib.paper_claims import markdown
+
+    name = f"paper_headlines/paper_headlines_{model}_cpu.json"
+    d = load(name)
+    return markdown(d) + f"\n\nMachine: {machine(d)}; H100 figures modelled ({source(name)})."
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
@@ -470,6 +479,8 @@ TABLES = {
     "speculative-acceptance": speculative_acceptance,
     "workload-shift": workload_shift,
     "dymoe-ablation": dymoe_ablation,
+    "paper-headlines-tiny": lambda: paper_headlines("tiny"),
+    "paper-headlines-qwen3": lambda: paper_headlines("qwen3"),
 }
 
 
