@@ -459,9 +459,29 @@ def paper_headlines(model: str) -> str:
     return markdown(d) + f"\n\nMachine: {machine(d)}; H100 figures modelled ({source(name)})."
 
 
+def gpt_oss_shapes() -> str:
+    name = "real_shapes/real_shapes_gpt_oss_cpu.json"
+    d = load(name)
+    gib = 1 << 30
+    rows = []
+    for key, label in [("jmoe bf16 resident", "jmoe bf16 experts, bf16 dense"), ("llama.cpp BF16", "llama.cpp BF16"),
+                       ("jmoe int4 resident", "jmoe int4 experts, bf16 dense"),
+                       ("jmoe int4 + dense int4 resident", "jmoe int4 experts, `--dense-tier int4`"),
+                       ("jmoe int4 + dense int4 resident, int8 dot",
+                        "jmoe int4 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
+                       ("llama.cpp Q4_0", "llama.cpp Q4_0")]:
+        r = d["summary"][key]
+        rows.append([label, f"{r['prefill_tok_s']['median']:.1f}",
+                     f"{r['decode_tok_s@0']['median']:.1f} / {r['decode_tok_s@512']['median']:.1f}",
+                     f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"])
+    out = table(["", "prefill tok/s (512)", "decode tok/s (depth 0 / 512)", "peak RSS / loaded GiB"], rows)
+    return out + (f"\n\nMachine: {machine(d)}; {d['settings']['rounds']} rounds, medians ({source(name)}).")
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
+    "gpt-oss-shapes": gpt_oss_shapes,
     "perplexity": perplexity,
     "quality": quality,
     "decode-io": decode_io,
