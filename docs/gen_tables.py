@@ -16,6 +16,7 @@ that a model of a GPU produced, not a GPU, say "modelled".
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -24,7 +25,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))  # bench.lib, run as a script
 MARKER = re.compile(r"(<!-- gen_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /gen_tables -->)", re.S)
 
 
@@ -452,11 +452,13 @@ def dymoe_ablation() -> str:
 
 
 def paper_headlines(model: str) -> str:
-    from bench.lib.paper_claims import markdown
-
+    # by its path: mkdocs runs this with its own import path
+    spec = importlib.util.spec_from_file_location("paper_claims", ROOT / "bench" / "lib" / "paper_claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
     name = f"paper_headlines/paper_headlines_{model}_cpu.json"
     d = load(name)
-    return markdown(d) + f"\n\nMachine: {machine(d)}; H100 figures modelled ({source(name)})."
+    return claims.markdown(d) + f"\n\nMachine: {machine(d)}; H100 figures modelled ({source(name)})."
 
 
 def gpt_oss_shapes() -> str:
