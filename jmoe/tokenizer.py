@@ -139,17 +139,19 @@ class StreamDetokenizer:
     of text-generation-inference), so streaming costs O(1) per token.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special = not special_tokens  # special_tokens: kept in the text (harmony's markers)
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
+        skip = self.skip_special
         with _LOCK:
-            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-            text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+            text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)

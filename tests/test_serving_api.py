@@ -899,6 +899,11 @@ TOOL_TEMPLATE = """{%- if tools %}system: you may call these tools, each in a <t
 {% else %}{{ m.role }}: {{ m.content }}
 {% endif %}
 {%- endfor %}assistant:"""
+# GPT-OSS's harmony, cut down: its markers are plain text to the test model's tokenizer
+HARMONY_TEMPLATE = """{%- if tools %}<|start|>developer<|message|>namespace functions {
+{%- for tool in tools %} type {{ tool.function.name }} = () => any;{% endfor %} }<|end|>{% endif %}
+{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == "assistant" %}<|channel|>final{% endif %}<|message|>
+{{- m.content }}<|end|>{% endfor %}<|start|>assistant"""
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "additionalProperties": False,
                                                            "required": ["city"],
@@ -1037,11 +1042,77 @@ def test_required_calls_in_the_mistral_and_llama_formats(served, monkeypatch, te
     assert raw.startswith(opening) and "add" in raw, raw
 
 
+def test_harmony_answers_split_by_channel_whole_and_streamed():
+    """GPT-OSS's channels: analysis is the reasoning, final (or text outside any message) the
+    content, a commentary to one of the tools a call (to another, or not JSON: content); streamed
+    in pieces cut anywhere, the deltas add up to the whole answer's reasoning and content, a marker
+    never leaking."""
+    import random
+
+    from jmoe.serving import harmony
+    from jmoe.serving.tools import HARMONY
+
+    names = {"get_weather", "add"}
+    think = "<|channel|>analysis<|message|>The user wants 2 + 2 < 5.<|end|><|start|>assistant"
+    answer = think + "<|channel|>final<|message|>It is 4.<|return|>"
+    call = (think + '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 2}<|call|>'
+            '<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"city": "Oslo"}')
+    stranger = '<|channel|>commentary to=functions.delete_all<|message|>{"now": true}<|call|>'
+    assert harmony.split(answer, names) == ("The user wants 2 + 2 < 5.", "It is 4.", [])
+    assert harmony.split(call, names) == ("The user wants 2 + 2 < 5.", "", [("add", '{"a": 2, "b": 2}'),
+                                                                           ("get_weather", '{"city": "Oslo"}')])
+    assert harmony.split(stranger, names) == ("", '{"now": true}', [])
+    assert harmony.split("Plain words.", names) == ("", "Plain words.", [])
+    assert harmony.split("Plain.<|channel|>final<|message|>Then final.", names) == ("", "Plain.Then final.", [])
+    content, calls = HARMONY.read(call, names)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 2, "b": 2}), ("get_weather", {"city": "Oslo"})]
+    assert HARMONY.read(answer, names) == (answer, [])
+    rng = random.Random(0)
+    for text in (answer, call, stranger, "Plain.<|channel|>final<|message|>Then final."):
+        for _ in range(30):
+            stream, reasoning, content, i = harmony.HarmonyStream(names), "", "", 0
+            while i < len(text):
+                j = min(len(text), i + rng.randint(1, 7))
+                r, c = stream.feed(text[i:j])
+                reasoning, content, i = reasoning + r, content + c, j
+                assert "<|" not in r + c
+            whole = harmony.split(text, names)
+            assert (reasoning, content) == whole[:2]
+
+
+def test_a_harmony_template_gets_channels_and_tool_calls_back(served, monkeypatch):
+    """A model whose template writes harmony (GPT-OSS): a required call comes back as tool_calls
+    (whole and streamed), no marker in the content; a free answer without channels is all content."""
+    from jmoe.serving.validation import parse_request
+
+    base, engine, model = served
+    ask = [{"role": "user", "content": "What is 12 + 35?"}]
+    assert not parse_request({"messages": ask}, model, NAME, chat=True).harmony
+    monkeypatch.setattr(model.tokenizer, "chat_template", HARMONY_TEMPLATE)
+    assert parse_request({"messages": ask}, model, NAME, chat=True).harmony  # its text keeps special tokens
+    answer = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": "required",
+                              "temperature": 0}).json()["choices"][0]
+    assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None, answer
+    [call] = answer["message"]["tool_calls"]
+    check_call(call)
+    chunks = list(client(base).chat.completions.create(model=NAME, messages=ask, tools=[ADD], max_tokens=96,
+                                                       tool_choice="required", stream=True))
+    [delta] = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    check_call(delta.tool_calls[0].model_dump())
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    free = chat_post(base, {"messages": ask, "temperature": 0, "max_tokens": 8}).json()["choices"][0]["message"]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client(base).chat.completions.create(
+        model=NAME, messages=ask, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert free["content"] and "<|" not in free["content"] and streamed == free["content"]
+
+
 def test_tool_calls_are_read_in_each_format():
     from types import SimpleNamespace
 
     from jmoe.errors import InputError
-    from jmoe.serving.tools import DEEPSEEK, DEEPSEEK_V31, HERMES, LLAMA3, MISTRAL, parse_tools, template_format
+    from jmoe.serving.tools import (DEEPSEEK, DEEPSEEK_V31, HARMONY, HERMES, LLAMA3, MISTRAL, parse_tools,
+                                    template_format)
 
     names = parse_tools([WEATHER, ADD], None).names
     args = lambda calls: [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]  # noqa: E731
@@ -1063,8 +1134,9 @@ def test_tool_calls_are_read_in_each_format():
     # the format a template teaches; a marker the tokenizer holds as one special token is drawn as that token
     of = lambda template: template_format(SimpleNamespace(chat_template=template))  # noqa: E731
     assert (of(TOOL_TEMPLATE), of(MISTRAL_TEMPLATE), of(LLAMA3_TEMPLATE)) == (HERMES, MISTRAL, LLAMA3)
-    with pytest.raises(InputError, match="format"):  # GPT-OSS's harmony: not read back
-        of("{% for tool in tools %}{{ tool }}{% endfor %}<|channel|>commentary to=functions.{{ name }}")
+    assert of(HARMONY_TEMPLATE) is HARMONY  # GPT-OSS
+    with pytest.raises(InputError, match="format"):
+        of("{% for tool in tools %}{{ tool }}{% endfor %} call them as <<name>>")
     with pytest.raises(InputError, match="no tools"):
         of("{% for m in messages %}{{ m.content }}{% endfor %}")
     # DeepSeek-V3 / R1 (the function's name, then its arguments fenced as JSON) and V3.1 (name, arguments)

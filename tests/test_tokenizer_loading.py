@@ -55,3 +55,16 @@ def test_loading_a_tokenizer_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_streamed_text_keeps_special_tokens_only_when_asked():
+    """A harmony chat answer's markers are special tokens: its stream keeps them; every other skips them."""
+    from jmoe.tokenizer import StreamDetokenizer
+
+    tokenizer = load_tokenizer(TINY_HF)
+    ids = tokenizer.encode("12 + 35") + [tokenizer.convert_tokens_to_ids("<|endoftext|>")] + tokenizer.encode(" = 47")
+    texts = {}
+    for special in (False, True):
+        stream = StreamDetokenizer(tokenizer, special_tokens=special)
+        texts[special] = "".join(stream.push(i) for i in ids)
+    assert texts == {False: "12 + 35 = 47", True: "12 + 35<|endoftext|> = 47"}

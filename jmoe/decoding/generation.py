@@ -107,8 +107,8 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
 class RowText:
     """Streaming text of one row: detokenizes, holds back what could start a stop string."""
 
-    def __init__(self, tokenizer, stop: Sequence[str]):
-        self.detok = StreamDetokenizer(tokenizer)
+    def __init__(self, tokenizer, stop: Sequence[str], special_tokens: bool = False):
+        self.detok = StreamDetokenizer(tokenizer, special_tokens)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""

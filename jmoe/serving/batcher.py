@@ -446,7 +446,7 @@ class BatchEngine:
                           prompt_history([request.prompt], model.config.vocab_size, request.sampling))
         self.cache = insert_row(self.cache, decoder.cache, np.int32(b))
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
-        text = RowText(model.tokenizer, request.stop) if request.as_text else None
+        text = RowText(model.tokenizer, request.stop, request.special_tokens) if request.as_text else None
         constraint = None if request.grammar is None else Constraint(
             request.grammar, model.tokenizer, model.config.vocab_size, self.eos)
         self.rows[b] = _Row(stream, sampler, text, prefill.clock, constraint=constraint)

@@ -29,7 +29,8 @@ from jmoe.serving.batcher import BatchEngine
 from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob
 from jmoe.serving.metrics import EngineMetrics
 from jmoe.serving.scoring import PromptScorer
-from jmoe.serving.tools import Tools, tool_calls
+from jmoe.serving import harmony
+from jmoe.serving.tools import Tools, tool_call, tool_calls
 from jmoe.serving.validation import (
     MAX_BODY_BYTES,
     MAX_CHOICES,
@@ -122,7 +123,9 @@ def _whole_choices(parsed: Parsed, chat: bool, answers: list, streams: list[Stre
         generated = logprobs(entries, len(prefix))
         joined = LogprobFormat.joined(prefix_logprobs, generated)
         choice = _choice(chat, c, prefix + text, finish, logprobs=joined)
-        if parsed.tools is not None:
+        if parsed.harmony:
+            _read_harmony(choice, "message", parsed.tools)
+        elif parsed.tools is not None:
             _read_tool_calls(choice, "message", parsed.tools)
         choices.append(choice)
     return choices
@@ -138,6 +141,20 @@ def _read_tool_calls(choice: dict, key: str, tools: Tools) -> None:
     choice[key]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)] if key == "delta" else calls
     if choice["finish_reason"] in ("stop", None):
         choice["finish_reason"] = "tool_calls"
+
+
+def _read_harmony(choice: dict, key: str, tools: Tools | None) -> None:
+    """A harmony chat choice split by channel: its reasoning (`reasoning_content`), its answer
+    (`content`) and, with tools, its calls (finishing with "tool_calls")."""
+    reasoning, content, calls = harmony.split(choice[key].get("content") or "", tools.names if tools else set())
+    choice[key]["content"] = content or (None if calls or key == "message" and reasoning else "")
+    if reasoning:
+        choice[key]["reasoning_content"] = reasoning
+    if calls:
+        calls = [tool_call(name, arguments) for name, arguments in calls]
+        choice[key]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)] if key == "delta" else calls
+        if choice["finish_reason"] in ("stop", None):
+            choice["finish_reason"] = "tool_calls"
 
 
 def _drop(task: asyncio.Future) -> None:
@@ -423,7 +440,7 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                         sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1))
                     streams.append(engine.submit(Request(prompt, parsed.max_tokens, sampling, parsed.stop,
                                                          logprobs=parsed.logprobs, timeout=request_timeout,
-                                                         grammar=parsed.grammar)))
+                                                         grammar=parsed.grammar, special_tokens=parsed.harmony)))
         except (QueueFull, InputError, EngineClosed) as e:
             for s in streams:
                 s.cancel()
@@ -520,11 +537,20 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                 sent = [len(prefixes[c // parsed.n][0]) for c in range(len(streams))]
             # with tools, a choice's text is held to its end: only then is it known to be a call or an answer
             held = [("", []) for _ in streams] if parsed.tools is not None else None
+            channels = [harmony.HarmonyStream() for _ in streams] if parsed.harmony else None
             open_streams = len(streams)
             while open_streams:
                 i, piece, entries = await pieces.get()
                 if piece is not None and held is not None:
                     held[i] = (held[i][0] + piece, held[i][1] + entries)
+                elif piece is not None and channels is not None:
+                    reasoning, content = channels[i].feed(piece)
+                    if reasoning or content:
+                        choice = _choice(chat, i, content, None, delta=True, logprobs=logprobs(entries, sent[i]))
+                        if reasoning:
+                            choice["delta"]["reasoning_content"] = reasoning
+                        yield event([choice])
+                    sent[i] += len(piece)
                 elif piece is not None:
                     yield event([_choice(chat, i, piece, None, delta=True, logprobs=logprobs(entries, sent[i]))])
                     sent[i] += len(piece)
@@ -536,7 +562,10 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                     if held is not None and held[i][0]:
                         choice = _choice(chat, i, held[i][0], _finish(streams[i]), delta=True,
                                          logprobs=logprobs(held[i][1]))
-                        _read_tool_calls(choice, "delta", parsed.tools)
+                        if parsed.harmony:
+                            _read_harmony(choice, "delta", parsed.tools)
+                        else:
+                            _read_tool_calls(choice, "delta", parsed.tools)
                         finish, choice["finish_reason"] = choice["finish_reason"], None
                         yield event([choice])
                         yield event([_choice(chat, i, "", finish, delta=True)])

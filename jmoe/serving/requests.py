@@ -37,6 +37,7 @@ class Request:
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
     timeout: float | None = None  # seconds from submit after which the request ends ("timeout")
     grammar: str | None = None  # structured output: what its answer must follow (jmoe/serving/structured.py)
+    special_tokens: bool = False  # its text keeps special tokens (a harmony chat answer's markers)
 
 
 @dataclass

@@ -11,13 +11,16 @@ the answer's tool calls are read back in the format the template teaches, told b
     DeepSeek-V3 / R1           <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
                                ```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
                                (V3.1: <｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}...)
+    GPT-OSS (harmony)          <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+                               {"city": "Paris"}<|call|>
 
 `tool_choice` "auto" (the default with tools) lets the model answer or call; "none" renders no
 tools; "required", or one named function, holds the answer to one call in the template's format by
 constrained decoding (jmoe/serving/structured.py), its arguments to the function's parameter
-schema (a marker the tokenizer holds as one special token is drawn as that token). A model whose
-template takes no tools, or in another format (GPT-OSS's harmony channels), is refused with a 400
-naming `tools`.
+schema (a marker the tokenizer holds as one special token is drawn as that token). GPT-OSS's harmony
+messages (a commentary `to=functions.NAME` holding the JSON arguments) are read by
+jmoe/serving/harmony.py. A model whose template takes no tools, or in another format, is refused
+with a 400 naming `tools`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from jmoe.errors import InputError
+from jmoe.serving import harmony
 from jmoe.serving.structured import COMPACT_JSON
 
 MAX_TOOLS = 128  # as OpenAI allows
@@ -35,7 +39,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _DECODER = json.JSONDecoder()
 
 
-def _call(name: str, arguments) -> dict:
+def tool_call(name: str, arguments) -> dict:
     """One call in OpenAI's shape (arguments as a JSON string)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
@@ -80,7 +84,7 @@ class ToolFormat:
 
     def _as_call(self, value, names: set) -> dict | None:
         if isinstance(value, dict) and value.get("name") in names:
-            return _call(value["name"], value.get(self.key, value.get("arguments", {})))
+            return tool_call(value["name"], value.get(self.key, value.get("arguments", {})))
         return None
 
 
@@ -200,12 +204,36 @@ class _DeepSeekV31(_DeepSeek):
     fenced = False
 
 
+class _Harmony(ToolFormat):
+    """GPT-OSS: each call a commentary message to functions.NAME; its reasoning and answer in
+    other channels (jmoe/serving/harmony.py)."""
+
+    def call_grammar(self, call_schema, tokenizer):
+        m = lambda text: _marker(tokenizer, text)  # noqa: E731
+        alternatives = []
+        for entry in call_schema.get("anyOf", [call_schema]):
+            name, arguments = entry["properties"]["name"]["const"], entry["properties"][self.key]
+            arguments = json.dumps({**arguments, "x-guidance": COMPACT_JSON})
+            alternatives.append(f'{json.dumps("commentary to=functions." + name + " ")} {m(harmony.CONSTRAIN)} '
+                                f'"json" {m(harmony.MESSAGE)} %json {arguments}')
+        rules = "\n".join(f"call{i}: {a}" for i, a in enumerate(alternatives))
+        calls = " | ".join(f"call{i}" for i in range(len(alternatives)))
+        return f"start: {m(harmony.CHANNEL)} call {m(harmony.CALL)}\ncall: {calls}\n{rules}"
+
+    def read(self, text, names):
+        _, content, calls = harmony.split(text, names)
+        if not calls:
+            return text, []
+        return content.strip() or None, [tool_call(name, arguments) for name, arguments in calls]
+
+
 HERMES = _Hermes("hermes", ("<tool_call>",))
 MISTRAL = _Mistral("mistral", ("[TOOL_CALLS]",))
 LLAMA3 = _Llama3("llama3", ('"parameters": dictionary of argument name',), key="parameters")
 DEEPSEEK = _DeepSeek("deepseek", (_DeepSeek.BEGIN, "```json"))
 DEEPSEEK_V31 = _DeepSeekV31("deepseek-v3.1", (_DeepSeek.BEGIN,))
-FORMATS = (HERMES, MISTRAL, LLAMA3, DEEPSEEK, DEEPSEEK_V31)  # the first whose markers a template holds
+HARMONY = _Harmony("harmony", (harmony.CHANNEL, "functions"))
+FORMATS = (HERMES, MISTRAL, LLAMA3, DEEPSEEK, DEEPSEEK_V31, HARMONY)  # the first whose markers a template holds
 
 
 @dataclass(frozen=True)
@@ -293,8 +321,8 @@ def template_format(tokenizer) -> ToolFormat:
         if all(marker in template for marker in fmt.markers):
             return fmt
     raise InputError("this model's chat template takes tools in a format this server does not read back "
-                     "(it reads Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS], Llama 3.1 JSON and DeepSeek's "
-                     "tool-call tokens)")
+                     "(it reads Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS], Llama 3.1 JSON, DeepSeek's "
+                     "tool-call tokens and GPT-OSS's harmony commentary)")
 
 
 def tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:

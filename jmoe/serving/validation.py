@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from jmoe import validate
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
-from jmoe.serving import structured
+from jmoe.serving import harmony, structured
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.logits import MAX_TOP_LOGPROBS
 from jmoe.serving.tools import Tools, parse_tools, template_format
@@ -110,6 +110,7 @@ class Parsed:
     echo: bool = False  # completions: each text (and its logprobs) starts with its prompt's
     grammar: str | None = None  # what its answers follow (response_format, tool_choice; jmoe/serving/structured.py)
     tools: Tools | None = None  # chat: the tools the template was given (tool calls are read back from answers)
+    harmony: bool = False  # chat with a harmony template (GPT-OSS): answers split by channel (jmoe/serving/harmony.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -215,7 +216,7 @@ def parse_request(body: dict, model, model_name: str, *, chat: bool, max_tokens:
         except InputError as e:
             raise ApiError(str(e), "tools") from None
     return Parsed(prompts, texts, n, stream, include_usage, max_tokens, sampling, _stop(body), _logprobs(body, chat),
-                  echo, grammar, tools)
+                  echo, grammar, tools, harmony=chat and harmony.uses_harmony(model.tokenizer))
 
 
 def _check_fields(body: dict, known: set[str]) -> None:

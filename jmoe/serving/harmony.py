@@ -1,0 +1,116 @@
+"""GPT-OSS's harmony answers, read back for chat completions.
+
+A harmony model answers in messages, each a header, `<|message|>`, a body and an end marker:
+
+    <|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>4.<|return|>
+    <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+
+The "analysis" channel is the model's reasoning (OpenAI's `reasoning_content`), "final" (and a
+commentary without a recipient, a preamble) the answer's content, and a commentary addressed
+`to=functions.NAME` a tool call with its JSON arguments. The markers are special tokens, so a
+harmony chat request's text keeps special tokens (Request.special_tokens) and is split here; text
+outside any message (a model that never opens one) is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+MESSAGE, CHANNEL, CONSTRAIN, CALL = "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"
+_END = re.compile(r"<\|(?:end|call|return)\|>")
+_CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+_RECIPIENT = re.compile(r"\bto=([\w.\-]+)")
+_MARKER = re.compile(r"<\|\w+\|>")
+_PARTIAL_MARKER = re.compile(r"<(?:\|\w*\|?)?$")
+_DECODER = json.JSONDecoder()
+
+
+def uses_harmony(tokenizer) -> bool:
+    """Whether the model's chat template writes harmony messages (GPT-OSS's)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return isinstance(template, str) and CHANNEL in template and MESSAGE in template
+
+
+@dataclass(frozen=True)
+class Message:
+    channel: str | None  # None: text outside any message
+    recipient: str | None  # e.g. "functions.get_weather"
+    body: str
+    ended: bool  # its end marker was read (a body still being written may grow)
+
+
+def messages(text: str) -> list[Message]:
+    """The messages of a harmony answer, in order (the last may be unfinished)."""
+    out, rest = [], text
+    while rest:
+        head, found, after = rest.partition(MESSAGE)
+        marker = _MARKER.search(head)
+        leading = head[:marker.start()] if marker else head
+        if leading.strip() and not leading.lstrip().startswith(("assistant", "to=")):  # plain text before a header
+            out.append(Message(None, None, leading, marker is not None))
+        if not found:  # no message opens any more (a header may be being written)
+            break
+        end = _END.search(after)
+        body, rest = (after[:end.start()], after[end.end():]) if end else (after, "")
+        channel, recipient = _CHANNEL.search(head), _RECIPIENT.search(head)
+        out.append(Message(channel and channel.group(1), recipient and recipient.group(1), body, end is not None))
+    return out
+
+
+def _tool_call(message: Message, names: set) -> tuple[str, str] | None:
+    """A commentary to one of the tools, as (name, JSON arguments), else None."""
+    if not (message.recipient or "").startswith("functions."):
+        return None
+    name = message.recipient.removeprefix("functions.")
+    try:
+        value, end = _DECODER.raw_decode(message.body.strip())
+    except json.JSONDecodeError:
+        return None
+    if name not in names or end != len(message.body.strip()) or not isinstance(value, dict):
+        return None
+    return name, json.dumps(value)
+
+
+def split(text: str, names: set = frozenset()) -> tuple[str, str, list[tuple[str, str]]]:
+    """A whole answer -> (reasoning, content, tool calls as (name, JSON arguments)); a message
+    to a function that is not one of `names`, or whose body is not a JSON object, stays content."""
+    reasoning, content, calls = [], [], []
+    for m in messages(text):
+        call = _tool_call(m, names)
+        if call is not None:
+            calls.append(call)
+        elif m.channel == "analysis":
+            reasoning.append(m.body)
+        else:
+            content.append(m.body)
+    return "".join(reasoning), "".join(content), calls
+
+
+class HarmonyStream:
+    """A streamed harmony answer's deltas: feed() each text piece, get (reasoning, content) added.
+    A message to one of the tools `names` is not content (split reads its call at the end)."""
+
+    def __init__(self, names: set = frozenset()):
+        self.names = names
+        self.text = ""
+        self.sent = {"reasoning": 0, "content": 0}
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self.text += piece
+        partial = _PARTIAL_MARKER.search(self.text)  # a marker still being written: held back
+        ready = self.text[:partial.start()] if partial else self.text
+        reasoning, content = [], []
+        for m in messages(ready):
+            if (m.recipient or "").removeprefix("functions.") in self.names:
+                continue
+            (reasoning if m.channel == "analysis" else content).append(m.body)
+        return self._delta("reasoning", "".join(reasoning)), self._delta("content", "".join(content))
+
+    def _delta(self, kind: str, whole: str) -> str:
+        delta = whole[self.sent[kind]:]
+        self.sent[kind] = len(whole)
+        return delta
