@@ -1049,7 +1049,7 @@ def test_harmony_answers_split_by_channel_whole_and_streamed():
     never leaking."""
     import random
 
-    from jmoe.serving import harmony
+    from jmoe import harmony
     from jmoe.serving.tools import HARMONY
 
     names = {"get_weather", "add"}
@@ -1068,6 +1068,18 @@ def test_harmony_answers_split_by_channel_whole_and_streamed():
     assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("add", {"a": 2, "b": 2}), ("get_weather", {"city": "Oslo"})]
     assert HARMONY.read(answer, names) == (answer, [])
+    # generate on chat messages to such a template answers with the final channel: its rows keep special tokens
+    from jmoe.decoding.generation import split_prompts
+    from jmoe.tokenizer import load_tokenizer
+    from tests.conftest import TINY_HF
+
+    tokenizer = load_tokenizer(TINY_HF)
+    ask = [{"role": "user", "content": "hi"}]
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    assert [split_prompts(tokenizer, p, 4096).harmony for p in (ask, [ask, ask], "hi", ["hi"])] == [
+        True, True, False, False]
+    tokenizer.chat_template = TOOL_TEMPLATE
+    assert not split_prompts(tokenizer, ask, 4096).harmony
     rng = random.Random(0)
     for text in (answer, call, stranger, "Plain.<|channel|>final<|message|>Then final."):
         for _ in range(30):

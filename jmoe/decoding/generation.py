@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe import validate
+from jmoe import harmony, validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jmoe.decoding.loaded import check_model
@@ -27,6 +27,7 @@ class Batch:
     prompts: list[list[int]]
     batched: bool  # the caller passed a list of prompts
     as_text: bool  # answer with text (prompts were text/chat) or with token ids
+    harmony: bool = False  # chat messages to a harmony template (GPT-OSS): the answer is its final channel
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ class Lengths:
 def split_prompts(tokenizer, prompt: Any, vocab_size: int) -> Batch:
     """Tell one prompt from a batch: str | chat messages | ids, or a list of those."""
     single = isinstance(prompt, str) or is_chat(prompt) or (is_ids(prompt) and len(prompt) > 0)
+    chat_format = harmony.uses_harmony(tokenizer)
     if single:
-        return Batch([encode(tokenizer, prompt, vocab_size)], batched=False, as_text=not is_ids(prompt))
+        return Batch([encode(tokenizer, prompt, vocab_size)], batched=False, as_text=not is_ids(prompt),
+                     harmony=chat_format and is_chat(prompt))
     if not isinstance(prompt, (list, tuple)):
         raise InputError(f"prompt must be a string, chat messages or token ids (or a list of them), "
                          f"not {type(prompt).__name__}")
@@ -50,7 +53,7 @@ def split_prompts(tokenizer, prompt: Any, vocab_size: int) -> Batch:
     if len(kinds) > 1:
         raise InputError("a batch must be all text (or chat messages) or all token ids, not a mix")
     ids = [encode(tokenizer, p, vocab_size, name=f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return Batch(ids, batched=True, as_text=kinds == {"text"})
+    return Batch(ids, batched=True, as_text=kinds == {"text"}, harmony=chat_format and all(is_chat(p) for p in prompt))
 
 
 def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> Lengths:
@@ -137,7 +140,8 @@ def stream(model, batch: Batch, lengths: Lengths, sampling: SamplingOptions, sto
     (or when it has nothing new this step: speculative rows advance by different counts)."""
     eos = set(model.eos_token_ids)
     B = len(batch.prompts)
-    rows = [RowText(model.tokenizer, stop) for _ in range(B)] if batch.as_text else None
+    rows = [RowText(model.tokenizer, stop, batch.harmony) for _ in range(B)] if batch.as_text else None
+    channels = [harmony.HarmonyStream() for _ in range(B)] if batch.harmony else None
     done = [False] * B
     if speculative is None:
         steps = token_steps(model, batch.prompts, lengths, sampling)
@@ -157,13 +161,20 @@ def stream(model, batch: Batch, lengths: Lengths, sampling: SamplingOptions, sto
                 done[b] = rows[b].stopped
             else:
                 pieces[b] = tok
-        yield pieces
+        yield _answers(pieces, channels)
         if all(done):
             return
     if rows:
         tail = [None if d else r.flush() for r, d in zip(rows, done)]
         if any(tail):
-            yield tail
+            yield _answers(tail, channels)
+
+
+def _answers(pieces: list, channels: list | None) -> list:
+    """Each row's piece of its answer: a harmony row's final channel only (not its markers or reasoning)."""
+    if channels is None:
+        return pieces
+    return [p if p is None else channels[b].feed(p)[1] for b, p in enumerate(pieces)]
 
 
 def stop_strings(stop: Any) -> list[str]:

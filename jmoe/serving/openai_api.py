@@ -29,7 +29,7 @@ from jmoe.serving.batcher import BatchEngine
 from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob
 from jmoe.serving.metrics import EngineMetrics
 from jmoe.serving.scoring import PromptScorer
-from jmoe.serving import harmony
+from jmoe import harmony
 from jmoe.serving.tools import Tools, tool_call, tool_calls
 from jmoe.serving.validation import (
     MAX_BODY_BYTES,

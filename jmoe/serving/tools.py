@@ -19,7 +19,7 @@ tools; "required", or one named function, holds the answer to one call in the te
 constrained decoding (jmoe/serving/structured.py), its arguments to the function's parameter
 schema (a marker the tokenizer holds as one special token is drawn as that token). GPT-OSS's harmony
 messages (a commentary `to=functions.NAME` holding the JSON arguments) are read by
-jmoe/serving/harmony.py. A model whose template takes no tools, or in another format, is refused
+jmoe/harmony.py. A model whose template takes no tools, or in another format, is refused
 with a 400 naming `tools`.
 """
 
@@ -30,8 +30,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from jmoe import harmony
 from jmoe.errors import InputError
-from jmoe.serving import harmony
 from jmoe.serving.structured import COMPACT_JSON
 
 MAX_TOOLS = 128  # as OpenAI allows
@@ -206,7 +206,7 @@ class _DeepSeekV31(_DeepSeek):
 
 class _Harmony(ToolFormat):
     """GPT-OSS: each call a commentary message to functions.NAME; its reasoning and answer in
-    other channels (jmoe/serving/harmony.py)."""
+    other channels (jmoe/harmony.py)."""
 
     def call_grammar(self, call_schema, tokenizer):
         m = lambda text: _marker(tokenizer, text)  # noqa: E731

@@ -8,10 +8,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from jmoe import validate
+from jmoe import harmony, validate
 from jmoe.decoding.sampling import MAX_SEED, SamplingOptions
 from jmoe.errors import InputError
-from jmoe.serving import harmony, structured
+from jmoe.serving import structured
 from jmoe.serving.chat import chat_prompt
 from jmoe.serving.logits import MAX_TOP_LOGPROBS
 from jmoe.serving.tools import Tools, parse_tools, template_format
@@ -110,7 +110,7 @@ class Parsed:
     echo: bool = False  # completions: each text (and its logprobs) starts with its prompt's
     grammar: str | None = None  # what its answers follow (response_format, tool_choice; jmoe/serving/structured.py)
     tools: Tools | None = None  # chat: the tools the template was given (tool calls are read back from answers)
-    harmony: bool = False  # chat with a harmony template (GPT-OSS): answers split by channel (jmoe/serving/harmony.py)
+    harmony: bool = False  # chat with a harmony template (GPT-OSS): answers split by channel (jmoe/harmony.py)
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""GPT-OSS's harmony answers, read back for chat completions.
+"""GPT-OSS's harmony answers, read back for chat (the server's chat completions, and generate on
+chat messages).
 
 A harmony model answers in messages, each a header, `<|message|>`, a body and an end marker:
 
@@ -8,8 +9,8 @@ A harmony model answers in messages, each a header, `<|message|>`, a body and an
 The "analysis" channel is the model's reasoning (OpenAI's `reasoning_content`), "final" (and a
 commentary without a recipient, a preamble) the answer's content, and a commentary addressed
 `to=functions.NAME` a tool call with its JSON arguments. The markers are special tokens, so a
-harmony chat request's text keeps special tokens (Request.special_tokens) and is split here; text
-outside any message (a model that never opens one) is content.
+harmony chat answer's text keeps special tokens and is split here (generate keeps the content
+only); text outside any message (a model that never opens one) is content.
 """
 
 from __future__ import annotations
