@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from jmoe import harmony
 from jmoe.decoding.sampling import SamplingOptions
 from jmoe.serving.batcher import BatchEngine
 from jmoe.serving.requests import Request
@@ -25,6 +26,7 @@ def chat_loop(engine: BatchEngine, *, max_tokens: int, sampling: SamplingOptions
     """Read a user turn per line, stream the answer, keep the history within the context."""
     model = engine.model
     history: list[dict] = [{"role": "system", "content": system}] if system else []
+    channels = harmony.uses_harmony(model.tokenizer)
     print(f"jmoe chat ({HELP})", file=stdout, flush=True)
     while True:
         print("> ", end="", file=stdout, flush=True)
@@ -54,10 +56,11 @@ def chat_loop(engine: BatchEngine, *, max_tokens: int, sampling: SamplingOptions
         if len(ids) >= engine.context:
             print("(this message alone does not fit the context)", file=stdout, flush=True)
             continue
-        stream = engine.submit(Request(ids, max_tokens, sampling))
-        answer = []
+        stream = engine.submit(Request(ids, max_tokens, sampling, special_tokens=channels))
+        answer, final = [], harmony.HarmonyStream() if channels else None
         try:
             for piece in stream:
+                piece = final.feed(piece)[1] if final else piece  # harmony (GPT-OSS): the final channel
                 answer.append(piece)
                 print(piece, end="", file=stdout, flush=True)
         except KeyboardInterrupt:  # stops this answer, not the chat
