@@ -62,6 +62,7 @@ import argparse
 import atexit
 import dataclasses
 import functools
+import glob
 import itertools
 import json
 import os
@@ -104,6 +105,16 @@ POOL_SLOTS = 16  # the pool's slot count does not change the kernels, only their
 PREFILL_BLOCKS = 16
 
 
+MOSAIC_TEMP = "/tmp/mosaic-gpu-??????"
+
+
+def _clean_up(scratch: str, before: set, started: float) -> None:
+    shutil.rmtree(scratch, ignore_errors=True)
+    for path in set(glob.glob(MOSAIC_TEMP)) - before:
+        if os.stat(path).st_mtime >= started and os.stat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _setup_environment() -> None:
     """Before jax is imported: CPU as the only runtime platform, spills fail compilation, ptxas -v logged."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -113,10 +124,11 @@ def _setup_environment() -> None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     os.environ["JMOE_CPU_KERNELS"] = "off"  # dense products as on a GPU (jnp.dot), not the host's FFI kernels
     os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
-    # The CUDA compiler writes a temporary directory per Mosaic GPU kernel and leaves it: every
-    # temporary file of this run goes under one directory, removed when the run ends.
+    # Every temporary file of this run goes under one directory, removed when the run ends; the CUDA
+    # plugin's Mosaic GPU compiler ignores TMPDIR (/tmp/mosaic-gpu-XXXXXX, one per kernel, left behind):
+    # those this run made go too.
     scratch = tempfile.mkdtemp(prefix="jmoe-gpu-compile-")
-    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    atexit.register(_clean_up, scratch, set(glob.glob(MOSAIC_TEMP)), time.time())
     os.environ["TMPDIR"] = tempfile.tempdir = scratch
     # Mosaic GPU kernels compile outside XLA's pipeline: their PTX goes to a directory of their own
     os.environ["MOSAIC_GPU_DUMP_TO"] = tempfile.mkdtemp(prefix="mosaic-gpu-ptx-")
