@@ -65,6 +65,17 @@ def _marker(tokenizer, text: str) -> str:
     return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
 
+def _call_rules(call_schema: dict, key: str, one) -> str:
+    """Lark rules for `call`: one alternative per function of `call_schema`, one(name, its
+    arguments' JSON schema as text) writing it."""
+    alternatives = []
+    for entry in call_schema.get("anyOf", [call_schema]):
+        name, arguments = entry["properties"]["name"]["const"], entry["properties"][key]
+        alternatives.append(one(name, json.dumps({**arguments, "x-guidance": COMPACT_JSON})))
+    rules = "\n".join(f"call{i}: {a}" for i, a in enumerate(alternatives))
+    return f"call: {' | '.join(f'call{i}' for i in range(len(alternatives)))}\n{rules}"
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How one family of chat templates writes tool calls: what in a template tells it, how a
@@ -167,18 +178,14 @@ class _DeepSeek(ToolFormat):
 
     def call_grammar(self, call_schema, tokenizer):
         m = lambda text: _marker(tokenizer, text)  # noqa: E731
-        alternatives = []
-        for entry in call_schema.get("anyOf", [call_schema]):
-            name, arguments = entry["properties"]["name"]["const"], entry["properties"][self.key]
-            arguments = json.dumps({**arguments, "x-guidance": COMPACT_JSON})
+
+        def one(name, arguments):
             if self.fenced:
-                alternatives.append(f'"function" {m(self.SEP)} {json.dumps(name)} "\\n```json\\n" %json {arguments} '
-                                    '"\\n```"')
-            else:
-                alternatives.append(f"{json.dumps(name)} {m(self.SEP)} %json {arguments}")
-        rules = "\n".join(f"call{i}: {a}" for i, a in enumerate(alternatives))
-        calls = " | ".join(f"call{i}" for i in range(len(alternatives)))
-        return f"start: {m(self.BEGIN)} {m(self.CALL)} call {m(self.CALL_END)} {m(self.END)}\ncall: {calls}\n{rules}"
+                return f'"function" {m(self.SEP)} {json.dumps(name)} "\\n```json\\n" %json {arguments} "\\n```"'
+            return f"{json.dumps(name)} {m(self.SEP)} %json {arguments}"
+
+        return (f"start: {m(self.BEGIN)} {m(self.CALL)} call {m(self.CALL_END)} {m(self.END)}\n"
+                + _call_rules(call_schema, self.key, one))
 
     def read(self, text, names):
         head, found, rest = text.partition(self.BEGIN)
@@ -210,15 +217,12 @@ class _Harmony(ToolFormat):
 
     def call_grammar(self, call_schema, tokenizer):
         m = lambda text: _marker(tokenizer, text)  # noqa: E731
-        alternatives = []
-        for entry in call_schema.get("anyOf", [call_schema]):
-            name, arguments = entry["properties"]["name"]["const"], entry["properties"][self.key]
-            arguments = json.dumps({**arguments, "x-guidance": COMPACT_JSON})
-            alternatives.append(f'{json.dumps("commentary to=functions." + name + " ")} {m(harmony.CONSTRAIN)} '
-                                f'"json" {m(harmony.MESSAGE)} %json {arguments}')
-        rules = "\n".join(f"call{i}: {a}" for i, a in enumerate(alternatives))
-        calls = " | ".join(f"call{i}" for i in range(len(alternatives)))
-        return f"start: {m(harmony.CHANNEL)} call {m(harmony.CALL)}\ncall: {calls}\n{rules}"
+
+        def one(name, arguments):
+            return (f'{json.dumps("commentary to=functions." + name + " ")} {m(harmony.CONSTRAIN)} "json" '
+                    f"{m(harmony.MESSAGE)} %json {arguments}")
+
+        return f"start: {m(harmony.CHANNEL)} call {m(harmony.CALL)}\n" + _call_rules(call_schema, self.key, one)
 
     def read(self, text, names):
         _, content, calls = harmony.split(text, names)
