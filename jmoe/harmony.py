@@ -38,27 +38,33 @@ def uses_harmony(tokenizer) -> bool:
 
 @dataclass(frozen=True)
 class Message:
-    channel: str | None  # None: text outside any message
+    channel: str | None  # None: none named (or text outside any message)
     recipient: str | None  # e.g. "functions.get_weather"
     body: str
-    ended: bool  # its end marker was read (a body still being written may grow)
+    stop: int | None  # where in the text the next message starts (None: this one may still grow)
+    outside: bool = False  # text outside any message (it ends at the next marker, not at an end marker)
 
 
 def messages(text: str) -> list[Message]:
     """The messages of a harmony answer, in order (the last may be unfinished)."""
-    out, rest = [], text
-    while rest:
+    out, start = [], 0
+    while start < len(text):
+        rest = text[start:]
         head, found, after = rest.partition(MESSAGE)
         marker = _MARKER.search(head)
         leading = head[:marker.start()] if marker else head
         if leading.strip() and not leading.lstrip().startswith(("assistant", "to=")):  # plain text before a header
-            out.append(Message(None, None, leading, marker is not None))
+            out.append(Message(None, None, leading, start + marker.start() if marker else None, outside=True))
         if not found:  # no message opens any more (a header may be being written)
             break
         end = _END.search(after)
-        body, rest = (after[:end.start()], after[end.end():]) if end else (after, "")
+        body_at = start + len(head) + len(MESSAGE)
+        body, stop = (after[:end.start()], body_at + end.end()) if end else (after, None)
         channel, recipient = _CHANNEL.search(head), _RECIPIENT.search(head)
-        out.append(Message(channel and channel.group(1), recipient and recipient.group(1), body, end is not None))
+        out.append(Message(channel and channel.group(1), recipient and recipient.group(1), body, stop))
+        if stop is None:
+            break
+        start = stop
     return out
 
 
@@ -93,25 +99,42 @@ def split(text: str, names: set = frozenset()) -> tuple[str, str, list[tuple[str
 
 class HarmonyStream:
     """A streamed harmony answer's deltas: feed() each text piece, get (reasoning, content) added.
-    A message to one of the tools `names` is not content (split reads its call at the end)."""
+    A message to one of the tools `names` is not content (split reads its call at the end). Each
+    piece is read once: a message's body is only searched for its end marker where it grew."""
 
     def __init__(self, names: set = frozenset()):
         self.names = names
         self.text = ""
-        self.sent = {"reasoning": 0, "content": 0}
+        self.start = 0  # where the first unfinished message begins (all before it was sent)
+        self.held = 0  # where a marker still being written begins (len(text): none)
+        self.body = None  # the unfinished message whose header was read: (where its body begins, kind or None)
+        self.sent = 0  # how much of the first unfinished message's body was sent
 
     def feed(self, piece: str) -> tuple[str, str]:
+        added = {"reasoning": "", "content": ""}
+        grown = len(self.text)  # a new marker (whole or partial) begins at or after min(held, grown)
         self.text += piece
-        partial = _PARTIAL_MARKER.search(self.text)  # a marker still being written: held back
-        ready = self.text[:partial.start()] if partial else self.text
-        reasoning, content = [], []
-        for m in messages(ready):
-            if (m.recipient or "").removeprefix("functions.") in self.names:
-                continue
-            (reasoning if m.channel == "analysis" else content).append(m.body)
-        return self._delta("reasoning", "".join(reasoning)), self._delta("content", "".join(content))
-
-    def _delta(self, kind: str, whole: str) -> str:
-        delta = whole[self.sent[kind]:]
-        self.sent[kind] = len(whole)
-        return delta
+        partial = _PARTIAL_MARKER.search(self.text, min(self.held, grown))
+        scanned, self.held = self.held, partial.start() if partial else len(self.text)
+        if self.body is not None:  # the body of a message being written: where does it end?
+            body_at, kind = self.body
+            end = _END.search(self.text, max(scanned - 1, body_at), self.held)
+            if kind is not None:
+                added[kind] += self.text[body_at + self.sent:end.start() if end else self.held]
+            if end is None:
+                self.sent = self.held - body_at
+                return added["reasoning"], added["content"]
+            self.start, self.sent, self.body = end.end(), 0, None
+        base = self.start
+        for m in messages(self.text[base:self.held]):
+            kind = None if (m.recipient or "").removeprefix("functions.") in self.names else (
+                "reasoning" if m.channel == "analysis" else "content")
+            if kind is not None:
+                added[kind] += m.body[self.sent:]
+            if m.stop is not None:
+                self.start, self.sent = base + m.stop, 0
+            else:
+                self.sent = len(m.body)
+                if not m.outside:
+                    self.body = (self.held - len(m.body), kind)
+        return added["reasoning"], added["content"]

@@ -1082,10 +1082,10 @@ def test_harmony_answers_split_by_channel_whole_and_streamed():
     assert not split_prompts(tokenizer, ask, 4096).harmony
     rng = random.Random(0)
     for text in (answer, call, stranger, "Plain.<|channel|>final<|message|>Then final."):
-        for _ in range(30):
+        for longest in [7] * 30 + [60] * 10:  # pieces of a token or two, and pieces holding whole messages
             stream, reasoning, content, i = harmony.HarmonyStream(names), "", "", 0
             while i < len(text):
-                j = min(len(text), i + rng.randint(1, 7))
+                j = min(len(text), i + rng.randint(1, longest))
                 r, c = stream.feed(text[i:j])
                 reasoning, content, i = reasoning + r, content + c, j
                 assert "<|" not in r + c
