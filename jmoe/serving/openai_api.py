@@ -135,12 +135,9 @@ def _read_tool_calls(choice: dict, key: str, tools: Tools) -> None:
     """A chat choice's tool calls taken out of its text (`key`: "message", or "delta" when streamed);
     an answer that calls a tool finishes with "tool_calls"."""
     content, calls = tool_calls(choice[key].get("content") or "", tools)
-    if not calls:
-        return
-    choice[key]["content"] = content
-    choice[key]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)] if key == "delta" else calls
-    if choice["finish_reason"] in ("stop", None):
-        choice["finish_reason"] = "tool_calls"
+    if calls:
+        choice[key]["content"] = content
+        _attach_calls(choice, key, calls)
 
 
 def _read_harmony(choice: dict, key: str, tools: Tools | None) -> None:
@@ -151,10 +148,14 @@ def _read_harmony(choice: dict, key: str, tools: Tools | None) -> None:
     if reasoning:
         choice[key]["reasoning_content"] = reasoning
     if calls:
-        calls = [tool_call(name, arguments) for name, arguments in calls]
-        choice[key]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)] if key == "delta" else calls
-        if choice["finish_reason"] in ("stop", None):
-            choice["finish_reason"] = "tool_calls"
+        _attach_calls(choice, key, [tool_call(name, arguments) for name, arguments in calls])
+
+
+def _attach_calls(choice: dict, key: str, calls: list[dict]) -> None:
+    """Calls in OpenAI's shape onto a choice (indexed when streamed); it finishes with "tool_calls"."""
+    choice[key]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)] if key == "delta" else calls
+    if choice["finish_reason"] in ("stop", None):
+        choice["finish_reason"] = "tool_calls"
 
 
 def _drop(task: asyncio.Future) -> None:
