@@ -482,15 +482,15 @@ def gpt_oss_shapes() -> str:
 
 def load_memory() -> str:
     names = ("load_memory/load_memory_before_warm_cpu.json", "load_memory/load_memory_after_cpu.json")
-    before, after = (load(n)["cases"] for n in names)
+    first, last = (load(n) for n in names)
     rows = []
-    for case, a in after.items():
-        b = before[case]
+    for case, a in last["cases"].items():
+        b = first["cases"][case]
         rows.append([case, f"{a['reserved_bytes'] / (1 << 20):.0f}", f"{b['load_s']:.1f} → {a['load_s']:.1f}",
                      f"{b['peak_rss_load_ratio']:.2f}× → {a['peak_rss_load_ratio']:.2f}×",
                      f"{b['peak_rss_generate_ratio']:.2f}× → {a['peak_rss_generate_ratio']:.2f}×"])
     out = table(["case", "reserved MiB", "load s", "peak RSS of load", "peak RSS, load + 64 tokens"], rows)
-    return out + f"\n\nMachine: {machine(load(names[1]))} ({source(*names)})."
+    return out + f"\n\nMachine: {machine(last)} ({source(*names)})."
 
 
 TABLES = {
