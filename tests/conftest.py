@@ -63,6 +63,23 @@ def _release_compiled_code():
         gc.collect()
 
 
+@pytest.fixture(scope="module")
+def small_key_blocks():
+    """Attention over blocks of 16 keys (jmoe/layers/attention.py), so the suite's short caches take
+    several blocks: the online softmax, the blocks a step skips and a last block overlapping the one
+    before run in the modules that use this (against transformers in the parity tests). Compiled steps
+    are forgotten before and after: they hold the block size they were traced with."""
+    from jmoe.decoding import engine
+    from jmoe.layers import attention
+
+    saved = attention.MIN_KEY_BLOCK, attention.MAX_KEY_BLOCK
+    engine.clear_compiled()
+    attention.MIN_KEY_BLOCK = attention.MAX_KEY_BLOCK = 16
+    yield 16
+    attention.MIN_KEY_BLOCK, attention.MAX_KEY_BLOCK = saved
+    engine.clear_compiled()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without workers): after every test
         shutil.rmtree(RUN_CACHE, ignore_errors=True)

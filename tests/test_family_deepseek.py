@@ -11,6 +11,9 @@ from jmoe.models import config_from_hf
 from tests.hf_models import hf_config
 from tests.test_family_parity import assert_parity, converted
 
+# attention in blocks of 16 keys: the 64-slot caches here take four (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("small_key_blocks")
+
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
            first_k_dense_replace=1, n_shared_experts=1, eos_token_id=None)  # no early stop: 32 tokens

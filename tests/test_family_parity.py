@@ -15,6 +15,9 @@ from tests.hf_models import (
     rewrite_config_as_v4,
 )
 
+# attention in blocks of 16 keys: the 64-slot caches here take four (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("small_key_blocks")
+
 PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 128, 9, 77, 31, 200, 14, 88, 2, 190, 45]
 
 

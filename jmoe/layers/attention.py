@@ -64,38 +64,146 @@ def write_rows(cache, new, start):
     return cpu_kernels.write_rows(cache, new, start)
 
 
-def allowed_keys(meta: AttentionMeta, num_slots: int, window: int | None) -> jax.Array:
-    """[B, T, S] bool: which cache slots each current token may attend to (causal, after the row's
-    left padding, within the sliding window if any)."""
+def allowed_keys(meta: AttentionMeta, slots, window: int | None) -> jax.Array:
+    """[B, T, K] bool: which of the cache slots `slots` [K] each current token may attend to (causal,
+    after the row's left padding, within the sliding window if any)."""
     q_slot = meta.query_slots()[:, :, None]  # [B, T, 1]
-    k_slot = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    k_slot = slots[None, None, :]  # [1, 1, K]
     allowed = (k_slot <= q_slot) & (k_slot >= meta.key_start[:, None, None])
     if window is not None:
         allowed &= q_slot - k_slot < window
     return allowed
 
 
-def masked_softmax(scores, allowed, sink=None):
-    """scores [B, ..., T, S] float32, allowed [B, T, S] -> probabilities over S.
-
-    sink [...] (per head, broadcast over rows and tokens): a learned logit that joins the softmax's
-    normaliser without a value (GPT-OSS attention sinks), so a token may attend to nothing."""
-    extra = (1,) * (scores.ndim - allowed.ndim)
-    scores = jnp.where(allowed.reshape(allowed.shape[0], *extra, *allowed.shape[1:]), scores,
-                       jnp.finfo(jnp.float32).min)
-    if sink is None:
-        return jax.nn.softmax(scores, axis=-1)
-    sink = jnp.broadcast_to(sink.astype(jnp.float32)[..., None, None], (*scores.shape[:-1], 1))
-    top = jnp.maximum(scores.max(-1, keepdims=True), sink)
-    e = jnp.exp(scores - top)
-    return e / (e.sum(-1, keepdims=True) + jnp.exp(sink - top))
+# The scores of one block of keys, per cache row: at most this many (heads x current tokens x keys).
+# Attention never holds more: a 512-token prefill chunk of 32 heads reads 128 keys at a time,
+# a decode token 2,048 (4 MiB of float32 scores per row either way).
+BLOCK_SCORES = 1 << 20
+MIN_KEY_BLOCK, MAX_KEY_BLOCK = 128, 2048
 
 
-def received_importance(probs, meta: AttentionMeta, num_heads: int):
-    """DyMoE heavy hitters: mean attention each cached slot receives from valid queries.
+def key_block(num_heads: int, tokens: int, slots: int) -> int:
+    """Keys per block: a power of two within [MIN_KEY_BLOCK, MAX_KEY_BLOCK] keeping a block's scores
+    under BLOCK_SCORES per row (the whole cache when it is shorter)."""
+    fits = max(1, BLOCK_SCORES // max(num_heads * tokens, 1))
+    block = min(MAX_KEY_BLOCK, max(MIN_KEY_BLOCK, 1 << (fits.bit_length() - 1)))
+    return min(block, slots)
 
-    probs [B, ..., T, S] (every head axis between B and T) -> [B, S]."""
+
+def attention_scores_nbytes(num_heads: int, tokens: int, slots: int) -> int:
+    """Float32 bytes of one block's scores and probabilities, per cache row (the step's attention workspace)."""
+    return 2 * num_heads * tokens * key_block(num_heads, tokens, slots) * 4
+
+
+def _block_scores(queries, keys, start, size, scale, precision):
+    """Scaled float32 scores [B, K, M, size] of queries [B, K, M, w] against keys[:, :, start:start+size]."""
+    total = None
+    for q, k in zip(queries, keys):
+        k = jax.lax.dynamic_slice_in_dim(k, start, size, axis=2)
+        part = jnp.einsum("bkmd,bksd->bkms", q, k, precision=precision)
+        total = part if total is None else total + part
+    return total.astype(jnp.float32) * scale
+
+
+def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float,
+                      window: int | None, precision, sink=None, block: int | None = None,
+                      reachable_only: bool | None = None):
+    """Softmax attention over the cache one block of keys at a time, with an online softmax: the
+    [query, key] scores are never held for more than one block (flash attention's formulation).
+
+    queries: per score term a [B, K, G*T, w] array (K cache heads, G query heads per cache head,
+    head-major then token); keys: the matching cache arrays [B, K, S, w] (the scores are the sum of
+    the terms); values [B, K, S, wv]; sink [K, G] or None: a logit per head that joins the normaliser
+    without a value (GPT-OSS). Returns (out [B, K, G*T, wv] float32, (top, norm)): the softmax's
+    running maximum and normaliser [B, K, G, T], for `current_importance`.
+
+    On the CPU the loop visits only the blocks some row's queries may reach (decode at depth d reads
+    d keys, not the whole cache); elsewhere its trip count is the number of blocks, known when
+    compiled (a loop bound read back from the device would stall a GPU step per iteration).
+    reachable_only forces one of the two (None: by the platform the step is lowered for)."""
+    B, K, M, _ = queries[0].shape
+    S, T = keys[0].shape[2], meta.num_tokens
+    G = groups
+    block = block or key_block(K * G, T, S)
+    num_blocks = -(-S // block)
+    if sink is None:  # nothing seen yet: a running maximum of -inf and an empty normaliser
+        top = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)
+        norm = jnp.zeros((B, K, G, T), jnp.float32)
+    else:  # the sink is a logit without a value: it starts the maximum and adds exp(0) to the normaliser
+        top = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, :, None], (B, K, G, T))
+        norm = jnp.ones((B, K, G, T), jnp.float32)
+    out = jnp.zeros((B, K, M, values.shape[-1]), jnp.float32)
+
+    def step(j, carry):
+        top, norm, out = carry
+        first = j * block
+        start = jnp.minimum(first, S - block)  # the last block ends at S (it may overlap the one before)
+        slots = start + jnp.arange(block, dtype=jnp.int32)
+        allowed = allowed_keys(meta, slots, window)
+        if S % block:
+            allowed &= slots[None, None, :] >= first  # keys of the overlap were seen in the block before
+        scores = _block_scores(queries, keys, start, block, scale, precision).reshape(B, K, G, T, block)
+        scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
+        new_top = jnp.maximum(top, scores.max(-1))
+        safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no key allowed yet: keep exp() finite
+        probs = jnp.exp(scores - safe_top[..., None])
+        rescale = jnp.exp(top - safe_top)
+        v = jax.lax.dynamic_slice_in_dim(values, start, block, axis=2)
+        weighted = jnp.einsum("bkms,bksd->bkmd", probs.reshape(B, K, M, block).astype(values.dtype), v,
+                              precision=precision, preferred_element_type=jnp.float32)
+        out = out * rescale.reshape(B, K, M)[..., None] + weighted
+        return new_top, norm * rescale + probs.sum(-1), out
+
+    carry = (top, norm, out)
+    if num_blocks == 1:
+        carry = step(0, carry)
+    else:
+        def visited(carry):  # the blocks holding a slot some row's current tokens may attend to
+            lowest = meta.key_start.min()
+            if window is not None:
+                lowest = jnp.maximum(lowest, meta.start.min() - window + 1)
+            first = jnp.clip(lowest // block, 0, num_blocks - 1)
+            last = jnp.clip(-(-(meta.start.max() + T) // block), first + 1, num_blocks)
+            return jax.lax.fori_loop(first, last, step, carry)
+
+        def every(carry):
+            return jax.lax.fori_loop(0, num_blocks, step, carry)
+
+        if reachable_only is None:
+            carry = jax.lax.platform_dependent(carry, cpu=visited, default=every)  # chosen when lowered
+        else:
+            carry = (visited if reachable_only else every)(carry)
+    top, norm, out = carry
+    # a query with no key to attend to (left padding) gets zeros, not 0/0
+    out = out / jnp.where(norm > 0, norm, 1.0).reshape(B, K, M)[..., None]
+    return out, (top, norm)
+
+
+def current_importance(queries, new_keys, meta: AttentionMeta, softmax, *, groups: int, scale: float,
+                       window: int | None, precision) -> jax.Array:
+    """DyMoE heavy hitters: [B, T] the mean attention each current token received from the row's
+    valid current queries, over every query head.
+
+    Only current queries attend to current keys, and a key's probability is its score against the
+    softmax's final maximum and normaliser (`softmax`, from blocked_attention), so this needs the
+    current tokens' own keys (new_keys: per score term [B, K, T, w]), never the whole cache; they are
+    taken a block at a time, as blocked_attention takes the cache's."""
+    top, norm = softmax
+    B, K, G, T = top.shape
+    safe_top = jnp.where(top == -jnp.inf, 0.0, top)[..., None]
+    norm = jnp.where(norm > 0, norm, 1.0)[..., None]
+    q_slot = meta.query_slots()  # [B, T]: each row's current keys sit at its current queries' slots
     q_valid = meta.token_valid().astype(jnp.float32)  # [B, T]
-    per_row = probs.reshape(probs.shape[0], -1, *probs.shape[-2:]).sum(1)  # [B, T, S]
-    received = jnp.einsum("bts,bt->bs", per_row, q_valid)
-    return received / (num_heads * jnp.maximum(q_valid.sum(-1, keepdims=True), 1.0))
+    block = key_block(K * G, T, T)
+    received = []
+    for first in range(0, T, block):
+        size = min(block, T - first)
+        k_slot = q_slot[:, None, first:first + size]  # [B, 1, size]
+        allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= meta.key_start[:, None, None])
+        if window is not None:
+            allowed &= q_slot[:, :, None] - k_slot < window
+        scores = _block_scores(queries, new_keys, first, size, scale, precision).reshape(B, K, G, T, size)
+        probs = jnp.where(allowed[:, None, None], jnp.exp(scores - safe_top) / norm, 0.0)
+        received.append(jnp.einsum("bkgqs,bq->bs", probs, q_valid))
+    received = jnp.concatenate(received, axis=1)
+    return received / (K * G * jnp.maximum(q_valid.sum(-1, keepdims=True), 1.0))

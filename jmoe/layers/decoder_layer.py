@@ -27,7 +27,7 @@ class DecoderLayer(nnx.Module):
 
     def attend(self, x, cache, meta: AttentionMeta, *, want_importance=False):
         """Pre-norm attention with residual: (x, h = normed input of the MLP, this layer's cache,
-        importance [B, S] or None)."""
+        importance [B, T]: attention each current token received, or None)."""
         attn, cache, importance = self.self_attn(self.input_layernorm(x), cache, meta, want_importance=want_importance)
         x = x + attn
         return x, self.post_attention_layernorm(x), cache, importance

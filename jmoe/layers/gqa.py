@@ -9,9 +9,8 @@ from jmoe.config import ModelConfig
 from jmoe.layers.attention import (
     AttentionMeta,
     CacheSpec,
-    allowed_keys,
-    masked_softmax,
-    received_importance,
+    blocked_attention,
+    current_importance,
     write_rows,
 )
 from jmoe.layers.linear import Linear
@@ -64,7 +63,7 @@ class GroupedQueryAttention(nnx.Module):
         return q, k, v
 
     def __call__(self, x, cache, meta: AttentionMeta, *, want_importance: bool = False):
-        """x [B, T, D], cache (k, v) -> (out [B, T, D], cache, importance [B, S] or None)."""
+        """x [B, T, D], cache (k, v) -> (out [B, T, D], cache, importance [B, T] or None)."""
         B, T, _ = x.shape
         KV, G, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q, k, v = self._project(x)
@@ -73,15 +72,15 @@ class GroupedQueryAttention(nnx.Module):
         # Heads-major cache [B, KV, S, hd]: attention is a plain batched matmul per (row, kv head).
         k_cache = write_rows(cache[0], k.transpose(0, 2, 1, 3), meta.start)
         v_cache = write_rows(cache[1], v.transpose(0, 2, 1, 3), meta.start)
-        S = k_cache.shape[2]
         prec = matmul_precision(self.dtype)
         qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
-        scores = jnp.einsum("bkmd,bksd->bkms", qh, k_cache, precision=prec).reshape(B, KV, G, T, S)
-        scores = scores.astype(jnp.float32) * (hd**-0.5)
-        sink = None if self.sinks is None else self.sinks[...].reshape(1, KV, G)
-        probs = masked_softmax(scores, allowed_keys(meta, S, self.window), sink)
-        out = jnp.einsum("bkms,bksd->bkmd", probs.astype(self.dtype).reshape(B, KV, G * T, S), v_cache, precision=prec)
-        out = out.reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
-        out = self.o_proj(out)
-        importance = received_importance(probs, meta, self.num_heads) if want_importance else None
+        sink = None if self.sinks is None else self.sinks[...].reshape(KV, G)
+        kw = dict(groups=G, scale=hd**-0.5, window=self.window, precision=prec)
+        out, softmax = blocked_attention((qh,), (k_cache,), v_cache, meta, sink=sink, **kw)
+        out = out.astype(self.dtype).reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4)
+        out = self.o_proj(out.reshape(B, T, self.num_heads * hd))
+        importance = None
+        if want_importance:
+            new_keys = k.transpose(0, 2, 1, 3).astype(k_cache.dtype)
+            importance = current_importance((qh,), (new_keys,), meta, softmax, **kw)
         return out, (k_cache, v_cache), importance

@@ -18,9 +18,8 @@ from jmoe.config import ModelConfig
 from jmoe.layers.attention import (
     AttentionMeta,
     CacheSpec,
-    allowed_keys,
-    masked_softmax,
-    received_importance,
+    blocked_attention,
+    current_importance,
     write_rows,
 )
 from jmoe.layers.linear import Linear
@@ -78,7 +77,7 @@ class LatentAttention(nnx.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def __call__(self, x, cache, meta: AttentionMeta, *, want_importance: bool = False):
-        """x [B, T, D], cache (latent, rotary key) -> (out [B, T, D], cache, importance [B, S] or None)."""
+        """x [B, T, D], cache (latent, rotary key) -> (out [B, T, D], cache, importance [B, T] or None)."""
         B, T, _ = x.shape
         H, r, prec = self.num_heads, self.kv_lora_rank, matmul_precision(self.dtype)
         q = self._query(x).reshape(B, T, H, self.nope + self.rope)
@@ -89,15 +88,18 @@ class LatentAttention(nnx.Module):
         k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)
         latent_cache = write_rows(cache[0], latent[:, None], meta.start)  # [B, 1, S, r]
         rot_cache = write_rows(cache[1], k_rot.transpose(0, 2, 1, 3), meta.start)  # [B, 1, S, rope]
-        S = latent_cache.shape[2]
         # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
         w = self.kv_b_proj.weight(self.dtype).reshape(r, H, self.nope + self.v_dim)
         w_k, w_v = w[..., : self.nope], w[..., self.nope :]
         q_latent = jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
-        scores = jnp.einsum("bhtr,bsr->bhts", q_latent, latent_cache[:, 0], precision=prec)
-        scores += jnp.einsum("bthp,bsp->bhts", q_rot, rot_cache[:, 0], precision=prec)
-        probs = masked_softmax(scores.astype(jnp.float32) * self.scale, allowed_keys(meta, S, self.window))
-        context = jnp.einsum("bhts,bsr->bthr", probs.astype(self.dtype), latent_cache[:, 0], precision=prec)
-        out = jnp.einsum("bthr,rhv->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
-        importance = received_importance(probs, meta, H) if want_importance else None
+        # one cache head shared by every query head: queries [B, 1, H*T, width], head-major
+        queries = (q_latent.reshape(B, 1, H * T, r), q_rot.transpose(0, 2, 1, 3).reshape(B, 1, H * T, self.rope))
+        kw = dict(groups=H, scale=self.scale, window=self.window, precision=prec)
+        context, softmax = blocked_attention(queries, (latent_cache, rot_cache), latent_cache, meta, **kw)
+        context = context.astype(self.dtype).reshape(B, H, T, r)
+        out = jnp.einsum("bhtr,rhv->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
+        importance = None
+        if want_importance:
+            new_keys = (latent[:, None].astype(latent_cache.dtype), k_rot.transpose(0, 2, 1, 3).astype(rot_cache.dtype))
+            importance = current_importance(queries, new_keys, meta, softmax, **kw)
         return self.o_proj(out), (latent_cache, rot_cache), importance

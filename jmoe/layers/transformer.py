@@ -73,11 +73,6 @@ class LayerRunner(Protocol):
     def feed_forward(self, i: int, x, h, meta: AttentionMeta, importance): ...
 
 
-def current_importance(received, meta: AttentionMeta):
-    """Attention received per cache slot [B, S] -> per current token [B, T]."""
-    return jnp.take_along_axis(received, jnp.clip(meta.query_slots(), 0, received.shape[1] - 1), axis=1)
-
-
 def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMeta, *, want_importance: bool):
     """Every decoder layer in order: (x, cache, [LayerSignals per MoE layer], [importance [B, T] or None])."""
     caches, signals, importance = [], [], []
@@ -86,9 +81,8 @@ def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMet
         # named scopes: a profile (or the HLO's op metadata) reads "layer_3/moe/experts", not fusion numbers
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
-                x, h, layer_cache, received = runner.attend(i, x, None if cache is None else cache.layers[i], meta,
-                                                            want_importance and moe)
-                imp = None if received is None else current_importance(received, meta)
+                x, h, layer_cache, imp = runner.attend(i, x, None if cache is None else cache.layers[i], meta,
+                                                       want_importance and moe)
             with jax.named_scope("moe" if moe else "mlp"):
                 x, layer_signals = runner.feed_forward(i, x, h, meta, imp)
         caches.append(layer_cache)

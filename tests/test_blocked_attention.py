@@ -1,0 +1,146 @@
+"""Blocked attention (online softmax over blocks of keys) against attention that materialises every
+[query, key] score, for every variant the attention modules use: several score terms (MLA's latent
+and rotary keys), grouped query heads, sliding windows, sinks, left padding, rows at different
+positions, chunks of several tokens, caches that are not a multiple of the block; and the DyMoE
+importance of the current tokens against the attention each cache slot received."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jmoe.layers.attention import (
+    AttentionMeta,
+    attention_scores_nbytes,
+    blocked_attention,
+    current_importance,
+    key_block,
+)
+
+NEG = jnp.finfo(jnp.float32).min
+
+
+def materialised(queries, keys, values, start, key_start, T, *, groups, scale, window, sink):
+    """The whole [query, key] score matrix, a masked softmax over it, and the attention each cache
+    slot received from the valid current queries (the formulation blocked attention replaces)."""
+    B, K, M, _ = queries[0].shape
+    S = keys[0].shape[2]
+    scores = sum(np.einsum("bkmd,bksd->bkms", q, k) for q, k in zip(queries, keys)).reshape(B, K, groups, T, S) * scale
+    q_slot = start[:, None] + np.arange(T)[None]  # [B, T]
+    k_slot = np.arange(S)[None, None]
+    allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= key_start[:, None, None])
+    if window is not None:
+        allowed &= q_slot[:, :, None] - k_slot < window
+    scores = np.where(allowed[:, None, None], scores, NEG)
+    top = scores.max(-1, keepdims=True)
+    if sink is not None:
+        top = np.maximum(top, sink[None, :, :, None, None])
+    e = np.exp(scores - top)
+    denominator = e.sum(-1, keepdims=True)
+    if sink is not None:
+        denominator = denominator + np.exp(sink[None, :, :, None, None] - top)
+    probs = e / denominator
+    out = np.einsum("bkms,bksd->bkmd", probs.reshape(B, K, M, S), values)
+    valid = (q_slot >= key_start[:, None]).astype(np.float64)
+    received = np.einsum("bkgts,bt->bs", probs, valid) / (K * groups * np.maximum(valid.sum(-1, keepdims=True), 1))
+    current = np.take_along_axis(received, q_slot, axis=1)
+    return out, current, valid.astype(bool)
+
+
+@st.composite
+def cases(draw):
+    B = draw(st.integers(1, 3))
+    K = draw(st.integers(1, 2))
+    G = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 5))
+    S = draw(st.integers(T + 1, 70))
+    terms = draw(st.integers(1, 2))
+    widths = [draw(st.sampled_from([4, 8])) for _ in range(terms)]
+    window = draw(st.one_of(st.none(), st.integers(1, 20)))
+    block = draw(st.integers(1, S))
+    start = np.array([draw(st.integers(0, S - T)) for _ in range(B)], np.int32)
+    key_start = np.array([draw(st.integers(0, s + T)) for s in start], np.int32)  # rows of padding too
+    return dict(B=B, K=K, G=G, T=T, S=S, widths=widths, window=window, block=block, start=start,
+                key_start=key_start, sink=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.booleans())
+def test_blocked_attention_equals_the_materialised_softmax(case, reachable_only):
+    rng = np.random.default_rng(case["seed"])
+    B, K, G, T, S = (case[n] for n in "BKGTS")
+    queries = [rng.normal(size=(B, K, G * T, w)).astype(np.float32) for w in case["widths"]]
+    keys = [rng.normal(size=(B, K, S, w)).astype(np.float32) for w in case["widths"]]
+    values = rng.normal(size=(B, K, S, 6)).astype(np.float32)
+    sink = rng.normal(size=(K, G)).astype(np.float32) if case["sink"] else None
+    start, key_start, window, scale = case["start"], case["key_start"], case["window"], 0.5
+    meta = AttentionMeta(jnp.asarray(start), jnp.asarray(key_start), jnp.zeros((B, T, 2)), jnp.zeros((B, T, 2)))
+    kw = dict(groups=G, scale=scale, window=window, precision=jax.lax.Precision.HIGHEST)
+
+    @jax.jit
+    def run(queries, keys, values, sink, new_keys):
+        out, softmax = blocked_attention(queries, keys, values, meta, sink=sink, block=case["block"],
+                                         reachable_only=reachable_only, **kw)
+        return out, current_importance(queries, new_keys, meta, softmax, **kw)
+
+    new_keys = [np.stack([k[b, :, s:s + T] for b, s in enumerate(start)]) for k in keys]
+    out, importance = run(queries, keys, values, sink, new_keys)
+    want_out, want_importance, valid = materialised(queries, keys, values, start, key_start, T, sink=sink,
+                                                    **{k: v for k, v in kw.items() if k != "precision"})
+    # queries with a key to attend to: the same output; left-padding queries (none allowed): zeros
+    # there, an arbitrary average in the materialised form, never read by a valid token
+    has_key = np.broadcast_to(valid[:, None, None], (B, K, G, T)).reshape(B, K, G * T)
+    np.testing.assert_allclose(np.asarray(out)[has_key], want_out[has_key], rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(out)[~has_key] == 0)
+    np.testing.assert_allclose(np.asarray(importance)[valid], want_importance[valid], rtol=2e-5, atol=1e-6)
+
+
+def test_a_decode_step_reads_only_the_blocks_its_rows_reach():
+    """On the CPU the loop runs from the block of the lowest reachable key to the block of the last
+    query: keys past every row's position (zeros here, NaN below) are never read."""
+    B, K, G, S, w = 2, 1, 2, 64, 4
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(B, K, S, w)).astype(np.float32)
+    values = rng.normal(size=(B, K, S, w)).astype(np.float32)
+    keys[:, :, 24:], values[:, :, 24:] = np.nan, np.nan  # never written: no row has reached them
+    q = rng.normal(size=(B, K, G, w)).astype(np.float32)
+    meta = AttentionMeta(jnp.array([10, 20], jnp.int32), jnp.array([0, 3], jnp.int32), jnp.zeros((B, 1, 2)),
+                         jnp.zeros((B, 1, 2)))
+    out, _ = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, groups=G, scale=0.5, window=None,
+                                                       precision=None, block=8, reachable_only=True))(q, keys, values)
+    assert np.all(np.isfinite(np.asarray(out)))
+    want, _, _ = materialised([q], [keys[:, :, :24]], values[:, :, :24], np.array([10, 20]), np.array([0, 3]), 1,
+                              groups=G, scale=0.5, window=None, sink=None)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_workspace_is_a_block_of_keys_not_the_context():
+    heads, chunk = 32, 512
+    # a 512-token chunk at a 32K context holds 128 keys' scores per head and token, 16 MiB per row
+    assert key_block(heads, chunk, 32768) == 128
+    assert attention_scores_nbytes(heads, chunk, 32768) == 2 * heads * chunk * 128 * 4
+    assert attention_scores_nbytes(heads, chunk, 32768) == attention_scores_nbytes(heads, chunk, 4096)
+    assert key_block(heads, 1, 32768) == 2048  # decode: longer blocks, fewer loop trips
+    assert key_block(heads, 1, 100) == 100  # a cache shorter than a block is one block
+
+
+def test_a_prefill_chunk_at_a_32k_context_needs_a_block_of_scores_not_the_context():
+    """Qwen3-30B-A3B's attention (32 query heads on 4 cache heads of 128) for a 512-token chunk over a
+    32,768-slot cache, compiled: its temporary buffers stay within the workspace the budget reserves
+    for it (materialised scores alone would be 2 GiB per row)."""
+    B, K, G, T, S, hd = 1, 4, 8, 512, 32768, 128
+    meta = AttentionMeta(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B, T, 2)),
+                         jnp.zeros((B, T, 2)))
+
+    def attend(q, k, v):
+        return blocked_attention((q,), (k,), v, meta, groups=G, scale=hd**-0.5, window=None, precision=None)[0]
+
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    compiled = jax.jit(attend).lower(shape(B, K, G * T, hd), shape(B, K, S, hd), shape(B, K, S, hd)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    accumulator = B * K * G * T * hd * 4  # the float32 output being summed (the plan counts it as activations)
+    assert temp <= attention_scores_nbytes(K * G, T, S) + accumulator, (temp, attention_scores_nbytes(K * G, T, S))
+    assert 2 * K * G * T * S * 4 > 60 * temp
