@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard cpu_kernels/src/*)
 
 demo: $(STAMP)
 	$(BIN)/jmoe convert examples/tiny-qwen3-moe -o out/tiny-qwen3-moe --force
-	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 56MiB --stats
+	$(BIN)/jmoe generate out/tiny-qwen3-moe "def fibonacci(n):" --max-new-tokens 64 --device-budget 32MiB --stats
 
 # The documentation site (docs/, mkdocs.yml) into site/, failing on any warning: a broken link, a
 # docstring mkdocstrings cannot read, or a results table that no longer matches bench/results/*/*.json

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe.decoding.engine import PREFILL_CHUNK, new_cache
+from jmoe.decoding.engine import new_cache, prefill_chunk
 from jmoe.errors import InputError
 
 
@@ -108,9 +108,9 @@ class Decoder:
             raise InputError("a row cannot move back into its prompt padding")
 
     def prefill_chunks(self):
-        """The prompts, in chunks of at most PREFILL_CHUNK tokens, one per iteration: yields (tokens
+        """The prompts, in chunks of prefill_chunk(rows) tokens per row, one per iteration: yields (tokens
         taken in, logits of each row's last token so far [B, V]); a caller may interleave other work."""
-        chunk = min(self.prompt_len, PREFILL_CHUNK)
+        chunk = min(self.prompt_len, prefill_chunk(self.prompt.shape[0]))
         for start in range(0, self.prompt_len, chunk):
             logits = self.step(self.model.put(self.prompt[:, start:start + chunk], "prefill"), last_only=True, phase="prefill")
             taken = min(chunk, self.prompt_len - start)

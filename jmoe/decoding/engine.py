@@ -22,13 +22,20 @@ from jmoe.layers.rope import rope_tables
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 64
-PREFILL_CHUNK = 512  # longest block of prompt tokens one step processes
+PREFILL_CHUNK = 512  # most prompt tokens one prefill step processes, over all its rows
 
 
 def bucket(n: int, minimum: int, limit: int) -> int:
     """Smallest power of two >= n (at least `minimum`), capped at `limit`."""
     size = max(minimum, 1 << max(0, (n - 1).bit_length()))
     return min(size, limit)
+
+
+def prefill_chunk(rows: int) -> int:
+    """Prompt tokens per row of one prefill step: a power of two, at least MIN_PROMPT_BUCKET, with at
+    most PREFILL_CHUNK tokens in all, so a batch's prefill needs the workspace of one long prompt's."""
+    per_row = max(PREFILL_CHUNK // max(rows, 1), MIN_PROMPT_BUCKET)
+    return 1 << (per_row.bit_length() - 1)
 
 
 def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:

@@ -16,11 +16,12 @@ from flax import nnx
 
 from jmoe import validate
 from jmoe.config import ModelConfig
-from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes
+from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes, prefill_chunk
 from jmoe.decoding.loaded import LoadedModel
 from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
+from jmoe.layers.attention import attention_scores_nbytes
 from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, inside, read_manifest
@@ -228,21 +229,27 @@ def all_expert_bytes(cfg: ModelConfig, record_nbytes: int) -> int:
     return record_nbytes * cfg.num_moe_layers * cfg.num_experts
 
 
-def workspace_nbytes(cfg: ModelConfig, tokens: int, cache_len: int, dtype) -> int:
-    """Rough peak activation memory of one step over `tokens` tokens (attention scores dominate)."""
+def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, dtype) -> int:
+    """Rough peak activation memory of one step over `tokens` tokens in each of `rows` rows: per row one
+    block of attention scores (never the whole context: jmoe/layers/attention.py), the activations
+    and the logits."""
     item = jnp.dtype(dtype).itemsize
-    scores = 2 * cfg.num_heads * tokens * cache_len * 4
+    scores = attention_scores_nbytes(cfg.num_heads, tokens, cache_len)
     acts = tokens * (6 * cfg.hidden_size + 3 * cfg.top_k * cfg.moe_intermediate_size) * max(item, 4)
     logits = cfg.vocab_size * 4 * 2
-    return scores + acts + logits
+    return rows * (scores + acts + logits)
 
 
 def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
-    """Device bytes reserved before any expert: dense weights, KV cache, workspace."""
+    """Device bytes reserved before any expert: dense weights, KV cache, workspace (the larger of a
+    batch's prefill step, at most PREFILL_CHUNK prompt tokens in all, and one row's prompt chunk, as
+    the server prefills)."""
+    batch = workspace_nbytes(cfg, max_batch, min(max_seq_len, prefill_chunk(max_batch)), max_seq_len, dtype)
+    one_row = workspace_nbytes(cfg, 1, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype)
     return {
         "dense": tree_nbytes(abstract_state),
         "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype),
-        "workspace": max_batch * workspace_nbytes(cfg, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype),
+        "workspace": max(batch, one_row),
     }
 
 
