@@ -407,11 +407,19 @@ def modelled_tma_bandwidth(info: dict) -> dict | None:
                 assumptions=f"{HBM_LATENCY_S * 1e9:.0f} ns HBM latency, {H100_HBM_BYTES_PER_S / 1e12} TB/s peak")
 
 
-def lower_and_compile(jitted, args, options: dict) -> None:
+def lower_and_compile(jitted, args, options: dict):
     """Lower with inputs on the compile-only H100 and compile there (XLA's debug options `options`)."""
     with abstract_h100():  # the Pallas Triton lowering asks for the GPU it targets (jax 0.11)
         lowered = jitted.trace(*args).lower()
-    lowered.compile(compiler_options=options)
+    return lowered.compile(compiler_options=options)
+
+
+def temp_bytes(compiled) -> int | None:
+    """The executable's temporary buffers (XLA's buffer assignment), where the client reports them."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a compile-only client may not: the record just lacks it
+        return None
 
 
 def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, build=None,
@@ -432,7 +440,7 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
         if whole_step:
             options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = False
         try:
-            build(options)
+            compiled = build(options)
             error = None
         except Exception as e:  # noqa: BLE001 - every compile failure is a result here
             error = f"{type(e).__name__}: {e}"
@@ -440,6 +448,8 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
         ptx.update(dumped_kernels(str(mosaic_dump))[1])
         step_texts = dumped_step(dump) if read_dump is not None else {}
     record = dict(compile_s=round(time.perf_counter() - start, 2))
+    if whole_step and not error and (temp := temp_bytes(compiled)) is not None:
+        record["temp_bytes"] = temp
     if read_dump is not None and not error:
         record["dump"] = read_dump(step_texts, log[0])
     # the expert kernels, and any other kernel of the step that spills
@@ -465,17 +475,23 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
 
 
 STEP_LAYERS = 2
-STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool, kernel backend)
-    ("decode, resident int4", "decode", {"int4": 1.0}, "pallas"),
-    ("decode, resident int4, Mosaic GPU", "decode", {"int4": 1.0}, "mosaic"),
-    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}, "pallas"),
-    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}, "pallas"),
-    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}, "pallas"),
+STEP_CACHE = 1024
+STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool, kernel backend, cache slots)
+    ("decode, resident int4", "decode", {"int4": 1.0}, "pallas", STEP_CACHE),
+    ("decode, resident int4, Mosaic GPU", "decode", {"int4": 1.0}, "mosaic", STEP_CACHE),
+    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE),
+    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE),
+    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE),
+    # attention over blocks of keys (jmoe/layers/attention.py) at a long context: a known trip count
+    ("prefill 512 at a 32K context, resident int4", "prefill", {"int4": 1.0}, "pallas", 32768),
+    ("decode at a 32K context, resident int4", "decode", {"int4": 1.0}, "pallas", 32768),
 )
 
 
-def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backend: str, device) -> dict:
-    """The model's jitted forward step for a 2-layer slice, abstract weights on `device`."""
+def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backend: str, cache_len: int,
+                 device) -> dict:
+    """The model's jitted forward step for a 2-layer slice and a `cache_len`-slot cache, abstract
+    weights on `device`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -501,7 +517,8 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
                           on((), jnp.float32))
     state = ExpertState(tables, pools, selection, backend).for_phase(phase)
     tokens = {"decode": on((1,), jnp.int32), "prefill": on((1, 512), jnp.int32), "verify": on((1, 5), jnp.int32)}[phase]
-    cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
+    cache = jax.tree.map(lambda s: on(s.shape, s.dtype),
+                         jax.eval_shape(lambda: new_cache(cfg, 1, cache_len, jnp.bfloat16)))
     start, key_start = on((1,), jnp.int32), on((1,), jnp.int32)
     step = jax.jit(functools.partial(_forward, graphdef, last_only=phase == "prefill", want_importance=False))
     record = dict(model=model, tier="+".join(pools), plan=f"step: {case}", layers=STEP_LAYERS,
@@ -719,7 +736,8 @@ def offloaded_decode_inputs(cfg, spec, on, in_host):
     pools = {t: jax.tree.map(lambda s, n=n + spec.extra_slots(): on((n, *s.shape), s.dtype),
                              expert_template(cfg, t, tier_format(t)))
              for t, n in zip(spec.tiers, spec.cache_slots)}
-    cache = jax.tree.map(lambda s: on(s.shape, s.dtype), jax.eval_shape(lambda: new_cache(cfg, 1, 1024, jnp.bfloat16)))
+    cache = jax.tree.map(lambda s: on(s.shape, s.dtype),
+                         jax.eval_shape(lambda: new_cache(cfg, 1, STEP_CACHE, jnp.bfloat16)))
     rng = jax.eval_shape(lambda: jax.random.key(0))
     # the sampling parameters as the step takes them (SamplingOptions.device_params: their shapes and dtypes)
     params = tuple(on(p.shape, p.dtype) for p in SamplingOptions().device_params(cfg.vocab_size))
@@ -808,7 +826,8 @@ def kernel_line(r: dict) -> str:
                         f"{v['decode_loop']['vector_loads_before_first_fma']}/{v['decode_loop']['vector_loads']} "
                         "vector loads before the first fma" if v.get("decode_loop") else "")
                      for k, v in sorted(r.get("kernels", {}).items()))
-    return f"{r['model']:17s} {r['tier']:13s} {r.get('rows_dtype', ''):8s} {r['plan']:8s} {r['status']:22s} {regs}"
+    temp = f", {r['temp_bytes'] / 2**20:.0f} MiB of temporaries" if "temp_bytes" in r else ""
+    return f"{r['model']:17s} {r['tier']:13s} {r.get('rows_dtype', ''):8s} {r['plan']:8s} {r['status']:22s} {regs}{temp}"
 
 
 def offload_line(r: dict) -> str:
