@@ -123,7 +123,7 @@ def test_the_workspace_is_a_block_of_keys_not_the_context():
     assert key_block(heads, chunk, 32768) == 128
     assert attention_scores_nbytes(heads, chunk, 32768) == 2 * heads * chunk * 128 * 4
     assert attention_scores_nbytes(heads, chunk, 32768) == attention_scores_nbytes(heads, chunk, 4096)
-    assert key_block(heads, 1, 32768) == 2048  # decode: longer blocks, fewer loop trips
+    assert key_block(heads, 1, 65536) == 32768  # decode: longer blocks (4 MiB of scores too)
     assert key_block(heads, 1, 100) == 100  # a cache shorter than a block is one block
 
 
