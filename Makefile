@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.policies
 	$(BIN)/python -m bench.speculative
 	$(BIN)/python -m bench.real_shapes
+	$(BIN)/python -m bench.long_context
 
 # On a lent GPU machine (no network, no venv: jax[cuda] and the rest preinstalled), from the tree:
 # pytest -m gpu, kernel and bandwidth benchmarks, resident and offloaded decode; bench/results/gpu_suite/gpu_suite_gpu.json.

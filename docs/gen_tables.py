@@ -493,11 +493,49 @@ def load_memory() -> str:
     return out + f"\n\nMachine: {machine(last)} ({source(*names)})."
 
 
+LONG_CONTEXT_ROUNDS = 2  # before and after each ran in turn, in separate processes, this many times
+
+
+def long_context_files() -> list[tuple[str, str]]:
+    return [(f"long_context/long_context_before_r{r}_cpu.json", f"long_context/long_context_after_r{r}_cpu.json")
+            for r in range(1, LONG_CONTEXT_ROUNDS + 1)]
+
+
+def long_context_plan() -> str:
+    before_name, after_name = long_context_files()[0]
+    before, after = load(before_name), load(after_name)
+    rows = []
+    for b, a in zip(before["plan"], after["plan"], strict=True):
+        rows.append([a["model"], a["dtype"], f"{a['max_seq_len']:,}", a["max_batch"], size(a["kv_cache_bytes"]),
+                     f"{size(b['workspace_bytes'])} → {size(a['workspace_bytes'])}"])
+    out = table(["model", "compute dtype", "max_seq_len", "max_batch", "KV cache", "workspace, before → after"], rows)
+    return out + f"\n\nComputed by `jmoe/runtime/loader.py` ({source(before_name, after_name)})."
+
+
+def long_context_depth() -> str:
+    files = long_context_files()
+    runs = [(load(b), load(a)) for b, a in files]
+    rows = []
+    for depth in runs[0][1]["depth"]["decode"]:
+        cells = {k: [(b["depth"]["decode"][depth][k]["median"], a["depth"]["decode"][depth][k]["median"])
+                     for b, a in runs] for k in ("ttft_s", "decode_ms_per_token")}
+        rows.append([f"{int(depth):,}"] + [" ; ".join(f"{f(b, 2)} → {f(a, 2)}" for b, a in cells[k])
+                                           for k in ("ttft_s", "decode_ms_per_token")])
+    first = runs[0][1]["depth"]
+    out = table(["prompt tokens", "time to first token, s (round 1 ; round 2)", "decode ms/token (round 1 ; round 2)"],
+                rows)
+    return out + (f"\n\nBefore → after, medians of {first['rounds']} runs each, {first['new_tokens']} new tokens, "
+                  f"max_seq_len {first['max_seq_len']:,}. Machine: {machine(runs[0][1])} "
+                  f"({source(*(n for pair in files for n in pair))}).")
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,
+    "long-context-plan": long_context_plan,
+    "long-context-depth": long_context_depth,
     "perplexity": perplexity,
     "quality": quality,
     "decode-io": decode_io,
