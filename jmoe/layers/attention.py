@@ -97,12 +97,18 @@ def attention_scores_nbytes(num_heads: int, tokens: int, slots: int) -> int:
     return 2 * num_heads * tokens * key_block(num_heads, tokens, slots) * 4
 
 
-def _block_scores(queries, keys, start, size, scale, precision):
-    """Scaled float32 scores [B, K, M, size] of queries [B, K, M, w] against keys[:, :, start:start+size]."""
+def _block_scores(queries, keys, start, size, scale, precision, groups):
+    """Scaled float32 scores [B, K, G, T, size] of queries against keys[:, :, start:start+size]: a
+    query term is [B, K, G*T, w] (head-major) or [B, T, K, G, w] (token-major, as projections give
+    it: XLA:GPU found no tiling for latent attention's rotary term transposed to head-major)."""
     total = None
     for q, k in zip(queries, keys):
         k = jax.lax.dynamic_slice_in_dim(k, start, size, axis=2)
-        part = jnp.einsum("bkmd,bksd->bkms", q, k, precision=precision)
+        if q.ndim == 5:
+            part = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=precision)
+        else:
+            B, K, M, w = q.shape
+            part = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(B, K, groups, M // groups, w), k, precision=precision)
         total = part if total is None else total + part
     return total.astype(jnp.float32) * scale
 
@@ -114,18 +120,18 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     [query, key] scores are never held for more than one block (flash attention's formulation).
 
     queries: per score term a [B, K, G*T, w] array (K cache heads, G query heads per cache head,
-    head-major then token); keys: the matching cache arrays [B, K, S, w] (the scores are the sum of
-    the terms); values [B, K, S, wv]; sink [K, G] or None: a logit per head that joins the normaliser
-    without a value (GPT-OSS). Returns (out [B, K, G*T, wv] float32, (top, norm)): the softmax's
-    running maximum and normaliser [B, K, G, T], for `current_importance`.
+    head-major then token) or the same as [B, T, K, G, w]; keys: the matching cache arrays
+    [B, K, S, w] (the scores are the sum of the terms); values [B, K, S, wv]; sink [K, G] or None:
+    a logit per head that joins the normaliser without a value (GPT-OSS). Returns
+    (out [B, K, G*T, wv] float32, (top, norm)): the softmax's running maximum and normaliser
+    [B, K, G, T], for `current_importance`.
 
     On the CPU the loop visits only the blocks some row's queries may reach (a prompt chunk at
-    position p reads p keys, not the whole cache); elsewhere its trip count is the number of blocks, known when
-    compiled (a loop bound read back from the device would stall a GPU step per iteration).
-    reachable_only forces one of the two (None: by the platform the step is lowered for)."""
-    B, K, M, _ = queries[0].shape
-    S, T = keys[0].shape[2], meta.num_tokens
-    G = groups
+    position p reads p keys, not the whole cache); elsewhere its trip count is the number of
+    blocks, known when compiled (a loop bound read back from the device would stall a GPU step per
+    iteration). reachable_only forces one of the two (None: by the platform the step is lowered for)."""
+    S, T, G = keys[0].shape[2], meta.num_tokens, groups
+    B, K, M = keys[0].shape[0], keys[0].shape[1], groups * T
     block = block or key_block(K * G, T, S)
     num_blocks = -(-S // block)
     if sink is None:  # nothing seen yet: a running maximum of -inf and an empty normaliser
@@ -144,16 +150,16 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
         allowed = allowed_keys(meta, slots, window)
         if S % block:
             allowed &= slots[None, None, :] >= first  # keys of the overlap were seen in the block before
-        scores = _block_scores(queries, keys, start, block, scale, precision).reshape(B, K, G, T, block)
+        scores = _block_scores(queries, keys, start, block, scale, precision, G)
         scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
         new_top = jnp.maximum(top, scores.max(-1))
         safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no key allowed yet: keep exp() finite
         probs = jnp.exp(scores - safe_top[..., None])
         rescale = jnp.exp(top - safe_top)
         v = jax.lax.dynamic_slice_in_dim(values, start, block, axis=2)
-        weighted = jnp.einsum("bkms,bksd->bkmd", probs.reshape(B, K, M, block).astype(values.dtype), v,
-                              precision=precision, preferred_element_type=jnp.float32)
-        out = out * rescale.reshape(B, K, M)[..., None] + weighted
+        weighted = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(values.dtype), v, precision=precision,
+                              preferred_element_type=jnp.float32)
+        out = out * rescale.reshape(B, K, M)[..., None] + weighted.reshape(B, K, M, -1)
         return new_top, norm * rescale + probs.sum(-1), out
 
     carry = (top, norm, out)
@@ -204,7 +210,7 @@ def current_importance(queries, new_keys, meta: AttentionMeta, softmax, *, group
         allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= meta.key_start[:, None, None])
         if window is not None:
             allowed &= q_slot[:, :, None] - k_slot < window
-        scores = _block_scores(queries, new_keys, first, size, scale, precision).reshape(B, K, G, T, size)
+        scores = _block_scores(queries, new_keys, first, size, scale, precision, G)
         probs = jnp.where(allowed[:, None, None], jnp.exp(scores - safe_top) / norm, 0.0)
         received.append(jnp.einsum("bkgqs,bq->bs", probs, q_valid))
     received = jnp.concatenate(received, axis=1)

@@ -93,7 +93,7 @@ class LatentAttention(nnx.Module):
         w_k, w_v = w[..., : self.nope], w[..., self.nope :]
         q_latent = jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
         # one cache head shared by every query head: queries [B, 1, H*T, width], head-major
-        queries = (q_latent.reshape(B, 1, H * T, r), q_rot.transpose(0, 2, 1, 3).reshape(B, 1, H * T, self.rope))
+        queries = (q_latent.reshape(B, 1, H * T, r), q_rot.reshape(B, T, 1, H, self.rope))
         kw = dict(groups=H, scale=self.scale, window=self.window, precision=prec)
         context, softmax = blocked_attention(queries, (latent_cache, rot_cache), latent_cache, meta, **kw)
         context = context.astype(self.dtype).reshape(B, H, T, r)
