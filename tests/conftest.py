@@ -63,11 +63,11 @@ def _release_compiled_code():
         gc.collect()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def small_key_blocks():
     """Attention over blocks of 16 keys (jmoe/layers/attention.py), so the suite's short caches take
     several blocks: the online softmax, the blocks a step skips and a last block overlapping the one
-    before run in the modules that use this (against transformers in the parity tests). Compiled steps
+    before run in the tests that use this (the parity tests, against transformers). Compiled steps
     are forgotten before and after: they hold the block size they were traced with."""
     from jmoe.decoding import engine
     from jmoe.layers import attention

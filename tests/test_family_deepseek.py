@@ -11,9 +11,6 @@ from jmoe.models import config_from_hf
 from tests.hf_models import hf_config
 from tests.test_family_parity import assert_parity, converted
 
-# attention in blocks of 16 keys: the 64-slot caches here take four (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("small_key_blocks")
-
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
            first_k_dense_replace=1, n_shared_experts=1, eos_token_id=None)  # no early stop: 32 tokens
@@ -51,6 +48,7 @@ CASES = [(f, name, cfg) for f, table in (("deepseek_v2", DEEPSEEK_V2), ("deepsee
 RANDOMIZED = ("e_score_correction_bias",)  # zero at init: random values show it steers selection
 
 
+@pytest.mark.usefixtures("small_key_blocks")  # attention in blocks of 16 keys: the 64-slot caches take four
 @pytest.mark.parametrize("family,name,overrides", CASES, ids=[f"{f}-{n}" for f, n, _ in CASES])
 def test_matches_transformers(tmp_path, family, name, overrides):
     model, reference = converted(tmp_path, family, overrides=overrides, randomize=RANDOMIZED)
