@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from bench.lib.common import ROOT, write_result
@@ -68,6 +67,7 @@ def plan_rows() -> list[dict]:
 def depth_rows(args) -> dict:
     import jmoe
     from convert import convert_checkpoint
+    from bench.offload_decode import spread, streamed
     from jmoe.serving.compiles import CompileCounter
 
     work = Path(args.work)
@@ -84,14 +84,8 @@ def depth_rows(args) -> dict:
 
     def timed(prompt) -> tuple[float, float]:
         """(seconds to the first token: the prompt's prefill, ms per token after it)."""
-        start = time.perf_counter()
-        first = last = None
-        n = 0
-        for _ in jmoe.generate(model, prompt, stream=True, **kw):
-            last = time.perf_counter()
-            first = first or last
-            n += 1
-        return first - start, 1e3 * (last - first) / max(n - 1, 1)
+        first, rest, tokens = streamed(model, prompt, kw)
+        return first, 1e3 * rest / max(tokens, 1)
 
     for d in depths:  # warm every shape a timed round uses
         timed(prompts[d])
@@ -104,7 +98,6 @@ def depth_rows(args) -> dict:
                 sys.exit(f"depth {d}: {CompileCounter.count() - compiles} compilation(s) in the timed window")
             ttft[d].append(first)
             decode[d].append(per_token)
-    spread = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v)}  # noqa: E731
     out = {}
     for d in depths:
         out[str(d)] = {"decode_ms_per_token": spread(decode[d]), "ttft_s": spread(ttft[d])}
