@@ -65,10 +65,10 @@ def write_rows(cache, new, start):
 
 
 def allowed_keys(meta: AttentionMeta, slots, window: int | None) -> jax.Array:
-    """[B, T, K] bool: which of the cache slots `slots` [K] each current token may attend to (causal,
-    after the row's left padding, within the sliding window if any)."""
+    """[B, T, K] bool: which of the cache slots `slots` ([K], or [B, K] per row) each current token
+    may attend to (causal, after the row's left padding, within the sliding window if any)."""
     q_slot = meta.query_slots()[:, :, None]  # [B, T, 1]
-    k_slot = slots[None, None, :]  # [1, 1, K]
+    k_slot = slots[None, None, :] if slots.ndim == 1 else slots[:, None, :]  # [1 or B, 1, K]
     allowed = (k_slot <= q_slot) & (k_slot >= meta.key_start[:, None, None])
     if window is not None:
         allowed &= q_slot - k_slot < window
@@ -206,10 +206,7 @@ def current_importance(queries, new_keys, meta: AttentionMeta, softmax, *, group
     received = []
     for first in range(0, T, block):
         size = min(block, T - first)
-        k_slot = q_slot[:, None, first:first + size]  # [B, 1, size]
-        allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= meta.key_start[:, None, None])
-        if window is not None:
-            allowed &= q_slot[:, :, None] - k_slot < window
+        allowed = allowed_keys(meta, q_slot[:, first:first + size], window)
         scores = _block_scores(queries, new_keys, first, size, scale, precision, G)
         probs = jnp.where(allowed[:, None, None], jnp.exp(scores - safe_top) / norm, 0.0)
         received.append(jnp.einsum("bkgqs,bq->bs", probs, q_valid))

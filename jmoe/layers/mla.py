@@ -92,7 +92,8 @@ class LatentAttention(nnx.Module):
         w = self.kv_b_proj.weight(self.dtype).reshape(r, H, self.nope + self.v_dim)
         w_k, w_v = w[..., : self.nope], w[..., self.nope :]
         q_latent = jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
-        # one cache head shared by every query head: queries [B, 1, H*T, width], head-major
+        # one cache head shared by every query head: the latent query head-major [B, 1, H*T, r], the
+        # rotary one token-major [B, T, 1, H, rope], as the projection gives it
         queries = (q_latent.reshape(B, 1, H * T, r), q_rot.reshape(B, T, 1, H, self.rope))
         kw = dict(groups=H, scale=self.scale, window=self.window, precision=prec)
         context, softmax = blocked_attention(queries, (latent_cache, rot_cache), latent_cache, meta, **kw)
