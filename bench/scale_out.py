@@ -56,7 +56,7 @@ def tiny_model() -> str:
 def collectives_per_step(model, tokens: int) -> dict:
     """All-reduces in the compiled one-jit step over `tokens` tokens of one row, and their payload."""
     cfg = model.config
-    cache = new_cache(cfg, 1, 256, model.compute_dtype)
+    cache = new_cache(cfg, 1, 256, model.kv_dtype)
     ids = np.zeros((1, tokens), np.int32)
     compiled = model.engine.forward.lower(
         model.executor.dense, model.residency.expert_state(), ids, cache, np.zeros(1, np.int32),

@@ -40,7 +40,7 @@ def jmoe_speed(model, ids: list[int], new_tokens: int) -> dict:
         return engine.forward(model.dense, experts, tokens, cache, 0, key_start, last_only=True, want_importance=False)
 
     S = P + new_tokens
-    cache_shape = new_cache(cfg, 1, S, model.compute_dtype)
+    cache_shape = new_cache(cfg, 1, S, model.kv_dtype)
     t = time.perf_counter()
     engine.forward.lower(model.dense, experts, tokens, cache_shape, 0, key_start, last_only=True,
                        want_importance=False).compile()
@@ -51,7 +51,7 @@ def jmoe_speed(model, ids: list[int], new_tokens: int) -> dict:
                        want_importance=False).compile()
     compile_decode = time.perf_counter() - t
 
-    prefill_s = timed(lambda: jax.block_until_ready(prefill(new_cache(cfg, 1, S, model.compute_dtype))[0]))
+    prefill_s = timed(lambda: jax.block_until_ready(prefill(new_cache(cfg, 1, S, model.kv_dtype))[0]))
 
     def decode_run():
         t0 = time.perf_counter()

@@ -130,6 +130,9 @@ def add_model_options(p) -> None:
     p.add_argument("--tier", default=None, help="expert precision tier")
     p.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context to plan memory for")
+    p.add_argument("--kv-dtype", default=None, choices=["int8"],
+                   help="KV cache dtype: int8 (a scale per token and head; a quarter of a float32 cache) "
+                        "instead of the compute dtype")
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
@@ -156,7 +159,8 @@ def load_model(args, **extra):
         validate.integer("max_seq_len", args.max_seq_len, minimum=2, maximum=MAX_SEQ_LEN)
 
     return jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                     compute_dtype=args.dtype, max_seq_len=args.max_seq_len, execution=args.execution,
+                     compute_dtype=args.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
+                     execution=args.execution,
                      cpu_dot=args.cpu_dot, mesh=args.mesh, **extra)
 
 

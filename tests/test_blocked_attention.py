@@ -1,7 +1,7 @@
 """Blocked attention (online softmax over blocks of keys) against attention that materialises every
 [query, key] score, for every variant the attention modules use: several score terms (MLA's latent
 and rotary keys), grouped query heads, sliding windows, sinks, left padding, rows at different
-positions, chunks of several tokens, caches that are not a multiple of the block; and the DyMoE
+positions, chunks of several tokens, caches that are not a multiple of the block, int8 caches; and the DyMoE
 importance of the current tokens against the attention each cache slot received."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from jmoe.layers.attention import (
     attention_scores_nbytes,
     blocked_attention,
     current_importance,
+    dequantize_rows,
     key_block,
+    quantize_rows,
 )
 
 NEG = jnp.finfo(jnp.float32).min
@@ -64,7 +66,8 @@ def cases(draw):
     start = np.array([draw(st.integers(0, S - T)) for _ in range(B)], np.int32)
     key_start = np.array([draw(st.integers(0, s + T)) for s in start], np.int32)  # rows of padding too
     return dict(B=B, K=K, G=G, T=T, S=S, widths=widths, window=window, block=block, start=start,
-                key_start=key_start, sink=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                key_start=key_start, sink=draw(st.booleans()), int8=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
 
 
 @settings(max_examples=40, deadline=None)
@@ -86,8 +89,13 @@ def test_blocked_attention_equals_the_materialised_softmax(case, reachable_only)
                                          reachable_only=reachable_only, **kw)
         return out, current_importance(queries, new_keys, meta, softmax, **kw)
 
+    cached_keys, cached_values = keys, values
+    if case["int8"]:  # an int8 cache against the materialised softmax of what it holds
+        cached_keys, cached_values = [quantize_rows(k) for k in keys], quantize_rows(values)
+        keys = [np.asarray(dequantize_rows(k, jnp.float32)) for k in cached_keys]
+        values = np.asarray(dequantize_rows(cached_values, jnp.float32))
     new_keys = [np.stack([k[b, :, s:s + T] for b, s in enumerate(start)]) for k in keys]
-    out, importance = run(queries, keys, values, sink, new_keys)
+    out, importance = run(queries, cached_keys, cached_values, sink, new_keys)
     want_out, want_importance, valid = materialised(queries, keys, values, start, key_start, T, sink=sink,
                                                     **{k: v for k, v in kw.items() if k != "precision"})
     # queries with a key to attend to: the same output; left-padding queries (none allowed): zeros

@@ -111,7 +111,7 @@ IDS = [5, 17, 99, 3, 42, 250, 7, 61, 1000, 2047]
 @pytest.mark.parametrize("family,overrides,method,execution", DOWNSTREAM, ids=[d[0] for d in DOWNSTREAM])
 def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method, execution):
     """Integer tiers (calibrated through the family's own attention and cache layout for GPTQ and
-    HAQ) track bf16; speculative decoding and offloaded runs on both paths give the resident
+    HAQ) and an int8 KV cache track bf16; speculative decoding and offloaded runs on both paths give the resident
     tokens; DyMoE mixes tiers."""
     import shutil
 
@@ -134,6 +134,9 @@ def test_quantized_tiers_policies_and_paths(tmp_path, family, overrides, method,
                                                                                                       "int4", "int2")}
     error = {t: np.abs(logits[t] - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean() for t in ("int4", "int2")}
     assert 0 < error["int4"] < error["int2"] < 1, error
+    # an int8 cache (the latent and rotary key for latent attention) stays close to the float one
+    int8_kv = np.asarray(jmoe.forward(jmoe.load(out, tier="bf16", compute_dtype="float32", kv_dtype="int8"), IDS))
+    assert 0 < np.abs(int8_kv - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean() < 0.02
 
     resident = jmoe.load(out, tier="int4", compute_dtype="float32")
     reference = jmoe.generate(resident, IDS, max_new_tokens=12)

@@ -30,7 +30,7 @@ class Decoder:
             self.prompt[b, prompt_len - len(p):] = p
         self.key_start = np.asarray([prompt_len - len(p) for p in prompts], np.int32)
         self.pos = np.zeros(self.batch, np.int32)  # cache slot the next token of each row goes to
-        self.cache = new_cache(cfg, self.batch, cache_len, model.compute_dtype)
+        self.cache = new_cache(cfg, self.batch, cache_len, model.kv_dtype)
         model.count(executions=1, phase="prefill")
         self.unsettled: list = []  # deferred steps, oldest first (None: a step that needs no settling)
 

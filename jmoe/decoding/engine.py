@@ -15,7 +15,7 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.decoding import acceptance, summary
 from jmoe.decoding.sampling import ALL_FILTERS, record, sample_tokens
-from jmoe.layers.attention import AttentionMeta, KVCache
+from jmoe.layers.attention import AttentionMeta, KVCache, QuantizedRows
 from jmoe.layers.experts import ExpertState
 from jmoe.layers.modules import cache_bytes_per_token, cache_spec
 from jmoe.layers.rope import rope_tables
@@ -39,14 +39,20 @@ def prefill_chunk(rows: int) -> int:
 
 
 def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-    """Zeroed caches in each layer's attention module's own layout (its cache_spec), made by one executable."""
+    """Zeroed caches in each layer's attention module's own layout (its cache_spec), made by one
+    executable; dtype int8: an int8 cache (QuantizedRows, a float32 scale per slot and head)."""
     return _zero_cache(cfg, batch, length, jnp.dtype(dtype))
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _zero_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-    return KVCache(tuple(tuple(jnp.zeros((batch, heads, length, width), dtype) for heads, width in cache_spec(cfg, i))
-                         for i in range(cfg.num_layers)))
+    def zeros(heads, width):
+        if dtype == jnp.int8:
+            return QuantizedRows(jnp.zeros((batch, heads, length, width), dtype),
+                                 jnp.zeros((batch, heads, length, 1), jnp.float32))
+        return jnp.zeros((batch, heads, length, width), dtype)
+
+    return KVCache(tuple(tuple(zeros(heads, width) for heads, width in cache_spec(cfg, i)) for i in range(cfg.num_layers)))
 
 
 def cache_nbytes(cfg: ModelConfig, batch: int, length: int, dtype) -> int:

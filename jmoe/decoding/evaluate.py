@@ -32,7 +32,7 @@ def forward(model, token_ids) -> jnp.ndarray:
     P = bucket(T, MIN_PROMPT_BUCKET, model.max_seq_len)
     tokens = np.zeros((1, P), np.int32)
     tokens[0, P - T :] = ids
-    cache = new_cache(model.config, 1, P, model.compute_dtype)
+    cache = new_cache(model.config, 1, P, model.kv_dtype)
     logits, _ = model.step(jnp.asarray(tokens), cache, np.zeros(1, np.int32), np.asarray([P - T], np.int32),
                            last_only=False, phase="prefill")
     return logits[0, P - T :]
@@ -73,7 +73,7 @@ def _prefill_nll(model, chunk: np.ndarray, window: int) -> np.ndarray:
     else:
         padded = chunk
     tokens = jnp.asarray(padded[None])
-    cache = new_cache(model.config, 1, window, model.compute_dtype)
+    cache = new_cache(model.config, 1, window, model.kv_dtype)
     logits, _ = model.step(tokens, cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=False,
                            phase="prefill")
     return np.asarray(_token_nll(logits, tokens))[: len(chunk) - 1]
@@ -116,7 +116,7 @@ def window_routing(model, token_ids, window: int = 256) -> np.ndarray:
     out = []
     for start in range(0, len(ids), window):
         chunk = ids[start : start + window]
-        cache = new_cache(model.config, 1, len(chunk), model.compute_dtype)
+        cache = new_cache(model.config, 1, len(chunk), model.kv_dtype)
         model.step(jnp.asarray(chunk[None]), cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=True,
                    phase="prefill")
         out.append(np.asarray(model.residency.signals.ids)[:, 0].transpose(1, 0, 2))  # [T, L, k]

@@ -6,6 +6,11 @@ An attention module (jmoe/layers/gqa.py, jmoe/layers/mla.py) declares its own ca
 [B, heads, S, width]. The engine, the budget's KV reservation and calibration all size caches
 from that spec (jmoe/layers/modules.py), so a module that caches a compressed latent is charged
 for the latent, not for the keys and values it expands into.
+
+A cached array is either an array of the compute dtype or, with an int8 KV cache, `QuantizedRows`:
+int8 values and one float32 scale per (row, head, slot), as llama.cpp's q8_0 keeps one scale per
+block (here a block is one head's width). Attention multiplies the int8 block directly and applies
+the scales to the block's scores and probabilities, so no dequantised copy of the cache is made.
 """
 
 from __future__ import annotations
@@ -20,14 +25,39 @@ import cpu_kernels
 CacheSpec = tuple[tuple[int, int], ...]  # per cached array: (heads, width)
 
 
-class KVCache(NamedTuple):
-    """Per-layer caches: layers[i] is that layer's tuple of [B, heads, S, width] arrays (compute dtype)."""
+class QuantizedRows(NamedTuple):
+    """One int8 cached array: values int8 [B, heads, S, width], scales float32 [B, heads, S, 1]
+    (a slot's width of values times its scale is what was cached)."""
 
-    layers: tuple[tuple[jax.Array, ...], ...]
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+class KVCache(NamedTuple):
+    """Per-layer caches: layers[i] is that layer's tuple of [B, heads, S, width] arrays (compute dtype)
+    or QuantizedRows (an int8 KV cache)."""
+
+    layers: tuple[tuple[jax.Array | QuantizedRows, ...], ...]
 
     @property
     def length(self) -> int:
         return self.layers[0][0].shape[2]
+
+
+def quantize_rows(x: jax.Array) -> QuantizedRows:
+    """x [..., width] rounded to int8 with one symmetric scale per width (max |x| / 127)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.abs(x).max(-1, keepdims=True) / 127.0
+    values = jnp.round(x / jnp.where(scale > 0, scale, 1.0))
+    return QuantizedRows(jnp.clip(values, -127, 127).astype(jnp.int8), scale)
+
+
+def dequantize_rows(rows: QuantizedRows, dtype) -> jax.Array:
+    return (rows.values.astype(jnp.float32) * rows.scales).astype(dtype)
 
 
 class AttentionMeta(NamedTuple):
@@ -52,6 +82,16 @@ class AttentionMeta(NamedTuple):
 
     def token_valid(self) -> jax.Array:  # [B, T]: False on left padding
         return self.query_slots() >= self.key_start[:, None]
+
+
+def write_cache(cache, new, start):
+    """(cache with new [B, H, T, w] written from slot start[b] in each row b, new as the cache holds
+    it: rounded to int8 and back for an int8 cache, else in the cache's dtype)."""
+    if isinstance(cache, QuantizedRows):
+        rows = quantize_rows(new)
+        written = QuantizedRows(write_rows(cache.values, rows.values, start), write_rows(cache.scales, rows.scales, start))
+        return written, dequantize_rows(rows, new.dtype)
+    return write_rows(cache, new, start), new.astype(cache.dtype)
 
 
 def write_rows(cache, new, start):
@@ -103,14 +143,26 @@ def _block_scores(queries, keys, start, size, scale, precision, groups):
     it: XLA:GPU found no tiling for latent attention's rotary term transposed to head-major)."""
     total = None
     for q, k in zip(queries, keys):
-        k = jax.lax.dynamic_slice_in_dim(k, start, size, axis=2)
+        k, k_scale = _cache_block(k, start, size, q.dtype)
         if q.ndim == 5:
             part = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=precision)
         else:
             B, K, M, w = q.shape
             part = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(B, K, groups, M // groups, w), k, precision=precision)
+        part = part.astype(jnp.float32)
+        if k_scale is not None:  # an int8 key's scale multiplies its score
+            part = part * k_scale
         total = part if total is None else total + part
-    return total.astype(jnp.float32) * scale
+    return total * scale
+
+
+def _cache_block(cache, start, size, dtype):
+    """(keys[:, :, start:start+size] in `dtype`, their int8 scales as [B, K, 1, 1, size] or None)."""
+    if not isinstance(cache, QuantizedRows):
+        return jax.lax.dynamic_slice_in_dim(cache, start, size, axis=2), None
+    values = jax.lax.dynamic_slice_in_dim(cache.values, start, size, axis=2).astype(dtype)
+    scales = jax.lax.dynamic_slice_in_dim(cache.scales, start, size, axis=2)
+    return values, scales[..., 0][:, :, None, None, :]
 
 
 def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float,
@@ -121,7 +173,8 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
 
     queries: per score term a [B, K, G*T, w] array (K cache heads, G query heads per cache head,
     head-major then token) or the same as [B, T, K, G, w]; keys: the matching cache arrays
-    [B, K, S, w] (the scores are the sum of the terms); values [B, K, S, wv]; sink [K, G] or None:
+    [B, K, S, w] (the scores are the sum of the terms); values [B, K, S, wv] (each cache array may be
+    QuantizedRows); sink [K, G] or None:
     a logit per head that joins the normaliser without a value (GPT-OSS). Returns
     (out [B, K, G*T, wv] float32, (top, norm)): the softmax's running maximum and normaliser
     [B, K, G, T], for `current_importance`.
@@ -141,6 +194,7 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
         top = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, :, None], (B, K, G, T))
         norm = jnp.ones((B, K, G, T), jnp.float32)
     out = jnp.zeros((B, K, M, values.shape[-1]), jnp.float32)
+    value_dtype = queries[0].dtype if isinstance(values, QuantizedRows) else values.dtype
 
     def step(j, carry):
         top, norm, out = carry
@@ -156,8 +210,9 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
         safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no key allowed yet: keep exp() finite
         probs = jnp.exp(scores - safe_top[..., None])
         rescale = jnp.exp(top - safe_top)
-        v = jax.lax.dynamic_slice_in_dim(values, start, block, axis=2)
-        weighted = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(values.dtype), v, precision=precision,
+        v, v_scale = _cache_block(values, start, block, value_dtype)
+        weights = probs if v_scale is None else probs * v_scale  # an int8 value's scale weights its probability
+        weighted = jnp.einsum("bkgts,bksd->bkgtd", weights.astype(value_dtype), v, precision=precision,
                               preferred_element_type=jnp.float32)
         out = out * rescale.reshape(B, K, M)[..., None] + weighted.reshape(B, K, M, -1)
         return new_top, norm * rescale + probs.sum(-1), out

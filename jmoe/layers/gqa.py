@@ -11,7 +11,7 @@ from jmoe.layers.attention import (
     CacheSpec,
     blocked_attention,
     current_importance,
-    write_rows,
+    write_cache,
 )
 from jmoe.layers.linear import Linear
 from jmoe.layers.norms import RMSNorm, matmul_precision
@@ -70,8 +70,8 @@ class GroupedQueryAttention(nnx.Module):
         q = apply_rope(q, meta.cos, meta.sin, interleaved=self.rope_interleaved)
         k = apply_rope(k, meta.cos, meta.sin, interleaved=self.rope_interleaved)
         # Heads-major cache [B, KV, S, hd]: attention is a plain batched matmul per (row, kv head).
-        k_cache = write_rows(cache[0], k.transpose(0, 2, 1, 3), meta.start)
-        v_cache = write_rows(cache[1], v.transpose(0, 2, 1, 3), meta.start)
+        k_cache, new_keys = write_cache(cache[0], k.transpose(0, 2, 1, 3), meta.start)
+        v_cache, _ = write_cache(cache[1], v.transpose(0, 2, 1, 3), meta.start)
         prec = matmul_precision(self.dtype)
         qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
         sink = None if self.sinks is None else self.sinks[...].reshape(KV, G)
@@ -81,6 +81,5 @@ class GroupedQueryAttention(nnx.Module):
         out = self.o_proj(out.reshape(B, T, self.num_heads * hd))
         importance = None
         if want_importance:
-            new_keys = k.transpose(0, 2, 1, 3).astype(k_cache.dtype)
             importance = current_importance((qh,), (new_keys,), meta, softmax, **kw)
         return out, (k_cache, v_cache), importance

@@ -20,7 +20,7 @@ from jmoe.layers.attention import (
     CacheSpec,
     blocked_attention,
     current_importance,
-    write_rows,
+    write_cache,
 )
 from jmoe.layers.linear import Linear
 from jmoe.layers.norms import RMSNorm, matmul_precision
@@ -86,8 +86,8 @@ class LatentAttention(nnx.Module):
         latent, k_rot = self.kv_a_layernorm(kv[..., :r]), kv[..., r:]
         q_rot = apply_rope(q_rot, meta.cos, meta.sin, interleaved=self.rope_interleaved)
         k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)
-        latent_cache = write_rows(cache[0], latent[:, None], meta.start)  # [B, 1, S, r]
-        rot_cache = write_rows(cache[1], k_rot.transpose(0, 2, 1, 3), meta.start)  # [B, 1, S, rope]
+        latent_cache, new_latent = write_cache(cache[0], latent[:, None], meta.start)  # [B, 1, S, r]
+        rot_cache, new_rot = write_cache(cache[1], k_rot.transpose(0, 2, 1, 3), meta.start)  # [B, 1, S, rope]
         # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
         w = self.kv_b_proj.weight(self.dtype).reshape(r, H, self.nope + self.v_dim)
         w_k, w_v = w[..., : self.nope], w[..., self.nope :]
@@ -101,6 +101,5 @@ class LatentAttention(nnx.Module):
         out = jnp.einsum("bhtr,rhv->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
         importance = None
         if want_importance:
-            new_keys = (latent[:, None].astype(latent_cache.dtype), k_rot.transpose(0, 2, 1, 3).astype(rot_cache.dtype))
-            importance = current_importance(queries, new_keys, meta, softmax, **kw)
+            importance = current_importance(queries, (new_latent, new_rot), meta, softmax, **kw)
         return self.o_proj(out), (latent_cache, rot_cache), importance

@@ -46,6 +46,9 @@ def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
 
 
 def cache_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """KV-cache bytes one token of one sequence takes over every layer."""
+    """KV-cache bytes one token of one sequence takes over every layer (an int8 cache: a byte per
+    number and a float32 scale per head of each cached array)."""
     width = sum(h * w for i in range(cfg.num_layers) for h, w in cache_spec(cfg, i))
+    if jnp.dtype(dtype) == jnp.int8:
+        return width + 4 * sum(h for i in range(cfg.num_layers) for h, _ in cache_spec(cfg, i))
     return width * jnp.dtype(dtype).itemsize

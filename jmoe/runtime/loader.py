@@ -57,6 +57,7 @@ class JmoeModel(LoadedModel):
     residency: Any  # AllResident or Offloaded (jmoe/runtime/residency.py)
     executor: Executor
     compute_dtype: Any
+    kv_dtype: Any  # the KV cache's: compute_dtype, or int8 (jmoe/layers/attention.py: QuantizedRows)
     max_seq_len: int
     device_budget: int | None
     memory: dict[str, int]
@@ -167,7 +168,7 @@ class JmoeModel(LoadedModel):
         """Under a budget, the KV cache of a request must fit what load() reserved for it."""
         if self.device_budget is None:
             return
-        need = cache_nbytes(self.config, batch, cache_len, self.compute_dtype)
+        need = cache_nbytes(self.config, batch, cache_len, self.kv_dtype)
         if need > self.memory["kv_cache"]:
             raise BudgetError(
                 f"a batch of {batch} with a {cache_len}-token cache needs {format_size(need)} of KV cache; "
@@ -205,6 +206,17 @@ def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
     return dtype
 
 
+KV_DTYPES = ("int8",)
+
+
+def resolve_kv_dtype(kv_dtype, compute_dtype) -> jnp.dtype:
+    """The KV cache's dtype: the compute dtype (None), or int8 (values rounded per slot and head)."""
+    if kv_dtype is None:
+        return compute_dtype
+    validate.choice("kv_dtype", kv_dtype, KV_DTYPES)
+    return jnp.dtype(kv_dtype)
+
+
 def resolve_max_seq_len(cfg: ModelConfig, max_seq_len: int | None) -> int:
     if max_seq_len is None:
         return min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
@@ -240,15 +252,16 @@ def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, d
     return rows * (scores + acts + logits)
 
 
-def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
-    """Device bytes reserved before any expert: dense weights, KV cache, workspace (the larger of a
-    batch's prefill step, at most PREFILL_CHUNK prompt tokens in all, and one row's prompt chunk, as
-    the server prefills)."""
+def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int,
+                 kv_dtype=None) -> dict[str, int]:
+    """Device bytes reserved before any expert: dense weights, KV cache (of kv_dtype, default the
+    compute dtype), workspace (the larger of a batch's prefill step, at most PREFILL_CHUNK prompt
+    tokens in all, and one row's prompt chunk, as the server prefills)."""
     batch = workspace_nbytes(cfg, max_batch, min(max_seq_len, prefill_chunk(max_batch)), max_seq_len, dtype)
     one_row = workspace_nbytes(cfg, 1, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype)
     return {
         "dense": tree_nbytes(abstract_state),
-        "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype),
+        "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype if kv_dtype is None else kv_dtype),
         "workspace": max(batch, one_row),
     }
 
@@ -264,13 +277,13 @@ def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None
 
 
 def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, max_batch: int, draft: str | None,
-                 policy: Policy | None, shards: int = 1) -> dict[str, int]:
+                 policy: Policy | None, shards: int = 1, kv_dtype=None) -> dict[str, int]:
     """Every byte load() reserves besides the experts' pools: dense weights, KV cache, workspace, the
     speculative draft's experts ("draft") and, when `policy` offloads, transfer staging ("staging").
     memory_plan reports exactly these, so a budget computed from it holds the pools it planned.
     On a mesh of `shards` ep shards these are per device (a device holds its shard's draft experts)."""
     cfg = store.config
-    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch)
+    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch, kv_dtype)
     if draft is not None:
         memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(draft)) // shards
     if policy is not None and not policy.everything_resident:
@@ -306,7 +319,7 @@ def apply_miss_mode(policy: Policy, misses: str | None) -> None:
 
 def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
                 max_batch: int = 1, draft: str | None = None, policy: str | Policy | None = None,
-                misses: str | None = None, mesh: str | dict | None = None) -> dict[str, int]:
+                misses: str | None = None, mesh: str | dict | None = None, kv_dtype: str | None = None) -> dict[str, int]:
     """What load() would reserve besides the expert pools, and the bytes of every expert at `tier`
     (key "all_experts"), without loading anything: for choosing a budget.
 
@@ -327,6 +340,7 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     manifest = read_manifest(root)
     cfg = ModelConfig.from_dict(manifest["config"])
     dtype = resolve_compute_dtype(compute_dtype)
+    kv = resolve_kv_dtype(kv_dtype, dtype)
     tier = resolve_tier(manifest, policy.tier if isinstance(policy, Policy) else tier)
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
     if draft is not None:
@@ -339,7 +353,7 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
     shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
     plan = reservations(store, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch, draft, chosen,
-                        shards)
+                        shards, kv)
     plan["all_experts"] = all_expert_bytes(cfg, store.record_nbytes(tier))
     return plan
 
@@ -351,6 +365,7 @@ def load(
     policy: str | Policy | None = None,
     tier: str | None = None,
     compute_dtype: Any = None,
+    kv_dtype: str | None = None,
     max_seq_len: int | None = None,
     max_batch: int = 1,
     execution: str = "auto",
@@ -380,6 +395,9 @@ def load(
       tier: expert precision to run ("bf16", "int8", ...); default the policy's tier, else the most
         precise tier converted.
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
+      kv_dtype: the KV cache's dtype: None (the compute dtype) or "int8" (each cached head's values
+        rounded to int8 with a float32 scale per token: a quarter of a float32 cache, about half of
+        a bfloat16 one; attention reads the int8 directly).
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
       max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
       execution: how an offloaded step runs: "auto" (decode and verification one executable per
@@ -439,6 +457,7 @@ def load(
         validate.boolean("progress", progress)
     placement = Placement.for_mesh(mesh)
     dtype = resolve_compute_dtype(compute_dtype)
+    kv = resolve_kv_dtype(kv_dtype, dtype)
     if isinstance(policy, str) and policy not in BASELINES:  # a named dynamic-precision policy: hi = tier
         policy = make_policy(policy, tier)
     if isinstance(policy, Policy):
@@ -461,7 +480,7 @@ def load(
         int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's own matmuls
         graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
-                              None if draft is None else check_draft(manifest, draft), None, placement.shards)
+                              None if draft is None else check_draft(manifest, draft), None, placement.shards, kv)
         all_experts = all_expert_bytes(cfg, store.record_nbytes(tier)) // placement.shards  # per device
         fixed = sum(memory.values())
         if policy is None:
@@ -525,6 +544,7 @@ def load(
         residency=residency,
         executor=Executor(Engine(graphdef), graphdef, dense, residency, execution),
         compute_dtype=dtype,
+        kv_dtype=kv,
         max_seq_len=max_seq_len,
         device_budget=budget,
         memory=memory,

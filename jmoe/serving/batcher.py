@@ -158,7 +158,7 @@ class BatchEngine:
         """An empty batch cache, committed to the device as every later cache (a jitted step's output)
         is: the first insert then compiles what every later one runs."""
         model = self.model
-        return jax.device_put(new_cache(model.config, self.max_batch, self.context, model.compute_dtype),
+        return jax.device_put(new_cache(model.config, self.max_batch, self.context, model.kv_dtype),
                               model.placement.replicated)
 
     def warm_up(self) -> None:

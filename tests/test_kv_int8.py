@@ -1,0 +1,92 @@
+"""The int8 KV cache (jmoe.load(..., kv_dtype="int8")): each cached head's values rounded to int8
+with a float32 scale per slot, read by attention without a dequantised copy. The reservation is
+the bytes the cache holds; generation, batching and speculation run on it; quality stays close to
+the compute-dtype cache (bench/long_context.py records the trained model's perplexity)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+from jmoe.decoding.engine import cache_nbytes, new_cache
+from jmoe.decoding.evaluate import perplexity
+from jmoe.errors import InputError
+from jmoe.layers.attention import QuantizedRows, dequantize_rows, quantize_rows, write_cache
+from jmoe.serving import BatchEngine, Request
+from tests.conftest import dev_text
+
+
+def test_rounding_is_within_half_a_step_of_each_rows_scale():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 5, 16)).astype(np.float32) * rng.uniform(0.01, 50, size=(2, 3, 5, 1))
+    x[0, 0, 0] = 0.0  # an all-zero row keeps a zero scale and zeros
+    q = quantize_rows(jnp.asarray(x))
+    scales = np.asarray(q.scales)
+    assert q.values.dtype == jnp.int8 and q.scales.shape == (2, 3, 5, 1)
+    np.testing.assert_allclose(scales, np.abs(x).max(-1, keepdims=True) / 127, rtol=1e-6)
+    error = np.abs(np.asarray(dequantize_rows(q, jnp.float32)) - x)
+    assert np.all(error <= scales / 2 + 1e-6 * np.abs(x))
+    assert np.all(np.asarray(q.values)[0, 0, 0] == 0) and scales[0, 0, 0, 0] == 0
+
+
+def test_a_write_stores_each_rows_tokens_at_its_own_slots_and_returns_what_it_stored():
+    rng = np.random.default_rng(1)
+    cache = QuantizedRows(jnp.zeros((2, 1, 8, 4), jnp.int8), jnp.zeros((2, 1, 8, 1), jnp.float32))
+    new = jnp.asarray(rng.normal(size=(2, 1, 3, 4)).astype(np.float32))
+    written, stored = write_cache(cache, new, jnp.array([0, 4], jnp.int32))
+    held = np.asarray(dequantize_rows(written, jnp.float32))
+    np.testing.assert_array_equal(held[0, :, 0:3], np.asarray(stored)[0])
+    np.testing.assert_array_equal(held[1, :, 4:7], np.asarray(stored)[1])
+    assert np.all(held[0, :, 3:] == 0) and np.all(held[1, :, :4] == 0) and np.all(held[1, :, 7:] == 0)
+    np.testing.assert_allclose(np.asarray(stored), np.asarray(new), atol=np.abs(np.asarray(new)).max() / 127)
+
+
+def test_the_reservation_is_the_bytes_the_cache_holds(short_model):
+    cfg = short_model.config
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.int8):
+        cache = new_cache(cfg, 3, 64, dtype)
+        held = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
+        assert held == cache_nbytes(cfg, 3, 64, dtype)
+    # four bytes a number against one and a float32 scale per head's width
+    width = cfg.head_dim
+    assert cache_nbytes(cfg, 1, 64, jnp.int8) * 4 * width == cache_nbytes(cfg, 1, 64, jnp.float32) * (width + 4)
+
+
+def test_load_reserves_the_int8_cache_and_refuses_other_kv_dtypes(short_converted):
+    plain = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=512, max_batch=4)
+    int8 = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=512, max_batch=4, kv_dtype="int8")
+    assert int8["kv_cache"] < plain["kv_cache"] / 3.5
+    assert {k: v for k, v in int8.items() if k != "kv_cache"} == {k: v for k, v in plain.items() if k != "kv_cache"}
+    with pytest.raises(InputError, match="kv_dtype"):
+        jmoe.load(short_converted, kv_dtype="int4")
+    with pytest.raises(InputError, match="kv_dtype"):
+        jmoe.memory_plan(short_converted, kv_dtype="float8")
+
+
+@pytest.fixture(scope="module")
+def int8_model(short_converted):
+    return jmoe.load(short_converted, compute_dtype="float32", kv_dtype="int8", max_seq_len=256, max_batch=3,
+                     draft="bf16")
+
+
+def test_perplexity_stays_within_a_percent_of_the_float_cache(short_model, int8_model):
+    ids = short_model.tokenizer.encode(dev_text("prose"))[:384]
+    plain = perplexity(short_model, ids, window=128)
+    rounded = perplexity(int8_model, ids, window=128)
+    assert rounded != plain  # the int8 cache is what attention read
+    assert abs(rounded / plain - 1) < 0.01, (plain, rounded)
+
+
+def test_batching_and_speculation_on_an_int8_cache_give_what_plain_decoding_gives(int8_model):
+    prompts = ["The quick brown fox", "def main():\n    ", "12 + 35 =", "Python is"]
+    alone = [jmoe.generate(int8_model, p, max_new_tokens=16) for p in prompts]
+    speculated = [jmoe.generate(int8_model, p, max_new_tokens=16, speculative="bf16") for p in prompts]
+    assert speculated == alone
+    with BatchEngine(int8_model, max_batch=3, context=256) as engine:
+        streams = [engine.submit(Request(int8_model.tokenizer.encode(p), max_tokens=16)) for p in prompts]
+        assert [s.text() for s in streams] == alone
+        leaves = jax.tree.leaves(engine.cache)
+        assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)}
