@@ -476,22 +476,26 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
 
 STEP_LAYERS = 2
 STEP_CACHE = 1024
-STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool, kernel backend, cache slots)
-    ("decode, resident int4", "decode", {"int4": 1.0}, "pallas", STEP_CACHE),
-    ("decode, resident int4, Mosaic GPU", "decode", {"int4": 1.0}, "mosaic", STEP_CACHE),
-    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE),
-    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE),
-    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE),
+STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool, kernel backend, cache slots,
+    # KV cache dtype)
+    ("decode, resident int4", "decode", {"int4": 1.0}, "pallas", STEP_CACHE, "bfloat16"),
+    ("decode, resident int4, Mosaic GPU", "decode", {"int4": 1.0}, "mosaic", STEP_CACHE, "bfloat16"),
+    ("decode, DyMoE pools", "decode", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE, "bfloat16"),
+    ("prefill 512, DyMoE pools", "prefill", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE, "bfloat16"),
+    ("verify 4 drafts, DyMoE pools", "verify", {"bf16": 0.25, "int4": 0.25}, "pallas", STEP_CACHE, "bfloat16"),
     # attention over blocks of keys (jmoe/layers/attention.py) at a long context: a known trip count
-    ("prefill 512 at a 32K context, resident int4", "prefill", {"int4": 1.0}, "pallas", 32768),
-    ("decode at a 32K context, resident int4", "decode", {"int4": 1.0}, "pallas", 32768),
+    ("prefill 512 at a 32K context, resident int4", "prefill", {"int4": 1.0}, "pallas", 32768, "bfloat16"),
+    ("decode at a 32K context, resident int4", "decode", {"int4": 1.0}, "pallas", 32768, "bfloat16"),
+    # the int8 KV cache (int8 values, a scale per slot and head) read by the same blocked attention
+    ("prefill 512 at a 32K context, int8 KV, resident int4", "prefill", {"int4": 1.0}, "pallas", 32768, "int8"),
+    ("decode at a 32K context, int8 KV, resident int4", "decode", {"int4": 1.0}, "pallas", 32768, "int8"),
 )
 
 
 def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backend: str, cache_len: int,
-                 device) -> dict:
-    """The model's jitted forward step for a 2-layer slice and a `cache_len`-slot cache, abstract
-    weights on `device`."""
+                 kv_dtype: str, device) -> dict:
+    """The model's jitted forward step for a 2-layer slice and a `cache_len`-slot cache of `kv_dtype`,
+    abstract weights on `device`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -518,7 +522,7 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
     state = ExpertState(tables, pools, selection, backend).for_phase(phase)
     tokens = {"decode": on((1,), jnp.int32), "prefill": on((1, 512), jnp.int32), "verify": on((1, 5), jnp.int32)}[phase]
     cache = jax.tree.map(lambda s: on(s.shape, s.dtype),
-                         jax.eval_shape(lambda: new_cache(cfg, 1, cache_len, jnp.bfloat16)))
+                         jax.eval_shape(lambda: new_cache(cfg, 1, cache_len, jnp.dtype(kv_dtype))))
     start, key_start = on((1,), jnp.int32), on((1,), jnp.int32)
     step = jax.jit(functools.partial(_forward, graphdef, last_only=phase == "prefill", want_importance=False))
     record = dict(model=model, tier="+".join(pools), plan=f"step: {case}", layers=STEP_LAYERS,

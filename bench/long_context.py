@@ -3,17 +3,23 @@ long contexts (jmoe.memory_plan's terms), and the decode step's cost as the cont
 
 Plan: the KV cache and workspace reservations (jmoe/runtime/loader.py, fixed_memory) of the bundled
 tiny model (float32) and of an 8-layer Qwen3-30B-A3B slice (bf16; its real config, no weights
-needed), at the contexts and batch sizes of issue 32's table.
+needed), at the contexts and batch sizes of issue 32's table, with a KV cache of the compute dtype
+and an int8 one.
+
+Quality (`--quality`): the tiny model's perplexity on each dev text (../shared/corpus where it is,
+else the bundled starts under tests/data) over windows of its whole 2,048-token context, and the
+greedy tokens after a 1,900-token prompt of each, with the compute-dtype and the int8 KV cache.
 
 Depth: the tiny model (bf16 tier) loaded with max_seq_len 16,384; for each depth, a prompt of that
 many tokens (a training-text slice of tests/data, repeated) and `--new-tokens` greedy tokens: the
 time to the first token (the prompt's prefill) and the decode time per token after it (medians over
 `--rounds`, with their spread; every shape is warmed first and a compile inside a timed window
-fails the run). generate sizes its cache to a power of two above prompt + new tokens; a
-server's rows hold max_seq_len slots, of which a CPU decode step reads only the blocks up to the
-row's position.
+fails the run), for each of `--kv-dtypes` in alternating rounds. generate sizes its cache to a power
+of two above prompt + new tokens; a server's rows hold max_seq_len slots, of which a CPU decode step
+reads only the blocks up to the row's position.
 
     python -m bench.long_context [--rounds 3] [--new-tokens 32] [--depths 512,4096,16000]
+                                 [--kv-dtypes compute,int8] [--quality]
 """
 
 from __future__ import annotations
@@ -57,55 +63,109 @@ def plan_rows() -> list[dict]:
         cfg = config_of(name)
         state = nnx.state(abstract_model(cfg, jnp.dtype(dtype)))
         memory = fixed_memory(cfg, state, jnp.dtype(dtype), seq, batch)
+        int8 = fixed_memory(cfg, state, jnp.dtype(dtype), seq, batch, jnp.int8)
         rows.append({"model": name, "dtype": dtype, "max_seq_len": seq, "max_batch": batch,
-                     "kv_cache_bytes": memory["kv_cache"], "workspace_bytes": memory["workspace"]})
-        print(f"{name:18s} {dtype:8s} {seq:6d} x {batch:2d}: KV {memory['kv_cache'] / 2**20:9.1f} MiB, "
-              f"workspace {memory['workspace'] / 2**20:9.1f} MiB", flush=True)
+                     "kv_cache_bytes": memory["kv_cache"], "int8_kv_cache_bytes": int8["kv_cache"],
+                     "workspace_bytes": memory["workspace"]})
+        print(f"{name:18s} {dtype:8s} {seq:6d} x {batch:2d}: KV {memory['kv_cache'] / 2**20:9.1f} MiB "
+              f"(int8 {int8['kv_cache'] / 2**20:9.1f} MiB), workspace {memory['workspace'] / 2**20:9.1f} MiB",
+              flush=True)
     return rows
+
+
+def tiny_converted(work: Path) -> Path:
+    from convert import convert_checkpoint
+
+    converted = work / "tiny"
+    if not (converted / "manifest.json").exists():
+        convert_checkpoint(TINY_HF, converted, progress=False)
+    return converted
+
+
+def kv_option(name: str):
+    return None if name == "compute" else name
+
+
+def dev_text(domain: str) -> str:
+    shared = ROOT.parent / "shared" / "corpus" / f"{domain}.dev.txt"
+    return (shared if shared.exists() else ROOT / "tests" / "data" / f"{domain}.dev.txt").read_text()
+
+
+def quality_rows(args) -> dict:
+    """Perplexity over whole-context windows and greedy agreement after a long prompt, per KV dtype."""
+    import jmoe
+    from jmoe.decoding.evaluate import perplexity
+
+    converted = tiny_converted(Path(args.work))
+    kv_dtypes = args.kv_dtypes.split(",")
+    models = {kv: jmoe.load(converted, compute_dtype="float32", kv_dtype=kv_option(kv), max_seq_len=2048)
+              for kv in kv_dtypes}
+    first = models[kv_dtypes[0]]
+    window, prompt_len, new_tokens = first.max_seq_len, 1900, 64
+    out = {"window": window, "tokens_per_domain": args.quality_tokens, "prompt_tokens": prompt_len,
+           "new_tokens": new_tokens}
+    for domain in ("prose", "code", "math"):
+        ids = first.tokenizer.encode(dev_text(domain))
+        row = {"perplexity": {kv: perplexity(m, ids[: args.quality_tokens], window=window) for kv, m in models.items()}}
+        greedy = {kv: jmoe.generate(m, ids[:prompt_len], max_new_tokens=new_tokens) for kv, m in models.items()}
+        reference = first.tokenizer.encode(greedy[kv_dtypes[0]])
+        for kv in kv_dtypes[1:]:
+            tokens = models[kv].tokenizer.encode(greedy[kv])
+            same = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference),
+                                                                                               len(tokens)))
+            row.setdefault("greedy_tokens_equal_before_first_difference", {})[kv] = same
+        out[domain] = row
+        print(f"{domain:6s} perplexity " + ", ".join(f"{kv} {p:.4f}" for kv, p in row["perplexity"].items())
+              + f"; greedy tokens equal before the first difference {row.get('greedy_tokens_equal_before_first_difference')}",
+              flush=True)
+    return out
 
 
 def depth_rows(args) -> dict:
     import jmoe
-    from convert import convert_checkpoint
     from bench.offload_decode import spread, streamed
     from jmoe.serving.compiles import CompileCounter
 
-    work = Path(args.work)
-    converted = work / "tiny"
-    if not (converted / "manifest.json").exists():
-        convert_checkpoint(TINY_HF, converted, progress=False)
-    model = jmoe.load(converted, max_seq_len=args.max_seq_len)
+    converted = tiny_converted(Path(args.work))
+    kv_dtypes = args.kv_dtypes.split(",")
+    models = {kv: jmoe.load(converted, max_seq_len=args.max_seq_len, kv_dtype=kv_option(kv)) for kv in kv_dtypes}
     text = (ROOT / "tests" / "data" / "prose.train.txt").read_text()
-    ids = model.tokenizer.encode(text)
+    ids = models[kv_dtypes[0]].tokenizer.encode(text)
     depths = [int(d) for d in args.depths.split(",")]
     prompts = {d: (ids * (d // len(ids) + 1))[:d] for d in depths}
-    never_stop = {eos: -100.0 for eos in model.config.eos_token_ids}  # every timed run makes all its tokens
+    never_stop = {eos: -100.0 for eos in models[kv_dtypes[0]].config.eos_token_ids}  # every timed run makes all its tokens
     kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, logit_bias=never_stop)
 
-    def timed(prompt) -> tuple[float, float]:
+    def timed(model, prompt) -> tuple[float, float]:
         """(seconds to the first token: the prompt's prefill, ms per token after it)."""
         first, rest, tokens = streamed(model, prompt, kw)
         return first, 1e3 * rest / max(tokens, 1)
 
-    for d in depths:  # warm every shape a timed round uses
-        timed(prompts[d])
-    ttft, decode = {d: [] for d in depths}, {d: [] for d in depths}
+    cases = [(kv, d) for d in depths for kv in kv_dtypes]
+    for kv, d in cases:  # warm every shape a timed round uses
+        timed(models[kv], prompts[d])
+    ttft, decode = {c: [] for c in cases}, {c: [] for c in cases}
     for _ in range(args.rounds):
-        for d in depths:
+        for kv, d in cases:
             compiles = CompileCounter.count()
-            first, per_token = timed(prompts[d])
+            first, per_token = timed(models[kv], prompts[d])
             if CompileCounter.count() != compiles:
-                sys.exit(f"depth {d}: {CompileCounter.count() - compiles} compilation(s) in the timed window")
-            ttft[d].append(first)
-            decode[d].append(per_token)
+                sys.exit(f"depth {d}, {kv} KV: {CompileCounter.count() - compiles} compilation(s) in the timed window")
+            ttft[kv, d].append(first)
+            decode[kv, d].append(per_token)
     out = {}
-    for d in depths:
-        out[str(d)] = {"decode_ms_per_token": spread(decode[d]), "ttft_s": spread(ttft[d])}
-        print(f"depth {d:6d}: decode {statistics.median(decode[d]):.2f} ms/token "
-              f"[{min(decode[d]):.2f}-{max(decode[d]):.2f}], time to first token {statistics.median(ttft[d]):.2f} s "
-              f"[{min(ttft[d]):.2f}-{max(ttft[d]):.2f}]", flush=True)
+    for kv, d in cases:
+        times, firsts = decode[kv, d], ttft[kv, d]
+        row = {"decode_ms_per_token": spread(times), "ttft_s": spread(firsts)}
+        if kv == kv_dtypes[0]:
+            out[str(d)] = row
+        else:
+            out.setdefault(f"{kv}_kv", {})[str(d)] = row
+        print(f"depth {d:6d}, {kv:7s} KV: decode {statistics.median(times):.2f} ms/token "
+              f"[{min(times):.2f}-{max(times):.2f}], time to first token {statistics.median(firsts):.2f} s "
+              f"[{min(firsts):.2f}-{max(firsts):.2f}]", flush=True)
     return {"model": "tiny-qwen3-moe, bf16 tier", "max_seq_len": args.max_seq_len, "new_tokens": args.new_tokens,
-            "rounds": args.rounds, "decode": out}
+            "rounds": args.rounds, "kv_dtypes": kv_dtypes, "decode": out}
 
 
 def main() -> None:
@@ -115,10 +175,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=16384)
     parser.add_argument("--depths", default="512,4096,16000")
+    parser.add_argument("--kv-dtypes", default="compute,int8",
+                        help="KV caches to time and score: compute (the compute dtype's) and/or int8")
+    parser.add_argument("--quality", action="store_true", help="also the perplexity and greedy agreement per KV dtype")
+    parser.add_argument("--quality-tokens", type=int, default=16384, help="dev tokens scored per domain")
     parser.add_argument("--plan-only", action="store_true")
     parser.add_argument("--name", default="long_context", help="the result file's name (_cpu.json added)")
     args = parser.parse_args()
     payload = {"plan": plan_rows()}
+    if args.quality and not args.plan_only:
+        payload["quality"] = quality_rows(args)
     if not args.plan_only:
         payload["depth"] = depth_rows(args)
     print(write_result("long_context", args.name, payload))
