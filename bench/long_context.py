@@ -108,9 +108,9 @@ def quality_rows(args) -> dict:
         ids = first.tokenizer.encode(dev_text(domain))
         row = {"perplexity": {kv: perplexity(m, ids[: args.quality_tokens], window=window) for kv, m in models.items()}}
         greedy = {kv: jmoe.generate(m, ids[:prompt_len], max_new_tokens=new_tokens) for kv, m in models.items()}
-        reference = first.tokenizer.encode(greedy[kv_dtypes[0]])
+        reference = greedy[kv_dtypes[0]]  # token ids in, token ids out
         for kv in kv_dtypes[1:]:
-            tokens = models[kv].tokenizer.encode(greedy[kv])
+            tokens = greedy[kv]
             same = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference),
                                                                                                len(tokens)))
             row.setdefault("greedy_tokens_equal_before_first_difference", {})[kv] = same
@@ -180,12 +180,13 @@ def main() -> None:
     parser.add_argument("--quality", action="store_true", help="also the perplexity and greedy agreement per KV dtype")
     parser.add_argument("--quality-tokens", type=int, default=16384, help="dev tokens scored per domain")
     parser.add_argument("--plan-only", action="store_true")
+    parser.add_argument("--no-depth", action="store_true", help="skip the timed depth runs")
     parser.add_argument("--name", default="long_context", help="the result file's name (_cpu.json added)")
     args = parser.parse_args()
     payload = {"plan": plan_rows()}
     if args.quality and not args.plan_only:
         payload["quality"] = quality_rows(args)
-    if not args.plan_only:
+    if not args.plan_only and not args.no_depth:
         payload["depth"] = depth_rows(args)
     print(write_result("long_context", args.name, payload))
 
