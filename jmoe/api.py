@@ -63,7 +63,7 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
 def stats(model: JmoeModel) -> dict:
     """Offload counters since load: hit rate, bytes moved host->device, prefetch accuracy and
     predictor recall, stalls, replays, in-step fetches and misses, CPU-run experts, TTFT and TPOT
-    (seconds). Rates of expert uses are None where no use was counted (a resident model)."""
+    (seconds); with a prefix cache ("prefix_cache"), its lookups, hits and reused prompt tokens. Rates of expert uses are None where no use was counted (a resident model)."""
     check_model(model)
     with model.lock:  # a consistent snapshot while other threads generate
         if hasattr(model.residency, "catch_up"):
@@ -72,8 +72,9 @@ def stats(model: JmoeModel) -> dict:
         slots = {tier: pool.slots for tier, pool in pools.items()} if pools else None
         cache = getattr(model.residency, "cache", None)
         state = model.policy.report(cache) if cache is not None else {}
+        prefixes = {"prefix_cache": model.prefixes.stats.summary()} if model.prefixes is not None else {}
         return {"policy": model.policy.name, "tier": model.policy.tier, "pool_slots": slots, **model.stats.summary(),
-                **({"policy_state": state} if state else {})}
+                **({"policy_state": state} if state else {}), **prefixes}
 
 
 __all__ = ["load", "generate", "forward", "perplexity", "stats", "memory_plan", "trace_routing", "JmoeModel"]

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a converted model over an OpenAI-compatible HTTP API")
     serve.add_argument("model", help="directory written by `jmoe convert`")
     add_model_options(serve)
+    add_prefix_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a converted model in the terminal")
     chat.add_argument("model", help="directory written by `jmoe convert`")
     add_model_options(chat)
+    add_prefix_option(chat)
     chat.add_argument("--max-tokens", type=int, default=256, help="longest answer (default 256)")
     add_sampling_options(chat)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
@@ -143,6 +145,13 @@ def add_model_options(p) -> None:
                         "(or JMOE_COORDINATOR; python -m jmoe.launch sets it for local jobs)")
     p.add_argument("--num-processes", type=int, default=None, help="processes in the job (or JMOE_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=None, help="this process's id, 0..N-1 (or JMOE_PROCESS_ID)")
+
+
+def add_prefix_option(p) -> None:
+    p.add_argument("--prefix-cache", default="auto", metavar="SIZE",
+                   help="device memory for prompt blocks kept for later prompts that start alike (a system "
+                        "prompt, earlier turns), within --device-budget; auto (default): --max-seq-len tokens' "
+                        "worth; 0: none")
 
 
 def add_speculative_options(p, k_default: str) -> None:
@@ -220,7 +229,8 @@ def cmd_serve(args) -> int:
     # a follower notes a stop signal from the start, and stops when process 0 does, never mid-step
     stops = StopSignals() if process_id() != 0 else None
     speculative = cli_speculative(args)
-    model = load_model(args, max_batch=args.max_batch, draft=speculative.draft if speculative else None)
+    model = load_model(args, max_batch=args.max_batch, draft=speculative.draft if speculative else None,
+                       prefix_cache=args.prefix_cache)
     print("jmoe: compiling the serving steps", file=sys.stderr)
     engine_options = dict(max_batch=args.max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
                           speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),
@@ -342,7 +352,7 @@ def cmd_chat(args) -> None:
 
     sampling = sampling_options(args)
     max_tokens = validate.integer("max_tokens", args.max_tokens, minimum=1)
-    model = load_model(args)
+    model = load_model(args, prefix_cache=args.prefix_cache)
     print("compiling (once per prompt length bucket)...", file=sys.stderr, flush=True)
     with BatchEngine(model, max_batch=1, warm_up=True) as engine:
         chat_loop(engine, max_tokens=max_tokens, sampling=sampling, system=args.system)

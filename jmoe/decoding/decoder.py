@@ -11,6 +11,7 @@ e.g. a low-precision draft sharing the dense weights and this cache.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,7 +31,9 @@ class Decoder:
             self.prompt[b, prompt_len - len(p):] = p
         self.key_start = np.asarray([prompt_len - len(p) for p in prompts], np.int32)
         self.pos = np.zeros(self.batch, np.int32)  # cache slot the next token of each row goes to
-        self.cache = new_cache(cfg, self.batch, cache_len, model.kv_dtype)
+        # committed where every later cache is (a jitted step's output), so a cache a shared prefix
+        # was copied into (jmoe/serving/kv_rows.py) runs the executables a fresh one does
+        self.cache = jax.device_put(new_cache(cfg, self.batch, cache_len, model.kv_dtype), model.placement.replicated)
         model.count(executions=1, phase="prefill")
         self.unsettled: list = []  # deferred steps, oldest first (None: a step that needs no settling)
 
@@ -107,11 +110,14 @@ class Decoder:
         if (self.pos < self.key_start).any():
             raise InputError("a row cannot move back into its prompt padding")
 
-    def prefill_chunks(self):
+    def prefill_chunks(self, first: int = 0):
         """The prompts, in chunks of prefill_chunk(rows) tokens per row, one per iteration: yields (tokens
-        taken in, logits of each row's last token so far [B, V]); a caller may interleave other work."""
-        chunk = min(self.prompt_len, prefill_chunk(self.prompt.shape[0]))
-        for start in range(0, self.prompt_len, chunk):
+        taken in, logits of each row's last token so far [B, V]); a caller may interleave other work.
+        first: the slot to start from (the slots before it already hold the prompts' keys and values:
+        a shared prefix copied in, jmoe/decoding/prefixes.py)."""
+        self.pos[:] = first
+        chunk = min(self.prompt_len - first, prefill_chunk(self.prompt.shape[0]))
+        for start in range(first, self.prompt_len, chunk):
             logits = self.step(self.model.put(self.prompt[:, start:start + chunk], "prefill"), last_only=True, phase="prefill")
             taken = min(chunk, self.prompt_len - start)
             self.advance(taken)

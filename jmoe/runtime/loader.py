@@ -17,6 +17,7 @@ from flax import nnx
 from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes, prefill_chunk
+from jmoe.decoding.prefixes import PREFIX_BLOCK, PrefixCache
 from jmoe.decoding.loaded import LoadedModel
 from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.distributed.mesh import Placement
@@ -66,6 +67,8 @@ class JmoeModel(LoadedModel):
     placement: Placement = field(default_factory=Placement, repr=False, compare=False)
     # Speculative drafts by tier (AllResident, sharing the dense weights and the KV cache)
     drafts: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Kept prompt blocks that later prompts starting alike reuse (jmoe/decoding/prefixes.py), or None
+    prefixes: PrefixCache | None = field(default=None, repr=False, compare=False)
     # Serialises steps: threads sharing the model interleave step by step, never inside one
     # (the cache, pools and handle table change only under it).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -209,6 +212,20 @@ def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
 KV_DTYPES = ("int8",)
 
 
+NO_PREFIX_CACHE = (None, 0, "0", "none")
+
+
+def resolve_prefix_cache(prefix_cache, cfg: ModelConfig, max_seq_len: int, kv_dtype) -> int:
+    """Bytes of kept prompt blocks: 0 (None, 0, "none"), a size, or "auto" (max_seq_len tokens of KV
+    cache: one full-context prompt), rounded down to whole blocks."""
+    block = cache_nbytes(cfg, 1, PREFIX_BLOCK, kv_dtype)
+    if prefix_cache in NO_PREFIX_CACHE:
+        return 0
+    if prefix_cache == "auto":
+        return cache_nbytes(cfg, 1, max_seq_len, kv_dtype) // block * block
+    return parse_size(prefix_cache, "prefix_cache") // block * block
+
+
 def resolve_kv_dtype(kv_dtype, compute_dtype) -> jnp.dtype:
     """The KV cache's dtype: the compute dtype (None), or int8 (values rounded per slot and head)."""
     if kv_dtype is None:
@@ -277,13 +294,15 @@ def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None
 
 
 def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, max_batch: int, draft: str | None,
-                 policy: Policy | None, shards: int = 1, kv_dtype=None) -> dict[str, int]:
+                 policy: Policy | None, shards: int = 1, kv_dtype=None, prefix_cache: int = 0) -> dict[str, int]:
     """Every byte load() reserves besides the experts' pools: dense weights, KV cache, workspace, the
     speculative draft's experts ("draft") and, when `policy` offloads, transfer staging ("staging").
     memory_plan reports exactly these, so a budget computed from it holds the pools it planned.
     On a mesh of `shards` ep shards these are per device (a device holds its shard's draft experts)."""
     cfg = store.config
     memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch, kv_dtype)
+    if prefix_cache:
+        memory["prefix_cache"] = prefix_cache
     if draft is not None:
         memory["draft"] = all_expert_bytes(cfg, store.record_nbytes(draft)) // shards
     if policy is not None and not policy.everything_resident:
@@ -319,11 +338,13 @@ def apply_miss_mode(policy: Policy, misses: str | None) -> None:
 
 def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
                 max_batch: int = 1, draft: str | None = None, policy: str | Policy | None = None,
-                misses: str | None = None, mesh: str | dict | None = None, kv_dtype: str | None = None) -> dict[str, int]:
+                misses: str | None = None, mesh: str | dict | None = None, kv_dtype: str | None = None,
+                prefix_cache: int | str | None = None) -> dict[str, int]:
     """What load() would reserve besides the expert pools, and the bytes of every expert at `tier`
     (key "all_experts"), without loading anything: for choosing a budget.
 
-    Keys: "dense", "kv_cache", "workspace", "draft" (with `draft`: the speculative draft's experts),
+    Keys: "dense", "kv_cache", "workspace", "prefix_cache" (with `prefix_cache`: kept prompt
+    blocks), "draft" (with `draft`: the speculative draft's experts),
     "staging" (transfers in flight, reserved whenever load offloads: for `policy`, by default the
     offloading default "lru+prefetch"; absent with policy="resident"), "fetch" (the pool slots of
     experts a step fetches and does not keep) and "all_experts". A budget of
@@ -352,8 +373,9 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     store = ExpertStore(root, manifest, cfg)
     _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
     shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
-    plan = reservations(store, abstract_state, dtype, resolve_max_seq_len(cfg, max_seq_len), max_batch, draft, chosen,
-                        shards, kv)
+    max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
+    plan = reservations(store, abstract_state, dtype, max_seq_len, max_batch, draft, chosen, shards, kv,
+                        resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv))
     plan["all_experts"] = all_expert_bytes(cfg, store.record_nbytes(tier))
     return plan
 
@@ -379,6 +401,7 @@ def load(
     mesh: str | dict | None = None,
     misses: str | None = None,
     miss_slots: int | None = None,
+    prefix_cache: int | str | None = None,
 ) -> JmoeModel:
     """Load a converted model onto the default device, or expert-parallel over a device mesh.
 
@@ -432,10 +455,16 @@ def load(
         shards owns a contiguous range of every layer's experts, with its own pools, residency and
         host-store part, on its M devices; dense weights are replicated. `device_budget` is then per
         device. Under jax.distributed the mesh spans every process's devices.
+      prefix_cache: device bytes ("64MiB") for the prompt blocks a serving engine keeps so that later
+        prompts starting with the same tokens (a system prompt, earlier chat turns) reuse them
+        instead of prefilling them again; "auto": max_seq_len tokens' worth. Reserved within the
+        budget. Default None: nothing kept.
     """
     root = validate.path("path", path)
     compile_cache.enable()  # before the first compile, so a later process finds the steps compiled
     budget = parse_size(device_budget, "device_budget") if device_budget is not None else None
+    if prefix_cache not in (*NO_PREFIX_CACHE, "auto"):
+        parse_size(prefix_cache, "prefix_cache")
     if policy is not None and not isinstance(policy, Policy):
         validate.choice("policy", policy, POLICY_NAMES)
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
@@ -479,8 +508,10 @@ def load(
         device = placement.device
         int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's own matmuls
         graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
+        prefix_bytes = resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv)
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
-                              None if draft is None else check_draft(manifest, draft), None, placement.shards, kv)
+                              None if draft is None else check_draft(manifest, draft), None, placement.shards, kv,
+                              prefix_bytes)
         all_experts = all_expert_bytes(cfg, store.record_nbytes(tier)) // placement.shards  # per device
         fixed = sum(memory.values())
         if policy is None:
@@ -551,6 +582,7 @@ def load(
         policy=chosen,
         placement=placement,
         drafts=drafts,
+        prefixes=PrefixCache(prefix_bytes, cache_nbytes(cfg, 1, PREFIX_BLOCK, kv)) if prefix_bytes else None,
     )
 
 

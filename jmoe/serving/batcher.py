@@ -39,6 +39,7 @@ import numpy as np
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, new_cache
+from jmoe.decoding.prefixes import PREFIX_BLOCK, put_block, take_block
 from jmoe.decoding.generation import RowText, stop_strings
 from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, Sampler, SamplingOptions, prompt_history
 from jmoe.decoding.speculative import SpeculativeOptions
@@ -163,13 +164,18 @@ class BatchEngine:
 
     def warm_up(self) -> None:
         """Compile, before any request, what requests will run: a step at every batch bucket (all
-        rows padding), a prefill at every prompt-length bucket, and the row copies between them."""
+        rows padding), a prefill at every prompt-length bucket, the row copies between them, and a
+        kept prompt block's copies out of and into a row."""
         prompt_len = MIN_PROMPT_BUCKET
         while prompt_len < self.context:
             decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context)
             greedy_jit(decoder.prefill())
             self.cache = insert_row(self.cache, decoder.cache, np.int32(0))
             prompt_len *= 2
+        if self.model.prefixes is not None and self.context > PREFIX_BLOCK:
+            row = jax.device_put(new_cache(self.model.config, 1, self.context, self.model.kv_dtype),
+                                 self.model.placement.replicated)  # as Decoder makes its rows
+            put_block(row, take_block(row, np.int32(0), PREFIX_BLOCK), np.int32(0))
         self.cache = move_row(self.cache, np.int32(0), np.int32(0))
         n = 1
         while True:

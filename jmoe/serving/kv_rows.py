@@ -6,16 +6,22 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import numpy as np
 
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, prefill_chunk
+from jmoe.decoding.prefixes import put_block, take_block
 from jmoe.runtime.stats import RequestClock
 from jmoe.serving.requests import Stream
 
 
 class Prefill:
     """A waiting request's prompt on its way in: prefilled alone, a chunk per advance() (the chunks
-    Decoder.prefill takes), so a long prompt shares the engine's time with the running rows."""
+    Decoder.prefill takes), so a long prompt shares the engine's time with the running rows.
+
+    With the model's prefix store (jmoe/decoding/prefixes.py), the first advance() copies in the
+    kept blocks the prompt starts with and prefills only the rest; once all in, the prompt's blocks
+    are kept for later prompts."""
 
     def __init__(self, model, stream: Stream, context: int):
         prompt = stream.request.prompt
@@ -25,7 +31,8 @@ class Prefill:
         self.stream = stream
         self.clock = RequestClock()  # time to first token counts the prefill
         self.decoder = Decoder(model, [prompt], prompt_len, context)
-        self._chunks = self.decoder.prefill_chunks()
+        self.prefixes = model.prefixes
+        self._chunks = None  # started by the first advance(): a prefix kept meanwhile is found
         self.logits = None
 
     @property
@@ -34,8 +41,36 @@ class Prefill:
 
     def advance(self) -> int:
         """Prefill the next chunk: its tokens."""
+        if self._chunks is None:
+            self._chunks = self.decoder.prefill_chunks(self._reuse_prefix() if self.prefixes else 0)
         taken, self.logits = next(self._chunks)
+        if self.done and self.prefixes:
+            self._keep_prefix()
         return taken
+
+    def _reuse_prefix(self) -> int:
+        """Copy in the kept blocks the prompt starts with: the slot prefilling starts from. The
+        rest is prefilled in the chunk shapes a prompt of its length gets (a few of the copied
+        slots before it may be computed again)."""
+        prompt, decoder, store = self.stream.request.prompt, self.decoder, self.prefixes
+        blocks = store.lookup(prompt)
+        pad, total = int(decoder.key_start[0]), decoder.prompt_len
+        chunk = min(total, prefill_chunk(1))
+        rest = total - (pad + len(blocks) * store.block)
+        span = bucket(rest, MIN_PROMPT_BUCKET, chunk) if rest <= chunk else -(-rest // chunk) * chunk
+        if not blocks or span > total:  # nothing kept, or the rest's chunks would not fit: no reuse
+            store.count(len(prompt), 0)
+            return 0
+        for j, block in enumerate(blocks):
+            decoder.cache = put_block(decoder.cache, block, np.int32(pad + j * store.block))
+        store.count(len(prompt), len(blocks))
+        return total - span
+
+    def _keep_prefix(self) -> None:
+        decoder, store = self.decoder, self.prefixes
+        pad = int(decoder.key_start[0])
+        store.keep(self.stream.request.prompt,
+                   lambda j: take_block(decoder.cache, np.int32(pad + j * store.block), store.block))
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -41,6 +41,14 @@ class EngineMetrics:
               registry=registry).set_function(lambda: _or_nan(stats(engine.model).get("hit_rate")))
         Gauge("jmoe_bytes_host_to_device", "Expert bytes moved host-to-device", registry=registry).set_function(
             lambda: stats(engine.model).get("bytes_h2d") or 0)
+        prefixes = engine.model.prefixes
+        if prefixes is not None:  # kept prompt blocks (jmoe/decoding/prefixes.py)
+            Gauge("jmoe_prefix_cache_reused_tokens", "Prompt tokens copied from kept prefix blocks, not prefilled",
+                  registry=registry).set_function(lambda: prefixes.stats.reused_tokens)
+            Gauge("jmoe_prefix_cache_hit_rate", "Prompt tokens reused / prompt tokens looked up (NaN: none yet)",
+                  registry=registry).set_function(lambda: _or_nan(prefixes.stats.summary()["token_hit_rate"]))
+            Gauge("jmoe_prefix_cache_hits", "Prompts that reused at least one kept block",
+                  registry=registry).set_function(lambda: prefixes.stats.hits)
         self._first: set[int] = set()  # streams that have had their first token
         engine.observer = self
 

@@ -1,0 +1,158 @@
+"""Shared prompt prefixes: the KV of prompt blocks already prefilled, reused by later prompts that
+start with the same tokens (a system prompt, earlier chat turns).
+
+A prompt's full blocks of PREFIX_BLOCK tokens are kept after its prefill, in a tree keyed by
+token blocks: a block's node is found from its parent's node and its own tokens, so a node stands
+for the whole prefix up to its block. A new prompt walks the tree from the root; the blocks it
+finds are copied into its own cache row and only the rest of the prompt is prefilled. Keys and
+values depend on a token's position, not on its cache slot (RoPE turns slot minus the row's first
+slot into a position), so a block prefilled behind one amount of left padding serves a prompt
+behind another. Blocks are immutable once kept and evicted least recently used, leaves first,
+within the bytes load() reserved for them ("prefix_cache"; jmoe.load(..., prefix_cache=...)). The
+serving engine (jmoe/serving/kv_rows.py) looks prompts up and keeps their blocks; jmoe.stats reports
+the counts.
+
+With a policy that picks experts' precision from the whole prefill chunk (DyMoE's importance), a
+kept block holds what its first prompt's chunk decided; every other policy's prefill is exact, so
+a reused block holds what the new prompt's own prefill would have computed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+
+PREFIX_BLOCK = 64  # tokens per kept block: the unit prompts share
+
+
+@partial(jax.jit, static_argnums=2)
+def take_block(cache, slot, size: int):
+    """Slots [slot, slot + size) of a one-row cache, every layer's arrays (a new tree of arrays)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, size, axis=2), cache)
+
+
+@partial(jax.jit, donate_argnums=0)
+def put_block(cache, block, slot):
+    """The one-row cache with `block` (what take_block took) written from `slot`."""
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, slot, axis=2), cache, block)
+
+
+@dataclass(eq=False)  # nodes compare by identity
+class _Node:
+    key: tuple  # (parent node's id, the block's tokens)
+    id: int
+    block: object  # the block's KV: take_block's tree
+    children: int = 0
+    used: int = 0  # the store's clock when it was last found or kept
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0  # prompts that looked for a kept prefix
+    hits: int = 0  # of those, prompts that found at least one block
+    reused_tokens: int = 0  # prompt tokens copied from kept blocks instead of prefilled
+    prompt_tokens: int = 0  # prompt tokens of every lookup
+    kept_blocks: int = 0
+    evicted_blocks: int = 0
+
+    def summary(self) -> dict:
+        return {"lookups": self.lookups, "hits": self.hits, "reused_tokens": self.reused_tokens,
+                "prompt_tokens": self.prompt_tokens, "kept_blocks": self.kept_blocks,
+                "evicted_blocks": self.evicted_blocks,
+                "token_hit_rate": self.reused_tokens / self.prompt_tokens if self.prompt_tokens else None}
+
+
+@dataclass
+class PrefixCache:
+    """Kept prompt blocks within `capacity` bytes (each block `block_nbytes`)."""
+
+    capacity: int
+    block_nbytes: int
+    block: int = PREFIX_BLOCK
+    stats: PrefixStats = field(default_factory=PrefixStats)
+
+    def __post_init__(self):
+        self.lock = threading.Lock()  # engines on one model share its store
+        self._nodes: dict[tuple, _Node] = {}
+        self._by_id: dict[int, _Node] = {}
+        self._clock = 0
+        self._ids = 0
+
+    @property
+    def max_blocks(self) -> int:
+        return self.capacity // self.block_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._nodes) * self.block_nbytes
+
+    def _blocks(self, prompt: list[int], limit: int):
+        """(index, key) of the prompt's first `limit` blocks, as far as they are kept."""
+        parent = 0
+        for j in range(limit):
+            node = self._nodes.get((parent, tuple(prompt[j * self.block:(j + 1) * self.block])))
+            if node is None:
+                return
+            yield j, node
+            parent = node.id
+
+    def lookup(self, prompt: list[int]) -> list:
+        """The kept blocks the prompt starts with (their KV, first block first), leaving at least its
+        last token to prefill (its logits give the first new token). count() says what was used."""
+        with self.lock:
+            found = [node for _, node in self._blocks(prompt, (len(prompt) - 1) // self.block)]
+            self._touch(found)
+            return [node.block for node in found]
+
+    def count(self, prompt_tokens: int, reused_blocks: int) -> None:
+        with self.lock:
+            self.stats.lookups += 1
+            self.stats.prompt_tokens += prompt_tokens
+            self.stats.hits += reused_blocks > 0
+            self.stats.reused_tokens += reused_blocks * self.block
+
+    def keep(self, prompt: list[int], take) -> None:
+        """Keep the prompt's full blocks that are not kept yet; take(j) gives block j's KV."""
+        with self.lock:
+            self._keep(prompt, take)
+
+    def _keep(self, prompt: list[int], take) -> None:
+        if self.max_blocks == 0:
+            return
+        parent, path = 0, []
+        for j in range(len(prompt) // self.block):
+            key = (parent, tuple(prompt[j * self.block:(j + 1) * self.block]))
+            node = self._nodes.get(key)
+            if node is None:
+                if len(self._nodes) >= self.max_blocks and not self._evict(protect=path):
+                    break
+                self._ids += 1
+                node = self._nodes[key] = self._by_id[self._ids] = _Node(key, self._ids, take(j))
+                if parent:
+                    self._by_id[parent].children += 1
+                self.stats.kept_blocks += 1
+            path.append(node)
+            parent = node.id
+        self._touch(path)
+
+    def _touch(self, path: list[_Node]) -> None:
+        """Mark a path used, its last block first: a block is then never older than a block after
+        it, so the least recently used block is always a leaf."""
+        for node in reversed(path):
+            self._clock += 1
+            node.used = self._clock
+
+    def _evict(self, protect: list[_Node]) -> bool:
+        """Drop the least recently used leaf outside `protect`: False if there is none."""
+        leaves = [n for n in self._nodes.values() if n.children == 0 and n not in protect]
+        if not leaves:
+            return False
+        victim = min(leaves, key=lambda n: n.used)
+        del self._nodes[victim.key], self._by_id[victim.id]
+        if victim.key[0]:
+            self._by_id[victim.key[0]].children -= 1
+        self.stats.evicted_blocks += 1
+        return True
