@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -121,6 +122,15 @@ def headline() -> str:
         f"{f(top['batched']['aggregate_tokens_per_s'], 0)} vs {f(top['threaded']['aggregate_tokens_per_s'], 0)} "
         f"({top['aggregate_speedup']:.2f}×)",
         machine(serve), source("serve/serve_tiny_cpu.json"),
+    ])
+    prefix = load("prefix_sharing/prefix_sharing_cpu.json")
+    pairs = list(zip(prefix["rounds"]["alone"], prefix["rounds"]["shared"]))
+    alone, shared = (statistics.median(r[i]["ttft_median_s"] for r in pairs) for i in (0, 1))
+    rows.append([
+        f"`jmoe serve` engine, {prefix['requests']} requests sharing a {prefix['system_tokens']:,}-token system prompt, "
+        "tiny model: median time to first token, prefix cache vs none",
+        f"{f(shared, 2)} vs {f(alone, 2)} s ({statistics.median(prefix['ttft_median_ratio_alone_over_shared']):.1f}×)",
+        machine(prefix), source("prefix_sharing/prefix_sharing_cpu.json"),
     ])
     k = next(k for k in gpu["kernels"] if k["model"] == "qwen3-30b-a3b" and k["phase"] == "decode" and k["tier"] == "int4")
     rows.append([
@@ -529,6 +539,50 @@ def long_context_depth() -> str:
                   f"({source(*(n for pair in files for n in pair))}).")
 
 
+def kv_int8() -> str:
+    """The int8 KV cache: its reservation beside the compute dtype's, the tiny model's perplexity and
+    greedy agreement, and decode at depth."""
+    quality_name, depth_name = "long_context/kv_int8_quality_cpu.json", "long_context/kv_int8_depth_cpu.json"
+    quality, depth = load(quality_name), load(depth_name)
+    plan = table(["model", "compute dtype", "max_seq_len", "max_batch", "KV cache", "int8 KV cache"],
+                 [[r["model"], r["dtype"], f"{r['max_seq_len']:,}", r["max_batch"], size(r["kv_cache_bytes"]),
+                   size(r["int8_kv_cache_bytes"])] for r in quality["plan"]])
+    q = quality["quality"]
+    rows = []
+    for domain in ("prose", "code", "math"):
+        ppl = q[domain]["perplexity"]
+        rows.append([domain, f(ppl["compute"], 3), f"{f(ppl['int8'], 3)} ({100 * (ppl['int8'] / ppl['compute'] - 1):+.3f}%)",
+                     f"{q[domain]['greedy_tokens_equal_before_first_difference']['int8']} of {q['new_tokens']}"])
+    scores = table(["dev text", "perplexity, float32 KV", "perplexity, int8 KV", "greedy tokens equal before the first "
+                    "difference"], rows)
+    d = depth["depth"]
+    int8 = d["decode"]["int8_kv"]  # the compute-dtype rows by depth, the int8 ones beside them
+    timing = table(["prompt tokens", "decode ms/token, float32 KV", "decode ms/token, int8 KV",
+                    "time to first token s, float32 KV", "time to first token s, int8 KV"],
+                   [[f"{int(k):,}", med(v["decode_ms_per_token"], 2), med(int8[k]["decode_ms_per_token"], 2),
+                     med(v["ttft_s"], 2), med(int8[k]["ttft_s"], 2)] for k, v in d["decode"].items() if k.isdigit()])
+    return (plan + "\n\n" + scores + f"\n\nThe tiny model, float32 compute: perplexity over {q['tokens_per_domain']:,} "
+            f"tokens of each dev text in windows of {q['window']:,}; greedy continuation of a {q['prompt_tokens']:,}-token "
+            "prompt.\n\n" + timing + f"\n\nMedians [min–max] of {d['rounds']} alternating rounds, {d['new_tokens']} new "
+            f"tokens, max_seq_len {d['max_seq_len']:,}. Machine: {machine(depth)} ({source(quality_name, depth_name)}).")
+
+
+def prefix_sharing() -> str:
+    name = "prefix_sharing/prefix_sharing_cpu.json"
+    data = load(name)
+    rows = []
+    for i, (alone, shared) in enumerate(zip(data["rounds"]["alone"], data["rounds"]["shared"]), 1):
+        rows.append([i, f"{f(alone['ttft_median_s'], 2)} / {f(alone['ttft_p90_s'], 2)}",
+                     f"{f(shared['ttft_median_s'], 2)} / {f(shared['ttft_p90_s'], 2)}",
+                     f"{alone['ttft_median_s'] / shared['ttft_median_s']:.1f}x",
+                     f"{f(alone['wall_s'], 1)} → {f(shared['wall_s'], 1)}", f"{shared['reused_prompt_tokens']:,}"])
+    out = table(["round", "TTFT median / p90 s, no sharing", "TTFT median / p90 s, shared prefix",
+                 "median TTFT ratio", "all 16 answered, s", "prompt tokens reused"], rows)
+    return out + (f"\n\n{data['requests']} concurrent requests, a {data['system_tokens']:,}-token system prompt and a "
+                  f"question each, {data['new_tokens']} greedy tokens, the tiny model; same tokens with and without "
+                  f"sharing: {'yes' if data['same_tokens'] else 'no'}. Machine: {machine(data)} ({source(name)}).")
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
@@ -536,6 +590,8 @@ TABLES = {
     "load-memory": load_memory,
     "long-context-plan": long_context_plan,
     "long-context-depth": long_context_depth,
+    "kv-int8": kv_int8,
+    "prefix-sharing": prefix_sharing,
     "perplexity": perplexity,
     "quality": quality,
     "decode-io": decode_io,
