@@ -567,6 +567,20 @@ def kv_int8() -> str:
             f"tokens, max_seq_len {d['max_seq_len']:,}. Machine: {machine(depth)} ({source(quality_name, depth_name)}).")
 
 
+def depth_vs_llama() -> str:
+    name = "long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json"
+    data = load(name)
+    rows = []
+    for key, v in data["summary"].items():
+        pair, depth = key.rsplit(" @", 1)
+        rows.append([pair, f"{int(depth):,}", f(v["jmoe_tok_s"]), f(v["llama_cpp_tok_s"]), med(v["ratio"], 2)])
+    out = table(["KV cache, jmoe / llama.cpp", "depth (tokens)", "jmoe decode tok/s", "llama.cpp decode tok/s",
+                 "jmoe / llama.cpp"], rows)
+    return out + (f"\n\n{data['model']}; jmoe {data['jmoe']}; llama.cpp {data['llama_cpp']}; {data['new_tokens']} new "
+                  f"tokens; medians of {data['rounds']} alternating rounds, ratios within a round [min–max]. "
+                  f"Machine: {machine(data)} ({source(name)}).")
+
+
 def prefix_sharing() -> str:
     name = "prefix_sharing/prefix_sharing_cpu.json"
     data = load(name)
@@ -592,6 +606,7 @@ TABLES = {
     "long-context-depth": long_context_depth,
     "kv-int8": kv_int8,
     "prefix-sharing": prefix_sharing,
+    "depth-vs-llama": depth_vs_llama,
     "perplexity": perplexity,
     "quality": quality,
     "decode-io": decode_io,
