@@ -123,6 +123,14 @@ def headline() -> str:
         f"({top['aggregate_speedup']:.2f}×)",
         machine(serve), source("serve/serve_tiny_cpu.json"),
     ])
+    depth = load("long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json")
+    deep = depth["summary"]["int8 / q8_0 @4096"]
+    rows.append([
+        "Qwen3-30B-A3B shapes (2 layers, int4 + dense int4), decode tok/s at 4,096 tokens of context, int8 KV vs "
+        "llama.cpp Q4_0 with q8_0 KV",
+        f"{f(deep['jmoe_tok_s'])} vs {f(deep['llama_cpp_tok_s'])} ({deep['ratio']['median']:.2f}×)",
+        machine(depth), source("long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json"),
+    ])
     prefix = load("prefix_sharing/prefix_sharing_cpu.json")
     pairs = list(zip(prefix["rounds"]["alone"], prefix["rounds"]["shared"]))
     alone, shared = (statistics.median(r[i]["ttft_median_s"] for r in pairs) for i in (0, 1))
