@@ -63,7 +63,8 @@ def generate(model: JmoeModel, prompt, *, max_new_tokens: int = 128, temperature
 def stats(model: JmoeModel) -> dict:
     """Offload counters since load: hit rate, bytes moved host->device, prefetch accuracy and
     predictor recall, stalls, replays, in-step fetches and misses, CPU-run experts, TTFT and TPOT
-    (seconds); with a prefix cache ("prefix_cache"), its lookups, hits and reused prompt tokens. Rates of expert uses are None where no use was counted (a resident model)."""
+    (seconds); with a prefix cache ("prefix_cache"), its lookups, hits and reused prompt tokens.
+    Rates of expert uses are None where no use was counted (a resident model)."""
     check_model(model)
     with model.lock:  # a consistent snapshot while other threads generate
         if hasattr(model.residency, "catch_up"):

@@ -89,21 +89,25 @@ class PrefixCache:
     def nbytes(self) -> int:
         return len(self._nodes) * self.block_nbytes
 
+    def _key(self, prompt: list[int], j: int, parent: int) -> tuple:
+        """Block j of the prompt, found under its parent block's node (id 0: the root)."""
+        return parent, tuple(prompt[j * self.block:(j + 1) * self.block])
+
     def _blocks(self, prompt: list[int], limit: int):
-        """(index, key) of the prompt's first `limit` blocks, as far as they are kept."""
+        """The nodes of the prompt's first `limit` blocks, as far as they are kept."""
         parent = 0
         for j in range(limit):
-            node = self._nodes.get((parent, tuple(prompt[j * self.block:(j + 1) * self.block])))
+            node = self._nodes.get(self._key(prompt, j, parent))
             if node is None:
                 return
-            yield j, node
+            yield node
             parent = node.id
 
     def lookup(self, prompt: list[int]) -> list:
         """The kept blocks the prompt starts with (their KV, first block first), leaving at least its
         last token to prefill (its logits give the first new token). count() says what was used."""
         with self.lock:
-            found = [node for _, node in self._blocks(prompt, (len(prompt) - 1) // self.block)]
+            found = list(self._blocks(prompt, (len(prompt) - 1) // self.block))
             self._touch(found)
             return [node.block for node in found]
 
@@ -124,7 +128,7 @@ class PrefixCache:
             return
         parent, path = 0, []
         for j in range(len(prompt) // self.block):
-            key = (parent, tuple(prompt[j * self.block:(j + 1) * self.block]))
+            key = self._key(prompt, j, parent)
             node = self._nodes.get(key)
             if node is None:
                 if len(self._nodes) >= self.max_blocks and not self._evict(protect=path):
