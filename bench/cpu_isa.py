@@ -1,6 +1,8 @@
 """The native CPU matmul on each instruction-set path this CPU can run (JMOE_CPU_ISA: the widest,
 avx2, portable), at Qwen3-30B-A3B's decode shapes: the int4 LM head (2,048 x 151,936), an int4
-dense projection (2,048 x 4,096) and one int4 expert's gate/up (2,048 x 1,536), one token and four.
+dense projection (2,048 x 4,096) and one int4 expert's gate/up (2,048 x 1,536), at 1, 4, 16 and 64
+rows (a decode token, a speculative verification or small batch, the fused path's limit, a prefill
+chunk's expert share).
 
 Each path runs in its own process (the path is chosen when the kernels load), the paths
 alternating over `--rounds`; medians with [min-max] of the per-round medians, and the weight
@@ -23,8 +25,8 @@ from bench.lib.common import ROOT, write_result
 SHAPES = {"lm_head": (2048, 151936), "attention q": (2048, 4096), "expert gate_up": (2048, 1536)}
 
 
-def measure() -> dict:
-    """In this process: median ms and GB/s per (shape, rows) on the path JMOE_CPU_ISA chose."""
+def measure(rows_list=(1, 4, 16, 64)) -> dict:
+    """In this process: median ms, GB/s of weights and GFLOP/s per (shape, rows) on the path JMOE_CPU_ISA chose."""
     import time
 
     import jax
@@ -44,7 +46,7 @@ def measure() -> dict:
                    jnp.asarray(rng.random((K // 64, N)).astype(np.float16)),
                    jnp.asarray(rng.random((K // 64, N)).astype(np.float16)), None, fmt, K)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(w))
-        for rows in (1, 4):
+        for rows in rows_list:
             x = jnp.ones((rows, K), jnp.float32)
             matmul(x, w).block_until_ready()
             times = []
@@ -53,7 +55,7 @@ def measure() -> dict:
                 matmul(x, w).block_until_ready()
                 times.append(time.perf_counter() - start)
             ms = 1e3 * statistics.median(times)
-            out[f"{name} x{rows}"] = {"ms": ms, "GB_per_s": nbytes / ms / 1e6}
+            out[f"{name} x{rows}"] = {"ms": ms, "GB_per_s": nbytes / ms / 1e6, "GFLOP_per_s": 2 * rows * K * N / ms / 1e6}
     return out
 
 
@@ -67,13 +69,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="cpu_isa", help="the result file's name (_cpu.json added)")
+    parser.add_argument("--rows", default="1,4,16,64", help="input rows per product, comma-separated")
     args = parser.parse_args()
     paths = isa_paths()
     runs = {p: [] for p in paths}
     for r in range(args.rounds):
         for path in paths[r % len(paths):] + paths[:r % len(paths)]:
             env = dict(os.environ, PYTHONPATH=str(ROOT), JMOE_CPU_ISA=path)
-            code = "import json; from bench.cpu_isa import measure; print(json.dumps(measure()))"
+            code = f"import json; from bench.cpu_isa import measure; print(json.dumps(measure(({args.rows},))))"
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                                   check=True)
             runs[path].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -83,12 +86,14 @@ def main() -> None:
             ms = [r[case]["ms"] for r in results]
             summary.setdefault(case, {})[path] = {
                 "ms": {"median": statistics.median(ms), "min": min(ms), "max": max(ms)},
-                "GB_per_s": statistics.median(r[case]["GB_per_s"] for r in results)}
+                "GB_per_s": statistics.median(r[case]["GB_per_s"] for r in results),
+                "GFLOP_per_s": statistics.median(r[case]["GFLOP_per_s"] for r in results)}
     for case, by in summary.items():
-        print(f"{case:22s} " + "  ".join(f"{p}: {v['ms']['median']:.2f} ms ({v['GB_per_s']:.1f} GB/s)"
+        print(f"{case:22s} " + "  ".join(f"{p}: {v['ms']['median']:.2f} ms ({v['GB_per_s']:.1f} GB/s, "
+                                          f"{v['GFLOP_per_s']:.0f} GFLOP/s)"
                                           for p, v in by.items()))
     write_result("kernels", args.name, {"shapes": {k: list(v) for k, v in SHAPES.items()}, "format": "int4, group 64, "
-                                        "asymmetric", "rounds": args.rounds, "summary": summary})
+                                        "asymmetric", "rows": args.rows, "rounds": args.rounds, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -89,9 +89,11 @@ def _dense(w):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-# (1, 600, 4200) and (4, 1100, 520): few rows split over K (not a whole number of groups) and a ragged last tile
+# (1, 600, 4200) and (4, 1100, 520): few rows split over K (not a whole number of groups) and a ragged last tile;
+# (40, 96, 64), (33, 2048, 1536) and (23, 130, 100): many rows in blocks of the path's row block and a rest,
+# the last with a ragged tile
 @pytest.mark.parametrize("m,k,n", [(1, 256, 128), (2, 2048, 1536), (3, 200, 100), (9, 768, 2048), (40, 96, 64),
-                                   (1, 600, 4200), (4, 1100, 520), (33, 2048, 1536)])
+                                   (1, 600, 4200), (4, 1100, 520), (33, 2048, 1536), (23, 130, 100)])
 def test_matmul_matches_float64(name, m, k, n):
     rng = np.random.default_rng(m * 1000 + k)
     w = _weight(rng, k, n, FORMATS[name])

@@ -204,6 +204,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace avx512 {
+// 32 zmm: four rows of a whole tile (16 accumulators) beside its four decoded vectors.
+constexpr int fused_vectors(int) { return 4; }
+constexpr int kPanelRowBlock = 4, kPanelVectors = 4;
 static inline v16 to_float(v16u c) { return __builtin_convertvector(__builtin_convertvector(c, v16i), v16); }
 static inline v16 load16(const float* p) { return (v16)_mm512_loadu_ps(p); }
 static inline void store16(float* p, v16 v) { _mm512_storeu_ps(p, (__m512)v); }
@@ -256,6 +259,9 @@ struct v16 {
 struct v16u {
   __m256i lo, hi;
 };
+// 16 ymm (a v16 is two): accumulators for at most eight, beside the decoded weights and a broadcast.
+constexpr int fused_vectors(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+constexpr int kPanelRowBlock = 6, kPanelVectors = 1;  // twelve accumulators, as BLIS's 6x16
 static inline v16 operator+(v16 a, v16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 static inline v16 operator*(v16 a, v16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline v16& operator+=(v16& a, v16 b) { return a = a + b; }
@@ -292,6 +298,8 @@ static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64
 #pragma GCC pop_options
 
 namespace portable {
+constexpr int fused_vectors(int) { return 4; }
+constexpr int kPanelRowBlock = 4, kPanelVectors = 4;
 static inline v16 to_float(v16u c) { return __builtin_convertvector(__builtin_convertvector(c, v16i), v16); }
 static inline v16 load16(const float* p) {
   v16 v;
