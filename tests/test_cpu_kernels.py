@@ -237,8 +237,9 @@ def _groups_int8(x, group):
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (3, 200, 100), (5, 768, 2048), (9, 2880, 128), (40, 96, 64),
                                    (1, 600, 4200), (4, 1100, 520), (33, 2048, 1536)])
 def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
-    """The int8 dot (integer VNNI sums for any number of rows, prefill's too; the float path without
-    VNNI) is x on its per-group int8 grid times the weight; bf16 weights take x as it is."""
+    """The int8 dot (integer sums for any number of rows, prefill's too: VNNI, or under AVX2 for codes of
+    up to four bits; the float path elsewhere) is x on its per-group int8 grid times the weight; bf16
+    weights take x as it is."""
     rng = np.random.default_rng(m * 100 + k)
     w = _weight(rng, k, n, FORMATS[name])
     x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)

@@ -292,8 +292,10 @@ static inline v16 half16_to_f32(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t) { return false; }
+static bool int8_dot_tiles(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t tiles, float* y,
+                           int64_t ldy);
 #include "gemm.inc"
+#include "int8_dot_avx2.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
