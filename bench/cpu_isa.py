@@ -2,7 +2,8 @@
 avx2, portable), at Qwen3-30B-A3B's decode shapes: the int4 LM head (2,048 x 151,936), an int4
 dense projection (2,048 x 4,096) and one int4 expert's gate/up (2,048 x 1,536), at 1, 4, 16 and 64
 rows (a decode token, a speculative verification or small batch, the fused path's limit, a prefill
-chunk's expert share).
+chunk's expert share), with float inputs and, at 1 and 4 rows, under the int8 dot (inputs rounded
+to int8 per group: integer products under AVX-512 VNNI, and under AVX2 for codes of up to 4 bits).
 
 Each path runs in its own process (the path is chosen when the kernels load), the paths
 alternating over `--rounds`; medians with [min-max] of the per-round medians, and the weight
@@ -39,23 +40,27 @@ def measure(rows_list=(1, 4, 16, 64)) -> dict:
 
     rng = np.random.default_rng(0)
     fmt = QuantFormat(bits=4, group_size=64, symmetric=False)
-    matmul = jax.jit(lambda x, w: cpu_kernels.matmul(x, w))
+    products = {"": jax.jit(lambda x, w: cpu_kernels.matmul(x, w)),
+                " int8 dot": jax.jit(lambda x, w: cpu_kernels.matmul(x, w, int8_dot=True))}
     out = {}
     for name, (K, N) in SHAPES.items():
         w = QArray(jnp.asarray(rng.integers(0, 256, size=(K // 2, N), dtype=np.uint8)),
                    jnp.asarray(rng.random((K // 64, N)).astype(np.float16)),
                    jnp.asarray(rng.random((K // 64, N)).astype(np.float16)), None, fmt, K)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(w))
-        for rows in rows_list:
-            x = jnp.ones((rows, K), jnp.float32)
-            matmul(x, w).block_until_ready()
-            times = []
-            for _ in range(15):
-                start = time.perf_counter()
+        for inputs, matmul in products.items():
+            # the int8 dot (load's cpu_dot="int8": inputs rounded per group) at decode's row counts
+            for rows in rows_list if not inputs else [r for r in rows_list if r <= 4]:
+                x = jnp.asarray(rng.standard_normal((rows, K)).astype(np.float32))
                 matmul(x, w).block_until_ready()
-                times.append(time.perf_counter() - start)
-            ms = 1e3 * statistics.median(times)
-            out[f"{name} x{rows}"] = {"ms": ms, "GB_per_s": nbytes / ms / 1e6, "GFLOP_per_s": 2 * rows * K * N / ms / 1e6}
+                times = []
+                for _ in range(15):
+                    start = time.perf_counter()
+                    matmul(x, w).block_until_ready()
+                    times.append(time.perf_counter() - start)
+                ms = 1e3 * statistics.median(times)
+                out[f"{name} x{rows}{inputs}"] = {"ms": ms, "GB_per_s": nbytes / ms / 1e6,
+                                                  "GFLOP_per_s": 2 * rows * K * N / ms / 1e6}
     return out
 
 
