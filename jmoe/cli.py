@@ -138,6 +138,9 @@ def add_model_options(p) -> None:
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (faster on AVX-512 VNNI)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads to compute with (default: $JMOE_THREADS, else the cores this process may use: "
+                        "its CPU affinity, within its cgroup's CPU quota)")
     p.add_argument("--mesh", default=None, metavar="ep=N[,tp=M]",
                    help="expert parallelism: N expert shards (each on M devices); --device-budget is per device")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -163,9 +166,11 @@ def add_speculative_options(p, k_default: str) -> None:
 def load_model(args, **extra):
     """jmoe.load with the model options `add_model_options` gave the command."""
     import jmoe
+    from jmoe.runtime.threads import limit_threads
 
     if args.max_seq_len is not None:
         validate.integer("max_seq_len", args.max_seq_len, minimum=2, maximum=MAX_SEQ_LEN)
+    limit_threads(args.threads)  # before the CPU backend starts: it sizes its thread pool once
 
     return jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
                      compute_dtype=args.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,

@@ -505,6 +505,7 @@ ROWS = [
     Row("cli-serve-prefix-cache-garbage", lambda c: ["serve", str(c.tiny), "--prefix-cache", "lots"], CLI,
         "prefix_cache"),
     Row("cli-serve-kv-dtype-unknown", lambda c: ["serve", str(c.tiny), "--kv-dtype", "int4"], CLI, "kv-dtype"),
+    Row("cli-generate-threads-zero", lambda c: ["generate", str(c.tiny), "hi", "--threads", "0"], CLI, "threads"),
     Row("cli-serve-port-too-big", lambda c: ["serve", str(c.tiny), "--port", "70000"], CLI, "port"),
     Row("cli-serve-reader-timeout-zero", lambda c: ["serve", str(c.tiny), "--reader-timeout", "0"], CLI,
         "reader_timeout"),

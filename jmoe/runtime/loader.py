@@ -27,7 +27,7 @@ from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, inside, read_manifest
 from jmoe.policies import BASELINES, POLICY_NAMES, Policy, make_policy
-from jmoe.runtime import compile_cache
+from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
 from jmoe.runtime.host_memory import available_memory, device_is_host
@@ -484,6 +484,9 @@ def load(
         validate.choice("draft", draft, TIER_NAMES)
     if progress is not None:
         validate.boolean("progress", progress)
+    # before the first device use starts the CPU backend, which sizes its thread pool once
+    # (JMOE_THREADS, else the cores this process may use: jmoe/runtime/threads.py)
+    threads.limit_threads_if_not_started()
     placement = Placement.for_mesh(mesh)
     dtype = resolve_compute_dtype(compute_dtype)
     kv = resolve_kv_dtype(kv_dtype, dtype)
