@@ -132,7 +132,8 @@ static inline float int8_code(float x, float step) {
 }
 
 // One group of n inputs onto its int8 grid: codes, step * code into out, the codes' sum into *sum;
-// returns the step (vectorised where the CPU has AVX-512: prefill rounds every input of a layer).
+// returns the step (vectorised under AVX-512 and AVX2: prefill rounds every input of a layer, and at
+// decode the scalar loop took 4.5% of a Qwen3-30B-A3B slice's step under AVX2).
 static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum);
 
 // The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (QuantizedInputs::of) each
@@ -296,6 +297,35 @@ static bool int8_dot_tiles(const Inputs& in, int64_t M, const Weight& w, int64_t
                            int64_t ldy);
 #include "gemm.inc"
 #include "int8_dot_avx2.inc"
+
+// quantize_group for n a multiple of 8, with int8_step's and int8_code's arithmetic (as avx512's).
+static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(in + j)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  float step = _mm_cvtss_f32(m) / 127.0f;
+  if (step == 0.0f) step = 1.0f;
+  const __m256 vstep = _mm256_set1_ps(step), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 c = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(in + j), vstep),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm256_min_ps(hi, _mm256_max_ps(lo, c));
+    const __m256i ci = _mm256_cvtps_epi32(c);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ci), _mm256_extracti128_si256(ci, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j), _mm_packs_epi16(words, words));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(c, vstep));
+    total = _mm256_add_epi32(total, ci);
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  *sum = _mm_cvtsi128_si32(t);
+  return step;
+}
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -350,6 +380,7 @@ static const GemmCols gemm_cols = pick_gemm_cols();
 
 static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum) {
   if (gemm_cols == avx512::gemm_cols && n % 16 == 0) return avx512::quantize_group(in, n, out, codes, sum);
+  if (gemm_cols == avx2::gemm_cols && n % 8 == 0) return avx2::quantize_group(in, n, out, codes, sum);
   const float step = int8_step(in, n);
   int32_t total = 0;
   for (int64_t k = 0; k < n; ++k) {
