@@ -183,6 +183,50 @@ def real_shapes() -> str:
                   f"({source('real_shapes/real_shapes_cpu.json')}).")
 
 
+def real_shapes_avx2() -> str:
+    name = "real_shapes/real_shapes_avx2_cpu.json"
+    d = load(name)
+    gib = 2 ** 30
+    rows = []
+    for key, label in [
+        ("jmoe int4 resident", "jmoe int4 experts, bf16 dense"),
+        ("jmoe int4 resident, int8 dot", "jmoe int4 experts, bf16 dense, `cpu_dot=\"int8\"`"),
+        ("jmoe int4 + dense int4 resident", "jmoe int4 experts, `--dense-tier int4`"),
+        ("jmoe int4 + dense int4 resident, int8 dot", "jmoe int4 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
+        ("llama.cpp Q4_0", "llama.cpp Q4_0"),
+    ]:
+        r = d["summary"][key]
+        rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
+        rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"]), med(r["decode_tok_s@512"]), rss])
+    out = table(["", "prefill tok/s (512)", "decode tok/s (depth 0)", "decode tok/s (depth 512)",
+                 "peak RSS / loaded GiB"], rows)
+    ratio = d["ratios"]["jmoe int4 + dense int4 resident, int8 dot / llama.cpp Q4_0"]
+    out += "\n\n" + table(["jmoe int4 + dense int4, int8 dot / llama.cpp Q4_0", "prefill (512)", "decode (depth 0)",
+                            "decode (depth 512)"],
+                           [["within each round", med(ratio["prefill_tok_s"], 2), med(ratio["decode_tok_s@0"], 2),
+                             med(ratio["decode_tok_s@512"], 2)]])
+    return out + (f"\n\nMachine: {machine(d)}, AVX2 without AVX-512; {d['settings']['rounds']} rounds, "
+                  f"median [min–max] ({source(name)}).")
+
+
+def thread_scaling() -> str:
+    name = "kernels/thread_scaling_qwen3-30b-a3b_2L_cpu.json"
+    d = load(name)
+    rows = []
+    for t in d["threads"]:
+        for metric, label in (("prefill_tok_s", f"prefill ({d['prompt']})"), ("decode_tok_s", "decode")):
+            r = d["summary"][f"{metric} @{t}"]
+            rows.append([t, label, f(r["jmoe"]), f(r["llama.cpp"]), med(r["ratio"], 2)])
+    lo, hi = min(d["threads"]), max(d["threads"])
+    sc = d["scaling"]
+    gain = lambda who, metric: f"{sc[f'{who} {metric} {hi}/{lo} threads']:.2f}x"  # noqa: E731
+    rows.append([f"{hi} over {lo}", "prefill / decode", f"{gain('jmoe', 'prefill_tok_s')} / {gain('jmoe', 'decode_tok_s')}",
+                 f"{gain('llama.cpp', 'prefill_tok_s')} / {gain('llama.cpp', 'decode_tok_s')}", ""])
+    out = table(["threads", "", "jmoe tok/s", "llama.cpp tok/s", "jmoe / llama.cpp"], rows)
+    return out + (f"\n\n{d['model']}; jmoe {d['jmoe']}; llama.cpp {d['llama_cpp']}; {d['rounds']} alternating "
+                  f"rounds, medians, ratios within a round [min–max]. Machine: {machine(d)} ({source(name)}).")
+
+
 def perplexity() -> str:
     d = load("perplexity/perplexity_tiny_cpu.json")
     rows = [[dom, f(r["tokens_scored"], 0), f"{r['jmoe_ppl']:.4f}", f"{r['transformers_ppl']:.4f}"]
@@ -608,6 +652,8 @@ def prefix_sharing() -> str:
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
+    "real-shapes-avx2": real_shapes_avx2,
+    "thread-scaling": thread_scaling,
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,
     "long-context-plan": long_context_plan,

@@ -1,0 +1,108 @@
+"""Thread scaling on the CPU: prefill and decode tok/s at 1 and 2 threads (or --threads), jmoe beside
+llama.cpp on the same weights, in alternating rounds.
+
+A random-weight Qwen3-30B-A3B slice (--layers, default 2; bench/lib/random_checkpoint.py): jmoe int4
+experts + dense int4 with `--cpu-dot int8`, through `jmoe bench --threads T` (JMOE_THREADS: the
+process is pinned to T cores before its CPU backend sizes its pool), against GGUF Q4_0 under
+`llama-bench -t T`, each `-p --prompt -n --new-tokens`. Medians of the rounds, ratios within a
+round [min-max], and each side's scaling from the fewest threads to the most.
+
+    python -m bench.thread_scaling [--threads 1,2] [--rounds 3] [--layers 2]
+
+Needs llama.cpp (bench/lib/llama_cpp.py says where it is found and how to build it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.lib import llama_cpp
+from bench.lib.common import ROOT, write_result
+from bench.lib.random_checkpoint import model_named, write_checkpoint
+
+
+def run_jmoe(path: Path, threads: int, prompt: int, new_tokens: int) -> dict:
+    """`jmoe bench` in its own process: prefill and decode tok/s (median of its repetitions)."""
+    cmd = [sys.executable, "-m", "jmoe.cli", "bench", str(path), "--tier", "int4", "--cpu-dot", "int8",
+           "--threads", str(threads), "-p", str(prompt), "-n", str(new_tokens), "-r", "3", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    rows = json.loads(out[out.index("["):])
+    return {"prefill_tok_s": next(r["tokens_per_s"] for r in rows if r["test"].startswith("pp")),
+            "decode_tok_s": next(r["tokens_per_s"] for r in rows if r["test"].startswith("tg"))}
+
+
+def run_llama(llama, gguf: Path, threads: int, prompt: int, new_tokens: int) -> dict:
+    result = llama_cpp.bench(llama, gguf, threads=threads, prompt=prompt, gen=new_tokens, depths=(0,))
+    return {"prefill_tok_s": result["prefill_tok_s"], "decode_tok_s": result["decode_tok_s@0"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")))
+    args = parser.parse_args()
+    counts = [int(t) for t in args.threads.split(",")]
+    if len(os.sched_getaffinity(0)) < max(counts):
+        parser.error(f"this process may use {len(os.sched_getaffinity(0))} cores, fewer than {max(counts)}")
+    data = args.data.expanduser()
+
+    hf = data / f"hf-{args.model}-{args.layers}L"
+    if not (hf / "random_checkpoint.json").is_file():
+        print(f"writing {hf} ...", flush=True)
+        write_checkpoint(args.model, hf, layers=args.layers)
+    converted = data / f"jmoe-{args.model}-{args.layers}L-int4-dense-int4"
+    if not (converted / "manifest.json").is_file():
+        print(f"jmoe convert -> {converted} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "jmoe.cli", "convert", str(hf), "-o", str(converted), "--tiers", "int4",
+                        "--dense-tier", "int4", "--method", "rtn", "--force", "--no-progress"], check=True, cwd=ROOT)
+    llama = llama_cpp.find_llama_cpp()
+    ggufs = llama_cpp.convert(llama, hf, data / f"gguf-{args.model}-{args.layers}L", types=("Q4_0",))
+    gguf = Path(ggufs["Q4_0"]["path"])
+
+    runs = {t: {"jmoe": [], "llama.cpp": []} for t in counts}
+    for r in range(args.rounds):
+        order = [(who, t) for t in counts for who in ("jmoe", "llama.cpp")]
+        for who, t in order[r % len(order):] + order[:r % len(order)]:  # rotate who goes first
+            result = (run_jmoe(converted, t, args.prompt, args.new_tokens) if who == "jmoe"
+                      else run_llama(llama, gguf, t, args.prompt, args.new_tokens))
+            runs[t][who].append(result)
+            print(f"round {r + 1}, {who:9s} {t} thread(s): prefill {result['prefill_tok_s']:.1f} tok/s, "
+                  f"decode {result['decode_tok_s']:.1f} tok/s", flush=True)
+
+    summary = {}
+    for t, by in runs.items():
+        for metric in ("prefill_tok_s", "decode_tok_s"):
+            ratios = [j[metric] / w[metric] for j, w in zip(by["jmoe"], by["llama.cpp"])]
+            summary[f"{metric} @{t}"] = {
+                "jmoe": statistics.median(j[metric] for j in by["jmoe"]),
+                "llama.cpp": statistics.median(w[metric] for w in by["llama.cpp"]),
+                "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
+    lo, hi = min(counts), max(counts)
+    scaling = {f"{who} {metric} {hi}/{lo} threads": summary[f"{metric} @{hi}"][who] / summary[f"{metric} @{lo}"][who]
+               for who in ("jmoe", "llama.cpp") for metric in ("prefill_tok_s", "decode_tok_s")}
+    for key, v in summary.items():
+        print(f"{key}: jmoe {v['jmoe']:.1f}, llama.cpp {v['llama.cpp']:.1f} tok/s, jmoe / llama.cpp "
+              f"{v['ratio']['median']:.2f} [{v['ratio']['min']:.2f}-{v['ratio']['max']:.2f}]")
+    for key, v in scaling.items():
+        print(f"{key}: {v:.2f}x")
+    write_result("kernels", f"thread_scaling_{args.model}_{args.layers}L", {
+        "model": f"{model_named(args.model).name} shapes, {args.layers} layers, random weights",
+        "jmoe": "int4 experts + dense int4, cpu_dot int8, jmoe bench -r 3 --threads T",
+        "llama_cpp": f"Q4_0, llama-bench -t T -r 1 ({llama.version()})", "threads": counts, "prompt": args.prompt,
+        "new_tokens": args.new_tokens, "rounds": args.rounds, "runs": {str(t): v for t, v in runs.items()},
+        "summary": summary, "scaling": scaling})
+
+
+if __name__ == "__main__":
+    main()
