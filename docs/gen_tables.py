@@ -220,7 +220,8 @@ def thread_scaling() -> str:
     lo, hi = min(d["threads"]), max(d["threads"])
     sc = d["scaling"]
     gain = lambda who, metric: f"{sc[f'{who} {metric} {hi}/{lo} threads']:.2f}x"  # noqa: E731
-    rows.append([f"{hi} over {lo}", "prefill / decode", f"{gain('jmoe', 'prefill_tok_s')} / {gain('jmoe', 'decode_tok_s')}",
+    rows.append([f"{hi} over {lo}", "prefill / decode",
+                 f"{gain('jmoe', 'prefill_tok_s')} / {gain('jmoe', 'decode_tok_s')}",
                  f"{gain('llama.cpp', 'prefill_tok_s')} / {gain('llama.cpp', 'decode_tok_s')}", ""])
     out = table(["threads", "", "jmoe tok/s", "llama.cpp tok/s", "jmoe / llama.cpp"], rows)
     return out + (f"\n\n{d['model']}; jmoe {d['jmoe']}; llama.cpp {d['llama_cpp']}; {d['rounds']} alternating "
