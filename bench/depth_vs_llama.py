@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from bench.lib import llama_cpp
 from bench.lib.common import ROOT, write_result
-from bench.lib.random_checkpoint import model_named, write_checkpoint
+from bench.lib.q4_slice import int4_slice_and_q4_0
+from bench.lib.random_checkpoint import model_named
 
 KV_PAIRS = {"float32 / f16": (None, "f16"), "int8 / q8_0": ("int8", "q8_0")}  # jmoe kv_dtype, llama.cpp cache type
 
@@ -85,17 +85,7 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     data = args.data.expanduser()
 
-    hf = data / f"hf-{args.model}-{args.layers}L"
-    if not (hf / "random_checkpoint.json").is_file():
-        print(f"writing {hf} ...", flush=True)
-        write_checkpoint(args.model, hf, layers=args.layers)
-    converted = data / f"jmoe-{args.model}-{args.layers}L-int4-dense-int4"
-    if not (converted / "manifest.json").is_file():
-        print(f"jmoe convert -> {converted} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "jmoe.cli", "convert", str(hf), "-o", str(converted), "--tiers", "int4",
-                        "--dense-tier", "int4", "--method", "rtn", "--force", "--no-progress"], check=True, cwd=ROOT)
-    llama = llama_cpp.find_llama_cpp()
-    gguf = Path(llama_cpp.convert(llama, hf, data / f"gguf-{args.model}-{args.layers}L", types=("Q4_0",))["Q4_0"]["path"])
+    _, converted, gguf, llama = int4_slice_and_q4_0(args.model, args.layers, data)
 
     logs = data / "depth-logs"
     logs.mkdir(parents=True, exist_ok=True)

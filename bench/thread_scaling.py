@@ -24,7 +24,8 @@ from pathlib import Path
 
 from bench.lib import llama_cpp
 from bench.lib.common import ROOT, write_result
-from bench.lib.random_checkpoint import model_named, write_checkpoint
+from bench.lib.q4_slice import int4_slice_and_q4_0
+from bench.lib.random_checkpoint import model_named
 
 
 def run_jmoe(path: Path, threads: int, prompt: int, new_tokens: int) -> dict:
@@ -57,18 +58,7 @@ def main() -> None:
         parser.error(f"this process may use {len(os.sched_getaffinity(0))} cores, fewer than {max(counts)}")
     data = args.data.expanduser()
 
-    hf = data / f"hf-{args.model}-{args.layers}L"
-    if not (hf / "random_checkpoint.json").is_file():
-        print(f"writing {hf} ...", flush=True)
-        write_checkpoint(args.model, hf, layers=args.layers)
-    converted = data / f"jmoe-{args.model}-{args.layers}L-int4-dense-int4"
-    if not (converted / "manifest.json").is_file():
-        print(f"jmoe convert -> {converted} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "jmoe.cli", "convert", str(hf), "-o", str(converted), "--tiers", "int4",
-                        "--dense-tier", "int4", "--method", "rtn", "--force", "--no-progress"], check=True, cwd=ROOT)
-    llama = llama_cpp.find_llama_cpp()
-    ggufs = llama_cpp.convert(llama, hf, data / f"gguf-{args.model}-{args.layers}L", types=("Q4_0",))
-    gguf = Path(ggufs["Q4_0"]["path"])
+    _, converted, gguf, llama = int4_slice_and_q4_0(args.model, args.layers, data)
 
     runs = {t: {"jmoe": [], "llama.cpp": []} for t in counts}
     for r in range(args.rounds):
