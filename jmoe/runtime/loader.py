@@ -442,8 +442,8 @@ def load(
         native kernels on CPU (XLA where they are not built).
       cpu_dot: how the CPU multiplies quantized weights (experts at int8/int4/int2, a quantized dense
         tier): "float" (the inputs as they are) or "int8" (the inputs rounded to int8 per weight group,
-        as llama.cpp's Q8 dot does, and multiplied in integers where the CPU has AVX-512 VNNI: about
-        twice as fast for decode, logits within about 1e-2 of "float").
+        as llama.cpp's Q8 dot does, and multiplied in integers where the CPU has AVX-512 VNNI, or AVX2
+        for int4/int2 codes: faster for decode, logits within about 1e-2 of "float").
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
