@@ -3,6 +3,7 @@ JMOE_THREADS / --threads, applied before the CPU backend sizes its pool (jmoe/ru
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def test_requested_threads_come_from_the_argument_then_the_environment(monkeypat
             threads.requested_threads(bad)
 
 
-def test_a_smaller_count_after_the_backend_started_is_refused():
+def test_a_smaller_count_after_the_backend_started_is_refused(monkeypatch, caplog):
     import jax.numpy as jnp
 
     jnp.ones(2).block_until_ready()  # this process's backend has started
@@ -60,6 +61,11 @@ def test_a_smaller_count_after_the_backend_started_is_refused():
     if cpus > 1:
         with pytest.raises(JmoeError, match=threads.THREADS_ENV):
             threads.limit_threads(1)
+        # load's own call leaves the running pool as it is, and says so when JMOE_THREADS asked for less
+        monkeypatch.setenv(threads.THREADS_ENV, "1")
+        with caplog.at_level(logging.WARNING, logger="jmoe"):
+            threads.limit_threads_if_not_started()
+        assert "JMOE_THREADS=1 is not applied" in caplog.text
     assert len(os.sched_getaffinity(0)) == cpus
 
 

@@ -9,6 +9,7 @@ by default to the quota. After the backend has started the pool's size is fixed.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -109,8 +110,13 @@ def limit_threads_if_not_started() -> None:
     """load's default: limit_threads() where the backend has not started yet; after that, as it is."""
     if not _backend_started():
         limit_threads()
-    else:
-        requested_threads()  # a malformed JMOE_THREADS is still an error
+        return
+    count = requested_threads()  # a malformed JMOE_THREADS is still an error
+    running = len(os.sched_getaffinity(0))
+    if THREADS_ENV in os.environ and count < running:
+        logging.getLogger("jmoe").warning("%s=%d is not applied: the CPU backend had started with %d threads before "
+                                          "jmoe.load (set it before the first computation)", THREADS_ENV, count,
+                                          running)
 
 
 __all__ = ["THREADS_ENV", "cgroup_cpu_limit", "usable_cpus", "requested_threads", "limit_threads",
