@@ -14,7 +14,8 @@ import math
 import os
 from pathlib import Path
 
-from jmoe.errors import InputError
+from jmoe import validate
+from jmoe.errors import InputError, JmoeError
 
 THREADS_ENV = "JMOE_THREADS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -67,12 +68,8 @@ def requested_threads(count: int | None = None) -> int:
             count = int(text)
         except ValueError:
             raise InputError(f"{THREADS_ENV} must be a positive integer, got {text!r}") from None
-        source = THREADS_ENV
-    else:
-        source = "threads"
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise InputError(f"{source} must be a positive integer, got {count!r}")
-    return count
+        return validate.integer(THREADS_ENV, count, minimum=1)
+    return validate.integer("threads", count, minimum=1)
 
 
 def _backend_started() -> bool:
@@ -88,8 +85,6 @@ def limit_threads(count: int | None = None) -> int:
 
     Raises InputError for a count that is not a positive integer, and JmoeError where the backend has
     already started with another count (call this, or set JMOE_THREADS, before the first computation)."""
-    from jmoe.errors import JmoeError
-
     count = requested_threads(count)
     allowed = sorted(os.sched_getaffinity(0))
     if count >= len(allowed):
