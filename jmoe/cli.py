@@ -240,7 +240,7 @@ def cmd_serve(args) -> int:
     print("jmoe: compiling the serving steps", file=sys.stderr)
     engine_options = dict(max_batch=args.max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
                           speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),
-                          warm_up=True)
+                          warm_up=True, warm_up_echo=args.warm_up_echo)
     if stops is not None:
         return follow(model, engine_options, stops, patience=server_options["drain_timeout"] + FOLLOWER_GRACE)
     return serve(args, model, engine_options, server_options)
@@ -270,8 +270,7 @@ def app_options(args) -> dict:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     origins = None if args.allowed_origins is None else parse_origins(args.allowed_origins)
     return dict(request_timeout=args.request_timeout, max_tokens=args.max_tokens,
-                api_key=None if api_key is None else check_api_key(api_key), allowed_origins=origins,
-                warm_up_echo=args.warm_up_echo)
+                api_key=None if api_key is None else check_api_key(api_key), allowed_origins=origins)
 
 
 def serve(args, model, engine_options: dict, server_options: dict) -> int:

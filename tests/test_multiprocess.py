@@ -11,9 +11,11 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 import jmoe
+from jmoe.decoding.evaluate import forward
 from jmoe.distributed.processes import PEER_LOST
 from jmoe.launch import STOP_GRACE_SECONDS, command_line, free_port, launch
 from jmoe.runtime.loader import memory_plan
@@ -206,6 +208,7 @@ def test_serve_as_two_processes_answers_like_generate(short_converted, tmp_path)
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, prompts))
+        echoed = api.completions.create(model=name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2).choices[0]
         job.send_signal(signal.SIGINT)
         signalled = time.monotonic()
         code = job.wait(timeout=STOP_GRACE_SECONDS + 30)
@@ -215,5 +218,12 @@ def test_serve_as_two_processes_answers_like_generate(short_converted, tmp_path)
             job.kill()
     model = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=SERVE_SEQ)
     assert answers == [jmoe.generate(model, p, max_new_tokens=16) for p in prompts]
+    # echo's prompt logprobs, scored by both processes at the same point: one process's log-softmax
+    ids = model.tokenizer.encode(PROMPT)
+    logits = np.asarray(forward(model, ids), np.float64)
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    assert echoed.text == PROMPT and echoed.logprobs.token_logprobs[0] is None
+    assert echoed.logprobs.token_logprobs[1:] == pytest.approx([logp[t, ids[t + 1]] for t in range(len(ids) - 1)],
+                                                               abs=1e-4)
     assert code == 130, (tmp_path / "stderr.txt").read_text()[-2000:]
     assert took < 20, f"{took:.1f} s to stop"

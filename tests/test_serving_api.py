@@ -5,7 +5,6 @@ the culprit, failing steps, hung-up clients, connection limits and the access lo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import select
@@ -656,7 +655,6 @@ def test_api_options_of_jmoe_serve_are_checked(monkeypatch):
     assert options("--allowed-origins", "https://a.example, http://localhost:3000")["allowed_origins"] == [
         "https://a.example", "http://localhost:3000"]
     assert options("--allowed-origins", "*")["allowed_origins"] == ["*"]
-    assert options("--warm-up-echo")["warm_up_echo"] and not options()["warm_up_echo"]
     for bad in (["--api-key", ""], ["--api-key", "two words"], ["--api-key", "k\u00e9y"], ["--allowed-origins", ""],
                 ["--allowed-origins", "a.example"], ["--allowed-origins", "https://a.example/"],
                 ["--allowed-origins", "*,https://a.example"]):
@@ -776,35 +774,34 @@ def test_streamed_echo_sends_what_the_whole_answer_holds(served):
             assert mine[-1].finish_reason == choice["finish_reason"]
 
 
-def test_echo_scoring_warms_up_each_prompt_bucket_and_runs_beside_the_engine(served, monkeypatch):
-    from jmoe.serving.scoring import PromptScorer
+def test_echo_scoring_runs_on_the_engine_thread_and_compiles_once_per_prompt_bucket(served, monkeypatch):
+    """Scoring runs where the engine's steps run (so that where several processes serve one model,
+    each runs it at the same point); warm-up scores at each bucket; prompts of one bucket share
+    every executable."""
+    from jmoe.errors import InputError
 
-    base, _, model = served
-    scorer = PromptScorer(model)
-    lengths = []
-    real_forward = scoring.forward
+    base, engine, model = served
+    calls = []
+    real_logits = scoring.bucket_logits
 
-    def forward(model, ids):
-        lengths.append(len(ids))
-        return real_forward(model, ids)
+    def bucket_logits(model, ids):
+        calls.append((len(ids), threading.current_thread().name))
+        return real_logits(model, ids)
 
-    monkeypatch.setattr(scoring, "forward", forward)
-    scorer.warm_up(20)
-    assert lengths == [16, 19]  # each bucket below the context (19: the longest prompt, bucket 32)
-    threads = []
-    monkeypatch.setattr(scorer, "score_now", lambda prompt, top: threads.append(threading.current_thread().name))
-    asyncio.run(scorer.score([1, 2], 0))
-    assert threads[0].startswith("jmoe-scorer")  # neither the event loop's thread nor the engine's
-
-
-def test_echo_logprobs_are_refused_where_other_processes_replay_the_engine(served, app_client, monkeypatch):
-    monkeypatch.setattr(served[1], "mirror", object())  # (read when the app is made)
-    http = app_client()
-    monkeypatch.undo()
-    refused = http.post("/v1/completions", json={**OK, "echo": True, "logprobs": 1})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
-    echoed = http.post("/v1/completions", json={**OK, "echo": True, "max_tokens": 0}).json()
-    assert echoed["choices"][0]["text"] == OK["prompt"]
+    monkeypatch.setattr(scoring, "bucket_logits", bucket_logits)
+    scoring.warm_up_scoring(model, 20)
+    assert [n for n, _ in calls] == [16, 19]  # each bucket below the context (19: the longest prompt, bucket 32)
+    calls.clear()
+    first = engine.score(list(range(1, 18)), 2).result(timeout=120)  # bucket 32 (compiled above, by warm-up)
+    before = CompileCounter.count()
+    later = [engine.score(list(range(1, n)), 2).result(timeout=120) for n in (21, 31)]
+    assert CompileCounter.count() == before
+    assert calls == [(17, "jmoe-batch-engine"), (20, "jmoe-batch-engine"), (30, "jmoe-batch-engine")]
+    assert first[0].logprob is None and [len(s) for s in [first, *later]] == [17, 20, 30]
+    # a prefix's tokens are scored alike whatever follows them (causal attention), whatever the padding
+    assert [t.logprob for t in later[0][:17]] == pytest.approx([t.logprob for t in first], abs=1e-5)
+    with pytest.raises(InputError):
+        engine.score([], 1)
 
 
 def test_chat_content_parts_read_as_their_joined_text(served):

@@ -24,6 +24,14 @@ def token_array(model, token_ids, minimum: int) -> np.ndarray:
 
 def forward(model, token_ids) -> jnp.ndarray:
     """Logits [T, vocab] float32 for one sequence of token ids (no sampling, no cache reuse)."""
+    logits, start = bucket_logits(model, token_ids)
+    return logits[start:]
+
+
+def bucket_logits(model, token_ids) -> tuple[jnp.ndarray, int]:
+    """forward's logits as the step gives them: [P, vocab] for the sequence left-padded to its
+    prompt bucket P, and the position of its first token. (A caller that reads them at positions
+    rather than slicing compiles nothing per sequence length.)"""
     check_model(model)
     ids = token_array(model, token_ids, 1)
     T = ids.shape[0]
@@ -35,7 +43,7 @@ def forward(model, token_ids) -> jnp.ndarray:
     cache = new_cache(model.config, 1, P, model.kv_dtype)
     logits, _ = model.step(jnp.asarray(tokens), cache, np.zeros(1, np.int32), np.asarray([P - T], np.int32),
                            last_only=False, phase="prefill")
-    return logits[0, P - T :]
+    return logits[0], P - T
 
 
 @jax.jit

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import jax
@@ -49,6 +50,7 @@ from jmoe.serving.compiles import CompileCounter
 from jmoe.serving.kv_rows import Prefill, insert_row, move_row, put_rows, take_rows
 from jmoe.serving.logits import MAX_TOP_LOGPROBS, greedy_jit, logprobs_jit, row_jit, token_logprobs
 from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob, _Replayed
+from jmoe.serving.scoring import score_prompt, warm_up_scoring
 from jmoe.serving.speculation import Speculation
 from jmoe.serving.structured import Constraint, masked_row
 
@@ -107,8 +109,10 @@ class BatchEngine:
 
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
                  prefill_per_step: int = PREFILL_CHUNK, reader_timeout: float | None = None, speculative=None,
-                 warm_up: bool = False, observer=None, mirror=None, follower: bool = False):
-        """mirror (jmoe/serving/mirror.py): under jax.distributed, process 0's engine publishes each
+                 warm_up: bool = False, warm_up_echo: bool = False, observer=None, mirror=None,
+                 follower: bool = False):
+        """warm_up_echo: with warm_up, compile echo's prompt scoring (score()) too (else its first
+        use at each prompt-length bucket compiles it, holding the engine meanwhile). mirror (jmoe/serving/mirror.py): under jax.distributed, process 0's engine publishes each
         iteration's decisions through it and the other processes' engines (follower=True: no loop
         thread; call follow()) replay them."""
         self.model = model
@@ -126,6 +130,7 @@ class BatchEngine:
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
         self.waiting: deque[Stream] = deque()
+        self.scoring: deque[tuple[list[int], int, Future]] = deque()  # score()'s jobs, oldest first
         self.prefilling: deque[Prefill] = deque()  # admitted, prompt not all in yet (oldest first)
         # prompt tokens prefilled between two decode steps, at most (at least one chunk): a long
         # prompt arriving does not stall the running streams for its whole prefill
@@ -151,6 +156,8 @@ class BatchEngine:
         CompileCounter.start()
         if warm_up:
             self.warm_up()
+            if warm_up_echo:
+                warm_up_scoring(model, self.context)
         self._thread = threading.Thread(target=self._loop, name="jmoe-batch-engine", daemon=True)
         if not follower:
             self._thread.start()
@@ -224,12 +231,29 @@ class BatchEngine:
         stream = Stream(request)
         with self._wake:
             if self._closed:
-                raise EngineClosed(f"the engine failed: {self.failure}" if self.failure else "the engine is closed")
+                raise self._closed_error()
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already")
             self.waiting.append(stream)
             self._wake.notify()
         return stream
+
+    def score(self, prompt: list[int], top: int) -> Future:
+        """A Future of `prompt`'s own tokens' logprobs with `top` alternatives each (echo's; see
+        scoring.py), worked out on the engine's thread between two steps."""
+        if not prompt or len(prompt) > self.model.max_seq_len:
+            raise InputError(f"a prompt to score has 1 to {self.model.max_seq_len} tokens, not {len(prompt)}")
+        validate.integer("logprobs", top, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        future = Future()
+        with self._wake:
+            if self._closed:
+                raise self._closed_error()
+            self.scoring.append((list(prompt), top, future))
+            self._wake.notify()
+        return future
+
+    def _closed_error(self) -> EngineClosed:
+        return EngineClosed(f"the engine failed: {self.failure}" if self.failure else "the engine is closed")
 
     @property
     def running(self) -> int:
@@ -259,6 +283,8 @@ class BatchEngine:
             self._end_started(lambda stream, running: ended.get(stream.id))
             self.waiting.extend(_Replayed(request, i) for i, request in d["admit"])
             self._admit()
+            for prompt, top in d["score"]:  # process 0's scoring, run alike (its result read there)
+                score_prompt(self.model, prompt, top)
             if self.running:
                 self.speculation.step(self) if self.speculation is not None else self._step()
         self._fail_all(None)
@@ -285,20 +311,23 @@ class BatchEngine:
     def _has_work(self) -> bool:
         """Wait until there is something to do: False once the engine is closed."""
         with self._wake:
-            while not self._closed and not self.waiting and not self.prefilling and self.running == 0:
+            while (not self._closed and not self.waiting and not self.prefilling and self.running == 0
+                   and not self.scoring):
                 self._wake.wait()
             return not self._closed
 
     def _iterate(self) -> None:
-        """End what should end, admit waiting requests, run a step."""
+        """End what should end, admit waiting requests, score a prompt, run a step."""
         ended = self._drop_cancelled()
+        scoring = self._next_scoring()
         admitting = None
         if self.mirror is not None:  # the followers learn what happens before it does
             self._compact()
             with self._wake:
                 admitting = list(self.waiting)[:max(0, self.max_batch - self.running - len(self.prefilling))]
-            self.mirror.publish(ended, [(s.id, s.request) for s in admitting])
+            self.mirror.publish(ended, [(s.id, s.request) for s in admitting], [job[:2] for job in scoring])
         self._admit(None if admitting is None else len(admitting))
+        self._score(scoring)
         if self.running:
             try:
                 self.speculation.step(self) if self.speculation is not None else self._step()
@@ -306,6 +335,25 @@ class BatchEngine:
                 if self.mirror is not None:  # the other processes ran this step too: no one-sided recovery
                     raise
                 self._step_failed(error)
+
+    def _next_scoring(self) -> list[tuple[list[int], int, Future]]:
+        """The oldest scoring whose asker still waits (one per iteration: a queue of them holds the
+        running rows back by one prompt's forward per token at most)."""
+        with self._wake:
+            while self.scoring:
+                job = self.scoring.popleft()
+                if job[2].set_running_or_notify_cancel():
+                    return [job]
+        return []
+
+    def _score(self, jobs) -> None:
+        for prompt, top, future in jobs:
+            try:
+                future.set_result(score_prompt(self.model, prompt, top))
+            except Exception as error:  # noqa: BLE001 - that request fails (its own cache: nothing else lost)
+                if self.mirror is not None:  # the other processes ran it too: no one-sided recovery
+                    raise
+                future.set_exception(error)
 
     def _step_failed(self, error: Exception) -> None:
         """A step raised: its rows (every running one) end with the error. A step of padding rows then
@@ -365,6 +413,10 @@ class BatchEngine:
             self._closed = True
             while self.waiting:
                 self._end(self.waiting.popleft(), reason, error)
+            while self.scoring:
+                future = self.scoring.popleft()[2]
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(self._closed_error())
 
     def _drop_cancelled(self) -> list[tuple[int, str]]:
         """End the requests that were cancelled, ran past their timeout, or whose reader stalled;

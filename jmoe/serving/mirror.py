@@ -3,8 +3,9 @@
 Every process of a jax.distributed job must run the same steps in the same order. What a serving
 engine does next depends on things only process 0 sees (requests arriving over HTTP, clients
 cancelling or going quiet, timeouts), so process 0 publishes, before each iteration of its loop,
-which requests ended and which were admitted, through the job's key-value store; the other
-processes' engines apply exactly that and then run the same admission and step code, whose other
+which requests ended, which were admitted and which prompt is scored (echo's logprobs), through
+the job's key-value store; the other processes' engines apply exactly that and then run the same
+admission, scoring and step code, whose other
 inputs (rows, positions, tokens) are then the same everywhere.
 """
 
@@ -38,8 +39,11 @@ class Mirror:
         self.client = global_state.client
         self.iteration = 0
 
-    def publish(self, ended: list[tuple[int, str]], admitted: list[tuple[int, object]], close: bool = False) -> None:
-        payload = dict(end=ended, admit=[(i, request_to_dict(r)) for i, r in admitted], close=close)
+    def publish(self, ended: list[tuple[int, str]], admitted: list[tuple[int, object]],
+                scored: list[tuple[list[int], int]] = (), close: bool = False) -> None:
+        """Before an iteration: requests ended and admitted, and prompts scored (echo's: `(ids, top)`)."""
+        payload = dict(end=ended, admit=[(i, request_to_dict(r)) for i, r in admitted], score=list(scored),
+                       close=close)
         self.client.key_value_set(f"{_KEY}{self.iteration}", json.dumps(payload))
         if self.iteration >= 2:  # followers run in lockstep (the step's collectives): two back is read
             self.client.key_value_delete(f"{_KEY}{self.iteration - 2}")

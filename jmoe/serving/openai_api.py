@@ -28,7 +28,6 @@ from jmoe.errors import InputError
 from jmoe.serving.batcher import BatchEngine
 from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob
 from jmoe.serving.metrics import EngineMetrics
-from jmoe.serving.scoring import PromptScorer
 from jmoe import harmony
 from jmoe.serving.tools import Tools, tool_call, tool_calls
 from jmoe.serving.validation import (
@@ -341,14 +340,11 @@ def _add_cors(app, origins: list[str]) -> None:
 
 
 def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float | None = None,
-               max_tokens: int | None = None, api_key: str | None = None, allowed_origins: list[str] | None = None,
-               warm_up_echo: bool = False):
+               max_tokens: int | None = None, api_key: str | None = None, allowed_origins: list[str] | None = None):
     """The FastAPI application serving `engine`'s model as `model_name`; a request still running
     `request_timeout` seconds after it arrived ends there (finish reason "length"); a request may
     ask for at most `max_tokens` tokens (default: the engine's context). With `api_key`, the API's
-    routes need it as a bearer token; `allowed_origins` (parse_origins') may call it from a browser.
-    warm_up_echo: compile echo's prompt scoring now (else its first use at each prompt-length bucket
-    compiles it, holding the model meanwhile)."""
+    routes need it as a bearer token; `allowed_origins` (parse_origins') may call it from a browser."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -378,10 +374,6 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
     metrics = EngineMetrics(engine)
     # completions per request: what the engine's rows and queue can take at once (else it could only be a 429)
     max_choices = min(MAX_CHOICES, max(MAX_N, engine.max_batch + engine.max_waiting))
-    # echo's prompt logprobs run forward beside the engine: not where other processes replay its steps
-    scorer = PromptScorer(model) if engine.mirror is None else None
-    if warm_up_echo and scorer is not None:
-        scorer.warm_up(engine.context)
 
     @app.get("/metrics")
     async def prometheus():
@@ -465,21 +457,25 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
                 raise ApiError(f"the request body passes {MAX_BODY_BYTES} bytes, the most accepted", status=413)
         return bytes(body)
 
+    async def score(ids: list[int], top: int) -> list[TokenLogprob]:
+        """The engine's scoring of a prompt (BatchEngine.score), awaited on the event loop."""
+        try:
+            return await asyncio.wrap_future(engine.score(ids, top))
+        except EngineClosed as e:
+            raise ApiError(f"the server is not taking requests: {e}", status=503, kind="server_error") from None
+
     async def echoes(parsed: Parsed, logprobs: LogprobFormat) -> list[tuple[str, dict | None]]:
         """Each prompt's echo: its text, and its tokens' logprobs when asked for."""
         out = []
         for ids, text in zip(parsed.prompts, parsed.texts):
             text = decode(model.tokenizer, ids) if text is None else text
-            scored = None if parsed.logprobs is None else logprobs(await scorer.score(ids, parsed.logprobs))
+            scored = None if parsed.logprobs is None else logprobs(await score(ids, parsed.logprobs))
             out.append((text, scored))
         return out
 
     async def complete(http: HttpRequest, chat: bool):
         parsed = parse_request(parse_body(await read_body(http)), model, model_name, chat=chat,
                                max_tokens=max_tokens, max_choices=max_choices)
-        if parsed.echo and parsed.logprobs is not None and scorer is None:
-            raise ApiError("'echo' with 'logprobs' is not available when the model is served by several processes",
-                           "echo")
         logprobs = LogprobFormat(model.tokenizer, chat)
         streams = submit(parsed)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
