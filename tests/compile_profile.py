@@ -23,14 +23,20 @@ EVENTS = {"backend_compile_duration": "compile_s", "jaxpr_trace_duration": "trac
           "jaxpr_to_mlir_module_duration": "lower_s"}
 _current: dict = {"test": None}
 _tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+# per compiled function's name: [compiles, seconds] (which executables the compile time goes to)
+_functions: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
 
 
-def _listener(event: str, duration: float, **_) -> None:
+def _listener(event: str, duration: float, fun_name: str | None = None, **_) -> None:
     name = EVENTS.get(event.rsplit("/", 1)[-1])
     if name is not None:
         counts = _tests[_current["test"] or "<outside tests>"]
         counts[name] += duration
         counts["compiles"] += name == "compile_s"
+        if name == "compile_s":
+            entry = _functions[fun_name or "?"]
+            entry[0] += 1
+            entry[1] += duration
 
 
 def pytest_configure(config):
@@ -53,6 +59,7 @@ def pytest_sessionfinish(session, exitstatus):
     out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     (out / f"{worker}.json").write_text(json.dumps(_tests))
+    (out / f"{worker}.functions").write_text(json.dumps(_functions))
 
 
 def summary(directory: Path) -> str:
@@ -68,6 +75,14 @@ def summary(directory: Path) -> str:
         total.update(counts)
         lines.append(f"{module:48s}" + "".join(f"{counts[c]:11.1f}" for c in columns))
     lines.append(f"{'all':48s}" + "".join(f"{total[c]:11.1f}" for c in columns))
+    functions: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for path in directory.glob("*.functions"):
+        for name, (n, seconds) in json.loads(path.read_text()).items():
+            functions[name][0] += n
+            functions[name][1] += seconds
+    lines += ["", f"{'compiled function':48s}{'compiles':>11s}{'compile_s':>11s}"]
+    for name, (n, seconds) in sorted(functions.items(), key=lambda kv: -kv[1][1])[:40]:
+        lines.append(f"{name[:48]:48s}{n:11d}{seconds:11.1f}")
     return "\n".join(lines)
 
 
