@@ -251,6 +251,9 @@ def test_the_draft_is_reserved_within_the_budget(tiny_hf_dir, tmp_path):
 def test_governor_trades_acceptance_against_cycle_time():
     g = Governor(k_max=8)
     assert g.choose() == 4  # nothing measured yet
+    g.update(4, np.array([4]), draft_s=4 * 0.001, verify_s=0.01, missing_bytes=0)
+    assert g.choose() == 0  # plain steps timed once before drafting is weighed against them
+    g.update(0, None, draft_s=0.0, verify_s=0.01, missing_bytes=0)
     for _ in range(20):  # cheap drafts that are always right: draft long
         g.update(8, np.array([8]), draft_s=8 * 0.001, verify_s=0.01, missing_bytes=0)
     assert g.choose() == 8
@@ -259,9 +262,12 @@ def test_governor_trades_acceptance_against_cycle_time():
         g.update(4, np.array([0]), draft_s=4 * 0.01, verify_s=0.01, missing_bytes=0)
     assert g.choose() == 0
     g = Governor(k_max=8, max_cycle_s=0.0155)  # k_max from a latency target: 5 x 1 ms + 10 ms fits
+    g.update(0, None, draft_s=0.0, verify_s=0.01, missing_bytes=0)
     for _ in range(20):
         g.update(8, np.array([8]), draft_s=8 * 0.001, verify_s=0.01, missing_bytes=0)
     assert g.choose() == 5
+    choices = [g.choose() for _ in range(2 * 16)]  # drafting pays: plain steps only to keep their time fresh
+    assert choices.count(0) == 2 and set(choices) == {0, 5}
     assert Governor(k_max=8, fixed=3).choose() == 3
 
 

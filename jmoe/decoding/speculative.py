@@ -25,7 +25,9 @@ E[tokens(k)] = 1 + sum_{i<=k} prod_{j<=i} a_j with per-position acceptance rates
 EMA, and T_cycle(k) = k * t_draft + t_verify(k) + bytes still to fetch / host-to-device bandwidth,
 t_verify interpolated from the verification times measured so far; k = 0 (a plain step) competes
 too, so where drafting cannot pay (a draft step costing as much as a target step) the governor
-stops drafting, trying again every EXPLORE cycles. k_max comes from the latency
+stops drafting, trying again every EXPLORE cycles. A cycle without drafts is PLAIN_RUN plain decode
+steps run as plain decoding runs them, each dispatched before the previous one is read (PlainRun),
+and t_verify(0) is their time per token. k_max comes from the latency
 target `max_cycle_s` when given and, with an offloaded target, from the pools: no more drafted
 tokens than the run tier's pool can verify in one pass (auto_k_max).
 """
@@ -38,6 +40,7 @@ from functools import partial
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
@@ -51,6 +54,7 @@ from jmoe.tiers import TIER_NAMES
 
 DEFAULT_K_MAX = 8
 EXPLORE = 16  # cycles between looks at speculating again, once plain steps are faster
+PLAIN_RUN = 4  # plain steps in one such cycle (overlapped with each other: see PlainRun)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Governor:
         self.t_verify: dict[int, float] = {}  # k -> seconds per verification
         self.missing_bytes = 0.0  # per drafted position, still to fetch before verification
         self.plain_cycles = 0
+        self.draft_cycles = 0
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.accept[:k]).sum())
@@ -109,13 +114,15 @@ class Governor:
         return k * t_draft + t_verify + k * self.missing_bytes / self.bandwidth
 
     def choose(self) -> int:
-        """k for the next cycle; 0 (verify only the committed token: a plain step) when no draft
-        length pays for itself, with a look at the best k >= 1 every EXPLORE cycles to keep its
-        acceptance and timing estimates fresh."""
+        """k for the next cycle; 0 (plain steps) when no draft length pays for itself, with a look
+        at the best k >= 1 every EXPLORE cycles to keep its acceptance and timing estimates fresh,
+        and at plain steps every EXPLORE cycles of drafting (and as soon as a draft was timed)."""
         if self.fixed is not None:
             return self.fixed
         if self.t_draft is None:
             return min(4, self.k_max)  # nothing measured yet
+        if 0 not in self.t_verify:
+            return 0  # plain steps' own time, not an estimate from verifications
         ks = range(1, self.k_max + 1)
         if self.max_cycle_s is not None:  # k_max from the latency target
             ks = [k for k in ks if k == 1 or self.cycle_seconds(k) <= self.max_cycle_s]
@@ -124,6 +131,10 @@ class Governor:
         if self.expected_tokens(best) / self.cycle_seconds(best) < 1 / plain_s:
             self.plain_cycles += 1
             if self.plain_cycles % EXPLORE:
+                return 0
+        else:
+            self.draft_cycles += 1
+            if self.draft_cycles % EXPLORE == 0:
                 return 0
         return best
 
@@ -189,13 +200,18 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
     model.count(executions=1, phase="prefill")
     produced = np.ones(B, int)
     queue: list[list[int]] = [[int(t)] for t in model.read_tokens(last, phase="prefill")]
-    while True:
+    def drain() -> Iterator[np.ndarray]:
+        """Yield a token per row while every unfinished row has one queued."""
         finished = produced >= lengths.new_tokens
         while all(q or done for q, done in zip(queue, finished)) and any(queue):
             out = np.array([q.pop(0) if q else -1 for q in queue], np.int32)
             with model.lock:
                 clock.tick(model.stats, int((out >= 0).sum()))
             yield out
+
+    while True:
+        yield from drain()
+        finished = produced >= lengths.new_tokens
         if finished.all():
             return
         active = ~finished
@@ -204,15 +220,27 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             room = lengths.cache - 1 - int(decoder.pos.max())
             need = int((lengths.new_tokens - produced[active]).max())
             k = max(0, min(governor.choose(), room, need - 1))
+        if k == 0:  # drafting does not pay now: plain steps, as plain decoding runs them (overlapped)
+            run = PlainRun(decoder, last, sample)
+            for out in run.steps(min(PLAIN_RUN, room + 1, need)):
+                wanting = np.flatnonzero(produced < lengths.new_tokens)
+                for b in wanting:
+                    queue[b].append(int(out[b]))
+                produced[wanting] += 1
+                with model.lock:
+                    spec.count(0, np.zeros(len(wanting), int))
+                yield from drain()
+            last = run.last
+            governor.update(0, None, 0.0, agree(run.seconds / run.taken), 0.0)
+            continue
+        with model.lock:
             governor.bandwidth = h2d_bandwidth(model.stats)
             hits, uses, moved = model.stats.hits, model.stats.uses, model.stats.bytes_h2d
             t = time.perf_counter()
             cycle = decoder.speculate(last, sample, k, draft)
-            draft_s = 0.0
-            if k:  # the drafts' readiness times the draft (the second of a cycle's two blocking reads)
-                cycle.drafts.block_until_ready()
-                model.stats.count_io(reads=1, phase="verify")
-                draft_s = time.perf_counter() - t
+            cycle.drafts.block_until_ready()  # times the draft (the second of a cycle's two blocking reads)
+            model.stats.count_io(reads=1, phase="verify")
+            draft_s = time.perf_counter() - t
             accepted, nxt, drafts, last = decoder.settle_cycle(cycle, sample)
             draft_s, verify_s = agree(draft_s), agree(time.perf_counter() - t - draft_s)
             spec.verify_hits += model.stats.hits - hits
@@ -224,6 +252,37 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             new = [*drafts[b, : accepted[b]].tolist(), int(nxt[b])][: lengths.new_tokens - produced[b]]
             queue[b].extend(new)
             produced[b] += len(new)
+
+
+class PlainRun:
+    """Plain decode steps inside speculative decoding, each dispatched before the previous one is
+    read, as generation.token_steps runs them (a speculative cycle waits for its own result before
+    the next is dispatched, so a plain step in a cycle's place would cost the host's round trip too)."""
+
+    def __init__(self, decoder: Decoder, last, sample: Sampler):
+        self.decoder, self.sample = decoder, sample
+        self.last = last  # the tokens [B] on the device that the next step takes in
+        self.seconds = 0.0  # in the steps (their dispatches and reads), not in the caller's hands
+        self.taken = 0
+
+    def steps(self, n: int) -> Iterator[np.ndarray]:
+        """Yield each of n steps' tokens [B] (numpy); `last` is then the last of them on the device."""
+        decoder, sample = self.decoder, self.sample
+        t = time.perf_counter()
+        current = decoder.decode_sampled(self.last, sample)
+        for i in range(n):
+            more = i + 1 < n
+            following = decoder.decode_sampled(current, sample) if more else None
+            out, redrawn = decoder.settle_sampled(sample)
+            if redrawn and more:  # the next step took in the token drawn first: run it again
+                decoder.rewind_last()
+                following = decoder.decode_sampled(jnp.asarray(out), sample)
+            self.last = jnp.asarray(out) if redrawn and not more else current
+            current = following
+            self.seconds += time.perf_counter() - t
+            self.taken += 1
+            yield out
+            t = time.perf_counter()
 
 
 def padded(block: np.ndarray, room: int) -> np.ndarray:
