@@ -221,6 +221,20 @@ def test_ragged_widths_and_padded_groups():
             _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
 
 
+@pytest.mark.parametrize("int8_dot", [False, True])
+def test_more_rows_than_a_chunk_split_runs_and_gaps_change_nothing(int8_dot):
+    """A prefill's routed rows run in chunks of 512 (cpu_kernels/src/kernels.cc): 1,320 rows, one
+    expert's run of about 800 of them (split between chunks), empty blocks between runs."""
+    rng = np.random.default_rng(3)
+    D, F, S, block_rows, blocks = 128, 64, 3, 4, 330
+    gu, dn = _pool(rng, S, D, 2 * F, FORMATS["int4"]), _pool(rng, S, F, D, FORMATS["int4"])
+    bs = np.sort(rng.choice(S, blocks, p=[0.6, 0.3, 0.1])).astype(np.int32)
+    bs[rng.random(blocks) < 0.1] = -1
+    assert (bs == 0).sum() * block_rows > 512 + 64 and (bs < 0).sum() > 10
+    rows = jnp.asarray(rng.standard_normal((blocks * block_rows, D)).astype(np.float32))
+    _compare(rows, jnp.asarray(bs), gu, dn, block_rows, int8_dot=int8_dot)
+
+
 def _groups_int8(x, group):
     """The int8 dot's inputs in numpy float32 (IEEE division, round half to even), as the kernel forms them."""
     m, k = x.shape

@@ -658,6 +658,35 @@ static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::
     }
 }
 
+// A prefill routes thousands of rows to the experts: they run in chunks of at most kChunkRows
+// rows (a run of one expert's rows may be split between two), so the scratch of run_experts and
+// the routed rows' gathered copies stay a few MiB, reused chunk after chunk. (Whole, they were
+// about 160 MiB per MoE layer at Qwen3-30B-A3B's widths for a 512-token chunk: the step's peak
+// memory, and fresh pages faulted in at every layer.)
+constexpr int64_t kChunkRows = 512;
+
+// Runs over rows [row0, row0 + rows) of the inputs; its runs' row0 count from the chunk's.
+struct Chunk {
+  int64_t row0 = 0, rows = 0;
+  std::vector<Run> runs;
+};
+
+// `runs` (in row order) cut into chunks spanning at most `most` rows each (gaps between runs included).
+static std::vector<Chunk> chunks_of(const std::vector<Run>& runs, int64_t most) {
+  std::vector<Chunk> out;
+  for (Run r : runs) {
+    while (r.rows > 0) {
+      if (out.empty() || r.row0 - out.back().row0 >= most) out.push_back({r.row0, 0, {}});
+      Chunk& c = out.back();
+      const int64_t take = std::min(r.rows, most - (r.row0 - c.row0));
+      c.runs.push_back({r.row0 - c.row0, take, r.slot});
+      c.rows = r.row0 + take - c.row0;
+      r.row0 += take, r.rows -= take;
+    }
+  }
+  return out;
+}
+
 // pallas_kernels.expert_ffn's contract: rows [R, D] in blocks of block_rows, block b through the
 // expert in slot block_slot[b] (-1: zeros); consecutive blocks of one slot run as one matmul.
 static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
@@ -689,7 +718,8 @@ static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values
     else
       runs.push_back({b * block_rows, block_rows, s});
   }
-  if (!runs.empty()) run_experts(pool, p, runs, rows.typed_data(), R, y);
+  for (const Chunk& c : chunks_of(runs, kChunkRows))
+    run_experts(pool, p, c.runs, rows.typed_data() + c.row0 * D, c.rows, y + c.row0 * D);
   return ffi::Error::Success();
 }
 
@@ -721,18 +751,22 @@ static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values
   if (order.empty()) return ffi::Error::Success();
   std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) { return sl[i] < sl[j]; });
   const int64_t R = order.size();
-  std::vector<float> xs(R * D), ys(R * D);
   std::vector<Run> runs;
   for (int64_t i = 0; i < R; ++i) {
-    const int64_t a = order[i];
-    std::memcpy(xs.data() + i * D, h.typed_data() + tok[a] * D, D * sizeof(float));
-    if (!runs.empty() && runs.back().slot == sl[a])
+    if (!runs.empty() && runs.back().slot == sl[order[i]])
       runs.back().rows += 1;
     else
-      runs.push_back({i, 1, sl[a]});
+      runs.push_back({i, 1, sl[order[i]]});
   }
-  run_experts(pool, p, runs, xs.data(), R, ys.data());
-  for (int64_t i = 0; i < R; ++i) std::memcpy(y + order[i] * D, ys.data() + i * D, D * sizeof(float));
+  const int64_t most = std::min(R, kChunkRows);
+  std::vector<float> xs(most * D), ys(most * D);  // one chunk's rows, gathered, and their outputs
+  for (const Chunk& c : chunks_of(runs, most)) {
+    for (int64_t i = 0; i < c.rows; ++i)
+      std::memcpy(xs.data() + i * D, h.typed_data() + tok[order[c.row0 + i]] * D, D * sizeof(float));
+    run_experts(pool, p, c.runs, xs.data(), c.rows, ys.data());
+    for (int64_t i = 0; i < c.rows; ++i)
+      std::memcpy(y + order[c.row0 + i] * D, ys.data() + i * D, D * sizeof(float));
+  }
   return ffi::Error::Success();
 }
 
