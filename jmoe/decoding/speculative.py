@@ -127,7 +127,7 @@ class Governor:
         if self.max_cycle_s is not None:  # k_max from the latency target
             ks = [k for k in ks if k == 1 or self.cycle_seconds(k) <= self.max_cycle_s]
         best = max(ks, key=lambda k: self.expected_tokens(k) / self.cycle_seconds(k))
-        plain_s = self.cycle_seconds(0)  # measured, or estimated from the shortest verification seen
+        plain_s = self.cycle_seconds(0)  # measured: plain steps are timed before any comparison
         if self.expected_tokens(best) / self.cycle_seconds(best) < 1 / plain_s:
             self.plain_cycles += 1
             if self.plain_cycles % EXPLORE:
