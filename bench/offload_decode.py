@@ -19,8 +19,10 @@ Protocol: the resident model stays loaded; each case is loaded in turn (so two m
 at a time), warmed up on the whole workload twice (every shape it meets compiled), then timed in
 --rounds rounds alternating with the resident model (the order flips every round). Decode ms/token = from each prompt's first streamed token to its last, over the
 tokens after the first. Reported: median and [min-max] over rounds, and the ratio resident /
-case (speed relative to resident) taken within each round. The run fails if anything compiles in a
-timed window. Counters (jmoe.stats()["host"], per decode token: blocking reads, executions,
+case (speed relative to resident) taken within each round. A case that fails (an error, a compile
+in a timed window) is recorded under "failed", the other cases still run, and the run exits non-zero.
+Each case's greedy tokens are compared with the resident model's (greedy_tokens_as_resident: the share
+equal up to each prompt's first difference; exact modes give 1.0 unless a near tie flips a token). Counters (jmoe.stats()["host"], per decode token: blocking reads, executions,
 transfers, bytes; in-step fetches, replays, degraded uses) are differenced over the timed rounds.
 
 Modelled GPU (--no-model to skip): each case once more with trace=True, replayed by bench/lib/gpu_model.py
@@ -125,6 +127,24 @@ def decode_ms(model, prompts, kw) -> float:
     return 1e3 * sum(r[1] for r in runs) / max(sum(r[2] for r in runs), 1)
 
 
+def greedy_tokens(model, prompts, name: str, new_tokens: int) -> list[list[int]]:
+    return [list(jmoe.generate(model, ids, **gen_kw(name, 0.0, 0, new_tokens))) for ids in prompts]
+
+
+def agreement(case: list[list[int]], resident: list[list[int]]) -> float:
+    """Share of greedy tokens equal to the resident model's, each prompt up to its first difference
+    (after one, the two continue from different text)."""
+    same = total = 0
+    for a, b in zip(case, resident):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same, total = same + n, total + max(len(a), len(b))
+    return same / max(total, 1)
+
+
+class CompiledWhileTimed(RuntimeError):
+    pass
+
+
 def host_counts(model) -> dict:
     """Counters to difference over a window: host work of every phase but prefill (plain decode, or a
     speculative run's draft and verify), per decode token."""
@@ -168,7 +188,7 @@ def time_case(name: str, model, resident, prompts, args, temperature: float) -> 
             else:
                 resident_ms.append(decode_ms(resident, prompts, base_kw))
         if CompileCounter.count() != compiles:
-            sys.exit(f"{name}: {CompileCounter.count() - compiles} compilation(s) in the timed window")
+            raise CompiledWhileTimed(f"{name}: {CompileCounter.count() - compiles} compilation(s) in the timed window")
         rounds.append({"resident_ms": resident_ms[-1], "case_ms": case_ms[-1], "waited_for_quiet_s": waited,
                        "other_processes_cores": other_cores(busy, busy_seconds(), time.perf_counter() - start)})
     entry = {"decode_ms": spread(case_ms), "resident_decode_ms": spread(resident_ms),
@@ -192,13 +212,24 @@ def timed_run(path: Path, names: list[str], prompts, args, save) -> dict:
     for t in temperatures:
         for _ in range(2):
             decode_ms(resident, prompts, gen_kw("resident", t, args.seed, args.new_tokens))
+    resident_tokens = greedy_tokens(resident, prompts, "resident", args.new_tokens)
     out = {f"temperature_{t:g}": {} for t in temperatures}
+    failed = {}
     for name in names:
         if name == "resident":
             continue
-        model = load(path, name)
-        for t in temperatures:
-            out[f"temperature_{t:g}"][name] = time_case(name, model, resident, prompts, args, t)
+        model = None
+        try:  # a case that fails is recorded and the others still run; the run fails at its end
+            model = load(path, name)
+            for t in temperatures:
+                out[f"temperature_{t:g}"][name] = time_case(name, model, resident, prompts, args, t)
+            share = agreement(greedy_tokens(model, prompts, name, args.new_tokens), resident_tokens)
+            out.setdefault("greedy_tokens_as_resident", {})[name] = share
+            print(f"  {name}: {share:.3f} of greedy tokens as the resident model's", flush=True)
+        except Exception as e:  # noqa: BLE001 - recorded with its type, the run exits non-zero
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"  {name} FAILED: {failed[name]}", flush=True)
+        out["failed"] = failed
         save(out)
         del model
         gc.collect()
@@ -267,6 +298,8 @@ def main() -> None:
             write_result("offload_decode", args.out, result)
 
     save(timed_run(path, names, prompts, args, save))
+    if result["runs"]["failed"]:
+        sys.exit(f"failed cases: {result['runs']['failed']}")
     if not args.no_model:
         result["modelled_gpu"] = modelled(path, names, prompts, args)
         for name, entry in result["modelled_gpu"]["cases"].items():
