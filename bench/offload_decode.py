@@ -170,12 +170,24 @@ def spread(values) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def warm_up_draft_lengths(model, prompts, kw) -> None:
+    """Every draft length the governor may choose (each a draft executable of its own; verification
+    widths are padded to powers of two): the governor chooses by measured time, so the timed window
+    can meet a length that the workload's warm-up did not."""
+    from jmoe.decoding.speculative import DEFAULT_K_MAX, auto_k_max
+
+    for k in range(1, auto_k_max(model, DEFAULT_K_MAX) + 1):
+        decode_ms(model, prompts, {**kw, "speculative": {"draft": kw["speculative"], "k": k}})
+
+
 def time_case(name: str, model, resident, prompts, args, temperature: float) -> dict:
     """Warm the case up, then time it in alternating rounds with the resident model."""
     kw, base_kw = gen_kw(name, temperature, args.seed, args.new_tokens), gen_kw("resident", temperature, args.seed,
                                                                                 args.new_tokens)
     for _ in range(2):  # warm-up: the whole workload, every shape it meets compiled
         decode_ms(model, prompts, kw)
+    if "speculative" in kw:
+        warm_up_draft_lengths(model, prompts, kw)
     before = host_counts(model)
     case_ms, resident_ms, rounds = [], [], []
     for r in range(args.rounds):

@@ -497,6 +497,23 @@ def test_sampled_output_under_offloading_is_the_all_resident_one(short_converted
     model.residency.cache.check()
 
 
+def test_a_step_that_lacked_more_than_its_miss_slots_runs_again_in_one_executable(short_converted,
+                                                                                   resident_reference, monkeypatch):
+    """An overflowed fetching step is run again whole over resident experts (the host fetches what its
+    summary says ran short), not layer by layer: layer by layer costs reads and executions per layer."""
+    reference_model, expected = resident_reference
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy="lru", miss_slots=1)
+    layerwise = []
+    real = model.executor._layerwise
+    monkeypatch.setattr(model.executor, "_layerwise", lambda *a, **kw: layerwise.append(a[-1]) or real(*a, **kw))
+    assert [jmoe.generate(model, p, max_new_tokens=16) for p in PROMPTS] == expected
+    stats = jmoe.stats(model)
+    assert stats["replays"] > 0 and stats["in_step_fetches"] > 0
+    assert "decode" not in layerwise  # prefill runs layer-wise ("auto"); no decode step did
+    model.residency.cache.check()
+
+
 def test_device_handle_tables_do_not_follow_later_host_changes():
     # On the CPU, device_put may alias an aligned numpy buffer: a step dispatched before a publish
     # must still read the table it was given.

@@ -5,7 +5,7 @@
   steps: jmoe/runtime/fetching.py): one executable per step that fetches what it lacks from the
   host store itself (exact mode) or runs it at a lower resident tier (degrade mode) and packs a
   summary, read once a step later. A step that lacked more experts than its miss slots hold is run
-  again layer-wise (exact, counted as a replay).
+  again (exact, counted as a replay): the host fetches what it lacked and replays it in one jit.
 - "resident" (offloaded prefill in one jit): Engine.forward over what is resident, the selection
   choosing each routed expert's tier inside the step. The host reads the step's routing back; if
   an expert ran below its wanted tier it is fetched and the step replayed (exact), or, in the
@@ -217,7 +217,7 @@ class Executor:
 
     def settle_sampled(self, step: SampledStep, cache, sampler):
         """Read a decode_sampled step back: (its next tokens [B] as numpy, whether they were drawn
-        again, cache). A step that was not exact runs again layer-wise and draws again (same key and
+        again, cache). A step that was not exact runs again (_run_again) and draws again (same key and
         history, so sampling stays exact)."""
         res = step.res
         if step.pending is None:
@@ -230,9 +230,7 @@ class Executor:
                 summary, exact = res.in_step.settle(step.pending.flight)
                 if exact:
                     return summary.tokens, False, cache
-                res.stats.replays += 1
-                corrected, cache = self._layerwise(res, step.pending.tokens, cache, step.pending.start,
-                                                   step.pending.key_start, step.pending.valid, True, "decode")
+                corrected, cache = self._run_again(step.pending, summary, cache)
             finally:
                 res.end_step()
         if corrected is None:
@@ -301,7 +299,7 @@ class Executor:
     def settle_cycle(self, cycle: "Cycle", cache, sampler):
         """Read a cycle back (one blocking read): (accepted drafts per row [B], the target's next
         token per row [B], the drafts [B, k], all numpy; the next token on the device; cache). A
-        verification that was not exact runs again layer-wise and accepts again from the same key
+        verification that was not exact runs again (_run_again) and accepts again from the same key
         and history."""
         res, k = cycle.res, cycle.k
         B = cycle.last.shape[0]
@@ -312,10 +310,10 @@ class Executor:
             summary, exact = res.in_step.settle(cycle.flight)
             tokens = summary.tokens
             if not exact:
-                res.stats.replays += 1
                 block = jnp.concatenate([cycle.last[:, None], jnp.asarray(cycle.drafts)], axis=1)
-                logits, cache = self._layerwise(res, block, cache, cycle.start, cycle.key_start,
-                                                valid_tokens(cycle.start, cycle.key_start, k + 1), False, "verify")
+                again = Pending(res, block, cycle.start, cycle.key_start, valid_tokens(cycle.start, cycle.key_start,
+                                                                                      k + 1), False, "verify", None)
+                logits, cache = self._run_again(again, summary, cache)
                 sampler.advance(*cycle.start_state)
                 accepted, nxt, seen, rng = self.engine.accept_again(logits, cycle.drafts, cycle.q, sampler.seen,
                                                                     sampler.rng, *sampler.params, greedy=sampler.greedy,
@@ -334,9 +332,11 @@ class Executor:
 
     def _forward(self, res: Offloaded, tokens, cache, start, key_start, last_only, phase):
         want_importance = phase == "prefill" and res.policy.wants_importance
-        return with_kernel_fallback(self.kernel_users(res), lambda: self.engine.forward(
+        out = with_kernel_fallback(self.kernel_users(res), lambda: self.engine.forward(
             self.dense, res.expert_state().for_phase(phase), tokens, cache, start, key_start, last_only=last_only,
             want_importance=want_importance))
+        res.stats.count_io(executions=1)
+        return out
 
     def kernel_users(self, res) -> list:
         """The residencies whose kernels a failure to compile switches to the XLA path: the step's and the model's."""
@@ -345,11 +345,10 @@ class Executor:
     def _settle(self, p: Pending, cache, *, defer_books: bool = True):
         res = p.res
         if p.flight is not None:
-            _, exact = res.in_step.settle(p.flight)
+            summary, exact = res.in_step.settle(p.flight)
             if exact:
                 return None, cache
-            res.stats.replays += 1
-            return self._layerwise(res, p.tokens, cache, p.start, p.key_start, p.valid, p.last_only, p.phase)
+            return self._run_again(p, summary, cache)
         res.synced()
         summary = np.asarray(p.signals.per_expert)  # [3, L, E]: tokens, wanted, chosen per expert; one small read
         res.last_routed = summary[0] > 0
@@ -371,6 +370,18 @@ class Executor:
             res.stats.replays += 1
             return self._layerwise(res, p.tokens, cache, p.start, p.key_start, p.valid, p.last_only, p.phase)
         return self._replay(p, cache, routings, wanted, missing)
+
+    def _run_again(self, p: Pending, summary, cache):
+        """A fetching step that lacked more experts than its miss slots hold, run again exactly: the
+        host fetches what its summary says ran short (exact up to the first layer that overflowed,
+        the best guess past it) and replays it over resident experts, one executable and one read
+        per run; layer-wise only where they cannot all be resident at once. (Layer by layer costs a
+        few reads and executions per layer: on a GPU, milliseconds a layer.)"""
+        p.res.in_step.publish_landings()  # the host's tables must be the device's before it fetches
+        routed = summary.routed
+        wanted = {(int(l), int(e)): int(summary.wanted[l, e]) for l, e in np.argwhere(routed)}
+        missing = {key: code for key, code in wanted.items() if summary.chosen[key] < code}
+        return self._replay(p, cache, None, wanted, missing)
 
     def _replay(self, p: Pending, cache, routings, wanted, missing):
         """Fetch what the step lacked and run it again until it lacks nothing. Each replay makes at
