@@ -239,3 +239,85 @@ def test_haq_beats_rtn_on_outlier_data(fmt, rtn_fmt):
 def test_haq_needs_smooth_format():
     with pytest.raises(ValueError, match="smooth"):
         haq_quantize(np.ones((64, 8)), np.eye(64), np.ones(64), 0.5, QuantFormat(8, 64, True))
+
+
+# ---------------------------------------------------------------- the int2 grid: search and refit
+
+INT2 = QuantFormat(2, 64, False)
+
+
+def weighted_error(w, scale, offset, fmt, importance):
+    deq = grid.decode(grid.encode(w, scale, offset, fmt), scale, offset, fmt)
+    return np.sum(np.asarray(importance) * (np.asarray(w) - np.asarray(deq)) ** 2, axis=0)
+
+
+def test_searched_grid_is_never_worse_than_min_max_and_beats_it_with_an_outlier():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    w[5, :16] *= 8.0  # one large weight in half of the columns stretches min/max's four levels
+    importance = rng.uniform(0.1, 2.0, (64, 1)).astype(np.float32)
+    plain = weighted_error(w, *grid.group_params(w, INT2), INT2, importance)
+    searched = weighted_error(w, *grid.searched_group_params(w, INT2, importance), INT2, importance)
+    assert np.all(searched <= plain * (1 + 1e-5))
+    assert np.mean(searched[16:] / plain[16:]) < 0.9 and np.mean(searched[:16] / plain[:16]) < 0.9
+    # formats above SEARCH_MAX_BITS keep min/max
+    int4 = QuantFormat(4, 64, False)
+    assert all(np.array_equal(a, b) for a, b in zip(grid.fitted_group_params(w, int4), grid.group_params(w, int4)))
+
+
+def test_refit_is_the_least_squares_grid_of_the_codes():
+    from convert.quantizers.gptq import refit_groups
+
+    rng = np.random.default_rng(4)
+    fmt = QuantFormat(2, 32, False)
+    k, n, groups = 80, 6, 3  # K not a multiple of G: the padded rows carry no weight
+    x = correlated_inputs(rng, 400, k)
+    h = (x.T @ x).astype(np.float64)
+    w = weights(rng, k, n)
+    codes = rng.integers(0, 4, (groups * 32, n))
+    scales, offsets = np.full((groups, n), 0.02, np.float32), np.zeros((groups, n), np.float32)
+    dead = np.zeros(k, bool)
+    new_scales, new_offsets = refit_groups(w, h, codes, scales, offsets, fmt, dead)
+
+    def loss(s, o):
+        deq = codes[:k] * np.repeat(s, 32, axis=0)[:k] + np.repeat(o, 32, axis=0)[:k]
+        r = w - deq
+        return np.einsum("ic,ij,jc->c", r, h, r)
+
+    for c in range(n):  # the normal equations written out with the explicit basis
+        basis = np.zeros((k, 2 * groups))
+        basis[np.arange(k), np.arange(k) // 32] = codes[:k, c]
+        basis[np.arange(k), groups + np.arange(k) // 32] = 1.0
+        theta = np.linalg.solve(basis.T @ h @ basis, basis.T @ h @ w[:, c])
+        np.testing.assert_allclose(new_scales[:, c], theta[:groups], rtol=2e-3, atol=2e-4)
+        np.testing.assert_allclose(new_offsets[:, c], theta[groups:], rtol=2e-3, atol=2e-4)
+    assert np.all(loss(new_scales, new_offsets) < loss(scales, offsets))
+
+
+def test_gptq_int2_refit_lowers_the_output_error(monkeypatch):
+    from convert.quantizers import gptq
+
+    rng = np.random.default_rng(5)
+    x = correlated_inputs(rng, 1024, 256, rank=16)
+    w = weights(rng, 256, 64)
+    refit = output_error(x, w, dequantize(gptq_quantize(w, x.T @ x, INT2)))
+    monkeypatch.setattr(gptq, "REFIT_ROUNDS", 0)
+    one_pass = output_error(x, w, dequantize(gptq_quantize(w, x.T @ x, INT2)))
+    assert refit < 0.95 * one_pass
+
+
+def test_an_expert_with_its_intermediate_units_reordered_computes_the_same():
+    from convert.quantizers.expert import activation_order, intermediate, permute_intermediate
+    from jmoe.quant import ExpertWeights
+
+    rng = np.random.default_rng(6)
+    D, F = 16, 12
+    expert = ExpertWeights(rng.standard_normal((D, 2 * F)).astype(np.float32),
+                           rng.standard_normal((F, D)).astype(np.float32))._replace(
+        gate_up_bias=rng.standard_normal(2 * F).astype(np.float32))
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    mid = intermediate(x, expert)
+    order = activation_order(mid.T @ mid)
+    assert np.all(np.diff(np.diagonal((mid.T @ mid))[order]) <= 0)
+    moved = permute_intermediate(expert, order)
+    np.testing.assert_allclose(intermediate(x, moved) @ moved.down, mid @ expert.down, rtol=1e-5, atol=1e-5)

@@ -88,6 +88,21 @@ def fold_down_smoothing(expert: ExpertWeights, s: np.ndarray) -> ExpertWeights:
     return expert._replace(gate_up=gate_up, gate_up_bias=bias)
 
 
+def permute_intermediate(expert: ExpertWeights, order: np.ndarray) -> ExpertWeights:
+    """The same expert with its intermediate units in `order`: gate and up columns (and biases) and
+    down's rows move together, so it computes exactly what it did."""
+    F = expert.down.shape[0]
+    columns = np.concatenate([order, F + order])
+    bias = None if expert.gate_up_bias is None else expert.gate_up_bias[columns]
+    return expert._replace(gate_up=expert.gate_up[:, columns], down=expert.down[order], gate_up_bias=bias)
+
+
+def activation_order(hessian: np.ndarray) -> np.ndarray:
+    """GPTQ's act order: inputs by decreasing diag(H), so the ones that matter most are rounded first
+    and the later ones absorb their error (and groups gather inputs of like importance)."""
+    return np.argsort(-np.diagonal(hessian), kind="stable")
+
+
 class LayerQuantizer:
     """Quantizes every expert of one MoE layer at every integer tier with one method."""
 
@@ -149,8 +164,12 @@ class LayerQuantizer:
             return rtn_expert(weights, fmt)
         h_x, h_mid = self._hessians(expert)
         if self.method == "gptq":
+            # down's inputs are the expert's own intermediate units: their order is free (gate_up's
+            # columns follow), so down is quantized in act order at no cost at run time
+            order = activation_order(h_mid)
+            weights = permute_intermediate(weights, order)
             return ExpertWeights(gptq_quantize(weights.gate_up, h_x, fmt),
-                                 gptq_quantize(weights.down, h_mid, fmt)).with_biases_of(weights)
+                                 gptq_quantize(weights.down, h_mid[np.ix_(order, order)], fmt)).with_biases_of(weights)
         inputs = self._inputs[expert]
         alpha_gu, alpha_down = self.alphas[tier]
         s = self._down_scales(inputs, weights, alpha_down)

@@ -25,7 +25,7 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
-from convert.quantizers.grid import decode, encode, group_params, to_qarray
+from convert.quantizers.grid import SEARCH_MAX_BITS, decode, encode, fitted_group_params, to_qarray
 from pallas_kernels.qarray import QArray, QuantFormat
 
 _HIGHEST = lax.Precision.HIGHEST  # no TF32/bf16 passes on GPU: errors feed back into later rows
@@ -71,6 +71,17 @@ def gptq_quantize(w, hessian, fmt: QuantFormat, *, damp: float = 0.01, block_siz
 
     codes, scales, offsets = _gptq_blocks(jnp.asarray(w_padded), jnp.asarray(u_padded), fmt, block)
     codes, scales, offsets = codes[:kp], scales[: kp // group], offsets[: kp // group]
+    if not fmt.symmetric and fmt.bits <= SEARCH_MAX_BITS:
+        for round_ in range(REFIT_ROUNDS):
+            scales, offsets = refit_groups(w, hessian, np.asarray(codes), np.asarray(scales), np.asarray(offsets),
+                                           fmt, dead)
+            if round_ + 1 < REFIT_ROUNDS:
+                nb = kb // group
+                grid = (np.ones((nb, n), np.float32), np.zeros((nb, n), np.float32))
+                grid[0][: kp // group], grid[1][: kp // group] = np.asarray(scales), np.asarray(offsets)
+                codes, _, _ = _gptq_blocks(jnp.asarray(w_padded), jnp.asarray(u_padded), fmt, block,
+                                           tuple(jnp.asarray(g) for g in grid))
+                codes = codes[:kp]
     return to_qarray(codes, scales, offsets, fmt, k, act_scale)
 
 
@@ -96,8 +107,66 @@ def inverse_hessian_cholesky(hessian, damp: float) -> tuple[np.ndarray, np.ndarr
     return u.astype(np.float32), dead
 
 
+REFIT_ROUNDS = 2  # grid refits, each but the last followed by GPTQ's rounding onto the refit grid
+REFIT_COLUMNS = 256  # columns refit at once (bounds the [K, columns, groups] scratch)
+
+
+def refit_groups(w, hessian, codes, scales, offsets, fmt: QuantFormat, dead):
+    """Scales and offsets refit to the codes GPTQ chose, jointly over each column's groups:
+    argmin over (scale_g, offset_g) of (w - dequantized)^T H (w - dequantized). GPTQ fixes a
+    group's grid before the rows after it are rounded; once every code is known, the best grid for
+    them is a least-squares problem per column with 2 unknowns per group. Its normal equations need
+    H times each group's codes: two [K, K] x [K, N] products per matrix. A column keeps its grid
+    where the refit would not lower the loss (float16 storage, a near-singular system).
+
+    w [K, N] (dead inputs zeroed), hessian [K, K], codes [Kp, N], scales/offsets [Kp / G, N]."""
+    k, n = w.shape
+    group, ng = fmt.group_size, scales.shape[0]
+    kp = ng * group
+    h = np.zeros((kp, kp))
+    h[:k, :k] = hessian
+    dead = np.flatnonzero(dead)
+    h[dead, :] = 0.0  # dead inputs (and the padded rows beyond k) carry no weight
+    h[:, dead] = 0.0
+    wp = np.zeros((kp, n))
+    wp[:k] = w
+    q = codes.astype(np.float64)  # [Kp, N]
+    h32 = h.astype(np.float32)
+    hw = h @ wp  # [Kp, N]
+    h_members = h.reshape(kp, ng, group).sum(axis=2)  # [Kp, ng]: H times each group's indicator
+    a11 = h_members.reshape(ng, group, ng).sum(axis=1)  # [ng, ng]
+    new_scales, new_offsets = scales.astype(np.float32).copy(), offsets.astype(np.float32).copy()
+    for c0 in range(0, n, REFIT_COLUMNS):
+        cols = slice(c0, min(n, c0 + REFIT_COLUMNS))
+        qc = q[:, cols]  # [Kp, c]
+        c = qc.shape[1]
+        # h_q[i, c, g] = sum over j in group g of H[i, j] q[j, c] (one batched product per group)
+        # (float32: codes are small integers and the refit is stored in float16; twice as fast as float64)
+        h_q = np.matmul(h32.reshape(kp, ng, group).transpose(1, 0, 2),
+                        qc.astype(np.float32).reshape(ng, group, c)).transpose(1, 2, 0).astype(np.float64)
+        by_group = lambda x: x.reshape(ng, group, *x.shape[1:]).sum(axis=1)  # noqa: E731 - sum rows per group
+        a = np.empty((c, 2 * ng, 2 * ng))
+        a[:, :ng, :ng] = by_group(qc[:, :, None] * h_q).transpose(1, 0, 2)  # q_g^T H q_g'
+        a[:, :ng, ng:] = by_group(qc[:, :, None] * h_members[:, None, :]).transpose(1, 0, 2)  # q_g^T H 1_g'
+        a[:, ng:, :ng] = a[:, :ng, ng:].transpose(0, 2, 1)
+        a[:, ng:, ng:] = a11
+        rhs = np.concatenate([by_group(qc * hw[:, cols]).T, by_group(hw[:, cols]).T], axis=1)  # [c, 2ng]
+        old = np.concatenate([scales[:, cols].T, offsets[:, cols].T], axis=1).astype(np.float64)
+        scale_of = np.maximum(np.abs(np.diagonal(a, axis1=1, axis2=2)).max(axis=1), 1e-30)[:, None, None]
+        try:
+            theta = np.linalg.solve(a + 1e-10 * scale_of * np.eye(2 * ng), rhs[..., None])[..., 0]
+        except np.linalg.LinAlgError:
+            continue
+        theta = theta.astype(np.float16).astype(np.float64)  # judged as it will be stored
+        loss = lambda t: np.einsum("cm,cml,cl->c", t, a, t) - 2 * np.einsum("cm,cm->c", t, rhs)  # noqa: E731
+        better = np.isfinite(theta).all(axis=1) & (loss(theta) < loss(old))
+        new_scales[:, cols] = np.where(better[None, :], theta[:, :ng].T, new_scales[:, cols])
+        new_offsets[:, cols] = np.where(better[None, :], theta[:, ng:].T, new_offsets[:, cols])
+    return new_scales, new_offsets
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "block"))
-def _gptq_blocks(w, u, fmt: QuantFormat, block: int):
+def _gptq_blocks(w, u, fmt: QuantFormat, block: int, grid=None):
     """w [Kb, N], u [Kb, Kb] (Kb a multiple of block) -> codes [Kb, N], scales/offsets [Kb / G, N]."""
     kb, n = w.shape
     group = fmt.group_size
@@ -108,7 +177,9 @@ def _gptq_blocks(w, u, fmt: QuantFormat, block: int):
         w_block = lax.dynamic_slice_in_dim(w, start, block, 0)  # [B, N]
         u_rows = lax.dynamic_slice_in_dim(u, start, block, 0)  # [B, Kb]
         u_block = lax.dynamic_slice_in_dim(u_rows, start, block, 1)  # [B, B]
-        block_codes, block_scales, block_offsets, errors = _quantize_block(w_block, u_block, fmt)
+        block_grid = None if grid is None else tuple(lax.dynamic_slice_in_dim(g, start // group, block // group, 0)
+                                                     for g in grid)
+        block_codes, block_scales, block_offsets, errors = _quantize_block(w_block, u_block, fmt, block_grid)
         # Lazy update: u_rows is zero left of the block, and the block's own rows are never read again.
         w = w - jnp.dot(u_rows.T, errors, precision=_HIGHEST)  # [Kb, N]
         codes = lax.dynamic_update_slice_in_dim(codes, block_codes, start, 0)
@@ -126,18 +197,25 @@ def _gptq_blocks(w, u, fmt: QuantFormat, block: int):
     return codes, scales, offsets
 
 
-def _quantize_block(w, u, fmt: QuantFormat):
+def _quantize_block(w, u, fmt: QuantFormat, grid=None):
     """One block, row by row: w [B, N], u [B, B] -> codes [B, N], scales/offsets [B / G, N], errors [B, N]."""
     rows, n = w.shape
     group = fmt.group_size
+    # What rounding row i costs GPTQ's objective per unit of squared error: 1 / U[i, i]^2 (its err^2)
+    cost = 1.0 / jnp.square(jnp.diagonal(u))[:, None]  # [B, 1]
 
     def one_row(i, carry):
         w, codes, errors, scales, offsets, scale, offset = carry
-        scale, offset = lax.cond(
-            i % group == 0,
-            lambda: group_params(lax.dynamic_slice_in_dim(w, i, group, 0), fmt),  # [1, N] each
-            lambda: (scale, offset),
-        )
+        if grid is None:
+            scale, offset = lax.cond(
+                i % group == 0,
+                lambda: fitted_group_params(lax.dynamic_slice_in_dim(w, i, group, 0), fmt,
+                                            lax.dynamic_slice_in_dim(cost, i, group, 0)),  # [1, N] each
+                lambda: (scale, offset),
+            )
+        else:  # a given grid (a refit's): only the codes are chosen
+            scale = lax.dynamic_slice_in_dim(grid[0], i // group, 1, 0)
+            offset = lax.dynamic_slice_in_dim(grid[1], i // group, 1, 0)
         row = lax.dynamic_slice_in_dim(w, i, 1, 0)  # [1, N]
         q = encode(row, scale, offset, fmt)  # [1, N]
         err = (row - decode(q, scale, offset, fmt)) / u[i, i]  # [1, N]

@@ -31,6 +31,60 @@ def group_params(w, fmt: QuantFormat):
     return scale, _f16(lo)
 
 
+# Grid search for low-bit groups: the min/max grid wastes most of a 4-level grid on the extremes.
+# Each candidate keeps a share of the group's range (and one of three placements of it), rounds the
+# group onto it, then refits scale and offset to those codes by least squares; the candidate with
+# the least (importance-weighted) squared error wins (as llama.cpp's k-quants search theirs).
+SEARCH_MAX_BITS = 2  # int4 and int8 keep min/max
+RANGE_SHARES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+PLACEMENTS = (0.0, 0.5, 1.0)  # where the kept share sits in the range: at its low end, centred, at its top
+
+
+def searched_group_params(w, fmt: QuantFormat, importance=None):
+    """w [..., G, N] -> scale, offset [..., 1, N] minimising sum_i importance_i (w_i - dequantized_i)^2
+    over the candidates above (importance [..., G, 1], default uniform). Asymmetric formats only."""
+    w = jnp.asarray(w, jnp.float32)
+    h = jnp.ones_like(w[..., :1]) if importance is None else jnp.broadcast_to(
+        jnp.asarray(importance, jnp.float32), w[..., :1].shape)
+    lo = jnp.min(w, axis=-2, keepdims=True)
+    span = jnp.max(w, axis=-2, keepdims=True) - lo
+    best_scale, best_offset = group_params(w, fmt)  # min/max, the grid to beat
+    best_err = jnp.sum(h * (w - decode(encode(w, best_scale, best_offset, fmt), best_scale, best_offset, fmt)) ** 2,
+                       axis=-2, keepdims=True)
+    for share in RANGE_SHARES:
+        for place in PLACEMENTS if share < 1.0 else (0.0,):
+            scale = _f16(jnp.where(span > 0, span * share / fmt.qmax, 1.0))
+            offset = _f16(lo + (1.0 - share) * place * span)
+            scale, offset = _refit(w, h, encode(w, scale, offset, fmt), scale, offset)
+            err = jnp.sum(h * (w - decode(encode(w, scale, offset, fmt), scale, offset, fmt)) ** 2, axis=-2,
+                          keepdims=True)
+            better = err < best_err
+            best_err = jnp.where(better, err, best_err)
+            best_scale, best_offset = jnp.where(better, scale, best_scale), jnp.where(better, offset, best_offset)
+    return best_scale, best_offset
+
+
+def _refit(w, h, codes, scale, offset):
+    """Weighted least-squares scale and offset for fixed codes (kept where the codes are all alike)."""
+    q = codes.astype(jnp.float32)
+    s, sq, sqq = (jnp.sum(h * v, axis=-2, keepdims=True) for v in (jnp.ones_like(q), q, q * q))
+    sw, sqw = jnp.sum(h * w, axis=-2, keepdims=True), jnp.sum(h * q * w, axis=-2, keepdims=True)
+    det = s * sqq - sq * sq
+    ok = det > 1e-12 * jnp.maximum(s * sqq, 1e-30)
+    a = jnp.where(ok, (s * sqw - sq * sw) / jnp.where(ok, det, 1.0), scale)
+    b = jnp.where(ok, (sqq * sw - sq * sqw) / jnp.where(ok, det, 1.0), offset)
+    ok &= a > 0
+    return _f16(jnp.where(ok, a, scale)), _f16(jnp.where(ok, b, offset))
+
+
+def fitted_group_params(w, fmt: QuantFormat, importance=None):
+    """The grid a quantizer uses for a group: searched for asymmetric formats of SEARCH_MAX_BITS bits
+    or fewer, min/max (absmax) otherwise."""
+    if not fmt.symmetric and fmt.bits <= SEARCH_MAX_BITS:
+        return searched_group_params(w, fmt, importance)
+    return group_params(w, fmt)
+
+
 def encode(w, scale, offset, fmt: QuantFormat):
     """Nearest codes of w on the grid (scale, offset broadcast against w)."""
     w = jnp.asarray(w, jnp.float32)

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from convert.quantizers.grid import decode, encode, group_params, host_qarray, pad_k
+from convert.quantizers.grid import decode, encode, fitted_group_params, host_qarray, pad_k
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
 
 
@@ -17,7 +17,7 @@ def rtn_block(w, fmt: QuantFormat):
     (packed codes [Kp / pack, n], float16 scales and offsets [Kp / G, n])."""
     n = w.shape[1]
     groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)
-    scale, offset = group_params(groups, fmt)
+    scale, offset = fitted_group_params(groups, fmt)
     codes = encode(groups, scale, offset, fmt).reshape(-1, n)
     return pack_codes(codes, fmt), scale[:, 0].astype(jnp.float16), offset[:, 0].astype(jnp.float16)
 
@@ -33,6 +33,6 @@ def rtn_dequantized(w, fmt: QuantFormat):
     """What RTN makes of w, as float32 [K, N] (used by searches that compare candidates)."""
     k, n = w.shape
     groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)
-    scale, offset = group_params(groups, fmt)
+    scale, offset = fitted_group_params(groups, fmt)
     q = encode(groups, scale, offset, fmt)
     return decode(q, scale, offset, fmt).reshape(-1, n)[:k]
