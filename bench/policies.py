@@ -165,7 +165,9 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
     budget = fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4  # DynaExq 8/32's footprint
     runs = {"uniform int4": ("lru", {"tier": "int4"}), "uniform int2": ("lru", {"tier": "int2"}),
             "DynaExq 8/32": (DynaExq(hi_per_layer=8), {"budget": budget}),
-            "DynaExq 8/32, gate-weighted hotness": (DynaExq(hi_per_layer=8, hotness="gate"), {"budget": budget}),
+            "DynaExq 8/32, count hotness": (DynaExq(hi_per_layer=8, hotness="count"), {"budget": budget}),
+            "DynaExq 8/32, the previous defaults": (DynaExq(hi_per_layer=8, hotness="count", alpha=0.5, margin=0.01),
+                                                    {"budget": budget}),
             "LRU int4 (same budget)": ("lru", {"tier": "int4", "budget": budget}),
             "placement two-stage int4 (same budget)": (StaticPlacement(calib_traces, tier="int4"), {"budget": budget})}
     out = {}

@@ -492,7 +492,9 @@ def speculative_acceptance() -> str:
 def workload_shift() -> str:
     d = load("policies/policies_cpu.json")
     names = {"uniform int4": "uniform int4 (unbudgeted)", "uniform int2": "uniform int2 (unbudgeted)",
-             "DynaExq 8/32": "DynaExq 8/32, count hotness", "LRU int4 (same budget)": "LRU int4, same budget",
+             "DynaExq 8/32": "DynaExq 8/32 (defaults: gate-weighted hotness)",
+             "DynaExq 8/32, the previous defaults": "DynaExq 8/32, counts, `alpha=0.5`, `margin=0.01` (the previous defaults)",
+             "LRU int4 (same budget)": "LRU int4, same budget",
              "placement two-stage int4 (same budget)": "static placement (two-stage) int4 + CPU, same budget"}
     rows = []
     for label, r in d["workload_shift"]["runs"].items():
