@@ -182,8 +182,9 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
             after = jmoe.stats(model)
             windows.append({"start": start, "perplexity": math.exp(nll / count),
                             "bytes_h2d_per_token": (after["bytes_h2d"] - before["bytes_h2d"]) / count,
-                            "hit_rate": ((after["hit_rate"] * after["expert_uses"] - before["hit_rate"]
-                                          * before["expert_uses"]) / max(1, after["expert_uses"] - before["expert_uses"]))})
+                            "hit_rate": (((after["hit_rate"] or 0.0) * after["expert_uses"]  # None before any use
+                                          - (before["hit_rate"] or 0.0) * before["expert_uses"])
+                                         / max(1, after["expert_uses"] - before["expert_uses"]))})
         seconds = time.perf_counter() - started
         nll_total = sum(math.log(w["perplexity"]) for w in windows) / len(windows)
         modelled = replay(model.trace.records(), dense_bytes=dense_bytes_of(model), num_layers=model.config.num_layers)
