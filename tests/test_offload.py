@@ -531,3 +531,25 @@ def test_device_handle_tables_do_not_follow_later_host_changes():
     table.publish(3, 7, "int4", 9)
     assert (np.asarray(before["bf16"]) == -1).all() and (np.asarray(before["int4"]) == -1).all()
     assert int(table.on_device()["int4"][3, 7]) == 9
+
+
+def test_layer_passes_fetch_into_the_slots_of_the_experts_that_ran_first():
+    """A layer whose routed experts already fill a pool, with more to fetch: the resident ones run
+    first, so the passes after them may take their slots (this raised a BudgetError in prefill)."""
+    from types import SimpleNamespace
+
+    from jmoe.runtime.residency import Offloaded
+
+    resident = {(0, 0), (0, 1)}  # the int2 pool's two slots hold layer 0's experts 0 and 1
+
+    class Cache:
+        def serves(self, key, code):
+            return key in resident
+
+        def room(self, tier, keep, shard):  # no free slot: the versions a fetch could evict, less `keep`
+            return sum(key not in keep for key in resident)
+
+    pool = SimpleNamespace(shards=1, shard_slots=2, owner=lambda expert: 0)
+    fake = SimpleNamespace(cache=Cache(), pools={"int2": pool}, landing_tier=lambda key, code: "int2")
+    wanted = {e: "int2" for e in range(5)}
+    assert Offloaded.split_passes(fake, 0, wanted) == [{0: "int2", 1: "int2"}, {2: "int2", 3: "int2"}, {4: "int2"}]

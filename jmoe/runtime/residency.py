@@ -452,23 +452,28 @@ class Offloaded:
     def split_passes(self, layer: int, wanted: dict[int, str]) -> list[dict[int, str]]:
         """Groups of the layer's experts that fit the pools together: resident ones first (they need
         no slot, so they run before anything is evicted), then as many to fetch per pass as each
-        pool can free (free slots and versions the policy lets go)."""
+        pool can free (free slots and versions the policy lets go; after the first pass, the slots
+        of the experts that ran in it too)."""
         resident = [e for e in wanted if self.cache.serves((layer, e), TIER_CODES[wanted[e]])]
         keys = {(layer, e) for e in wanted}
-        room: dict[tuple[str, int], int] = {}  # (tier, shard) -> slots a pass may fill
+        to_fetch = {(layer, e) for e in wanted if e not in resident}
+        first: dict[tuple[str, int], int] = {}  # (tier, shard) -> slots the resident ones' pass may fill
+        later: dict[tuple[str, int], int] = {}  # the same for the passes after it, once those have run
         for tier, pool in self.pools.items():
             for shard in range(pool.shards):
-                room[(tier, shard)] = self.cache.room(tier, keys, shard)
+                first[(tier, shard)] = self.cache.room(tier, keys, shard)
+                later[(tier, shard)] = self.cache.room(tier, to_fetch, shard)
         passes: list[dict[int, str]] = [{e: wanted[e] for e in resident}] if resident else []
         used: dict[tuple[str, int], int] = {}
+        room = first if resident else later
         for expert in (e for e in wanted if e not in resident):
             tier = self.landing_tier((layer, expert), TIER_CODES[wanted[expert]])
             pool = (tier, self.pools[tier].owner(expert))
-            if room[pool] == 0:
+            if later[pool] == 0:
                 raise BudgetError(f"the {tier} pool has no slot the policy lets go for expert {(layer, expert)}")
-            if not passes or used.get(pool, 0) == room[pool]:
+            if not passes or used.get(pool, 0) >= room[pool]:
                 passes.append({})
-                used = {}
+                used, room = {}, later
             passes[-1][expert] = wanted[expert]
             used[pool] = used.get(pool, 0) + 1
         return passes
