@@ -5,11 +5,12 @@ Needs no network and no ../shared (prompts come from tests/data, models are gene
 1. `pytest -m gpu` (the compiled Pallas kernels against the reference, on the GPU);
 2. bandwidths: device-to-device copy (the roofline the kernels are judged against) and
    host-to-device from pinned host memory (what offloading pays per byte);
-3. expert kernels at Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE decode and prefill shapes,
-   bf16 / int8 / int4 / int2: achieved bytes/s, also as a fraction of the copy bandwidth;
-4. decode TPOT of a synthetic Qwen3-30B-A3B-shaped model with every expert resident, at int4 and
+3. decode TPOT of a synthetic Qwen3-30B-A3B-shaped model with every expert resident, at int4 and
    bf16, against its floor (bytes a token reads / copy bandwidth);
-5. offloaded TPOT of that model at 25 / 50 / 75% expert budgets with the policies.
+4. offloaded TPOT of that model at 25 / 50 / 75% expert budgets with the policies;
+5. last, expert kernels at Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE decode and prefill shapes,
+   bf16 / int8 / int4 / int2: achieved bytes/s, also as a fraction of the copy bandwidth, stopping
+   where --budget-s (default 540 s: a lent GPU's 15 minutes include its start) runs out.
 
 Decode timings warm up on the whole workload first, report the median time between tokens with
 its spread and the host's reads / executions per token, and fail if anything compiles while timed.
@@ -82,8 +83,9 @@ def h2d_bandwidth(nbytes: int) -> dict:
     return {"gb_per_s": nbytes / seconds / 1e9, "bytes": nbytes, "host_memory_kind": kind}
 
 
-def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None) -> list[dict]:
-    """Every model x phase x tier case; `progress(cases so far)` after each."""
+def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None, time_left=lambda: float("inf")) -> list[dict]:
+    """Every model x phase x tier case; `progress(cases so far)` after each; stops early once
+    `time_left()` is under a minute (the cases run so far are kept)."""
     from bench import kernels as kb
 
     on_gpu = jax.default_backend() == "gpu" and not dry_run
@@ -94,6 +96,9 @@ def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None) -> lis
     for model in models:
         for phase, tokens in phases:
             for tier in tiers:
+                if time_left() < 60:
+                    print(f"kernels: stopped at the time budget after {len(cases)} cases", flush=True)
+                    return cases
                 r = kb.run_case(model, phase, tier, tokens, on_gpu, repeat=20)
                 if "kernel_unique_GBps" in r:
                     r["fraction_of_copy_bandwidth"] = r["kernel_unique_GBps"] / copy_gbps
@@ -191,6 +196,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"a subset of {','.join(PARTS)} (a subset writes gpu_suite_<parts>_gpu.json)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="seconds the run may take (a lent GPU's time is short): the kernel timings, last, "
+                             "stop where it runs out (0: no limit)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -202,6 +210,7 @@ def main() -> None:
     dtype = "bfloat16" if backend == "gpu" else "float32"
     CompileCounter.count()  # listens from here on: a compile in a timed window fails the run
     started = time.perf_counter()
+    time_left = (lambda: float("inf")) if not args.budget_s else (lambda: args.budget_s - (time.perf_counter() - started))
     result = {"machine": machine(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "dry_run": dry, "parts": parts}
     (RESULTS / "gpu_suite").mkdir(parents=True, exist_ok=True)
@@ -222,12 +231,6 @@ def main() -> None:
         result["bandwidth"]["h2d"] = h2d_bandwidth(8 << 20 if dry else 1 << 30)
     print("bandwidth", json.dumps(result["bandwidth"]), flush=True)
     save()
-    if "kernels" in parts:
-        def kernels_so_far(cases: list) -> None:
-            result["kernels"] = cases
-            save()
-
-        result["kernels"] = kernels(dry, copy_gbps, kernels_so_far)
     if "resident" in parts or "offloaded" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             path = synthetic_model(Path(tmp), 2 if dry else args.layers, TOY if dry else QWEN3_30B_A3B,
@@ -238,6 +241,13 @@ def main() -> None:
                 save()
             if "offloaded" in parts:
                 result["offloaded_decode"] = offloaded_decode(path, new_tokens, dtype)
+                save()
+    if "kernels" in parts:  # last: measured on earlier leases, and it can stop at any case
+        def kernels_so_far(cases: list) -> None:
+            result["kernels"] = cases
+            save()
+
+        result["kernels"] = kernels(dry, copy_gbps, kernels_so_far, time_left)
     save(complete=True)
     print(f"wrote {out.relative_to(ROOT)} in {result['seconds']:.0f} s")
     if "tests" in parts and result["gpu_tests"]["returncode"] not in (0, 5):  # 5: no tests collected
