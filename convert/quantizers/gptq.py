@@ -25,7 +25,7 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
-from convert.quantizers.grid import SEARCH_MAX_BITS, decode, encode, fitted_group_params, to_qarray
+from convert.quantizers.grid import decode, encode, fitted_group_params, searches, to_qarray
 from pallas_kernels.qarray import QArray, QuantFormat
 
 _HIGHEST = lax.Precision.HIGHEST  # no TF32/bf16 passes on GPU: errors feed back into later rows
@@ -69,19 +69,17 @@ def gptq_quantize(w, hessian, fmt: QuantFormat, *, damp: float = 0.01, block_siz
     u_padded = np.eye(kb, dtype=np.float32)
     u_padded[:k, :k] = u
 
-    codes, scales, offsets = _gptq_blocks(jnp.asarray(w_padded), jnp.asarray(u_padded), fmt, block)
+    w_padded, u_padded = jnp.asarray(w_padded), jnp.asarray(u_padded)
+    codes, scales, offsets = _gptq_blocks(w_padded, u_padded, fmt, block)
     codes, scales, offsets = codes[:kp], scales[: kp // group], offsets[: kp // group]
-    if not fmt.symmetric and fmt.bits <= SEARCH_MAX_BITS:
+    if searches(fmt):
         for round_ in range(REFIT_ROUNDS):
             scales, offsets = refit_groups(w, hessian, np.asarray(codes), np.asarray(scales), np.asarray(offsets),
                                            fmt, dead)
-            if round_ + 1 < REFIT_ROUNDS:
-                nb = kb // group
-                grid = (np.ones((nb, n), np.float32), np.zeros((nb, n), np.float32))
-                grid[0][: kp // group], grid[1][: kp // group] = np.asarray(scales), np.asarray(offsets)
-                codes, _, _ = _gptq_blocks(jnp.asarray(w_padded), jnp.asarray(u_padded), fmt, block,
-                                           tuple(jnp.asarray(g) for g in grid))
-                codes = codes[:kp]
+            if round_ + 1 < REFIT_ROUNDS:  # GPTQ's rounding again, onto the refit grid (padded blocks: unit scale)
+                grid = (np.ones((kb // group, n), np.float32), np.zeros((kb // group, n), np.float32))
+                grid[0][: kp // group], grid[1][: kp // group] = scales, offsets
+                codes = _gptq_blocks(w_padded, u_padded, fmt, block, tuple(map(jnp.asarray, grid)))[0][:kp]
     return to_qarray(codes, scales, offsets, fmt, k, act_scale)
 
 

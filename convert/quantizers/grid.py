@@ -49,19 +49,22 @@ def searched_group_params(w, fmt: QuantFormat, importance=None):
     lo = jnp.min(w, axis=-2, keepdims=True)
     span = jnp.max(w, axis=-2, keepdims=True) - lo
     best_scale, best_offset = group_params(w, fmt)  # min/max, the grid to beat
-    best_err = jnp.sum(h * (w - decode(encode(w, best_scale, best_offset, fmt), best_scale, best_offset, fmt)) ** 2,
-                       axis=-2, keepdims=True)
+    best_err = _weighted_error(w, h, best_scale, best_offset, fmt)
     for share in RANGE_SHARES:
         for place in PLACEMENTS if share < 1.0 else (0.0,):
             scale = _f16(jnp.where(span > 0, span * share / fmt.qmax, 1.0))
             offset = _f16(lo + (1.0 - share) * place * span)
             scale, offset = _refit(w, h, encode(w, scale, offset, fmt), scale, offset)
-            err = jnp.sum(h * (w - decode(encode(w, scale, offset, fmt), scale, offset, fmt)) ** 2, axis=-2,
-                          keepdims=True)
+            err = _weighted_error(w, h, scale, offset, fmt)
             better = err < best_err
             best_err = jnp.where(better, err, best_err)
             best_scale, best_offset = jnp.where(better, scale, best_scale), jnp.where(better, offset, best_offset)
     return best_scale, best_offset
+
+
+def _weighted_error(w, h, scale, offset, fmt: QuantFormat):
+    """sum_i h_i (w_i - dequantized_i)^2 per column of a group [..., G, N] -> [..., 1, N]."""
+    return jnp.sum(h * (w - decode(encode(w, scale, offset, fmt), scale, offset, fmt)) ** 2, axis=-2, keepdims=True)
 
 
 def _refit(w, h, codes, scale, offset):
@@ -77,10 +80,14 @@ def _refit(w, h, codes, scale, offset):
     return _f16(jnp.where(ok, a, scale)), _f16(jnp.where(ok, b, offset))
 
 
+def searches(fmt: QuantFormat) -> bool:
+    """Whether a format's groups get a searched grid (asymmetric, SEARCH_MAX_BITS bits or fewer)."""
+    return not fmt.symmetric and fmt.bits <= SEARCH_MAX_BITS
+
+
 def fitted_group_params(w, fmt: QuantFormat, importance=None):
-    """The grid a quantizer uses for a group: searched for asymmetric formats of SEARCH_MAX_BITS bits
-    or fewer, min/max (absmax) otherwise."""
-    if not fmt.symmetric and fmt.bits <= SEARCH_MAX_BITS:
+    """The grid a quantizer uses for a group: searched where `searches(fmt)`, min/max (absmax) otherwise."""
+    if searches(fmt):
         return searched_group_params(w, fmt, importance)
     return group_params(w, fmt)
 

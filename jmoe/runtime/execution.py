@@ -36,7 +36,7 @@ from jmoe.layers.transformer import StepSignals
 from jmoe.runtime.fetching import Flight
 from jmoe.runtime.kernel_fallback import with_kernel_fallback
 from jmoe.runtime.layerwise import LayerPieces, run_layerwise
-from jmoe.runtime.residency import Offloaded
+from jmoe.runtime.residency import Offloaded, shortfall_of
 
 PATHS = ("auto", "layerwise", "resident")
 
@@ -378,9 +378,7 @@ class Executor:
         per run; layer-wise only where they cannot all be resident at once. (Layer by layer costs a
         few reads and executions per layer: on a GPU, milliseconds a layer.)"""
         p.res.in_step.publish_landings()  # the host's tables must be the device's before it fetches
-        routed = summary.routed
-        wanted = {(int(l), int(e)): int(summary.wanted[l, e]) for l, e in np.argwhere(routed)}
-        missing = {key: code for key, code in wanted.items() if summary.chosen[key] < code}
+        wanted, missing = shortfall_of(summary.routed, summary.wanted, summary.chosen)
         return self._replay(p, cache, None, wanted, missing)
 
     def _replay(self, p: Pending, cache, routings, wanted, missing):

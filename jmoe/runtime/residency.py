@@ -109,6 +109,13 @@ class AllResident:
         self.stats = Stats()
 
 
+def shortfall_of(routed: np.ndarray, wanted: np.ndarray, chosen: np.ndarray) -> tuple[dict[Key, int], dict[Key, int]]:
+    """From [L, E] routed flags and wanted / chosen tier codes: (wanted code of every routed expert,
+    those of them that ran below it)."""
+    keys = [tuple(k) for k in np.argwhere(routed).tolist()]
+    return ({k: int(wanted[k]) for k in keys}, {k: int(wanted[k]) for k in keys if chosen[k] < wanted[k]})
+
+
 class Offloaded:
     offloading = True
 
@@ -293,8 +300,7 @@ class Offloaded:
     def shortfall(self, step: "StepRouting") -> tuple[dict[Key, int], dict[Key, int]]:
         """(wanted code of every routed expert, those of them that ran below it)."""
         routed, wanted, chosen, _ = step.per_expert()
-        keys = [tuple(k) for k in np.argwhere(routed).tolist()]
-        return ({k: int(wanted[k]) for k in keys}, {k: int(wanted[k]) for k in keys if chosen[k] < wanted[k]})
+        return shortfall_of(routed, wanted, chosen)
 
     def ran_every(self, step: "StepRouting") -> bool:
         """Whether every routed expert the policy did not skip ran at some version (degrade mode
