@@ -55,13 +55,13 @@ def least_recent(tier: str, candidates: list[Key]) -> Key:
 class CacheManager:
     def __init__(self, host: HostStore, pools: dict[str, TierPool], handles: HandleTable, staging: BudgetTracker,
                  stats: Stats, device, *, victim: Callable[[str, list[Key]], Key] = least_recent,
-                 evictable: Callable[[str, Key], bool] = lambda tier, key: True, keep_lower: bool = False):
+                 evictable: Callable[[str, Key], bool] | None = None, keep_lower: bool = False):
         self.host = host
         self.pools = pools
         self.handles = handles
         self.staging = staging  # its budget is the staging bytes reserved on the device at load
         self.stats = stats
-        self.victim, self.evictable = victim, evictable
+        self.victim, self.evictable = victim, evictable  # evictable None: every version is
         self.keep_lower = keep_lower
         self.resident: dict[Key, dict[str, int]] = {}  # key -> {tier: slot}
         self.in_tier: dict[str, set[Key]] = {t: set() for t in pools}  # keys with a version in each pool
@@ -361,7 +361,7 @@ class CacheManager:
         owner = pool.owner if shard is not None and pool.shards > 1 else None  # one shard owns every expert
         # the cheap tests first, the policy's last: every step's landing candidates walk the whole pool
         return [k for k in self.in_tier[tier] if k not in pinned and k not in keep and resident[k][tier] not in locked
-                and (owner is None or owner(k[1]) == shard) and evictable(tier, k)]
+                and (owner is None or owner(k[1]) == shard) and (evictable is None or evictable(tier, k))]
 
     def _drop_above(self, key: Key, code: int) -> None:
         if key in self.pinned:

@@ -48,6 +48,17 @@ from jmoe.tiers import SKIP, TIER_CODES, tier_name
 BOOK_BATCH = 32  # deferred steps whose books are kept together (LRU order and counters lag at most this)
 
 
+def policy_eviction(policy: Policy) -> dict:
+    """The cache's victim and evictable test: the policy's where it overrides them, else the cache's
+    own (least recently used, everything evictable), which it runs without a call per expert."""
+    out = {}
+    if getattr(type(policy), "victim", None) is not Policy.victim:
+        out["victim"] = policy.victim
+    if getattr(type(policy), "evictable", None) is not Policy.evictable:
+        out["evictable"] = policy.evictable
+    return out
+
+
 class AllResident:
     """Every expert resident on the device at one tier: no transfers after load."""
 
@@ -145,8 +156,7 @@ class Offloaded:
         self.pools = {tier: TierPool(store, tier, slots, placement, plan.extra) for tier, slots in plan.slots.items()}
         self.handles = HandleTable(cfg.num_moe_layers, cfg.num_experts, tuple(self.pools), placement.replicated)
         self.cache = CacheManager(self.host, self.pools, self.handles, BudgetTracker(plan.staging_nbytes), self.stats,
-                                  device, victim=policy.victim, evictable=policy.evictable,
-                                  keep_lower=policy.keep_lower)
+                                  device, **policy_eviction(policy), keep_lower=policy.keep_lower)
         self.plan: Plan | None = None
         self.trace: Trace | None = None
         self.last_routed = np.zeros((cfg.num_moe_layers, cfg.num_experts), bool)  # by the last step's real tokens
