@@ -341,24 +341,28 @@ def test_write_slots_copies_record_bytes_into_pool_rows_in_place(dtype, monkeypa
     assert np.asarray(fallback).tobytes() == want.tobytes()
 
 
-def test_copy_slots_copies_store_rows_by_index_and_skips_out_of_range_ones():
-    """The in-step fetch on the CPU: pool row slots[i] = store row rows[i]'s bytes at the leaf's
-    offset; a slot or a row out of range (an unused fetch: -1) leaves the pool as it was."""
+def test_copy_records_copies_each_leafs_bytes_of_store_rows_by_index_and_skips_out_of_range_ones():
+    """The in-step fetch on the CPU: leaf i's row slots[j] = store row rows[j]'s bytes at leaf i's
+    offset, every leaf in one call; a slot or a row out of range (an unused fetch: -1) leaves the
+    leaves as they were."""
     rng = np.random.default_rng(5)
-    S, shape, E = 5, (3, 4), 7
-    row_bytes = int(np.prod(shape)) * 2
-    pool = rng.integers(0, 60, (S, *shape)).astype(np.float16)
-    store = rng.integers(0, 60, (E, 8 + row_bytes + 4), dtype=np.uint8)
+    S, E = 5, 7
+    shapes, dtypes, offsets = [(3, 4), (2,)], [np.float16, np.int32], [8, 40]
+    leaves = [rng.integers(0, 60, (S, *shape)).astype(dtype) for shape, dtype in zip(shapes, dtypes)]
+    store = rng.integers(0, 60, (E, 52), dtype=np.uint8)
     rows = np.array([6, 2, -1, 3, 9], np.int32)
     slots = np.array([0, 3, 1, -1, 2], np.int32)
-    want = np.array(pool)
-    for r, s in zip(rows, slots):
-        if 0 <= r < E and 0 <= s < S:
-            want[s] = store[r, 8 : 8 + row_bytes].view(np.float16).reshape(shape)
-    copy = jax.jit(lambda p, st, r, s: ops.copy_slots(p, st, r, s, offset=8), donate_argnums=0)
-    got = copy(jnp.asarray(pool), jnp.asarray(store), jnp.asarray(rows), jnp.asarray(slots))
-    assert np.asarray(got).tobytes() == want.tobytes()
-    assert not (want == pool).all()  # something was written
+    wants = [np.array(leaf) for leaf in leaves]
+    for want, shape, dtype, offset in zip(wants, shapes, dtypes, offsets):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        for r, s in zip(rows, slots):
+            if 0 <= r < E and 0 <= s < S:
+                want[s] = store[r, offset : offset + nbytes].view(dtype).reshape(shape)
+    copy = jax.jit(lambda ls, st, r, s: ops.copy_records(ls, st, r, s, offsets), donate_argnums=0)
+    got = copy([jnp.asarray(leaf) for leaf in leaves], jnp.asarray(store), jnp.asarray(rows), jnp.asarray(slots))
+    for g, want, leaf in zip(got, wants, leaves):
+        assert np.asarray(g).tobytes() == want.tobytes()
+        assert not (want == leaf).all()  # something was written
 
 
 @pytest.fixture(scope="module")
@@ -383,21 +387,34 @@ def tiny_dense_int4(tiny_hf_dir, tmp_path_factory):
                               dense_tier="int4", progress=False)
 
 
-def test_cpu_dot_int8_gives_the_tokens_of_its_xla_reference(tiny_dense_int4, monkeypatch):
+def test_cpu_dot_int8_gives_the_logits_of_its_xla_reference(tiny_dense_int4, monkeypatch):
     """load(cpu_dot="int8") through the native kernels (experts and the int4 dense tier's projections)
-    against the XLA reference with the same int8 inputs; an unknown cpu_dot is refused."""
+    against the XLA reference with the same int8 inputs, teacher-forced over one sequence; an unknown
+    cpu_dot is refused.
+
+    The two are not bit-identical (the kernel sums integer products per group, the reference
+    multiplies the dequantized values in float): a last-bit difference can move an activation
+    across a rounding boundary of the next layer's int8 grid, and eight layers on, a near tie of the
+    logits can go either way, differently on each instruction set XLA compiles the reference for.
+    So: the same top token wherever the reference's lead is clear, and logits close everywhere
+    (a kernel that misread its weights or inputs would be far off)."""
     from jmoe.decoding.engine import clear_compiled
     from jmoe.errors import InputError
 
     with pytest.raises(InputError, match="cpu_dot"):
         jmoe.load(tiny_dense_int4, cpu_dot="int9")
-    outs = {}
-    for path in ("native", "xla"):
-        if path == "xla":
-            monkeypatch.setattr(ops, "available", lambda: False)
-            clear_compiled()
-        model = jmoe.load(tiny_dense_int4, tier="int4", cpu_dot="int8")
-        assert model.residency.state.int8_dot
-        outs[path] = jmoe.generate(model, "def fibonacci(n):", max_new_tokens=24)
+    native = jmoe.load(tiny_dense_int4, tier="int4", cpu_dot="int8")
+    assert native.residency.state.int8_dot
+    prompt = native.tokenizer.encode("def fibonacci(n):")
+    sequence = list(prompt) + list(jmoe.generate(native, prompt, max_new_tokens=24))
+    logits = {"native": np.asarray(jmoe.forward(native, sequence))}
+    monkeypatch.setattr(ops, "available", lambda: False)
     clear_compiled()
-    assert outs["native"] == outs["xla"]
+    logits["xla"] = np.asarray(jmoe.forward(jmoe.load(tiny_dense_int4, tier="int4", cpu_dot="int8"), sequence))
+    clear_compiled()
+    got, want = logits["native"], logits["xla"]
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.5
+    assert clear.sum() >= len(sequence) // 2
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+    assert np.abs(got - want).mean() < 0.05 and np.abs(got - want).max() < 1.0
