@@ -24,7 +24,7 @@ EXPERT_FFN = "jmoe_cpu_expert_ffn"
 ROUTED_FFN = "jmoe_cpu_routed_ffn"
 WRITE_ROWS = "jmoe_cpu_write_rows"
 WRITE_SLOTS = "jmoe_cpu_write_slots"
-COPY_SLOTS = "jmoe_cpu_copy_slots"
+COPY_RECORDS = "jmoe_cpu_copy_records"
 
 
 def _load():
@@ -41,7 +41,7 @@ def _load():
                 for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn),
                                      (ROUTED_FFN, lib.JmoeCpuRoutedFfn), (WRITE_ROWS, lib.JmoeCpuWriteRows),
                                      (WRITE_SLOTS, lib.JmoeCpuWriteSlots),
-                                     (COPY_SLOTS, lib.JmoeCpuCopySlots)):
+                                     (COPY_RECORDS, lib.JmoeCpuCopyRecords)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
             except Exception as e:  # noqa: BLE001 - not built, not loadable, or refused by this jaxlib's XLA

@@ -167,16 +167,18 @@ def write_slots(pool: jax.Array, values: jax.Array, slots: jax.Array, offset: in
     return pool
 
 
-def copy_slots(pool: jax.Array, store: jax.Array, rows: jax.Array, slots: jax.Array, offset: int) -> jax.Array:
-    """pool [S, ...] with row slots[i] replaced by bytes [offset, offset + row bytes) of store row
-    rows[i] (store: uint8 [n, nbytes], one expert record per row) wherever both are in range (others
-    skipped), in place: write_slots reading straight from a host store, nothing done for a skipped
-    row. Native kernels only (the in-step fetch on the CPU uses it where `available()`)."""
+def copy_records(leaves: list, store: jax.Array, rows: jax.Array, slots: jax.Array, offsets: list[int]) -> list:
+    """Each leaf [S, ...] with row slots[j] replaced by bytes [offsets[i], + row bytes) of store row
+    rows[j] (store: uint8 [n, nbytes], one expert record per row) wherever both are in range (others
+    skipped), in place, every leaf in one call: write_slots reading straight from a host store,
+    nothing done for a skipped row. Native kernels only (the in-step fetch on the CPU uses it where
+    `available()`)."""
     if not native.loaded():
-        raise RuntimeError("copy_slots needs the native CPU kernels")
-    return native.call(native.COPY_SLOTS, jax.ShapeDtypeStruct(pool.shape, pool.dtype), pool, store,
-                       rows.astype(jnp.int32), slots.astype(jnp.int32), input_output_aliases={0: 0},
-                       offset=np.int64(offset))
+        raise RuntimeError("copy_records needs the native CPU kernels")
+    results = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+    return native.call(native.COPY_RECORDS, results, store, rows.astype(jnp.int32), slots.astype(jnp.int32), *leaves,
+                       input_output_aliases={3 + i: i for i in range(len(leaves))},
+                       offsets=np.asarray(offsets, np.int64))
 
 
 def _from_raw(raw, dtype, shape):

@@ -826,13 +826,25 @@ static ffi::Error write_slots_impl(ffi::AnyBuffer pool, ffi::AnyBuffer values, f
   return copy_rows(pool, values, nullptr, slot, out, offset);
 }
 
-// write_slots reading its rows out of a store [n, ...] by index: the CPU's in-step fetch, straight from
-// the host store into the pool (no record materialised, nothing done for a skipped fetch).
-static ffi::Error copy_slots_impl(ffi::AnyBuffer pool, ffi::AnyBuffer store, ffi::Buffer<ffi::S32> row,
-                                  ffi::Buffer<ffi::S32> slot, ffi::Result<ffi::AnyBuffer> out, int64_t offset) {
+// write_slots reading its rows out of a store [n, ...] by index, for every leaf of a pool in one call:
+// the CPU's in-step fetch, straight from the host store into the pool (no record materialised,
+// nothing done for a skipped fetch). The store and indices first, then the leaves, each aliased to its
+// result and read at its offset.
+static ffi::Error copy_records_impl(ffi::AnyBuffer store, ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> slot,
+                                    ffi::RemainingArgs leaves, ffi::RemainingRets outs,
+                                    ffi::Span<const int64_t> offsets) {
   if (row.element_count() != slot.element_count())
-    return ffi::Error::InvalidArgument("copy_slots wants as many store rows as slots");
-  return copy_rows(pool, store, row.typed_data(), slot, out, offset);
+    return ffi::Error::InvalidArgument("copy_records wants as many store rows as slots");
+  if (leaves.size() != outs.size() || leaves.size() != offsets.size())
+    return ffi::Error::InvalidArgument("copy_records wants a result and an offset per leaf");
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    auto leaf = leaves.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!leaf.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("copy_records: a leaf is not a buffer");
+    ffi::Error error = copy_rows(*leaf, store, row.typed_data(), slot, *out, offsets[i]);
+    if (error.failure()) return error;
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace jmoe
@@ -896,14 +908,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteSlots, jmoe::write_slots_impl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("offset"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuCopySlots, jmoe::copy_slots_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuCopyRecords, jmoe::copy_records_impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("offset"));
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("offsets"));
 
 // A Python extension module of its own (so setuptools builds and installs it); the handlers are
 // read from the shared object with ctypes.

@@ -89,8 +89,11 @@ class FetchSpec:
         T, L, E, Q, N = len(self.tiers), num_layers, self.num_experts, self.requests, self.landing
         shapes = [(T, L, E), (T, L, Q), (T, L, Q), (T, N), (T, N), (T, N)]
         offsets = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
-        arrays = [packed[offsets[i]:offsets[i + 1]].reshape(shape) for i, shape in enumerate(shapes)]
-        return StepPlan(*({t: a[i] for i, t in enumerate(self.tiers)} for a in arrays))
+        return StepPlan(*(packed[offsets[i]:offsets[i + 1]].reshape(shape) for i, shape in enumerate(shapes)))
+
+    def tier_codes(self) -> np.ndarray:
+        """[tiers, 1] each pool's tier code (to compare with per-expert codes [E])."""
+        return np.array([[TIER_CODES[t]] for t in self.tiers], np.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -109,31 +112,43 @@ class FetchInputs:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """FetchInputs.packed, unpacked: tier -> tables [L, E], request ids and slots [L, requests],
-    landing candidates' slots and keys (layer * E + expert, -1: free) [landing], the previous
-    step's candidate slots [landing]."""
+    """FetchInputs.packed, unpacked, every array stacked over the tiers (pool order): tables
+    [T, L, E], request ids and slots [T, L, requests], landing candidates' slots and keys (layer * E
+    + expert, -1: free) [T, landing], the previous step's candidate slots [T, landing]."""
 
-    tables: dict
-    request_ids: dict
-    request_slots: dict
-    candidate_slots: dict
-    candidate_keys: dict
-    previous_slots: dict
+    tables: jax.Array
+    request_ids: jax.Array
+    request_slots: jax.Array
+    candidate_slots: jax.Array
+    candidate_keys: jax.Array
+    previous_slots: jax.Array
 
 
-def overlay(plan: StepPlan, previous_keys, spec: "FetchSpec") -> dict:
-    """Handle tables [L, E] with the previous step's landings published and whatever they
+def overlay(plan: StepPlan, previous_keys, spec: "FetchSpec") -> jax.Array:
+    """Handle tables [T, L, E] with the previous step's landings published and whatever they
     overwrote retracted."""
-    out = {}
-    for i, tier in enumerate(spec.tiers):
-        table, keys, slots = plan.tables[tier], previous_keys[i], plan.previous_slots[tier]
-        pool_slots = spec.cache_slots[i] + spec.extra_slots()
-        overwritten = jnp.zeros((pool_slots + 1,), bool).at[jnp.where(keys >= 0, slots, pool_slots)].set(True)
-        table = jnp.where((table >= 0) & overwritten[jnp.clip(table, 0, pool_slots)], NO_SLOT, table)
-        flat = table.reshape(-1)
-        flat = flat.at[jnp.where(keys >= 0, keys, flat.shape[0])].set(slots, mode="drop")
-        out[tier] = flat.reshape(table.shape)
-    return out
+    tables, keys, slots = plan.tables, previous_keys, plan.previous_slots  # keys, slots [T, landing]
+    T, L, E = tables.shape
+    P = max(spec.cache_slots) + spec.extra_slots()  # the largest pool's slots; P itself: none
+    overwritten = mark(jnp.zeros((T, P + 1), bool), jnp.where(keys >= 0, slots, -1), True)
+    gone = jnp.take_along_axis(overwritten, jnp.clip(tables, 0, P).reshape(T, -1), axis=-1).reshape(T, L, E)
+    tables = jnp.where((tables >= 0) & gone, NO_SLOT, tables)
+    return set_entries(tables, jnp.where(keys >= 0, keys, -1), slots)
+
+
+def set_entries(tables, keys, values):
+    """tables [T, L, E] with entry keys[t, i] (layer * E + expert; < 0: none) of tier t set to
+    values[t, i]: one scatter for every tier."""
+    T, L, E = tables.shape
+    return mark(tables.reshape(T, L * E), keys, values).reshape(T, L, E)
+
+
+def mark(rows, index, values):
+    """rows [T, S] with rows[t, index[t, i]] = values[t, i] (index < 0: none): one scatter."""
+    T, S = rows.shape
+    flat = jnp.where(index >= 0, jnp.arange(T, dtype=jnp.int32)[:, None] * S + index, T * S)
+    values = jnp.broadcast_to(jnp.asarray(values, rows.dtype), index.shape)
+    return rows.reshape(-1).at[flat.reshape(-1)].set(values.reshape(-1), mode="drop").reshape(T, S)
 
 
 def fetch_record(store, expert):
@@ -147,9 +162,10 @@ def write_fetched(pool, store, ids, dests, valid, layout: RecordLayout, sink: in
     """pool with the records of experts ids[i] written into slots dests[i] where valid[i]."""
     if native:  # no record materialised, no conditional: each leaf's rows copied from the store
         leaves, treedef = jax.tree.flatten(pool)
-        dests = jnp.where(valid, dests, NO_SLOT)
-        return treedef.unflatten([cpu_kernels.copy_slots(leaf, store, ids, dests, spec.offset)
-                                  for leaf, spec in zip(leaves, layout.leaves, strict=True)])
+        offsets = [spec.offset for spec in layout.leaves]
+        if len(offsets) != len(leaves):
+            raise ValueError(f"a pool of {len(leaves)} leaves, a record layout of {len(offsets)}")
+        return treedef.unflatten(cpu_kernels.copy_records(leaves, store, ids, jnp.where(valid, dests, NO_SLOT), offsets))
     if guarded:  # the CPU: its native kernels write where they are built
         for i in range(ids.shape[0]):
             pool = jax.lax.cond(
@@ -160,13 +176,8 @@ def write_fetched(pool, store, ids, dests, valid, layout: RecordLayout, sink: in
     return write_records(pool, jnp.where(valid, dests, sink), records, layout, False)
 
 
-def publish_row(row, ids, dests, valid):
-    """A handle-table row [E] with experts ids[i] at dests[i] where valid[i]."""
-    return row.at[jnp.where(valid, ids, row.shape[0])].set(dests, mode="drop")
-
-
 def top_by(score, candidates, n: int):
-    """The ids of up to n candidates by descending score: (ids [n], valid [n])."""
+    """The ids of up to n candidates by descending score along the last axis: (ids [..., n], valid [..., n])."""
     ranked = jnp.where(candidates, score, -jnp.inf)
     best, ids = jax.lax.top_k(ranked, n)
     valid = best > -jnp.inf
@@ -187,6 +198,11 @@ def adequate(rows: dict, code):
     return ok
 
 
+def adequate_stacked(rows, tier_codes, code):
+    """adequate() of rows [T, E] stacked in pool order, tier_codes [T, 1]."""
+    return ((rows != NO_SLOT) & (tier_codes >= code)).any(0)
+
+
 @dataclass
 class LayerReport:
     """What one MoE layer fetched: per expert how (kind [E]: SERVED_PREFETCHED for a request or the
@@ -202,119 +218,124 @@ class LayerReport:
 @dataclass
 class StepFetcher:
     """The in-step fetch of one traced step: its inputs, what it carries from layer to layer
-    (landing cursors, landed keys, the look-ahead of the next layer) and what it reports."""
+    (landing cursors, landed keys, the look-ahead of the next layer) and what it reports. Every
+    tier's bookkeeping runs at once, on arrays stacked over the tiers (few, larger operations: each
+    operation of a step costs a launch on an accelerator and a dispatch on the CPU); only the
+    writes into the pools are per tier."""
 
     spec: FetchSpec
     inputs: FetchInputs
     plan: StepPlan
-    tables: dict  # tier -> [L, E] this step's handle tables, changing as it fetches and evicts
-    taken: dict = field(default_factory=dict)  # tier -> [landing] bool: candidates used so far
-    landed: dict = field(default_factory=dict)  # tier -> [landing] int32 keys
-    lookahead: dict = field(default_factory=dict)  # tier -> [lookahead] int32 ids for the next MoE layer
+    stacked: jax.Array  # [T, L, E] this step's handle tables, changing as it fetches and evicts
+    landed: jax.Array | None = None  # [T, landing] int32 keys landed in each candidate (-1: free so far)
+    lookahead: jax.Array | None = None  # [T, lookahead] int32 ids for the next MoE layer (-1: none)
     predicted: jax.Array | None = None  # [E] bool: what the previous layer predicted for this one
+    requested: jax.Array | None = None  # [L, E] bool: what the host asked the step to fetch
     reports: list = field(default_factory=list)
 
     def __post_init__(self):
-        for tier in self.spec.tiers:
-            self.taken[tier] = jnp.zeros((self.spec.landing,), bool)
-            self.landed[tier] = jnp.full((self.spec.landing,), -1, jnp.int32)
+        self.landed = jnp.full((len(self.spec.tiers), self.spec.landing), -1, jnp.int32)
+        self.codes = self.spec.tier_codes()
+
+    @property
+    def tables(self) -> dict:
+        """tier -> [L, E] handle table."""
+        return {tier: self.stacked[i] for i, tier in enumerate(self.spec.tiers)}
 
     def serve(self, layer: int, routing: Routing, wanted, token_valid, experts: LayerExperts) -> LayerExperts:
         """Fetch what layer `layer` asks for; the layer's experts with its new pools and rows."""
         spec, E = self.spec, self.spec.num_experts
-        rows, pools = {t: self.tables[t][layer] for t in spec.tiers}, dict(experts.pools)
+        pools = dict(experts.pools)
         kind = jnp.zeros((E,), jnp.int32)
+        if self.requested is not None:
+            kind = jnp.where(self.requested[layer], SERVED_PREFETCHED, kind)
         score, routed = expert_importance(routing, token_valid, None, experts.heavy_hitters, E)  # gate mass
-        fetched = {tier: [jnp.int32(0), jnp.int32(0)] for tier in spec.tiers}
         if self.inputs.hint is not None:  # a draft's routing: this layer's look-ahead
             hint = self.inputs.hint[layer]
             self.predict(experts, (hint > 0).astype(jnp.int32), hint,
                          jnp.where(hint > 0, wanted_by_importance(hint, hint > 0, experts), 0))
-        for tier in spec.tiers:  # requests and look-ahead first: they may make misses unnecessary
-            rows, pools, kind = self._requests(layer, tier, rows, pools, kind)
-            ids = self.lookahead.pop(tier, None)
-            if ids is not None:
-                rows, pools, kind, lands = self._device_chosen(layer, tier, ids, ids >= 0, routed, rows, pools, kind,
-                                                               SERVED_PREFETCHED, must_run=False)
-                fetched[tier][0] = lands.sum(dtype=jnp.int32)
+        zero = jnp.zeros((len(spec.tiers),), jnp.int32)
+        prefetched, missed = zero, zero
+        if self.lookahead is not None:  # before the misses: it may make some unnecessary
+            ids, self.lookahead = self.lookahead, None
+            pools, kind, lands = self._device_chosen(layer, ids, ids >= 0, routed, pools, kind, SERVED_PREFETCHED,
+                                                     must_run=False)
+            prefetched = lands.sum(-1, dtype=jnp.int32)
         left_out = jnp.int32(0)
         if spec.misses:
             code = per_expert_wanted(routing.ids, wanted, token_valid, E)
-            missing = routed & (code > 0) & ~adequate(rows, code)
+            rows = self.stacked[:, layer]
+            missing = routed & (code > 0) & ~adequate_stacked(rows, self.codes, code)
             if spec.degrade:  # a lower resident version runs instead
-                missing = missing & ~adequate(rows, jnp.ones_like(code))
-            for tier in spec.tiers:
-                ids, valid = top_by(score, missing & (code == TIER_CODES[tier]), min(spec.misses, E))
-                rows, pools, kind, _ = self._device_chosen(layer, tier, ids, valid, routed, rows, pools, kind,
-                                                           SERVED_FETCHED, must_run=True)
-                fetched[tier][1] = valid.sum(dtype=jnp.int32)
-            left_out = (missing & ~adequate(rows, code)).sum(dtype=jnp.int32)  # ran below its tier, or not at all
+                missing = missing & ~adequate_stacked(rows, self.codes, jnp.ones_like(code))
+            ids, valid = top_by(score, missing & (code == self.codes), min(spec.misses, E))  # [T, misses]
+            pools, kind, _ = self._device_chosen(layer, ids, valid, routed, pools, kind, SERVED_FETCHED,
+                                                 must_run=True)
+            missed = valid.sum(-1, dtype=jnp.int32)
+            # ran below its tier, or not at all
+            left_out = (missing & ~adequate_stacked(self.stacked[:, layer], self.codes, code)).sum(dtype=jnp.int32)
         used = (routed & (kind == SERVED_PREFETCHED)).sum(dtype=jnp.int32)
         recalled = jnp.int32(0) if self.predicted is None else (routed & self.predicted).sum(dtype=jnp.int32)
-        self.reports.append(LayerReport(kind, jnp.array([fetched[t] for t in spec.tiers], jnp.int32),
-                                        jnp.stack([left_out, used, recalled])))
-        for tier in spec.tiers:
-            self.tables[tier] = self.tables[tier].at[layer].set(rows[tier])
+        self.reports.append(LayerReport(kind, jnp.stack([prefetched, missed], -1), jnp.stack([left_out, used, recalled])))
         self.predicted = None
+        rows = {tier: self.stacked[i, layer] for i, tier in enumerate(spec.tiers)}
         return LayerExperts(rows, pools, experts.hi, experts.lo, experts.ratio, experts.heavy_hitters, experts.backend,
                             experts.group_rows, experts.int8_dot, experts.ep)
 
     def write_requests(self, pools: dict) -> dict:
-        """pools with every layer's requests written, before any layer runs. Written where each
-        layer runs instead, a request (host-chosen, depending on nothing the step computes) would
-        be unordered with the earlier layers' reads of the same pool, and XLA would copy the pool."""
+        """pools with every layer's requests written and published, before any layer runs. Written
+        where each layer runs instead, a request (host-chosen, depending on nothing the step
+        computes) would be unordered with the earlier layers' reads of the same pool, and XLA would
+        copy the pool."""
         if not self.spec.requests:
             return pools
         pools = dict(pools)
-        for tier in self.spec.tiers:
-            for layer in range(self.plan.request_ids[tier].shape[0]):
-                ids, dests = self.plan.request_ids[tier][layer], self.plan.request_slots[tier][layer]
+        plan, E = self.plan, self.spec.num_experts
+        for i, tier in enumerate(self.spec.tiers):
+            for layer in range(plan.request_ids.shape[1]):
+                ids, dests = plan.request_ids[i, layer], plan.request_slots[i, layer]
                 pools[tier] = self._write(layer, tier, pools[tier], ids, dests, ids >= 0)
+        valid = plan.request_ids >= 0  # [T, L, requests]
+        layer = jnp.arange(plan.request_ids.shape[1], dtype=jnp.int32)[None, :, None]
+        keys = jnp.where(valid, layer * E + plan.request_ids, -1)
+        T = keys.shape[0]
+        self.stacked = set_entries(self.stacked, keys.reshape(T, -1), plan.request_slots.reshape(T, -1))
+        L = plan.request_ids.shape[1]
+        self.requested = mark(jnp.zeros((1, L * E), bool), keys.reshape(1, -1), True).reshape(L, E)
         return pools
 
-    def _requests(self, layer, tier, rows, pools, kind):
-        """Publish layer `layer`'s requests (written by write_requests) in its rows."""
-        if not self.spec.requests:
-            return rows, pools, kind
-        ids, dests = self.plan.request_ids[tier][layer], self.plan.request_slots[tier][layer]
-        valid = ids >= 0
-        rows[tier] = publish_row(rows[tier], ids, dests, valid)
-        return rows, pools, kind.at[jnp.where(valid, ids, kind.shape[0])].set(SERVED_PREFETCHED, mode="drop")
-
-    def _device_chosen(self, layer, tier, ids, valid, routed, rows, pools, kind, served: int, must_run: bool):
-        """Fetch experts the step chose: each into the next usable landing candidate (free, of an
-        earlier layer, or of this layer and not routed to now), else (`must_run`: misses) into
-        scratch, else not at all. Returns (rows, pools, kind, which landed)."""
+    def _device_chosen(self, layer, ids, valid, routed, pools, kind, served: int, must_run: bool):
+        """Fetch experts the step chose, ids/valid [T, n]: each into the next usable landing
+        candidate of its tier (free, of an earlier layer, or of this layer and not routed to now),
+        else (`must_run`: misses) into scratch, else not at all. Returns (pools, kind, which landed)."""
         spec, E = self.spec, self.spec.num_experts
-        scratch = spec.cache_slots[spec.tiers.index(tier)] + jnp.arange(ids.shape[0], dtype=jnp.int32)
+        n = ids.shape[1]
+        scratch = np.asarray(spec.cache_slots, np.int32)[:, None] + np.arange(n, dtype=np.int32)[None]
         lands = jnp.zeros_like(valid)
+        evicted = None
         if spec.land and spec.landing:
-            keys = self.plan.candidate_keys[tier]
-            owner_layer, owner = keys // E, keys % E
-            busy = (owner_layer == layer) & routed[jnp.clip(owner, 0, E - 1)]  # this layer runs it now
-            usable = ~self.taken[tier] & (self.plan.candidate_slots[tier] >= 0) & ((keys < 0) | ~busy)
-            order = jnp.argsort(~usable, stable=True)  # usable candidates first, in the host's order
-            rank = jnp.cumsum(valid.astype(jnp.int32)) - 1
-            lands = valid & (rank < usable.sum())
-            pick = order[jnp.clip(rank, 0, spec.landing - 1)]
-            dests = jnp.where(lands, self.plan.candidate_slots[tier][pick], scratch)
-            picked = jnp.where(lands, pick, spec.landing)
-            self.taken[tier] = self.taken[tier].at[picked].set(True, mode="drop")
-            self.landed[tier] = self.landed[tier].at[picked].set(layer * E + ids, mode="drop")
-            evicted = jnp.where(lands & (keys[pick] >= 0), keys[pick], self.tables[tier].size)
-            rows = dict(rows)  # evicted versions leave the step's tables (a later layer may miss them)
-            for t in spec.tiers:
-                if t == tier:
-                    flat = self.tables[t].reshape(-1).at[evicted].set(NO_SLOT, mode="drop")
-                    self.tables[t] = flat.reshape(self.tables[t].shape)
-                    rows[t] = rows[t].at[jnp.where(evicted // E == layer, evicted % E, E)].set(NO_SLOT, mode="drop")
+            keys, slots = self.plan.candidate_keys, self.plan.candidate_slots  # [T, landing]
+            busy = (keys // E == layer) & routed[jnp.clip(keys % E, 0, E - 1)]  # this layer runs it now
+            usable = (self.landed < 0) & (slots >= 0) & ((keys < 0) | ~busy)
+            order = jnp.argsort(~usable, axis=-1, stable=True)  # usable candidates first, in the host's order
+            rank = jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1
+            lands = valid & (rank < usable.sum(-1, keepdims=True))
+            pick = jnp.take_along_axis(order, jnp.clip(rank, 0, spec.landing - 1), axis=-1)  # [T, n]
+            dests = jnp.where(lands, jnp.take_along_axis(slots, pick, axis=-1), scratch)
+            self.landed = mark(self.landed, jnp.where(lands, pick, -1), layer * E + ids)
+            evicted = jnp.take_along_axis(keys, pick, axis=-1)
+            evicted = jnp.where(lands, evicted, -1)  # their versions leave the tables (a later layer may miss them)
         else:
-            dests = scratch
+            dests = jnp.broadcast_to(scratch, ids.shape)
         if not must_run:
             valid = lands
-        pools[tier] = self._write(layer, tier, pools[tier], ids, dests, valid)
-        rows[tier] = publish_row(rows[tier], ids, dests, valid)
-        return rows, pools, kind.at[jnp.where(valid, ids, kind.shape[0])].set(served, mode="drop"), lands
+        for i, tier in enumerate(spec.tiers):
+            pools[tier] = self._write(layer, tier, pools[tier], ids[i], dests[i], valid[i])
+        if evicted is not None:
+            self.stacked = set_entries(self.stacked, evicted, NO_SLOT)
+        self.stacked = set_entries(self.stacked, jnp.where(valid, layer * E + ids, -1), dests)
+        kind = mark(kind[None], jnp.where(valid, ids, -1).reshape(1, -1), served)[0]
+        return pools, kind, lands
 
     def _write(self, layer, tier, pool, ids, dests, valid):
         spec = self.spec
@@ -329,18 +350,15 @@ class StepFetcher:
         if not self.spec.lookahead:
             return
         missing = self.predicted & ~adequate(next_experts.slots, predicted_wanted)
-        for tier in self.spec.tiers:
-            ids, _ = top_by(gate, missing & (predicted_wanted == TIER_CODES[tier]), min(self.spec.lookahead,
-                                                                                      self.spec.num_experts))
-            self.lookahead[tier] = ids
+        self.lookahead, _ = top_by(gate, missing & (predicted_wanted == self.codes),
+                                   min(self.spec.lookahead, self.spec.num_experts))
 
     def summary_parts(self) -> tuple:
         """(kind [L, E], fetched [L, tiers, 2], counts [L, 3], landed keys [tiers, landing])."""
         kind = jnp.stack([r.kind for r in self.reports])
         fetched = jnp.stack([r.fetched for r in self.reports])
         counts = jnp.stack([r.counts for r in self.reports])
-        landed = jnp.stack([self.landed[t] for t in self.spec.tiers])
-        return kind, fetched, counts, landed
+        return kind, fetched, counts, self.landed
 
 
 __all__ = ["FetchSpec", "FetchInputs", "StepFetcher", "LayerReport", "overlay", "SERVED_RESIDENT",

@@ -117,8 +117,7 @@ class TracedLayers:
         if experts.fetch_spec is not None:
             spec, inputs = experts.fetch_spec, experts.fetch
             plan = spec.unpack(inputs.packed, len(model.config.moe_layer_indices))
-            self.tables = overlay(plan, inputs.previous_keys, spec)
-            self.fetcher = StepFetcher(spec, inputs, plan, self.tables)
+            self.fetcher = StepFetcher(spec, inputs, plan, overlay(plan, inputs.previous_keys, spec))
             self.pools = self.fetcher.write_requests(self.pools)
 
     def is_moe(self, i: int) -> bool:
