@@ -66,6 +66,10 @@ class ExpertCounters:
 
     def add(self, counts: np.ndarray) -> None:
         """One step's token counts of every layer [L, E], or several steps' [n, L, E] in order."""
+        if counts.shape == self.total.shape:  # one step (every decode step): no stacking
+            self.total += counts
+            self.ema = self.decay * self.ema + (1 - self.decay) * counts
+            return
         counts = counts.reshape(-1, *self.total.shape)
         n = counts.shape[0]
         self.total += counts.sum(axis=0)
@@ -189,6 +193,10 @@ class Policy:
 
     def evictable(self, tier: str, key: Key) -> bool:
         """Whether `key`'s version in `tier`'s pool may be evicted at all (pinned ones never are)."""
+        return True
+
+    def evicts_from(self, tier: str) -> bool:
+        """False when no version in `tier`'s pool may ever be evicted (evictable is then not asked)."""
         return True
 
     def victim(self, tier: str, candidates: list[Key]) -> Key | None:

@@ -140,6 +140,9 @@ class DynaExq(Policy):
         # never a lo copy (every expert keeps its lo version)
         return tier == self.hi and (self.members is None or not self.members[key])
 
+    def evicts_from(self, tier: str) -> bool:
+        return tier == self.hi
+
     def report(self, view_cache) -> dict[str, int]:
         """How many experts are Resident-Lo, Promoting, Resident-Hi and Demoting now."""
         if self.members is None:

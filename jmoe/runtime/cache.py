@@ -55,13 +55,15 @@ def least_recent(tier: str, candidates: list[Key]) -> Key:
 class CacheManager:
     def __init__(self, host: HostStore, pools: dict[str, TierPool], handles: HandleTable, staging: BudgetTracker,
                  stats: Stats, device, *, victim: Callable[[str, list[Key]], Key] = least_recent,
-                 evictable: Callable[[str, Key], bool] | None = None, keep_lower: bool = False):
+                 evictable: Callable[[str, Key], bool] | None = None,
+                 evicts_from: Callable[[str], bool] = lambda tier: True, keep_lower: bool = False):
         self.host = host
         self.pools = pools
         self.handles = handles
         self.staging = staging  # its budget is the staging bytes reserved on the device at load
         self.stats = stats
         self.victim, self.evictable = victim, evictable  # evictable None: every version is
+        self.evicts_from = evicts_from  # False: nothing in that tier's pool is evictable
         self.keep_lower = keep_lower
         self.resident: dict[Key, dict[str, int]] = {}  # key -> {tier: slot}
         self.in_tier: dict[str, set[Key]] = {t: set() for t in pools}  # keys with a version in each pool
@@ -167,7 +169,12 @@ class CacheManager:
 
     def touch_all(self, used: np.ndarray) -> None:
         """Mark every expert of the [L, E] mask `used` as just used (one step's worth, at once)."""
-        self.touch_steps(used[None])
+        self.clock += 1
+        self.last_used[used] = self.clock
+        if self.prefetched:
+            for key in [k for k in self.prefetched if used[k]]:
+                self.prefetched.discard(key)
+                self.stats.prefetch_used += 1
 
     def touch_steps(self, used: np.ndarray) -> None:
         """Mark the experts of several steps' masks `used` [n, L, E] as used, in step order."""
@@ -356,6 +363,8 @@ class CacheManager:
     def movable(self, tier: str, keep=(), shard: int | None = None) -> list[Key]:
         """Keys whose `tier` version could be evicted now (not pinned, allowed by the policy, not in
         `keep`; only those of expert shard `shard` when given)."""
+        if not self.evicts_from(tier):
+            return []
         pool, locked, resident, pinned, evictable = self.pools[tier], self.locked[tier], self.resident, self.pinned, \
             self.evictable
         owner = pool.owner if shard is not None and pool.shards > 1 else None  # one shard owns every expert

@@ -272,23 +272,26 @@ class InStepFetch:
         the policy's observations and, in degrade mode, requests for what ran short."""
         res = self.res
         stats = res.stats
+        count = np.count_nonzero  # on [L, E] masks: a fraction of ndarray.sum's time
         routed = s.routed
         by_policy = routed & (s.wanted == SKIP)
         short = routed & ~by_policy & (s.chosen < s.wanted)
         fetched = routed & ~short & (s.served == SERVED_FETCHED)
-        stats.uses += int(routed.sum())
-        stats.skipped += int((by_policy | (short & (s.chosen == SKIP))).sum())
-        stats.degraded += int((short & (s.chosen != SKIP)).sum())
-        stats.misses += int(fetched.sum())
-        stats.hits += int((routed & ~by_policy & ~short & ~fetched).sum())
+        n_routed, n_short, n_fetched = count(routed), count(short), count(fetched)
+        skipped_short = count(short & (s.chosen == SKIP))
+        stats.uses += n_routed
+        stats.skipped += count(by_policy) + skipped_short
+        stats.degraded += n_short - skipped_short
+        stats.misses += n_fetched
+        stats.hits += count(routed & ~by_policy & ~short & ~fetched)
         stats.count_uses_of(s.chosen[routed])
         if flight.phase == "verify":  # look-ahead from the draft's routing, at every layer
             stats.spec.fidelity_hits += int(s.fetch_counts[:, 2].sum())
-            stats.spec.fidelity_total += int(routed.sum())
+            stats.spec.fidelity_total += n_routed
             stats.spec.lookahead_fetched += int(s.fetched[:, :, 0].sum())
         elif self.spec.lookahead:  # look-ahead from the previous layer
             stats.predicted += int(s.fetch_counts[1:, 2].sum())
-            stats.actual += int(routed[1:].sum())
+            stats.actual += count(routed[1:])
         res.trace_reads(flight.index, routed, s.chosen)
         res.counters.add(s.counts)
         res.policy.observe_experts(s.counts, s.gate, int(s.counts[0].sum()) // max(1, res.cfg.top_k))

@@ -56,6 +56,8 @@ def policy_eviction(policy: Policy) -> dict:
         out["victim"] = policy.victim
     if getattr(type(policy), "evictable", None) is not Policy.evictable:
         out["evictable"] = policy.evictable
+    if getattr(type(policy), "evicts_from", None) is not Policy.evicts_from:
+        out["evicts_from"] = policy.evicts_from
     return out
 
 
@@ -258,10 +260,11 @@ class Offloaded:
         self.cache.pinned = set()
 
     def selection(self) -> Selection:
-        """The plan's tier arrays on the device; reused while the plan keeps the same arrays."""
+        """The plan's tier arrays on the device; reused while the plan's arrays hold the same values
+        (a policy may build new ones each step: comparing them costs microseconds, a transfer more)."""
         p = self.plan
         key = (p.hi, p.lo, p.ratio, p.heavy_hitters)
-        if self._selection is None or any(a is not b for a, b in zip(self._selection[0], key)):
+        if self._selection is None or not all(a is b or np.array_equal(a, b) for a, b in zip(self._selection[0], key)):
             selection = Selection.of(*key)
             self._selection = (key, jax.device_put(selection, self.device))
             self.stats.count_io(transfers=len(jax.tree.leaves(selection)), nbytes=tree_nbytes(selection))
