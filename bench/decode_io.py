@@ -15,10 +15,11 @@ Workload: three prompts, the first --prompt-tokens tokens of the prose, code and
 each generating --new-tokens tokens (greedy, or sampled with --temperature and --seed).
 
 Warm-up (before counting and before timing): a generate on another prompt of the same length,
-then the three generates of the workload once, so that nothing compiles in what is measured
-(speculative decoding compiles a verify shape per draft length it meets, which one generate does
-not exhaust; the governor's choice of draft length also reads cycle times, which compilation
-would distort). The measured generates therefore repeat the warm-up's, on caches it left.
+then the three generates of the workload once, and for speculative decoding a generate at each
+draft length the governor may choose, so that nothing compiles in what is measured (speculative
+decoding compiles a draft per length; the governor's choice of draft length also reads cycle
+times, which compilation would distort). A timed round in which anything compiled fails the run.
+The measured generates therefore repeat the warm-up's, on caches it left.
 
 Counting (one process, this one): a case is loaded, bench.lib.host_io installed (it clears JAX's
 caches, so the warm-up compiles through the counted dispatch path) and the case warmed up; the
@@ -67,6 +68,7 @@ import jmoe
 from bench.lib import host_io
 from bench.lib.common import CORPUS, DOMAINS, ROOT, TINY_HF, machine, result_path
 from jmoe.policies import DyMoE, DynaExq
+from jmoe.serving.compiles import CompileCounter
 
 STATS_COUNTERS = ("host_syncs", "replays", "transfers", "bytes_h2d", "tokens", "steps", "expert_uses", "evictions",
                   "stalls", "degraded", "skipped")
@@ -156,10 +158,18 @@ def streamed(model, ids: list[int], gen_kw: dict, on_first=None) -> tuple[int, f
 
 
 def warm_up(model, ids: dict, gen_kw: dict) -> None:
-    """Compile every shape the workload meets: the warm-up prompt, then the workload once (speculative
-    decoding meets new verify shapes as its draft length changes)."""
+    """Compile every shape the workload meets: the warm-up prompt, then the workload once, and for
+    speculative decoding each draft length the governor may choose (a draft executable of its own:
+    it chooses by measured time, so a timed round can meet a length the workload's warm-up did not)."""
     for key in ("warmup", *DOMAINS):
         streamed(model, ids[key], gen_kw)
+    spec = gen_kw.get("speculative")
+    if spec:
+        from jmoe.decoding.speculative import DEFAULT_K_MAX, auto_k_max
+
+        draft = spec["draft"] if isinstance(spec, dict) else spec
+        for k in range(1, auto_k_max(model, DEFAULT_K_MAX) + 1):
+            streamed(model, ids["warmup"], {**gen_kw, "speculative": {"draft": draft, "k": k}})
 
 
 def release(model) -> None:
@@ -381,14 +391,18 @@ def time_case(args) -> dict:
     model = jmoe.load(args.model, **case.load_kw(args.child_budget, load_kw))
     ids = prompts(baseline.tokenizer, Path(args.corpus), args.prompt_tokens)
     base_kw, case_kw = generate_kw(args, CASES["resident"]), generate_kw(args, case)
+    CompileCounter.count()  # listens from here on
     warm_up(baseline, ids, base_kw)
     warm_up(model, ids, case_kw)
     rounds = []
     for _ in range(args.rounds):
         waited = wait_for_quiet(args.max_wait)
         before, start = busy_seconds(), time.perf_counter()
+        compiles = CompileCounter.count()
         resident_ms, _ = decode_ms(baseline, ids, base_kw)
         case_ms, tokens = decode_ms(model, ids, case_kw)
+        if CompileCounter.count() != compiles:  # the round timed a compilation, not decoding
+            sys.exit(f"{args.child_case}: {CompileCounter.count() - compiles} compilation(s) in a timed round")
         rounds.append({"resident_ms": resident_ms, "case_ms": case_ms, "ratio": case_ms / resident_ms,
                        "decode_tokens": tokens, "waited_for_quiet_s": waited,
                        "other_processes_cores": other_cores(before, busy_seconds(), time.perf_counter() - start)})
