@@ -4,6 +4,8 @@ jmoe), and jmoe.stats() counting the same."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -135,3 +137,4 @@ def test_stats_report_host_interaction_by_phase(int4_int2):
     assert io["decode"]["executions"] == decode_tokens and io["decode"]["reads"] == decode_tokens
     assert io["prefill"]["reads"] >= model.config.num_moe_layers  # the prompt runs layer-wise: a read per layer
     assert np.isfinite(io["decode"]["transfer_bytes_per_token"])
+    assert json.loads(json.dumps(stats)) == stats  # what `--stats` prints: plain numbers, no numpy scalars
