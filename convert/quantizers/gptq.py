@@ -141,11 +141,14 @@ def refit_groups(w, hessian, codes, scales, offsets, fmt: QuantFormat, dead):
         # h_q[i, c, g] = sum over j in group g of H[i, j] q[j, c] (one batched product per group)
         # (float32: codes are small integers and the refit is stored in float16; twice as fast as float64)
         h_q = np.matmul(h32.reshape(kp, ng, group).transpose(1, 0, 2),
-                        qc.astype(np.float32).reshape(ng, group, c)).transpose(1, 2, 0).astype(np.float64)
+                        qc.astype(np.float32).reshape(ng, group, c)).astype(np.float64)  # [g', Kp, c]
         by_group = lambda x: x.reshape(ng, group, *x.shape[1:]).sum(axis=1)  # noqa: E731 - sum rows per group
+        q_rows = qc.reshape(ng, group, c).transpose(0, 2, 1)  # [g, c, j]: column c's codes in group g
         a = np.empty((c, 2 * ng, 2 * ng))
-        a[:, :ng, :ng] = by_group(qc[:, :, None] * h_q).transpose(1, 0, 2)  # q_g^T H q_g'
-        a[:, :ng, ng:] = by_group(qc[:, :, None] * h_members[:, None, :]).transpose(1, 0, 2)  # q_g^T H 1_g'
+        # q_g^T H q_g' and q_g^T H 1_g': products over each group's rows, batched (no [Kp, c, g] scratch)
+        hq_rows = h_q.reshape(ng, ng, group, c).transpose(1, 3, 2, 0)  # [g, c, j, g']
+        a[:, :ng, :ng] = np.matmul(q_rows[:, :, None, :], hq_rows)[:, :, 0, :].transpose(1, 0, 2)
+        a[:, :ng, ng:] = np.matmul(q_rows, h_members.reshape(ng, group, ng)).transpose(1, 0, 2)
         a[:, ng:, :ng] = a[:, :ng, ng:].transpose(0, 2, 1)
         a[:, ng:, ng:] = a11
         rhs = np.concatenate([by_group(qc * hw[:, cols]).T, by_group(hw[:, cols]).T], axis=1)  # [c, 2ng]
