@@ -227,6 +227,27 @@ def test_lookahead_phases_and_counters(three_tiers):
     assert stats["steps"] - steps_before == 1 + spec["cycles"]
     assert model.drafts["int4"].stats.steps == spec["drafted_tokens"]
     model.residency.cache.check()
+    specs = model.residency.in_step.specs  # plain steps between cycles do not carry the verification's look-ahead
+    assert specs["decode"].lookahead < specs["verify"].lookahead
+
+
+def test_plain_decode_steps_keep_their_own_fetch_slots_beside_a_draft():
+    """A draft sizes the verification's look-ahead (and, on the CPU, its misses) for k + 1 tokens a
+    row; a plain decode step between cycles routes one token a row and keeps the slots it has without
+    a draft (on an accelerator each look-ahead slot moves a record every step)."""
+    from types import SimpleNamespace
+
+    from jmoe.policies import make_policy
+    from jmoe.runtime.fetching import fetch_slots
+
+    cfg = SimpleNamespace(top_k=8, num_experts=64)  # all the slots depend on
+    policy = make_policy("lru+prefetch", "bf16")
+    for guarded in (False, True):
+        plain = fetch_slots(cfg, policy, None, 1, False, draft_tokens=0, guarded=guarded)
+        drafted = fetch_slots(cfg, policy, None, 1, False, draft_tokens=8, guarded=guarded)
+        assert drafted.lookahead > plain.lookahead and drafted.misses >= plain.misses
+        assert drafted.decode == (plain.misses, plain.lookahead) and plain.decode is None
+        assert drafted.extra >= plain.extra  # the pools hold the verification's scratch
 
 
 def test_the_draft_is_reserved_within_the_budget(tiny_hf_dir, tmp_path):

@@ -14,6 +14,7 @@ slots hold (exact mode) is reported as inexact and the caller runs it again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class FetchSlots:
     guarded: bool
     degrade: bool = False
     predict: bool = False  # look ahead from the previous layer (the policy prefetches)
+    # a plain decode step's misses and look-ahead where a speculative draft sized these for its
+    # verification (None: the same): a decode step routes one token per row, whatever the draft
+    decode: tuple[int, int] | None = None
 
     @property
     def extra(self) -> int:
@@ -72,7 +76,11 @@ def fetch_slots(cfg: ModelConfig, policy: Policy, device, rows: int, degrade: bo
     # requests carry what a policy asks for beyond the routing: its own plan's, degrade mode's
     own_plan = type(policy).plan is not Policy.plan
     requests = min(E, per_token) if (degrade or own_plan) else 0
-    return FetchSlots(misses, lookahead, requests, guarded, degrade, policy.prefetch)
+    decode = None
+    if draft_tokens:
+        plain = fetch_slots(cfg, policy, device, rows, degrade, miss_slots, 0, guarded)
+        decode = (plain.misses, plain.lookahead)
+    return FetchSlots(misses, lookahead, requests, guarded, degrade, policy.prefetch, decode)
 
 
 @dataclass
@@ -104,6 +112,10 @@ class InStepFetch:
                               slots.misses, slots.lookahead, slots.requests, landing, slots.guarded,
                               land=res.policy.cache, degrade=slots.degrade, predict=slots.predict,
                               native=slots.guarded and cpu_kernels.available())
+        # decode steps of a model with a speculative draft: their own (fewer) misses and look-ahead;
+        # scratch and sink stay within the verification's extra slots
+        self.specs = {"verify": self.spec, "decode": self.spec if slots.decode is None else
+                      dataclasses.replace(self.spec, misses=slots.decode[0], lookahead=slots.decode[1])}
         self.stores = {tier: res.host.stacks(tier) for tier in pools}
         self.accelerator = accelerator or slots
         self.wanted: OrderedDict[tuple[Key, str], str] = OrderedDict()  # (key, tier) -> kind: requests to come
@@ -123,7 +135,7 @@ class InStepFetch:
         """The step's expert state (its fetch arrays in one transfer), the pools to donate, and its
         flight. rows: tokens the step's summary carries first; hint: a speculative draft's routing
         [L, E] on the device (the step's look-ahead)."""
-        res, spec = self.res, self.spec
+        res, spec = self.res, self.specs.get(phase, self.spec)
         self.publish_landings(keep_newest=True)
         self._queue_plan()
         request_ids, request_slots = self._requests()
@@ -145,7 +157,8 @@ class InStepFetch:
             previous_slots, previous_keys = np.full_like(landing, NO_SLOT), self._empty_landing()
         if res.trace is not None:  # what an accelerator's slots move, every step
             gpu, record = self.accelerator, res.cfg.num_moe_layers * sum(res.host.nbytes(t) for t in spec.tiers)
-            res.trace.fetch_slots((gpu.requests + gpu.lookahead) * record, gpu.misses * record)
+            misses, lookahead = gpu.decode if phase == "decode" and gpu.decode else (gpu.misses, gpu.lookahead)
+            res.trace.fetch_slots((gpu.requests + lookahead) * record, misses * record)
         packed = spec.pack(tables, request_ids, request_slots, landing, keys, previous_slots)
         # numpy: the step's own dispatch moves it (jax.device_put costs more host time than the copy)
         inputs = FetchInputs(self.stores, packed, previous_keys, hint)
@@ -289,7 +302,7 @@ class InStepFetch:
             stats.spec.fidelity_hits += int(s.fetch_counts[:, 2].sum())
             stats.spec.fidelity_total += n_routed
             stats.spec.lookahead_fetched += int(s.fetched[:, :, 0].sum())
-        elif self.spec.lookahead:  # look-ahead from the previous layer
+        elif self.specs.get(flight.phase, self.spec).lookahead:  # look-ahead from the previous layer
             stats.predicted += int(s.fetch_counts[1:, 2].sum())
             stats.actual += count(routed[1:])
         res.trace_reads(flight.index, routed, s.chosen)
