@@ -257,9 +257,13 @@ def wanted_by_importance(score, routed, layer: LayerExperts):
     """[E] the tier code each expert wants: the top `ratio` of the routed ones by importance `score`
     [E] want `hi`, the rest `lo` (unrouted experts: `lo`, unused)."""
     E = layer.hi.shape[0]
-    # rank routed experts by importance (ties: lower id first); unrouted ones sort last
-    order = jnp.lexsort((jnp.arange(E), -jnp.where(routed, score, -jnp.inf)))
-    rank = jnp.zeros((E,), jnp.int32).at[order].set(jnp.arange(E, dtype=jnp.int32))
+    # each expert's rank among the routed ones by importance (ties: lower id first; unrouted ones
+    # after every routed one), counted from pairwise comparisons: one fused loop over [E, E] where a
+    # sort and a scatter were kernels of their own in every layer of every step
+    s = jnp.where(routed, score, -jnp.inf)
+    ids = jnp.arange(E)
+    ahead = routed[None, :] & ((s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (ids[None, :] < ids[:, None])))
+    rank = ahead.sum(axis=1, dtype=jnp.int32)
     critical = rank < jnp.ceil(layer.ratio * routed.sum()).astype(jnp.int32)
     return jnp.where(critical, layer.hi, layer.lo)
 
