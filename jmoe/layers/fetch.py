@@ -317,12 +317,10 @@ class StepFetcher:
             keys, slots = self.plan.candidate_keys, self.plan.candidate_slots  # [T, landing]
             busy = (keys // E == layer) & routed[jnp.clip(keys % E, 0, E - 1)]  # this layer runs it now
             usable = (self.landed < 0) & (slots >= 0) & ((keys < 0) | ~busy)
+            order = jnp.argsort(~usable, axis=-1, stable=True)  # usable candidates first, in the host's order
             rank = jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1
             lands = valid & (rank < usable.sum(-1, keepdims=True))
-            # the rank-th usable candidate, in the host's order (compared, not sorted: a sort is a
-            # kernel of its own); any candidate where nothing lands
-            nth = jnp.cumsum(usable.astype(jnp.int32), axis=-1) - 1  # [T, landing]
-            pick = jnp.argmax(usable[:, None, :] & (nth[:, None, :] == rank[..., None]), axis=-1)  # [T, n]
+            pick = jnp.take_along_axis(order, jnp.clip(rank, 0, spec.landing - 1), axis=-1)  # [T, n]
             dests = jnp.where(lands, jnp.take_along_axis(slots, pick, axis=-1), scratch)
             self.landed = mark(self.landed, jnp.where(lands, pick, -1), layer * E + ids)
             evicted = jnp.take_along_axis(keys, pick, axis=-1)
