@@ -708,9 +708,10 @@ def offload_spec(cfg, policy, device):
     cache = tuple(max(1, round(OFFLOAD_CACHE_SHARE * cfg.num_moe_layers * cfg.num_experts)) for _ in tiers)
     landing = max(1, min(cfg.num_moe_layers * (slots.lookahead + slots.misses), min(cache) // LANDING_SHARE))
     layouts = tuple(RecordLayout.from_template(expert_template(cfg, t, tier_format(t))) for t in tiers)
-    # FetchSlots' fields (fetch counts, guarded, degrade, predict) are FetchSpec's of the same names
-    return FetchSpec(tiers, layouts, cache, cfg.num_experts, landing=landing, land=policy.cache,
-                     **dataclasses.asdict(slots))
+    # FetchSlots' fields (fetch counts, guarded, degrade, predict) are FetchSpec's of the same names,
+    # but `decode` (a draft's plain-step sizes: these slots are drawn without a draft)
+    fields = {k: v for k, v in dataclasses.asdict(slots).items() if k != "decode"}
+    return FetchSpec(tiers, layouts, cache, cfg.num_experts, landing=landing, land=policy.cache, **fields)
 
 
 def offloaded_decode_inputs(cfg, spec, on, in_host):
