@@ -190,16 +190,9 @@ def per_expert_wanted(ids, wanted, valid, num_experts: int):
     return (one_hot * wanted[..., None]).max((0, 1))
 
 
-def adequate(rows: dict, code):
-    """[E] whether some resident version is at least as precise as code [E]."""
-    ok = jnp.zeros(code.shape, bool)
-    for tier, row in rows.items():
-        ok = ok | ((row != NO_SLOT) & (TIER_CODES[tier] >= code))
-    return ok
-
-
-def adequate_stacked(rows, tier_codes, code):
-    """adequate() of rows [T, E] stacked in pool order, tier_codes [T, 1]."""
+def adequate(rows, tier_codes, code):
+    """[E] whether some resident version is at least as precise as code [E]: rows [T, E] the handle
+    rows of the pools, tier_codes [T, 1] their tiers' codes."""
     return ((rows != NO_SLOT) & (tier_codes >= code)).any(0)
 
 
@@ -252,7 +245,7 @@ class StepFetcher:
         score, routed = expert_importance(routing, token_valid, None, experts.heavy_hitters, E)  # gate mass
         if self.inputs.hint is not None:  # a draft's routing: this layer's look-ahead
             hint = self.inputs.hint[layer]
-            self.predict(experts, (hint > 0).astype(jnp.int32), hint,
+            self.predict(layer, (hint > 0).astype(jnp.int32), hint,
                          jnp.where(hint > 0, wanted_by_importance(hint, hint > 0, experts), 0))
         zero = jnp.zeros((len(spec.tiers),), jnp.int32)
         prefetched, missed = zero, zero
@@ -265,15 +258,15 @@ class StepFetcher:
         if spec.misses:
             code = per_expert_wanted(routing.ids, wanted, token_valid, E)
             rows = self.stacked[:, layer]
-            missing = routed & (code > 0) & ~adequate_stacked(rows, self.codes, code)
+            missing = routed & (code > 0) & ~adequate(rows, self.codes, code)
             if spec.degrade:  # a lower resident version runs instead
-                missing = missing & ~adequate_stacked(rows, self.codes, jnp.ones_like(code))
+                missing = missing & ~adequate(rows, self.codes, jnp.ones_like(code))
             ids, valid = top_by(score, missing & (code == self.codes), min(spec.misses, E))  # [T, misses]
             pools, kind, _ = self._device_chosen(layer, ids, valid, routed, pools, kind, SERVED_FETCHED,
                                                  must_run=True)
             missed = valid.sum(-1, dtype=jnp.int32)
             # ran below its tier, or not at all
-            left_out = (missing & ~adequate_stacked(self.stacked[:, layer], self.codes, code)).sum(dtype=jnp.int32)
+            left_out = (missing & ~adequate(self.stacked[:, layer], self.codes, code)).sum(dtype=jnp.int32)
         used = (routed & (kind == SERVED_PREFETCHED)).sum(dtype=jnp.int32)
         recalled = jnp.int32(0) if self.predicted is None else (routed & self.predicted).sum(dtype=jnp.int32)
         self.reports.append(LayerReport(kind, jnp.stack([prefetched, missed], -1), jnp.stack([left_out, used, recalled])))
@@ -291,16 +284,14 @@ class StepFetcher:
             return pools
         pools = dict(pools)
         plan, E = self.plan, self.spec.num_experts
+        T, L, _ = plan.request_ids.shape
         for i, tier in enumerate(self.spec.tiers):
-            for layer in range(plan.request_ids.shape[1]):
+            for layer in range(L):
                 ids, dests = plan.request_ids[i, layer], plan.request_slots[i, layer]
                 pools[tier] = self._write(layer, tier, pools[tier], ids, dests, ids >= 0)
-        valid = plan.request_ids >= 0  # [T, L, requests]
-        layer = jnp.arange(plan.request_ids.shape[1], dtype=jnp.int32)[None, :, None]
-        keys = jnp.where(valid, layer * E + plan.request_ids, -1)
-        T = keys.shape[0]
-        self.stacked = set_entries(self.stacked, keys.reshape(T, -1), plan.request_slots.reshape(T, -1))
-        L = plan.request_ids.shape[1]
+        layer = jnp.arange(L, dtype=jnp.int32)[None, :, None]
+        keys = jnp.where(plan.request_ids >= 0, layer * E + plan.request_ids, -1).reshape(T, -1)
+        self.stacked = set_entries(self.stacked, keys, plan.request_slots.reshape(T, -1))
         self.requested = mark(jnp.zeros((1, L * E), bool), keys.reshape(1, -1), True).reshape(L, E)
         return pools
 
@@ -343,13 +334,13 @@ class StepFetcher:
         return write_fetched(pool, store, ids, dests, valid, spec.layouts[spec.tiers.index(tier)], spec.sink(tier),
                              spec.guarded, spec.native)
 
-    def predict(self, next_experts: LayerExperts, counts, gate, predicted_wanted) -> None:
-        """The next MoE layer's look-ahead from its predicted routing: per expert token counts [E],
+    def predict(self, layer: int, counts, gate, predicted_wanted) -> None:
+        """MoE layer `layer`'s look-ahead from its predicted routing: per expert token counts [E],
         gate mass [E] and wanted tier code [E]; its non-resident experts, most confident first."""
         self.predicted = counts > 0
         if not self.spec.lookahead:
             return
-        missing = self.predicted & ~adequate(next_experts.slots, predicted_wanted)
+        missing = self.predicted & ~adequate(self.stacked[:, layer], self.codes, predicted_wanted)
         self.lookahead, _ = top_by(gate, missing & (predicted_wanted == self.codes),
                                    min(self.spec.lookahead, self.spec.num_experts))
 

@@ -160,7 +160,7 @@ class TracedLayers:
         counts, gate = one_hot.sum((0, 1)), (one_hot * routing.weights[..., None]).sum((0, 1))
         nxt = self.experts.layer(mi + 1, self.fetcher.tables, self.pools)
         wanted = jnp.where(counts > 0, wanted_by_importance(gate, counts > 0, nxt), 0)
-        self.fetcher.predict(nxt, counts, gate, wanted)
+        self.fetcher.predict(mi + 1, counts, gate, wanted)
 
 
 class Transformer(nnx.Module):

@@ -169,12 +169,7 @@ class CacheManager:
 
     def touch_all(self, used: np.ndarray) -> None:
         """Mark every expert of the [L, E] mask `used` as just used (one step's worth, at once)."""
-        self.clock += 1
-        self.last_used[used] = self.clock
-        if self.prefetched:
-            for key in [k for k in self.prefetched if used[k]]:
-                self.prefetched.discard(key)
-                self.stats.prefetch_used += 1
+        self.touch_steps(used[None])
 
     def touch_steps(self, used: np.ndarray) -> None:
         """Mark the experts of several steps' masks `used` [n, L, E] as used, in step order."""
