@@ -4,6 +4,7 @@ jmoe), and jmoe.stats() counting the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -138,3 +139,17 @@ def test_stats_report_host_interaction_by_phase(int4_int2):
     assert io["prefill"]["reads"] >= model.config.num_moe_layers  # the prompt runs layer-wise: a read per layer
     assert np.isfinite(io["decode"]["transfer_bytes_per_token"])
     assert json.loads(json.dumps(stats)) == stats  # what `--stats` prints: plain numbers, no numpy scalars
+
+
+def test_the_selection_is_sent_again_only_when_the_plans_values_change(int4_int2):
+    """A plan rebuilt with the same values reuses the selection on the device (no transfer per
+    step); a plan array changed in place is sent again."""
+    model = offloaded(int4_int2, "lru")
+    jmoe.generate(model, PROMPT, max_new_tokens=2)
+    res = model.residency
+    first = res.selection()
+    res.plan = dataclasses.replace(res.plan, hi=res.plan.hi.copy(), ratio=res.plan.ratio.copy())
+    assert res.selection() is first
+    res.plan.hi[0, 0] = 0  # in place: the policy's own array
+    again = res.selection()
+    assert again is not first and int(np.asarray(again.hi)[0, 0]) == 0

@@ -170,7 +170,7 @@ class Offloaded:
         self.stats.phase = "decode"
         self._unbooked: list = []  # settled steps whose books are not kept yet
         self._state = None  # (its parts, the ExpertState): reused while nothing changed
-        self._selection: tuple[Plan, Selection] | None = None
+        self._selection: tuple[tuple, Selection] | None = None  # (host copies sent, on the device)
         self.in_step = InStepFetch(self, fetch, fetch_on_accelerator) if fetch is not None else None
         self.cpu = None
         self.critical_tokens = 0
@@ -261,12 +261,14 @@ class Offloaded:
 
     def selection(self) -> Selection:
         """The plan's tier arrays on the device; reused while the plan's arrays hold the same values
-        (a policy may build new ones each step: comparing them costs microseconds, a transfer more)."""
+        (a policy may build new ones each step, or change its own in place: compared with the host
+        copy last sent, which costs microseconds, a transfer more)."""
         p = self.plan
         key = (p.hi, p.lo, p.ratio, p.heavy_hitters)
-        if self._selection is None or not all(a is b or np.array_equal(a, b) for a, b in zip(self._selection[0], key)):
+        if self._selection is None or not all(np.array_equal(a, b) for a, b in zip(self._selection[0], key)):
             selection = Selection.of(*key)
-            self._selection = (key, jax.device_put(selection, self.device))
+            sent = tuple(np.array(a) for a in key)  # copies of what the plan gave, compared as they are
+            self._selection = (sent, jax.device_put(selection, self.device))
             self.stats.count_io(transfers=len(jax.tree.leaves(selection)), nbytes=tree_nbytes(selection))
         return self._selection[1]
 
