@@ -87,13 +87,20 @@ def test_tiny_offloaded_per_device_budget(tiny_tiers, tiny_reference, mesh, exec
 
 
 def test_dymoe_on_a_mesh_gives_one_device_tokens(tiny_tiers):
-    one = load(tiny_tiers, policy="dymoe", tier="int4")
+    """Offloaded (a budget of every int4 expert: too little for both tiers whole) and with both
+    tiers whole (no budget), each as on one device."""
+    one = load(tiny_tiers, policy="dymoe", tier="int4", device_budget=offload_budget(
+        tiny_tiers, 1, tier="int4", share=1, policy="dymoe"))
     want = jmoe.generate(one, PROMPT, max_new_tokens=TOKENS)
     budget = offload_budget(tiny_tiers, 4, tier="int4", share=1, policy="dymoe")
     model = load(tiny_tiers, mesh="ep=4", policy="dymoe", tier="int4", device_budget=budget)
     assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == want
     model.residency.cache.check()
     assert model.stats.transfers > 0
+    whole = jmoe.generate(load(tiny_tiers, policy="dymoe", tier="int4"), PROMPT, max_new_tokens=TOKENS)
+    model = load(tiny_tiers, mesh="ep=4", policy="dymoe", tier="int4")
+    assert not model.residency.offloading and model.residency.tiers == ("int4", "int2")
+    assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == whole
 
 
 def test_dynaexq_keeps_a_hi_set_per_shard(tiny_tiers):

@@ -14,6 +14,7 @@ from convert import convert_checkpoint
 from jmoe.layers.experts import ExpertState, Routing, Selection, expert_importance, run_experts
 from jmoe.policies import DyMoE, DynaExq, make_policy
 from jmoe.policies.dymoe import depth_schedule
+from jmoe.runtime.loader import memory_plan
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 
@@ -87,11 +88,46 @@ def test_four_zero_skips_the_unimportant_experts_without_renormalising(short_hf_
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
+def offloading_budget(path, policy) -> int:
+    """Everything load reserves besides experts, plus every expert at int4 only: too little to hold
+    DyMoE's two tiers whole, so it offloads (pools caching part of each tier)."""
+    plan = memory_plan(path, compute_dtype="float32", policy=policy)
+    return sum(v for k, v in plan.items() if k != "all_experts") + plan["all_experts"]
+
+
 @pytest.mark.parametrize("execution", PATHS)
 def test_dymoe_with_r_one_is_uniform_hi(int4_int2, uniform_int4, execution):
-    model = jmoe.load(int4_int2, compute_dtype="float32", policy=DyMoE(r=1.0), execution=execution)
+    policy = DyMoE(r=1.0)
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=policy, execution=execution, misses="exact",
+                      device_budget=offloading_budget(int4_int2, policy))
+    assert model.residency.offloading
     assert jmoe.generate(model, IDS, max_new_tokens=16) == uniform_int4
     assert set(jmoe.stats(model)["uses_by_tier"]) == {"int4"}
+
+
+def test_dymoe_without_a_budget_holds_both_tiers_and_picks_inside_the_step(int4_int2, uniform_int4):
+    """No budget: both tiers whole on the device, nothing fetched, and each layer of a decode step
+    runs ceil(r(l) * routed) of its routed experts at int4 (by gate score), the rest at int2."""
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=DyMoE(r=0.75))
+    assert not model.residency.offloading and model.residency.tiers == ("int4", "int2")
+    store = model.store
+    assert model.memory["experts"] == sum(store.record_nbytes(t) for t in ("int4", "int2")) * (
+        model.config.num_moe_layers * model.config.num_experts)
+    text = jmoe.generate(model, IDS, max_new_tokens=8)
+    assert len(text) == 8
+    counts, wanted, chosen = np.asarray(model.residency.signals.per_expert)  # the last decode step's
+    r = ((1 - 0.5) * (np.cos(np.pi * np.arange(2) / 1) + 1) / 2 + 0.5)  # lam = 2 r - 1 = 0.5, two layers
+    gate = np.asarray(model.residency.signals.gate)
+    for layer in range(counts.shape[0]):
+        routed = np.flatnonzero(counts[layer])
+        hi = math.ceil(r[layer] * len(routed))
+        by_gate = routed[np.argsort(-gate[layer, routed], kind="stable")]
+        assert (chosen[layer, by_gate[:hi]] == TIER_CODES["int4"]).all(), layer
+        assert (chosen[layer, by_gate[hi:]] == TIER_CODES["int2"]).all(), layer
+    assert model.stats.transfers == 0
+    # r = 1: every routed expert at int4, the tokens of the model loaded at int4
+    assert jmoe.generate(jmoe.load(int4_int2, compute_dtype="float32", policy=DyMoE(r=1.0)), IDS,
+                         max_new_tokens=16) == uniform_int4
 
 
 def test_dymoe_runs_a_share_low_and_paths_agree_from_the_same_cache(int4_int2):
@@ -102,7 +138,8 @@ def test_dymoe_runs_a_share_low_and_paths_agree_from_the_same_cache(int4_int2):
     for execution in ("auto", "layerwise"):
         policy = DyMoE()
         policy.prefetch = False
-        model = jmoe.load(int4_int2, compute_dtype="float32", policy=policy, execution=execution)
+        model = jmoe.load(int4_int2, compute_dtype="float32", policy=policy, execution=execution,
+                          device_budget=offloading_budget(int4_int2, policy))
         logits[execution] = np.asarray(jmoe.forward(model, IDS))
         uses = jmoe.stats(model)["uses_by_tier"]
         assert uses["int2"] > 0 and uses["int4"] > uses["int2"]
@@ -135,7 +172,8 @@ def test_the_serving_engine_runs_the_precision_policies(int4_int2, uniform_int4,
         outputs = [list(s) for s in streams]
     if policy == "dymoe":
         assert all(len(o) == 16 and s.finish_reason == "length" for o, s in zip(outputs, streams))
-        assert jmoe.stats(model)["uses_by_tier"]["int2"] > 0
+        counts, _, chosen = np.asarray(model.residency.signals.per_expert)  # both tiers whole: the last step's
+        assert TIER_CODES["int2"] in chosen[counts > 0]
     else:
         assert outputs == [uniform_int4] * 3
 

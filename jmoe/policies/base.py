@@ -140,6 +140,9 @@ class Policy:
     prefetch: bool = False  # fetch the next layer's predicted experts while this layer computes
     cpu_execution: bool = False  # run cold experts with few tokens on the host CPU
     everything_resident: bool = False  # all experts preloaded; nothing is ever fetched
+    # The plan depends on nothing but the model's shape (DyMoE): where every expert of each pool tier
+    # fits the budget, load holds them all and runs without a cache (AllResident at several tiers).
+    fixed_plan: bool = False
     wants_importance: bool = False  # prefill routing carries each token's received attention
     # A step in which a routed expert ran below its wanted tier (or not at all) is re-run after
     # fetching it (exact), except in these phases ("prefill", "decode", "verify"), where the step is kept and

@@ -13,6 +13,11 @@ The depth schedule keeps more experts critical in early layers:
 r(l) = (1 - lam) (cos(pi l / (L - 1)) + 1) / 2 + lam, whose mean over layers is (1 + lam) / 2, so
 a target mean r gives lam = 2 r - 1 (r = 1: every routed expert at `hi`).
 
+Where the budget holds every expert at both tiers (no budget, as on a CPU whose memory holds the
+model twice over), nothing is offloaded: load keeps both tiers whole and each step picks among them
+inside itself (jmoe/runtime/residency.py: AllResident with the plan), reading the low tier's fewer
+bytes for the experts that matter least. Otherwise the pools cache what the budget allows.
+
 Prefetch is phase-adaptive (jmoe/runtime/layerwise.py): while layer l computes, layer l + 1's
 router applied to layer l's state ranks experts by predicted tokens (prefill) or predicted gate
 (decode); the top ones are fetched at the tier the schedule would give them.
@@ -63,7 +68,7 @@ class DyMoE(Policy):
         # Decode degrades (DyMoE's semantics: a missing expert runs at the resident lower version, or
         # is skipped, and is fetched for the steps to come); the prompt is exact.
         super().__init__(name=name, tier=hi, prefetch=True, wants_importance=True, pool_shares=pool_shares,
-                         degrade_phases=("decode", "verify"))
+                         degrade_phases=("decode", "verify"), fixed_plan=True)
 
     def plan(self, view: StepView) -> Plan:
         key = (view.num_layers, view.num_experts)

@@ -26,7 +26,7 @@ from jmoe.layers.attention import attention_scores_nbytes
 from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, inside, read_manifest
-from jmoe.policies import BASELINES, POLICY_NAMES, Policy, make_policy
+from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Policy, StepView, make_policy
 from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
@@ -313,6 +313,14 @@ def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, ma
     return memory
 
 
+def fixed_plan_bytes(store: ExpertStore, policy: Policy, shards: int = 1) -> int | None:
+    """Per device, the bytes of every expert at every pool tier of a policy whose plan never changes
+    (Policy.fixed_plan), which load then holds whole instead of offloading; None for other policies."""
+    if not policy.fixed_plan:
+        return None
+    return sum(all_expert_bytes(store.config, store.record_nbytes(t)) for t in policy.pools()) // shards
+
+
 def fetch_slots_for(cfg: ModelConfig, policy: Policy, device, max_batch: int, shards: int = 1,
                     miss_slots: int | None = None, draft: str | None = None, guarded: bool | None = None):
     """The fetch slots steps get (jmoe/runtime/fetching.py), None where they do not fetch (on a mesh
@@ -534,8 +542,11 @@ def load(
                 f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
                 f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
             )
+        whole_tiers = fixed_plan_bytes(store, chosen, placement.shards)  # every expert at every pool tier
+        if whole_tiers is not None and budget is not None and fixed + whole_tiers > budget:
+            whole_tiers = None  # they do not all fit: offload
         warn_if_host_too_small(device, budget if budget is not None else
-                               fixed + (all_experts if chosen.everything_resident else 0))
+                               fixed + (all_experts if chosen.everything_resident else whole_tiers or 0))
         tracker = BudgetTracker(budget)
         for purpose, nbytes in memory.items():
             tracker.reserve(purpose, nbytes)
@@ -549,6 +560,11 @@ def load(
                 )
             tracker.reserve("experts", all_experts)
             residency = AllResident(store, tier, placement, backend=kernel_backend, int8_dot=int8_dot)
+        elif whole_tiers is not None:  # a fixed plan over tiers that all fit: nothing to offload
+            tracker.reserve("experts", whole_tiers)
+            residency = AllResident(store, tier, placement, backend=kernel_backend, int8_dot=int8_dot,
+                                    plan=chosen.plan(StepView(0, "decode", cfg.num_moe_layers, cfg.num_experts,
+                                                              ExpertCounters(cfg.num_moe_layers, cfg.num_experts))))
         else:
             slots = fetch_slots_for(cfg, chosen, device, max_batch, placement.shards, miss_slots, draft)
             plan = plan_pools(store, chosen, fixed, budget, shards=placement.shards,  # staging as reservations() counts it

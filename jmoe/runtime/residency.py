@@ -4,8 +4,10 @@ A residency object does not run steps (jmoe/runtime/execution.py does). Before a
 (`begin_step`) and hands out an ExpertState: per-tier handle tables, the pools and this step's
 Selection. After the step it takes the step's routing back and keeps its books.
 
-- AllResident: every expert on the device at one tier. Nothing moves; the step's signals stay on
-  the device (`signals`) until someone reads them, so a step costs no host sync.
+- AllResident: every expert on the device at one tier, or at each tier of a fixed plan (DyMoE's
+  hi and lo: each step runs every routed expert at one of them, chosen inside the step). Nothing
+  moves; the step's signals stay on the device (`signals`) until someone reads them, so a step
+  costs no host sync.
 - Offloaded: experts on the host, budget-sized pools per tier caching them, a policy planning each
   step, and the cache manager moving versions in and out.
 """
@@ -62,28 +64,38 @@ def policy_eviction(policy: Policy) -> dict:
 
 
 class AllResident:
-    """Every expert resident on the device at one tier: no transfers after load."""
+    """Every expert resident on the device at one tier, or at every tier of a fixed plan: no
+    transfers after load."""
 
     offloading = False
 
-    def __init__(self, store: ExpertStore, tier: str, device, backend: str | None = None, int8_dot: bool = False):
-        """device: one device or a Placement (a mesh: each ep shard holds its own experts)."""
+    def __init__(self, store: ExpertStore, tier: str, device, backend: str | None = None, int8_dot: bool = False,
+                 plan: Plan | None = None):
+        """device: one device or a Placement (a mesh: each ep shard holds its own experts). plan: a
+        policy's plan that never changes (Policy.fixed_plan): every tier it names is held whole, and
+        each step picks among them inside itself (DyMoE's importance and depth schedule); None:
+        every routed expert at `tier`."""
         L, E = store.num_layers, store.num_experts
         placement = Placement.of(device)
         placement.check_experts(E)
+        if plan is None:
+            plan = Plan.uniform(L, E, tier)
         self.tier = tier
+        self.tiers = tuple(tier_name(c) for c in sorted(plan.codes() - {SKIP}, reverse=True))
         self.stats = Stats()
         self.device = placement.replicated
-        self.pool = resident_pool(store, tier, placement)
+        pools = {t: resident_pool(store, t, placement) for t in self.tiers}
+        self.pool = pools[tier]
         slots = jax.device_put(resident_slots(L, E, placement.shards), placement.replicated)
+        selection = Selection.of(plan.hi, plan.lo, plan.ratio, plan.heavy_hitters)
         self.backend, self.int8_dot = backend, int8_dot
-        self.state = ExpertState({tier: slots}, {tier: self.pool},
-                                 jax.device_put(Selection.uniform(L, E, tier), placement.replicated), backend,
+        self.state = ExpertState({t: slots for t in self.tiers}, pools,
+                                 jax.device_put(selection, placement.replicated), backend,
                                  int8_dot=int8_dot, ep=placement.expert_parallel)
         self.signals: StepSignals | None = None  # the last step's, on the device
         self.trace: Trace | None = None
         self.trace_source = "target"  # "draft" for a speculative draft writing into the target's trace
-        self._slot_bytes = tree_nbytes(store.template(tier))
+        self._slot_bytes = {TIER_CODES[t]: tree_nbytes(store.template(t)) for t in self.tiers}
 
     def use_backend(self, backend: str) -> None:
         """Multiply experts with another kernel backend from now on (see kernel_fallback.py)."""
@@ -105,9 +117,10 @@ class AllResident:
     def observe(self, signals: StepSignals, valid=None) -> None:
         self.signals = signals
         if self.trace is not None:  # the trace needs the routing on the host: a sync per step
-            counts = np.asarray(signals.per_expert[0])
-            for layer, n in enumerate((counts > 0).sum(axis=1)):
-                self.trace.expert_reads(self.stats.steps, layer, int(n) * self._slot_bytes, self.trace_source)
+            counts, _, chosen = np.asarray(signals.per_expert)
+            for layer in range(counts.shape[0]):
+                read = sum(self._slot_bytes.get(int(c), 0) for c in chosen[layer][counts[layer] > 0])
+                self.trace.expert_reads(self.stats.steps, layer, read, self.trace_source)
             self.trace.sync()
 
     @property
