@@ -11,8 +11,10 @@ token, under a budget of every fixed reservation plus --share of the bf16 expert
   which it keeps resident), in their default degrade mode (a miss runs at
   the best resident lower tier, or is skipped): the share of expert uses that ran degraded and
   the perplexity beside the exact references.
+- DyMoE int4/int2 without a budget: both tiers whole, each token's least important experts at
+  int2 (the CPU's per-token mixed precision: bench/real_shapes.py times it).
 
-    python -m bench.offload_quality [--tokens 512] [--share 0.25]
+    python -m bench.offload_quality [--tokens 512] [--window 512] [--share 0.25]
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ MODES = {
     "degrade DyMoE bf16/int4": ("bf16", lambda: DyMoE(hi="bf16", lo="int4")),
     "degrade DyMoE int4/int2": ("int4", lambda: DyMoE(hi="int4", lo="int2")),
     "degrade DynaExq bf16/int4": ("bf16", lambda: DynaExq(hi="bf16", lo="int4")),
+    "whole DyMoE int4/int2": ("int4", lambda: DyMoE(hi="int4", lo="int2")),
 }
+WHOLE = ("whole DyMoE int4/int2",)  # loaded without a budget: both tiers resident, nothing offloaded
 
 
 def load(path: Path, name: str, share: float):
@@ -46,6 +50,8 @@ def load(path: Path, name: str, share: float):
     kw = {"tier": tier, "compute_dtype": "float32", "max_seq_len": MAX_SEQ_LEN}
     if make_policy is None:
         return jmoe.load(path, **kw)
+    if name in WHOLE:
+        return jmoe.load(path, policy=make_policy(), **kw)
     budget = planned_budget(path, share, tier="bf16", compute_dtype="float32", max_seq_len=MAX_SEQ_LEN,
                             policy=make_policy())
     if isinstance(make_policy(), DynaExq):  # every expert stays resident at lo: the share is on top of them
@@ -56,18 +62,21 @@ def load(path: Path, name: str, share: float):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512, help="dev tokens per domain")
+    parser.add_argument("--window", type=int, default=512,
+                        help="tokens per window (the context each scored token sees at most; default 512)")
     parser.add_argument("--share", type=float, default=0.25, help="share of the bf16 expert bytes in the budget")
     parser.add_argument("--out", default="offload_quality_tiny")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(convert_checkpoint(TINY_HF, Path(tmp) / "tiny", tiers="bf16,int4,int2", progress=False))
-        result = {"tokens_per_domain": args.tokens, "share_of_bf16_experts": args.share, "modes": {}}
+        result = {"tokens_per_domain": args.tokens, "window": min(args.window, args.tokens),
+                  "share_of_bf16_experts": args.share, "modes": {}}
         for name in MODES:
             model = load(path, name, args.share)
             entry = {}
             for domain in DOMAINS:
                 ids = dev_tokens(model.tokenizer, domain, args.tokens)
-                entry[domain] = jmoe.perplexity(model, ids, window=args.tokens, mode="decode")
+                entry[domain] = jmoe.perplexity(model, ids, window=min(args.window, args.tokens), mode="decode")
             stats = jmoe.stats(model)
             uses = max(stats["expert_uses"], 1)
             entry.update(degraded_share=stats["degraded"] / uses, skipped_share=stats["skipped"] / uses,

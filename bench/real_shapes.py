@@ -2,7 +2,9 @@
 
 Writes a random-weight Hugging Face checkpoint with a named model's exact shapes cut to --layers
 layers (bench/lib/random_checkpoint.py), converts it with `jmoe convert --tiers <tiers> --method rtn`
-(and, where `jmoe convert` has --dense-tier, once more with every dense weight at int4), and
+(and, where `jmoe convert` has --dense-tier, once more with every dense weight at int4; with
+--tiers naming int4 and int2, a third time with both, for the per-token mixed mode: DyMoE int4/int2
+without a budget, both tiers resident, each token's least important experts read at int2), and
 measures, each configuration in its own fresh process so its peak memory is its own:
 
 - conversion time and peak RSS (jmoe, and llama.cpp's GGUF conversion and quantization);
@@ -52,6 +54,9 @@ TIER_ORDER = ("bf16", "int8", "int4", "int2")
 
 
 DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_dot=...)
+# With --tiers naming int4 and int2: the per-token mixed mode (DyMoE int4/int2, both tiers resident)
+MIXED = "jmoe dense int4, experts int4 + int2"
+MIXED_LABEL = "jmoe DyMoE int4/int2 + dense int4 resident"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,13 +163,15 @@ def budget_for(path: Path, tier: str, fraction: float | None, max_seq_len: int) 
     return int(fixed + fraction * plan["all_experts"])
 
 
-def loaded_bytes(path: Path, tier: str, max_seq_len: int) -> int:
-    """What a loaded model holds by design: dense weights, every expert at `tier` (the host store),
-    KV cache and workspace; peak RSS is judged against this."""
+def loaded_bytes(path: Path, tier: str | tuple[str, ...], max_seq_len: int) -> int:
+    """What a loaded model holds by design: dense weights, every expert at `tier` (at each of several
+    tiers: the mixed mode holds them all), KV cache and workspace; peak RSS is judged against this."""
     import jmoe
 
-    plan = jmoe.memory_plan(path, tier=tier, max_seq_len=max_seq_len)
-    return int(sum(v for k, v in plan.items() if k in ("dense", "kv_cache", "workspace", "all_experts")))
+    tiers = (tier,) if isinstance(tier, str) else tier
+    plan = jmoe.memory_plan(path, tier=tiers[0], max_seq_len=max_seq_len)
+    experts = sum(jmoe.memory_plan(path, tier=t, max_seq_len=max_seq_len)["all_experts"] for t in tiers)
+    return int(sum(v for k, v in plan.items() if k in ("dense", "kv_cache", "workspace")) + experts)
 
 
 def run_jmoe_child(spec: dict, env: dict | None, log: Path) -> dict:
@@ -200,6 +207,12 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
             spec = dict(base, path=str(dense), tier="int4", policy="resident", budget=None, cpu_dot=dot)
             jmoe_runs.append({"kind": "jmoe", "label": f"jmoe int4 + dense int4 resident{DOT_SUFFIX[dot]}",
                               "spec": spec, "loaded_bytes": loaded_bytes(dense, "int4", max_seq_len)})
+    if MIXED in conversions:  # DyMoE without a budget: int4 and int2 whole, each token's experts split between them
+        mixed = Path(conversions[MIXED]["path"])
+        for dot in args.cpu_dots:
+            spec = dict(base, path=str(mixed), tier="int4", policy="dymoe", budget=None, cpu_dot=dot)
+            jmoe_runs.append({"kind": "jmoe", "label": f"{MIXED_LABEL}{DOT_SUFFIX[dot]}", "spec": spec,
+                              "loaded_bytes": loaded_bytes(mixed, ("int4", "int2"), max_seq_len)})
     llama_runs = [{"kind": "llama.cpp", "label": f"llama.cpp {q}", "gguf": llama_ggufs[q]["path"],
                    "loaded_bytes": llama_ggufs[q]["bytes"]} for q in args.llama_types if q in llama_ggufs]
     # alternate: each jmoe configuration followed by a llama.cpp one while both last
@@ -220,6 +233,8 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
         if f"jmoe int4 + dense int4 resident{suffix}" in labels:
             pairs += [(f"jmoe int4 + dense int4 resident{suffix}", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M")
                       if q in llama_ggufs]
+        if f"{MIXED_LABEL}{suffix}" in labels:
+            pairs += [(f"{MIXED_LABEL}{suffix}", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
     return measured, startup, pairs
 
 
@@ -269,6 +284,9 @@ def main(argv=None) -> None:
         conversions["jmoe dense int4"] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4", ["int4"],
                                                       ["--dense-tier", "int4"], args.reuse,
                                                       logs / "convert-jmoe-dense-int4.log")
+    if {"int4", "int2"} <= set(args.tiers) and dense_tier_supported():
+        conversions[MIXED] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4-int2", ["int4", "int2"],
+                                          ["--dense-tier", "int4"], args.reuse, logs / "convert-jmoe-mixed.log")
     ggufs = {}
     if llama is not None:
         work = args.data / f"gguf-{name}"
