@@ -3,7 +3,7 @@
 Writes a random-weight Hugging Face checkpoint with a named model's exact shapes cut to --layers
 layers (bench/lib/random_checkpoint.py), converts it with `jmoe convert --tiers <tiers> --method rtn`
 (and, where `jmoe convert` has --dense-tier, once more with every dense weight at int4; with
---tiers naming int4 and int2, a third time with both, for the per-token mixed mode: DyMoE int4/int2
+--mixed, a third time with int4 and int2 experts, for the per-token mixed mode: DyMoE int4/int2
 without a budget, both tiers resident, each token's least important experts read at int2), and
 measures, each configuration in its own fresh process so its peak memory is its own:
 
@@ -54,7 +54,7 @@ TIER_ORDER = ("bf16", "int8", "int4", "int2")
 
 
 DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_dot=...)
-# With --tiers naming int4 and int2: the per-token mixed mode (DyMoE int4/int2, both tiers resident)
+# --mixed: the per-token mixed mode (DyMoE int4/int2, both tiers resident)
 MIXED = "jmoe dense int4, experts int4 + int2"
 MIXED_LABEL = "jmoe DyMoE int4/int2 + dense int4 resident"
 
@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; 64 with --quick)")
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
+    p.add_argument("--mixed", action="store_true",
+                   help="also the per-token mixed mode: DyMoE int4/int2 without a budget, dense int4 (its own conversion)")
     p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")
     p.add_argument("--skip-llama", action="store_true", help="jmoe only")
     p.add_argument("--llama-threads", type=int, default=2,
@@ -133,8 +135,10 @@ def checkpoint(args) -> Path:
 
 
 def convert_jmoe(src: Path, out: Path, tiers: list[str], extra: list[str], reuse: bool, log: Path) -> dict:
-    """`jmoe convert` in its own process: seconds and peak RSS (None when an earlier output is reused)."""
-    if reuse and (out / "manifest.json").is_file():
+    """`jmoe convert` in its own process: seconds and peak RSS (None when an earlier output holding
+    every tier asked for is reused)."""
+    manifest = out / "manifest.json"
+    if reuse and manifest.is_file() and set(tiers) <= set(json.loads(manifest.read_text())["tiers"]):
         return {"path": str(out), "seconds": None, "peak_rss_bytes": None, "bytes": tree_bytes(out)}
     print(f"jmoe convert -> {out} ...", flush=True)
     cmd = jmoe_cli("convert", str(src), "-o", str(out), "--tiers", ",".join(tiers), "--method", "rtn",
@@ -284,7 +288,7 @@ def main(argv=None) -> None:
         conversions["jmoe dense int4"] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4", ["int4"],
                                                       ["--dense-tier", "int4"], args.reuse,
                                                       logs / "convert-jmoe-dense-int4.log")
-    if {"int4", "int2"} <= set(args.tiers) and dense_tier_supported():
+    if args.mixed and dense_tier_supported():
         conversions[MIXED] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4-int2", ["int4", "int2"],
                                           ["--dense-tier", "int4"], args.reuse, logs / "convert-jmoe-mixed.log")
     ggufs = {}
