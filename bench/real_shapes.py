@@ -243,7 +243,7 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
 
 
 def run_one(cfg: dict, round_no: int, args, llama, logs: Path, cache_dir: Path | None) -> dict:
-    tag = cfg["label"].replace(" ", "_").replace("%", "pct").replace(",", "").replace("+", "plus")
+    tag = cfg["label"].replace(" ", "_").replace("%", "pct").replace(",", "").replace("+", "plus").replace("/", "-")
     log = logs / f"r{round_no}-{tag}.log"
     record = {"kind": cfg["kind"], "label": cfg["label"], "round": round_no, "loaded_bytes": cfg.get("loaded_bytes"),
               "load_average_before": os.getloadavg()[0]}  # other work on the machine skews timings
