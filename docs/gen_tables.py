@@ -104,6 +104,19 @@ def headline() -> str:
             f"{f(s[ours]['decode_tok_s@0']['median'])} vs {f(s[theirs]['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
             machine(shapes), source("real_shapes/real_shapes_cpu.json"),
         ])
+    xeon = load("real_shapes/real_shapes_xeon_cpu.json")
+    for ours, label in [
+        ("jmoe int4 + dense int4 resident, int8 dot", "int4 throughout"),
+        ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot", "DyMoE int4/int2, both tiers whole (per-token mixed)"),
+    ]:
+        ratio = xeon["ratios"][f"{ours} / llama.cpp Q4_0"]["decode_tok_s@0"]["median"]
+        mine, theirs = xeon["summary"][ours], xeon["summary"]["llama.cpp Q4_0"]
+        rows.append([
+            f"Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 Xeon, {label}, `cpu_dot=\"int8\"`, "
+            "vs llama.cpp Q4_0",
+            f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
+            machine(xeon), source("real_shapes/real_shapes_xeon_cpu.json"),
+        ])
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
@@ -217,6 +230,38 @@ def real_shapes_avx2() -> str:
                   f"median [min–max] ({source(name)}).")
 
 
+XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks are left out)
+    ("jmoe int4 resident, int8 dot", "jmoe int4 experts, bf16 dense, `cpu_dot=\"int8\"`"),
+    ("jmoe int2 resident, int8 dot", "jmoe int2 experts, bf16 dense, `cpu_dot=\"int8\"`"),
+    ("jmoe int4 + dense int4 resident, int8 dot", "jmoe int4 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
+    ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot",
+     "jmoe DyMoE int4/int2 (both tiers whole), `--dense-tier int4`, `cpu_dot=\"int8\"`"),
+    ("llama.cpp Q4_0", "llama.cpp Q4_0"),
+]
+
+
+def shapes_on_avx512(name: str) -> str:
+    """A real-shapes run on the AVX-512 Xeon: every configuration it has, then its ratios to llama.cpp."""
+    d = load(name)
+    gib = 2 ** 30
+    rows = []
+    for key, label in XEON_LABELS:
+        if key not in d["summary"]:
+            continue
+        r = d["summary"][key]
+        rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
+        rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"]), med(r["decode_tok_s@512"]), rss])
+    out = table(["", "prefill tok/s (512)", "decode tok/s (depth 0)", "decode tok/s (depth 512)",
+                 "peak RSS / loaded GiB"], rows)
+    ratios = [[key.split(" / ")[0].removeprefix("jmoe ") + " / " + key.split(" / ")[1], med(r["prefill_tok_s"], 2),
+               med(r["decode_tok_s@0"], 2), med(r["decode_tok_s@512"], 2)]
+              for key, r in d["ratios"].items() if key.endswith("llama.cpp Q4_0")]
+    out += "\n\n" + table(["jmoe / llama.cpp, within each round", "prefill (512)", "decode (depth 0)",
+                            "decode (depth 512)"], ratios)
+    return out + (f"\n\n{d['model']['name']} shapes, {d['model']['layers']} layers, random weights. Machine: "
+                  f"{machine(d)}; {d['settings']['rounds']} rounds, median [min–max] ({source(name)}).")
+
+
 def thread_scaling() -> str:
     name = "kernels/thread_scaling_qwen3-30b-a3b_2L_cpu.json"
     d = load(name)
@@ -283,8 +328,8 @@ def decode_io() -> str:
                   f"{source('decode_io/decode_io_before_cpu.json', 'decode_io/decode_io_after_cpu.json')}.")
 
 
-def offload_quality() -> str:
-    d = load("offload_quality/offload_quality_tiny_cpu.json")
+def offload_quality(name: str = "offload_quality/offload_quality_tiny_4096_cpu.json") -> str:
+    d = load(name)
     rows = []
     for mode, r in d["modes"].items():
         cells = []
@@ -294,7 +339,7 @@ def offload_quality() -> str:
             cells.append(f"{r[dom]:.{digits}f}" if mode == "resident bf16" else f"{r[dom]:.{digits}f} ({pct:+.2f}%)")
         rows.append([mode, *cells, f"{100 * r['degraded_share']:.1f}%"])
     out = table(["mode", "prose", "code", "math", "expert uses degraded"], rows)
-    return out + f"\n\nMachine: {machine(d)} ({source('offload_quality/offload_quality_tiny_cpu.json')})."
+    return out + f"\n\nMachine: {machine(d)} ({source(name)})."
 
 
 def offload_decode() -> str:
@@ -664,6 +709,9 @@ TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
     "real-shapes-avx2": real_shapes_avx2,
+    "real-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_xeon_cpu.json"),
+    "gpt-oss-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_xeon_cpu.json"),
+    "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "thread-scaling": thread_scaling,
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,

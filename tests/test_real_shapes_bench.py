@@ -86,3 +86,30 @@ def test_round_statistics():
     text = markdown(result)
     assert "| a | – | 3.00 [2.00–4.00] |" in text and "1.00 [0.50–1.50]" in text
     assert np.isfinite(r["median"])
+
+
+def test_the_mixed_mode_is_planned_against_llama_cpp_and_a_conversion_lacking_a_tier_is_not_reused(tmp_path):
+    """--mixed: DyMoE int4/int2 without a budget on its own conversion, judged against both tiers'
+    bytes and paired with Q4_0; --reuse converts again an output that lacks a tier it needs."""
+    from bench import real_shapes
+    from convert import convert_checkpoint
+    from jmoe import memory_plan
+
+    src = write_checkpoint(small("qwen3-30b-a3b"), tmp_path / "hf", layers=2)
+    mixed = convert_checkpoint(src, tmp_path / "mixed", tiers="int4,int2", dense_tier="int4", progress=False)
+    main = convert_checkpoint(src, tmp_path / "main", tiers="int4", progress=False)
+    args = real_shapes.parse_args(["--tiers", "int4", "--mixed", "--cpu-dots", "int8", "--placements", "resident",
+                                   "--skip-startup", "--prompt", "8", "--new-tokens", "4"])
+    conversions = {"jmoe": {"path": str(main)}, real_shapes.MIXED: {"path": str(mixed)}}
+    measured, _, pairs = real_shapes.plan_configs(args, conversions, {"Q4_0": {"path": "q.gguf", "bytes": 1}})
+    label = real_shapes.MIXED_LABEL + ", int8 dot"
+    cfg = next(c for c in measured if c["label"] == label)
+    assert cfg["spec"]["policy"] == "dymoe" and cfg["spec"]["budget"] is None and cfg["spec"]["path"] == str(mixed)
+    plans = {t: memory_plan(mixed, tier=t, max_seq_len=cfg["spec"]["max_seq_len"]) for t in ("int4", "int2")}
+    fixed = sum(v for k, v in plans["int4"].items() if k in ("dense", "kv_cache", "workspace"))
+    assert cfg["loaded_bytes"] == fixed + plans["int4"]["all_experts"] + plans["int2"]["all_experts"]
+    assert (label, "llama.cpp Q4_0") in pairs
+    again = real_shapes.convert_jmoe(src, main, ["int4", "int2"], [], True, tmp_path / "convert.log")
+    assert again["seconds"] is not None  # converted again, not reused
+    assert set(json.loads((main / "manifest.json").read_text())["tiers"]) == {"int4", "int2"}
+    assert real_shapes.convert_jmoe(src, main, ["int2"], [], True, tmp_path / "convert.log")["seconds"] is None
