@@ -231,6 +231,8 @@ def real_shapes_avx2() -> str:
 
 
 XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks are left out)
+    ("jmoe bf16 resident", "jmoe bf16 experts, bf16 dense"),
+    ("llama.cpp BF16", "llama.cpp BF16"),
     ("jmoe int4 resident, int8 dot", "jmoe int4 experts, bf16 dense, `cpu_dot=\"int8\"`"),
     ("jmoe int2 resident, int8 dot", "jmoe int2 experts, bf16 dense, `cpu_dot=\"int8\"`"),
     ("jmoe int4 + dense int4 resident, int8 dot", "jmoe int4 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
@@ -255,7 +257,7 @@ def shapes_on_avx512(name: str) -> str:
                  "peak RSS / loaded GiB"], rows)
     ratios = [[key.split(" / ")[0].removeprefix("jmoe ") + " / " + key.split(" / ")[1], med(r["prefill_tok_s"], 2),
                med(r["decode_tok_s@0"], 2), med(r["decode_tok_s@512"], 2)]
-              for key, r in d["ratios"].items() if key.endswith("llama.cpp Q4_0")]
+              for key, r in d["ratios"].items() if key.split(" / ")[1] in ("llama.cpp Q4_0", "llama.cpp BF16")]
     out += "\n\n" + table(["jmoe / llama.cpp, within each round", "prefill (512)", "decode (depth 0)",
                             "decode (depth 512)"], ratios)
     return out + (f"\n\n{d['model']['name']} shapes, {d['model']['layers']} layers, random weights. Machine: "
@@ -710,6 +712,7 @@ TABLES = {
     "real-shapes": real_shapes,
     "real-shapes-avx2": real_shapes_avx2,
     "real-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_xeon_cpu.json"),
+    "real-shapes-bf16-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_bf16_xeon_cpu.json"),
     "gpt-oss-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_xeon_cpu.json"),
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "thread-scaling": thread_scaling,
