@@ -174,8 +174,8 @@ def loaded_bytes(path: Path, tier: str | tuple[str, ...], max_seq_len: int) -> i
 
     tiers = (tier,) if isinstance(tier, str) else tier
     plan = jmoe.memory_plan(path, tier=tiers[0], max_seq_len=max_seq_len)
-    experts = sum(jmoe.memory_plan(path, tier=t, max_seq_len=max_seq_len)["all_experts"] for t in tiers)
-    return int(sum(v for k, v in plan.items() if k in ("dense", "kv_cache", "workspace")) + experts)
+    experts = sum(jmoe.memory_plan(path, tier=t, max_seq_len=max_seq_len)["all_experts"] for t in tiers[1:])
+    return int(sum(v for k, v in plan.items() if k in ("dense", "kv_cache", "workspace", "all_experts")) + experts)
 
 
 def run_jmoe_child(spec: dict, env: dict | None, log: Path) -> dict:
@@ -234,11 +234,9 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
     for suffix in DOT_SUFFIX.values():
         pairs += [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}", f"llama.cpp {q}") for q in args.llama_types
                   if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}" in labels]
-        if f"jmoe int4 + dense int4 resident{suffix}" in labels:
-            pairs += [(f"jmoe int4 + dense int4 resident{suffix}", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M")
-                      if q in llama_ggufs]
-        if f"{MIXED_LABEL}{suffix}" in labels:
-            pairs += [(f"{MIXED_LABEL}{suffix}", f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
+        for ours in (f"jmoe int4 + dense int4 resident{suffix}", f"{MIXED_LABEL}{suffix}"):  # int4 dense too
+            if ours in labels:
+                pairs += [(ours, f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
     return measured, startup, pairs
 
 

@@ -115,7 +115,7 @@ def test_dymoe_without_a_budget_holds_both_tiers_and_picks_inside_the_step(int4_
         model.config.num_moe_layers * model.config.num_experts)
     text = jmoe.generate(model, IDS, max_new_tokens=8)
     assert len(text) == 8
-    counts, wanted, chosen = np.asarray(model.residency.signals.per_expert)  # the last decode step's
+    counts, _, chosen = np.asarray(model.residency.signals.per_expert)  # the last decode step's
     r = ((1 - 0.5) * (np.cos(np.pi * np.arange(2) / 1) + 1) / 2 + 0.5)  # lam = 2 r - 1 = 0.5, two layers
     gate = np.asarray(model.residency.signals.gate)
     for layer in range(counts.shape[0]):

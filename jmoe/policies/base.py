@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jmoe.errors import InputError
-from jmoe.tiers import SKIP, TIER_CODES
+from jmoe.tiers import SKIP, TIER_CODES, tier_name
 
 Key = tuple[int, int]  # (MoE layer, expert)
 
@@ -130,6 +130,10 @@ class Plan:
 
     def codes(self) -> set[int]:
         return set(np.unique(self.hi).tolist()) | set(np.unique(self.lo).tolist())
+
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers the plan runs experts at, most precise first (skipping is not a tier)."""
+        return tuple(tier_name(c) for c in sorted(self.codes() - {SKIP}, reverse=True))
 
 
 @dataclass

@@ -26,7 +26,7 @@ from jmoe.layers.attention import attention_scores_nbytes
 from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, inside, read_manifest
-from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Policy, StepView, make_policy
+from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Plan, Policy, StepView, make_policy
 from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.execution import PATHS, Executor
@@ -313,12 +313,12 @@ def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, ma
     return memory
 
 
-def fixed_plan_bytes(store: ExpertStore, policy: Policy, shards: int = 1) -> int | None:
-    """Per device, the bytes of every expert at every pool tier of a policy whose plan never changes
-    (Policy.fixed_plan), which load then holds whole instead of offloading; None for other policies."""
+def fixed_plan_of(cfg: ModelConfig, policy: Policy) -> Plan | None:
+    """The plan of a policy whose plan never changes (Policy.fixed_plan), None for other policies."""
     if not policy.fixed_plan:
         return None
-    return sum(all_expert_bytes(store.config, store.record_nbytes(t)) for t in policy.pools()) // shards
+    return policy.plan(StepView(0, "decode", cfg.num_moe_layers, cfg.num_experts,
+                                ExpertCounters(cfg.num_moe_layers, cfg.num_experts)))
 
 
 def fetch_slots_for(cfg: ModelConfig, policy: Policy, device, max_batch: int, shards: int = 1,
@@ -542,9 +542,13 @@ def load(
                 f"device budget {format_size(budget)} cannot hold the dense weights, KV cache and workspace: needs "
                 f"{format_size(fixed)} before any expert ({parts}); raise the budget or lower max_seq_len / max_batch"
             )
-        whole_tiers = fixed_plan_bytes(store, chosen, placement.shards)  # every expert at every pool tier
-        if whole_tiers is not None and budget is not None and fixed + whole_tiers > budget:
-            whole_tiers = None  # they do not all fit: offload
+        fixed_plan = fixed_plan_of(cfg, chosen)
+        whole_tiers = None  # with a fixed plan: the bytes of every expert at every tier it runs
+        if fixed_plan is not None:
+            whole_tiers = sum(all_expert_bytes(cfg, store.record_nbytes(t))
+                              for t in fixed_plan.tiers()) // placement.shards
+            if budget is not None and fixed + whole_tiers > budget:
+                whole_tiers = None  # they do not all fit: offload
         warn_if_host_too_small(device, budget if budget is not None else
                                fixed + (all_experts if chosen.everything_resident else whole_tiers or 0))
         tracker = BudgetTracker(budget)
@@ -563,8 +567,7 @@ def load(
         elif whole_tiers is not None:  # a fixed plan over tiers that all fit: nothing to offload
             tracker.reserve("experts", whole_tiers)
             residency = AllResident(store, tier, placement, backend=kernel_backend, int8_dot=int8_dot,
-                                    plan=chosen.plan(StepView(0, "decode", cfg.num_moe_layers, cfg.num_experts,
-                                                              ExpertCounters(cfg.num_moe_layers, cfg.num_experts))))
+                                    plan=fixed_plan)
         else:
             slots = fetch_slots_for(cfg, chosen, device, max_batch, placement.shards, miss_slots, draft)
             plan = plan_pools(store, chosen, fixed, budget, shards=placement.shards,  # staging as reservations() counts it

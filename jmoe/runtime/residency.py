@@ -81,7 +81,7 @@ class AllResident:
         if plan is None:
             plan = Plan.uniform(L, E, tier)
         self.tier = tier
-        self.tiers = tuple(tier_name(c) for c in sorted(plan.codes() - {SKIP}, reverse=True))
+        self.tiers = plan.tiers()
         self.stats = Stats()
         self.device = placement.replicated
         pools = {t: resident_pool(store, t, placement) for t in self.tiers}
