@@ -6,6 +6,18 @@ calibrating GPTQ/HAQ on the train splits, then scores every tier on ../shared/co
     python -m bench.quality [--max-tokens N] [--window 256]
     python -m bench.quality --cpu-dot int8 --methods rtn,gptq   # the tiers under load(cpu_dot="int8")
 
+With --llama-cpp, it scores the same model beside llama.cpp: the tiny model converted to GGUF
+(its own tokenizer; llama-tokenize must give jmoe's token ids, or the run stops) and quantized to
+Q8_0, Q4_0, Q4_K_M and Q3_K_M by llama-quantize (and Q4_0 for the routed experts alone, the rest
+BF16, as jmoe's expert tiers leave it), each scored by llama-perplexity, and jmoe's
+tiers (RTN), int4 with dense int4 under the int8 dot, and the per-token mixed mode (DyMoE int4/int2,
+both tiers whole, scored token by token as it decodes) scored by jmoe on the same windows with the
+same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexity(..., context=ctx // 2)).
+Each side's figures are relative to its own bf16. Needs a llama.cpp build with llama-perplexity and
+llama-tokenize (bench/lib/llama_cpp.py says how; build those two targets beside llama-bench).
+
+    python -m bench.quality --llama-cpp [--chunks 200] [--work DIR]
+
 With --server, it instead evaluates a running `jmoe serve` with EleutherAI's lm-evaluation-harness
 (`pip install 'lm-eval[api]'`, in the test extra) through its `local-completions` model, the path
 tests/test_lm_eval.py checks: loglikelihoods as completions with echo and logprobs, generate_until as
@@ -31,7 +43,7 @@ import urllib.request
 from pathlib import Path
 
 import jmoe
-from bench.lib.common import CALIB_FILES, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
+from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
 
 TIERS = ("int8", "int4", "int2")
@@ -95,6 +107,114 @@ def perplexities(path: Path, tier: str, tokens: dict, window: int, cpu_dot: str 
     return {domain: jmoe.perplexity(model, ids, window=window) for domain, ids in tokens.items()}
 
 
+# The rows scored beside llama.cpp: label -> (conversion, load keywords, mode).
+BESIDE_LLAMA = {
+    "bf16": ("rtn", dict(tier="bf16"), "prefill"),
+    "int8 experts": ("rtn", dict(tier="int8"), "prefill"),
+    "int4 experts": ("rtn", dict(tier="int4"), "prefill"),
+    "int2 experts": ("rtn", dict(tier="int2"), "prefill"),
+    "DyMoE int4/int2 experts, per token": ("rtn", dict(policy="mixed"), "decode"),
+    "int4 experts + dense int4, int8 dot": ("dense-int4", dict(tier="int4", cpu_dot="int8"), "prefill"),
+    "DyMoE int4/int2 + dense int4, int8 dot, per token": ("dense-int4", dict(policy="mixed", cpu_dot="int8"),
+                                                          "decode"),
+}
+# K-quants need rows of 256: on the tiny model (rows of 96 and 128) llama-quantize falls back to
+# other types for those tensors (Q2_K becomes Q4_0 throughout), so their bits are read from the GGUF.
+LLAMA_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q3_K_M", "Q4_0-experts")
+
+
+def expert_bits(cfg, tier: str) -> float:
+    from jmoe.format import RecordLayout
+    from jmoe.tiers import expert_template, tier_format
+
+    weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return 8 * RecordLayout.from_template(expert_template(cfg, tier, tier_format(tier))).nbytes / weights
+
+
+def mixed_bits(cfg, policy) -> float:
+    """Bits per expert weight a decode token reads under DyMoE: in layer l, ceil(r(l) k) of its k
+    experts at hi, the rest at lo (the policy's rule at batch 1)."""
+    import math
+
+    from jmoe.policies.dymoe import depth_schedule
+
+    r = depth_schedule(cfg.num_layers, policy.lam)
+    share_hi = sum(math.ceil(float(x) * cfg.top_k - 1e-6) for x in r) / (cfg.top_k * len(r))
+    return share_hi * expert_bits(cfg, policy.hi) + (1 - share_hi) * expert_bits(cfg, policy.lo)
+
+
+def reuse_or_convert(out: Path, **options) -> Path:
+    """The tiny model converted (RTN) to out, or what a run with the same --work left there."""
+    if (out / "manifest.json").is_file():
+        return out
+    return convert_checkpoint(TINY_HF, out, progress=False, **options)
+
+
+def beside_llama_main(args) -> None:
+    from bench.lib import llama_cpp
+    from jmoe.policies import DyMoE
+
+    llama = llama_cpp.find_llama_cpp()
+    types = [t.strip() for t in args.llama_types.split(",") if t.strip()]
+    half = args.ctx // 2
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work) if args.work else Path(tmp)
+        ggufs = llama_cpp.convert(llama, TINY_HF, work / "gguf", ["BF16", *types], pretokenizer="gpt-2")
+        conversions = {name: reuse_or_convert(work / f"jmoe-{name}", **options) for name, options in
+                       {"rtn": dict(tiers="bf16,int8,int4,int2"), "dense-int4": dict(tiers="int4,int2",
+                                                                                     dense_tier="int4")}.items()}
+        tokenizer = jmoe.load(conversions["rtn"], compute_dtype="float32").tokenizer
+        windows, tokens = {}, {}
+        for domain in DOMAINS:
+            ids = dev_tokens(tokenizer, domain)
+            theirs = llama_cpp.tokenize(llama, Path(ggufs["BF16"]["path"]), CORPUS / f"{domain}.dev.txt")
+            if theirs != ids.tolist():
+                raise SystemExit(f"llama.cpp tokenizes {domain}.dev.txt differently from jmoe: the perplexities "
+                                 "would not be of the same tokens")
+            windows[domain] = min(len(ids) // args.ctx, args.chunks or len(ids))
+            tokens[domain] = ids[: windows[domain] * args.ctx]
+
+        rows = []
+        for qtype in ["BF16", *types]:
+            gguf = Path(ggufs[qtype]["path"])
+            row = {"runtime": "llama.cpp", "label": qtype, **llama_cpp.weight_bits(llama, gguf)}
+            for domain in DOMAINS:
+                got = llama_cpp.perplexity(llama, gguf, CORPUS / f"{domain}.dev.txt", ctx=args.ctx,
+                                           chunks=windows[domain], log=work / f"perplexity-{qtype}-{domain}.log")
+                if got["chunks"] != windows[domain]:
+                    raise SystemExit(f"llama-perplexity scored {got['chunks']} windows of {domain}, "
+                                     f"not {windows[domain]}")
+                row[domain] = got["ppl"]
+            rows.append(row)
+            print(f"llama.cpp {qtype:7s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in DOMAINS), flush=True)
+
+        for label, (conversion, kwargs, mode) in BESIDE_LLAMA.items():
+            kwargs = dict(kwargs)
+            mixed = kwargs.pop("policy", None) == "mixed"
+            if mixed:
+                kwargs["policy"] = DyMoE(hi="int4", lo="int2")
+            model = jmoe.load(conversions[conversion], compute_dtype="float32", **kwargs)
+            cfg = model.config
+            row = {"runtime": "jmoe", "label": label, "mode": mode,
+                   "expert_bits": mixed_bits(cfg, kwargs["policy"]) if mixed else expert_bits(cfg, kwargs["tier"]),
+                   "dense": "int4" if conversion == "dense-int4" else "bf16"}
+            t = time.perf_counter()
+            for domain in DOMAINS:
+                row[domain] = jmoe.perplexity(model, tokens[domain], window=args.ctx, mode=mode, context=half)
+            row["seconds"] = time.perf_counter() - t
+            rows.append(row)
+            del model
+            print(f"jmoe {label:50s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in DOMAINS), flush=True)
+
+    for row in rows:  # each runtime against its own bf16
+        base = next(r for r in rows if r["runtime"] == row["runtime"] and r["label"] in ("bf16", "BF16"))
+        row["over_bf16"] = {d: row[d] / base[d] - 1 for d in DOMAINS}
+    write_result("quality", "quality_vs_llama_cpp", {
+        "model": "tiny-qwen3-moe", "ctx": args.ctx, "scored": "the second half of each window",
+        "windows": windows, "scored_tokens": {d: windows[d] * (args.ctx - 1 - half) for d in DOMAINS},
+        "llama_cpp": llama.version(), "rows": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N dev tokens per domain")
@@ -104,6 +224,12 @@ def main() -> None:
     parser.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                         help="load(cpu_dot=...) for the quantized tiers; int8 writes quality_tiny_int8_dot_cpu.json "
                              "without the W8A8 variants")
+    beside = parser.add_argument_group("beside llama.cpp (llama-perplexity on the same tokens and windows)")
+    beside.add_argument("--llama-cpp", action="store_true", help="score jmoe's modes beside llama.cpp's GGUF types")
+    beside.add_argument("--ctx", type=int, default=256, help="window (default 256, the tiny model's training length)")
+    beside.add_argument("--chunks", type=int, default=200, help="windows per domain (0: the whole dev split)")
+    beside.add_argument("--llama-types", default=",".join(LLAMA_TYPES), help="GGUF types beside BF16")
+    beside.add_argument("--work", help="keep the GGUFs, conversions and logs here (reused when present)")
     server = parser.add_argument_group("through a running server (lm-evaluation-harness)")
     server.add_argument("--server", help="evaluate the jmoe serve at this base URL (http://HOST:PORT) instead")
     server.add_argument("--tokenizer", help="the served model's tokenizer: a converted model's directory, or a "
@@ -116,6 +242,8 @@ def main() -> None:
     server.add_argument("--limit", type=int, default=None, help="at most N documents per task")
     server.add_argument("--out", help="write the metrics to this JSON file")
     args = parser.parse_args()
+    if args.llama_cpp:
+        return beside_llama_main(args)
     if args.server:
         if not args.tokenizer:
             parser.error("--server needs --tokenizer")

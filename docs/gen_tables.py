@@ -309,6 +309,23 @@ def quality() -> str:
         f"the `cpu_dot=\"int8\"` rows, {machine(dot)} ({source('quality/quality_tiny_int8_dot_cpu.json')}).")
 
 
+def quality_vs_llama() -> str:
+    name = "quality/quality_vs_llama_cpp_cpu.json"
+    d = load(name)
+    domains = ("prose", "code", "math")
+    rows = []
+    for r in d["rows"]:
+        base = r["label"] in ("bf16", "BF16")
+        dense = r["dense"] if r["runtime"] == "jmoe" else f"{r['dense_bits']:.2f} bit"
+        cells = [f"{r[dom]:.3f}" if base else f"{100 * r['over_bf16'][dom]:+.2f}%" for dom in domains]
+        rows.append([r["runtime"], r["label"], f"{r['expert_bits']:.2f}", dense, *cells])
+    scored = ", ".join(f"{d['scored_tokens'][dom]:,} {dom}" for dom in domains)
+    return table(["runtime", "weights", "bits per expert weight", "dense part", *domains], rows) + (
+        f"\n\nPerplexity of the bf16 rows, the others relative to their own runtime's bf16. Windows of "
+        f"{d['ctx']} tokens, each scoring its second half ({scored} tokens scored, the same token ids on both "
+        f"sides); llama.cpp {d['llama_cpp'].removeprefix('version: ')}. Machine: {machine(d)} ({source(name)}).")
+
+
 def decode_io() -> str:
     before, after = load("decode_io/decode_io_before_cpu.json"), load("decode_io/decode_io_after_cpu.json")
     rows = []
@@ -725,6 +742,7 @@ TABLES = {
     "depth-vs-llama": depth_vs_llama,
     "perplexity": perplexity,
     "quality": quality,
+    "quality-vs-llama": quality_vs_llama,
     "decode-io": decode_io,
     "offload-quality": offload_quality,
     "offload-decode": offload_decode,

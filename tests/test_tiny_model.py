@@ -33,7 +33,8 @@ def test_greedy_text_matches_transformers(tiny_model, tiny_hf_model, tiny_tokeni
         assert len(ours) > 0
 
 
-def hf_window_nll(hf_model, ids: np.ndarray, window: int) -> tuple[float, int]:
+def hf_window_nll(hf_model, ids: np.ndarray, window: int, context: int = 0) -> tuple[float, int]:
+    """Sum of NLL over non-overlapping windows, each scoring its tokens after position `context`."""
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = torch.tensor(ids[start : start + window], dtype=torch.long)[None]
@@ -41,9 +42,9 @@ def hf_window_nll(hf_model, ids: np.ndarray, window: int) -> tuple[float, int]:
             break
         with torch.no_grad():
             logits = hf_model(chunk).logits[0, :-1].double()
-        nll = torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits[context:], chunk[0, context + 1:], reduction="sum")
         total += float(nll)
-        count += chunk.shape[1] - 1
+        count += chunk.shape[1] - 1 - context
     return total, count
 
 
@@ -55,3 +56,16 @@ def test_perplexity_matches_transformers(tiny_model, tiny_hf_model, tiny_tokeniz
     theirs = math.exp(total / count)
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert 1.5 < ours < 100  # a trained model, not noise over a 4096-token vocabulary
+
+
+def test_perplexity_over_each_windows_second_half_matches_transformers(tiny_model, tiny_hf_model, tiny_tokenizer):
+    """llama.cpp's perplexity protocol (each window's second half scored), the one bench/quality.py
+    runs beside llama-perplexity."""
+    ids = np.asarray(tiny_tokenizer.encode(dev_text("code")[:20000]), np.int32)[:1024]
+    ours = jmoe.perplexity(tiny_model, ids, window=256, context=128)
+    total, count = hf_window_nll(tiny_hf_model, ids, 256, context=128)
+    assert count == 4 * 127
+    assert ours == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert ours != pytest.approx(jmoe.perplexity(tiny_model, ids, window=256), rel=1e-3)
+    with pytest.raises(jmoe.InputError, match="context"):
+        jmoe.perplexity(tiny_model, ids, window=256, context=255)

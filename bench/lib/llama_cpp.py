@@ -20,7 +20,7 @@ was measured with; 20-40 minutes on 2 cores):
     cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release \\
         -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \\
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-    cmake --build build -j 2 --target llama-bench llama-quantize
+    cmake --build build -j 2 --target llama-bench llama-quantize llama-perplexity llama-tokenize
     export JMOE_LLAMA_CPP=~/llama-build/build/bin
     # Mixtral only: an interpreter that sees jmoe's packages, plus sentencepiece
     python3 -m venv venv
@@ -74,6 +74,13 @@ class LlamaCpp:
     @property
     def quantize_tool(self) -> Path:
         return self.bin_dir / "llama-quantize"
+
+    def tool(self, name: str) -> Path:
+        """Another of the build's programs (llama-perplexity, llama-tokenize); raises LlamaCppMissing."""
+        path = self.bin_dir / name
+        if not path.is_file():
+            raise LlamaCppMissing(f"{self.bin_dir} holds no {name} (cmake --build build --target {name})")
+        return path
 
     def version(self) -> str:
         proc = subprocess.run([str(self.bench), "--version"], capture_output=True, text=True)
@@ -222,20 +229,53 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = 
     return out, seconds, usage.ru_maxrss * 1024
 
 
-def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES) -> dict[str, dict]:
+# convert_hf_to_gguf.py with the name of the checkpoint's own BPE pre-tokenizer given rather than
+# recognised by hashing (a model trained with a standard pre-tokenizer under a vocabulary llama.cpp
+# has not seen, like the bundled tiny model's byte-level BPE with GPT-2's split rule).
+CONVERT_WITH_PRE = """
+import sys
+pre = sys.argv.pop(1)
+sys.argv[0] = "convert_hf_to_gguf.py"
+import convert_hf_to_gguf as c
+try:
+    from conversion.base import TextModel
+except ImportError:
+    TextModel = c.TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+c.main()
+"""
+
+
+# A type named "<TYPE>-experts" quantizes only the routed experts (ffn_*_exps) to TYPE; every other
+# matrix stays BF16, as jmoe's expert tiers leave a bf16 dense part.
+EXPERTS_ONLY = "-experts"
+KEEP_DENSE_BF16 = ["--token-embedding-type", "bf16", "--output-tensor-type", "bf16",
+                   "--tensor-type", "attn_.*=bf16", "--tensor-type", "ffn_(gate|up|down)_shexp=bf16",
+                   "--tensor-type", "ffn_(gate|up|down)\\.weight=bf16"]
+
+
+def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES,
+            pretokenizer: str | None = None) -> dict[str, dict]:
     """The checkpoint as GGUF at each type (BF16 converted, the rest quantized from it); reuses
-    files already there. Returns per type: path, seconds, peak RSS (None when reused)."""
+    files already there. Returns per type: path, seconds, peak RSS (None when reused).
+
+    pretokenizer: convert with the checkpoint's own tokenizer, whose BPE pre-tokenizer llama.cpp
+    knows by this name ("gpt-2", "qwen2", ...); without it the tokenizer is rebuilt from one of
+    llama.cpp's vocabularies (random checkpoints: see the module docstring)."""
     work.mkdir(parents=True, exist_ok=True)
     bf16 = work / "model-BF16.gguf"
     made: dict[str, dict] = {}
     if not bf16.is_file():
-        src = gguf_source(llama, checkpoint, work / "hf-src")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(llama.src_dir / "gguf-py"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+            [str(llama.src_dir / "gguf-py"), str(llama.src_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         tmp = work / "model-BF16.gguf.tmp"
-        _, seconds, rss = run_measured(
-            [llama.python, str(llama.src_dir / "convert_hf_to_gguf.py"), str(src), "--outtype", "bf16",
-             "--outfile", str(tmp)], env=env, cwd=llama.src_dir, log=work / "convert.log")
+        if pretokenizer:
+            script = [llama.python, "-c", CONVERT_WITH_PRE, pretokenizer, str(Path(checkpoint).resolve())]
+        else:
+            script = [llama.python, str(llama.src_dir / "convert_hf_to_gguf.py"),
+                      str(gguf_source(llama, checkpoint, work / "hf-src"))]
+        _, seconds, rss = run_measured(script + ["--outtype", "bf16", "--outfile", str(tmp)],
+                                       env=env, cwd=llama.src_dir, log=work / "convert.log")
         tmp.rename(bf16)
         made["BF16"] = {"seconds": seconds, "peak_rss_bytes": rss}
     out = {"BF16": {"path": str(bf16), **made.get("BF16", {"seconds": None, "peak_rss_bytes": None})}}
@@ -246,8 +286,9 @@ def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES) ->
         entry = {"seconds": None, "peak_rss_bytes": None}
         if not path.is_file():
             tmp = path.with_suffix(".gguf.tmp")
-            _, seconds, rss = run_measured([str(llama.quantize_tool), str(bf16), str(tmp), qtype, "2"],
-                                           log=work / f"quantize-{qtype}.log")
+            base, experts_only = qtype.removesuffix(EXPERTS_ONLY), qtype.endswith(EXPERTS_ONLY)
+            _, seconds, rss = run_measured([str(llama.quantize_tool), *(KEEP_DENSE_BF16 if experts_only else []),
+                                            str(bf16), str(tmp), base, "2"], log=work / f"quantize-{qtype}.log")
             tmp.rename(path)
             entry = {"seconds": seconds, "peak_rss_bytes": rss}
         out[qtype] = {"path": str(path), **entry}
@@ -271,3 +312,50 @@ def bench(llama: LlamaCpp, gguf: Path, *, threads: int = 2, prompt: int = 512, g
         elif test["n_gen"] and not test["n_prompt"]:
             result[f"decode_tok_s@{depth}"] = test["avg_ts"]
     return result
+
+
+# llama-perplexity and llama-tokenize read text files as they are (no \n escapes processed) and
+# add no BOS (the bundled tiny model was trained without one).
+TEXT_AS_IS = ["--no-escape"]
+NO_BOS = ["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]
+
+
+def tokenize(llama: LlamaCpp, gguf: Path, text_file: Path) -> list[int]:
+    """llama.cpp's token ids for a text file under the GGUF's tokenizer, as llama-perplexity sees them."""
+    out, _, _ = run_measured([str(llama.tool("llama-tokenize")), "-m", str(gguf), "-f", str(text_file), "--ids",
+                              "--log-disable", "--no-bos", *TEXT_AS_IS])
+    return json.loads(out)
+
+
+def perplexity(llama: LlamaCpp, gguf: Path, text_file: Path, *, ctx: int, chunks: int | None = None,
+               threads: int = 2, log: Path) -> dict:
+    """llama-perplexity over a text file: windows of `ctx` tokens, each scoring its second half
+    (its figures are read from the log it writes to stderr)."""
+    cmd = [str(llama.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx),
+           "-t", str(threads), *TEXT_AS_IS, *NO_BOS] + (["--chunks", str(chunks)] if chunks else [])
+    _, seconds, _ = run_measured(cmd, log=log)
+    text = log.read_text()
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
+    used = re.search(r"calculating perplexity over (\d+) chunks", text)
+    if not final or not used:
+        raise RuntimeError(f"llama-perplexity printed no final estimate (see {log})")
+    return {"ppl": float(final.group(1)), "plus_minus": float(final.group(2)), "chunks": int(used.group(1)),
+            "seconds": seconds}
+
+
+def weight_bits(llama: LlamaCpp, gguf: Path) -> dict[str, float]:
+    """Bits per weight in a GGUF, whatever types the quantizer chose: of the routed experts (its
+    ffn_*_exps tensors) and of the rest of its matrices ("dense"; norms left out)."""
+    sys.path.insert(0, str(llama.src_dir / "gguf-py"))
+    try:
+        import gguf as gguf_py
+    finally:
+        sys.path.pop(0)
+    sums = {"expert_bits": [0, 0], "dense_bits": [0, 0]}
+    for tensor in gguf_py.GGUFReader(str(gguf)).tensors:
+        if len(tensor.shape) < 2:
+            continue
+        kind = "expert_bits" if re.search(r"ffn_(gate|up|down|gate_up)_exps", tensor.name) else "dense_bits"
+        sums[kind][0] += 8 * int(tensor.n_bytes)
+        sums[kind][1] += int(tensor.n_elements)
+    return {kind: bits / weights for kind, (bits, weights) in sums.items()}

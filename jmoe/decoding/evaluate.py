@@ -53,24 +53,28 @@ def _token_nll(logits, tokens):
     return -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
 
 
-def window_nll(model, token_ids, window: int, mode: str = "prefill") -> tuple[float, int]:
+def window_nll(model, token_ids, window: int, mode: str = "prefill", context: int = 0) -> tuple[float, int]:
     """Sum of NLL (nats) and number of predicted tokens over non-overlapping windows of `window` tokens.
 
     mode "prefill" scores a window in one step; "decode" feeds it one token at a time (teacher
     forced) through decode steps, so policies that decide per decode step decide for every token.
+    context: each window's tokens at positions 1..context are conditioned on but not scored, so every
+    scored token sees at least `context` tokens before it (llama.cpp's perplexity tool scores the
+    second half of each window: context = window // 2).
     """
     check_model(model)
     window = validate.integer("window", window, minimum=2, maximum=model.max_seq_len)
     validate.choice("mode", mode, ("prefill", "decode"))
+    context = validate.integer("context", context, minimum=0, maximum=window - 2)
     ids = token_array(model, token_ids, 2)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window]
-        if len(chunk) < 2:
+        if len(chunk) < context + 2:
             break
         nll = _decode_nll(model, chunk) if mode == "decode" else _prefill_nll(model, chunk, window)
-        total += float(nll.sum(dtype=np.float64))
-        count += len(chunk) - 1
+        total += float(nll[context:].sum(dtype=np.float64))
+        count += len(chunk) - 1 - context
     return total, count
 
 
@@ -106,9 +110,10 @@ def _decode_nll(model, chunk: np.ndarray) -> np.ndarray:
     return np.asarray(jnp.concatenate(nll))
 
 
-def perplexity(model, token_ids, window: int = 512, mode: str = "prefill") -> float:
-    """exp(mean NLL) of token_ids over non-overlapping windows; mode "decode" scores token by token."""
-    total, count = window_nll(model, token_ids, window, mode)
+def perplexity(model, token_ids, window: int = 512, mode: str = "prefill", context: int = 0) -> float:
+    """exp(mean NLL) of token_ids over non-overlapping windows; mode "decode" scores token by token;
+    context: each window's first tokens only conditioned on (see window_nll)."""
+    total, count = window_nll(model, token_ids, window, mode, context)
     return math.exp(total / count)
 
 
