@@ -114,9 +114,16 @@ BESIDE_LLAMA = {
     "int4 experts": ("rtn", dict(tier="int4"), "prefill"),
     "int2 experts": ("rtn", dict(tier="int2"), "prefill"),
     "DyMoE int4/int2 experts, per token": ("rtn", dict(policy="mixed"), "decode"),
-    "int4 experts + dense int4, int8 dot": ("dense-int4", dict(tier="int4", cpu_dot="int8"), "prefill"),
-    "DyMoE int4/int2 + dense int4, int8 dot, per token": ("dense-int4", dict(policy="mixed", cpu_dot="int8"),
-                                                          "decode"),
+    "int4 experts + dense int4 (int8 head), int8 dot": ("dense-int4", dict(tier="int4", cpu_dot="int8"), "prefill"),
+    "DyMoE int4/int2 + dense int4 (int8 head), int8 dot, per token": ("dense-int4", dict(policy="mixed",
+                                                                                         cpu_dot="int8"), "decode"),
+    "int4 experts + dense int4 (int4 head), int8 dot": ("dense-int4-head-int4", dict(tier="int4", cpu_dot="int8"),
+                                                        "prefill"),
+}
+CONVERSIONS = {  # RTN, each with the converter's defaults otherwise
+    "rtn": dict(tiers="bf16,int8,int4,int2"),
+    "dense-int4": dict(tiers="int4,int2", dense_tier="int4"),
+    "dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4"),
 }
 # K-quants need rows of 256: on the tiny model (rows of 96 and 128) llama-quantize falls back to
 # other types for those tensors (Q2_K becomes Q4_0 throughout), so their bits are read from the GGUF.
@@ -160,9 +167,8 @@ def beside_llama_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         ggufs = llama_cpp.convert(llama, TINY_HF, work / "gguf", ["BF16", *types], pretokenizer="gpt-2")
-        conversions = {name: reuse_or_convert(work / f"jmoe-{name}", **options) for name, options in
-                       {"rtn": dict(tiers="bf16,int8,int4,int2"), "dense-int4": dict(tiers="int4,int2",
-                                                                                     dense_tier="int4")}.items()}
+        conversions = {name: reuse_or_convert(work / f"jmoe-{name}", **options)
+                       for name, options in CONVERSIONS.items()}
         tokenizer = jmoe.load(conversions["rtn"], compute_dtype="float32").tokenizer
         windows, tokens = {}, {}
         for domain in DOMAINS:
@@ -197,7 +203,7 @@ def beside_llama_main(args) -> None:
             cfg = model.config
             row = {"runtime": "jmoe", "label": label, "mode": mode,
                    "expert_bits": mixed_bits(cfg, kwargs["policy"]) if mixed else expert_bits(cfg, kwargs["tier"]),
-                   "dense": "int4" if conversion == "dense-int4" else "bf16"}
+                   "dense": CONVERSIONS[conversion].get("dense_tier", "bf16")}
             t = time.perf_counter()
             for domain in DOMAINS:
                 row[domain] = jmoe.perplexity(model, tokens[domain], window=args.ctx, mode=mode, context=half)

@@ -22,7 +22,7 @@ from jmoe.errors import InputError
 from jmoe.layers.attention import AttentionMeta
 from jmoe.layers.experts import ExpertState, Selection
 from jmoe.layers.rope import rope_tables
-from jmoe.layers.transformer import abstract_model, run_layers
+from jmoe.layers.transformer import AS_DENSE, abstract_model, run_layers
 from jmoe.quant import ExpertWeights
 from pallas_kernels.qarray import QuantFormat
 
@@ -80,12 +80,14 @@ class LayerwiseCalibration:
     quantizes and writes that layer, so only one layer's experts are ever held."""
 
     def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16, *,
-                 quant: QuantFormat | None = None, progress: bool = False):
-        """dense: the stored dense tree (at the dense tier `quant`, as the converter wrote it)."""
+                 quant: QuantFormat | None = None, head_quant: QuantFormat | None | str = AS_DENSE,
+                 progress: bool = False):
+        """dense: the stored dense tree (at the dense tier `quant` and head tier `head_quant`, as the
+        converter wrote it)."""
         self.cfg = cfg
         self.batch = batch
         self.progress = progress
-        model = abstract_model(cfg, jnp.float32, quant)
+        model = abstract_model(cfg, jnp.float32, quant, head_quant)
         self.layers = []
         for i, layer in enumerate(model.layers):
             graphdef, state = nnx.split(layer)

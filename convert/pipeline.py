@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from convert.calibration import LayerwiseCalibration, calibration_tokens
-from convert.dense import dense_format, dense_structure, read_dense, source_elements
+from convert.dense import default_head_tier, dense_format, dense_structure, read_dense, source_elements
 from convert.hf_source import (
     TOKENIZER_CORE_FILES,
     TOKENIZER_FILES,
@@ -75,6 +75,7 @@ def convert_checkpoint(
     *,
     tiers: str | Iterable[str] = ("bf16",),
     dense_tier: str = "bf16",
+    head_tier: str | None = None,
     method: str = "rtn",
     calib: str | Path | Sequence[str | Path] | None = None,
     calib_sequences: int = 64,
@@ -94,18 +95,23 @@ def convert_checkpoint(
 
     Args:
       tiers: expert tiers to write, e.g. "bf16,int8,int4,int2" (all in one pass).
-      dense_tier: "bf16", "int8" or "int4": the attention projections, dense MLPs, shared experts, LM
-        head and embedding table at that tier (RTN on the integer tiers' grid, group_size and
-        symmetric apply); norms, routers and biases stay bf16.
+      dense_tier: "bf16", "int8" or "int4": the attention projections, dense MLPs and shared experts
+        at that tier (RTN on the integer tiers' grid, group_size and symmetric apply); norms,
+        routers and biases stay bf16.
+      head_tier: the LM head and embedding table's tier, "bf16", "int8" or "int4" (default: int8
+        beside an int4 dense tier, else the dense tier).
       method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate).
       calib: calibration text file(s) (comma-separated string or list); needed by gptq and haq.
       calib_sequences, calib_seq_len: how many token windows of what length to calibrate on.
-      group_size: group size along K for every integer tier (default: 128 for int8, 64 otherwise).
+      group_size: group size along K for every integer tier (default: 128 for int8, 32 for int4 dense
+        weights, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
     """
     tiers = parse_tiers(tiers)
     validate.choice("dense_tier", dense_tier, DENSE_TIERS)
+    head_tier = default_head_tier(dense_tier) if head_tier is None else validate.choice("head_tier", head_tier,
+                                                                                        DENSE_TIERS)
     if not isinstance(method, str) or method not in METHODS:
         raise InputError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
     calib_files = calibration_files(calib)
@@ -122,6 +128,7 @@ def convert_checkpoint(
     formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq")
                for t in tiers}
     dense_fmt = dense_format(dense_tier, group_size=group_size, symmetric=symmetric)
+    head_fmt = dense_format(head_tier, group_size=group_size, symmetric=symmetric)
     out = absolute(validate.path("output", out))
     root = resolve_source(validate.path("source", src))
     check_output(out, root, overwrite)
@@ -140,9 +147,10 @@ def convert_checkpoint(
     tmp = partial.path
     try:
         used: set[str] = set()
-        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, tmp, progress)
+        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, head_fmt, tmp, progress)
         if calibrating:  # the experts' inputs as the model will compute them: through the dense tier
-            calibration = LayerwiseCalibration(cfg, dense, tokens, quant=dense_fmt, progress=progress)
+            calibration = LayerwiseCalibration(cfg, dense, tokens, quant=dense_fmt, head_quant=head_fmt,
+                                               progress=progress)
         del dense
         reader = expert_reader(source, cfg, used)
         source.release()
@@ -210,12 +218,12 @@ def load_source_tokenizer(root: Path):
     return load_tokenizer(root, error=CheckpointError)
 
 
-def convert_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt, tmp: Path, progress: bool):
-    """Read the dense weights at their tier (a progress bar over the numbers read) and save them;
+def convert_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt, head_fmt, tmp: Path, progress: bool):
+    """Read the dense weights at their tiers (a progress bar over the numbers read) and save them;
     returns (the stored tree, the manifest's dense entry). The checkpoint's pages are released after."""
-    total = source_elements(cfg, dense_structure(cfg, fmt))
+    total = source_elements(cfg, dense_structure(cfg, fmt, head_fmt))
     with tqdm(total=total, desc="dense weights", unit="", unit_scale=True, disable=not progress) as bar:
-        dense, entry = read_dense(source, cfg, used, fmt, bar.update)
+        dense, entry = read_dense(source, cfg, used, fmt, bar.update, head_fmt=head_fmt)
         source.release()
         bar.set_postfix_str("saving")
         save_dense(dense, tmp / DENSE_DIR)

@@ -37,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
     conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int2 (default: bf16)")
     conv.add_argument("--dense-tier", default="bf16",
-                      help="attention, dense MLP, shared expert, LM head and embedding weights: bf16 (default), "
-                           "int8, int4 (norms and routers stay bf16)")
+                      help="attention, dense MLP and shared expert weights: bf16 (default), int8, int4 (norms and "
+                           "routers stay bf16)")
+    conv.add_argument("--head-tier", default=None,
+                      help="LM head and embedding table: bf16, int8, int4 (default: int8 beside --dense-tier int4, "
+                           "else the dense tier)")
     conv.add_argument("--method", default="rtn", help="quantizer for integer tiers: rtn (default), gptq, haq")
     conv.add_argument("--calib", action="append", default=[], help="calibration text file for gptq/haq (repeatable)")
     conv.add_argument("--calib-sequences", type=int, default=64, help="calibration windows (default 64)")
@@ -184,7 +187,7 @@ def cmd_convert(args) -> None:
 
     calib = [f for item in args.calib for f in item.split(",") if f]
     out = convert_checkpoint(args.source, args.output, tiers=args.tiers, dense_tier=args.dense_tier,
-                             method=args.method, calib=calib,
+                             head_tier=args.head_tier, method=args.method, calib=calib,
                              calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
                              group_size=args.group_size, symmetric=args.symmetric, w8a8=args.w8a8,
                              overwrite=args.force, progress=not args.no_progress)

@@ -148,6 +148,8 @@ SCHEMA = {
                      key=Text("|".join(TIER_NAMES), f"a tier ({', '.join(TIER_NAMES)})")),
     "dense": {"dir": RELPATH, "tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
               "format?": Maybe(TIER_FORMAT), "bytes?": Int(0),
+              "head_tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
+              "head_format?": Maybe(TIER_FORMAT),
               "tensors": Entries({"hf_name": str, "shape": Items(Int(0)), "dtype": str})},
     "tokenizer": Maybe(RELPATH),
     "files": Entries({"bytes": Int(0), "sha256": SHA256}, key=RELPATH),
@@ -256,6 +258,12 @@ def _check_consistency(root: Path, manifest: dict[str, Any]) -> None:
     dense_tier, dense_fmt = manifest["dense"].get("tier", "bf16"), manifest["dense"].get("format")
     if (dense_fmt is None) != (dense_tier == "bf16") or (dense_fmt and dense_fmt["bits"] != TIER_BITS[dense_tier]):
         raise FormatError(f"{MANIFEST}: dense.format does not describe dense tier {dense_tier}")
+    if ("head_tier" in manifest["dense"]) != ("head_format" in manifest["dense"]):
+        raise FormatError(f"{MANIFEST}: dense.head_tier and dense.head_format come together")
+    head_tier = manifest["dense"].get("head_tier", dense_tier)
+    head_fmt = manifest["dense"].get("head_format", dense_fmt)
+    if (head_fmt is None) != (head_tier == "bf16") or (head_fmt and head_fmt["bits"] != TIER_BITS[head_tier]):
+        raise FormatError(f"{MANIFEST}: dense.head_format does not describe head tier {head_tier}")
     for rel in [*manifest["files"], manifest["dense"]["dir"], manifest["tokenizer"]]:
         if rel is not None:
             inside(root, rel)
@@ -263,11 +271,22 @@ def _check_consistency(root: Path, manifest: dict[str, Any]) -> None:
 
 def dense_format(manifest: dict[str, Any]) -> QuantFormat | None:
     """The format the dense weights are stored in (None: bf16 arrays), for building the model."""
-    fmt = manifest["dense"].get("format")
+    return _format(manifest["dense"].get("format"), "dense.format")
+
+
+def head_format(manifest: dict[str, Any]) -> QuantFormat | None:
+    """The format of the LM head and embedding table (a manifest without dense.head_format stores
+    them at the dense tier)."""
+    if "head_format" not in manifest["dense"]:
+        return dense_format(manifest)
+    return _format(manifest["dense"]["head_format"], "dense.head_format")
+
+
+def _format(fmt: dict | None, where: str) -> QuantFormat | None:
     try:
         return None if fmt is None else QuantFormat.from_json(fmt)
     except ValueError as e:
-        raise FormatError(f"{MANIFEST}: dense.format: {e}") from None
+        raise FormatError(f"{MANIFEST}: {where}: {e}") from None
 
 
 def check_files(root: Path, manifest: dict[str, Any], *, verify_checksums: bool) -> None:

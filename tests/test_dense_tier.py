@@ -61,13 +61,15 @@ def test_manifest_records_the_tier_and_the_budget_counts_its_bytes(qwen2_dirs):
         dense = manifest["dense"]
         assert dense["tier"] == tier
         assert (dense["format"] is None) == (tier == "bf16")
+        assert dense["head_tier"] == {"int4": "int8"}.get(tier, tier)  # int8 beside int4 by default
+        assert (dense["head_format"] is None) == (tier == "bf16")
         model = jmoe.load(path)
         assert dense["bytes"] == tree_nbytes(model.dense) == model.memory["dense"] == memory_plan(path)["dense"]
         stored[tier] = dense["bytes"]
         kernel = dense["tensors"]["layers.1.self_attn.q_proj.kernel"]
         assert kernel["dtype"] == ("bfloat16" if tier == "bf16" else tier)
         assert dense["tensors"]["layers.1.mlp.router.kernel"]["dtype"] == "bfloat16"
-    assert stored["bf16"] > 1.5 * stored["int8"] > 1.5 * 1.5 * stored["int4"]
+    assert stored["bf16"] > 1.5 * stored["int8"] and stored["int8"] > 1.2 * stored["int4"]  # int4: an int8 head
 
 
 def test_projections_are_quantized_norms_routers_and_biases_are_not(qwen2_dirs):
@@ -84,6 +86,39 @@ def test_projections_are_quantized_norms_routers_and_biases_are_not(qwen2_dirs):
     assert model.dense.get("lm_head") is None  # tied: the head multiplies by the quantized table
     table = leaf(model, "embed_tokens", "embedding")
     assert table.shape == (model.config.hidden_size, model.config.vocab_size)  # E^T, one column per token
+    assert table.fmt.bits == 8 and leaf(model, "layers", 1, "self_attn", "q_proj", "kernel").fmt.bits == 4
+
+
+def test_head_tier_sets_the_lm_head_and_embedding_alone(qwen2_hf, tmp_path):
+    """--head-tier int4 beside --dense-tier int4 quantizes the (untied) LM head and the embedding
+    table at int4; int4 dense weights are in groups of 32 unless a group size is given."""
+    hf = tmp_path / "untied"
+    make_checkpoint("qwen2_moe", hf, overrides=dict(tie_word_embeddings=False))
+    model = jmoe.load(convert_checkpoint(hf, tmp_path / "m", dense_tier="int4", head_tier="int4", progress=False))
+    assert leaf(model, "lm_head", "kernel").fmt.bits == 4 and leaf(model, "embed_tokens", "embedding").fmt.bits == 4
+    assert leaf(model, "layers", 1, "self_attn", "q_proj", "kernel").fmt.group_size == 32
+    model = jmoe.load(convert_checkpoint(hf, tmp_path / "b", dense_tier="int4", head_tier="bf16", progress=False))
+    assert leaf(model, "lm_head", "kernel").dtype == jnp.bfloat16
+    assert leaf(model, "embed_tokens", "embedding").dtype == jnp.bfloat16
+    assert read_manifest(tmp_path / "b")["dense"]["head_format"] is None
+    assert len(jmoe.generate(model, [3, 4, 5], max_new_tokens=3)) == 3
+
+
+def test_a_manifest_without_a_head_tier_keeps_the_head_at_the_dense_tier(qwen2_hf, tmp_path):
+    """Conversions written before the head had a tier of its own still load (their head and
+    embedding are at the dense tier)."""
+    import json
+
+    path = convert_checkpoint(qwen2_hf, tmp_path / "m", dense_tier="int4", head_tier="int4", progress=False)
+    expected = jmoe.generate(jmoe.load(path), [3, 4, 5], max_new_tokens=4)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["dense"]["head_tier"], manifest["dense"]["head_format"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert jmoe.generate(jmoe.load(path), [3, 4, 5], max_new_tokens=4) == expected
+    manifest["dense"]["head_tier"] = "int8"  # a tier without its format
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="head_tier and dense.head_format"):
+        jmoe.load(path)
 
 
 def test_blocks_of_rows_give_the_whole_tensors_result(qwen2_hf, tmp_path, monkeypatch):
@@ -101,9 +136,8 @@ def test_blocks_of_rows_give_the_whole_tensors_result(qwen2_hf, tmp_path, monkey
             np.testing.assert_array_equal(np.asarray(ours_q, np.float32), q.T)
             np.testing.assert_array_equal(np.asarray(ours_embed, np.float32), embed)
             continue
-        fmt = ours_q.fmt
-        for ours, whole in ((ours_q, q.T), (ours_embed, embed.T)):
-            ref = quantize_rtn(whole, fmt)
+        for ours, whole in ((ours_q, q.T), (ours_embed, embed.T)):  # each at its own tier (the head int8)
+            ref = quantize_rtn(whole, ours.fmt)
             np.testing.assert_array_equal(np.asarray(ours.values), ref.values)
             np.testing.assert_array_equal(np.asarray(ours.scales), ref.scales)
 
@@ -151,10 +185,12 @@ def tiny_logits(tiny_hf_dir, tiny_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-dense")
     ids = tiny_tokenizer.encode(dev_text("code")[:3000])[:256]
     out = {}
-    for tier in DENSE_TIERS:
-        model = jmoe.load(convert_checkpoint(tiny_hf_dir, root / tier, dense_tier=tier, progress=False),
+    variants = {tier: dict(dense_tier=tier) for tier in DENSE_TIERS}
+    variants["int4, head int4"] = dict(dense_tier="int4", head_tier="int4")
+    for name, options in variants.items():
+        model = jmoe.load(convert_checkpoint(tiny_hf_dir, root / name.replace(", ", "-"), progress=False, **options),
                           compute_dtype="float32")
-        out[tier] = np.asarray(jmoe.forward(model, ids))
+        out[name] = np.asarray(jmoe.forward(model, ids))
     return out, np.asarray(ids)
 
 
@@ -171,9 +207,17 @@ def test_int8_dense_stays_close_to_bf16(tiny_logits):
     err = {t: float(np.abs(logits[t] - logits["bf16"]).mean()) for t in ("int8", "int4")}
     assert err["int8"] < err["int4"]
     assert err["int8"] < 0.02 * scale
-    loss = {t: nll(logits[t], ids) for t in DENSE_TIERS}
+    loss = {t: nll(logits[t], ids) for t in logits}
     assert abs(loss["int8"] - loss["bf16"]) < 0.01 * loss["bf16"]
     assert loss["int4"] < 1.1 * loss["bf16"]
+
+
+def test_an_int8_head_beside_int4_dense_weights_loses_less_than_an_int4_head(tiny_logits):
+    """Why the head defaults to int8 beside an int4 dense tier (the bundled model: its tied table is
+    most of its dense weights)."""
+    logits, ids = tiny_logits
+    loss = {t: nll(logits[t], ids) for t in logits}
+    assert loss["int4"] - loss["bf16"] < 0.5 * (loss["int4, head int4"] - loss["bf16"])
 
 
 def test_bad_dense_tier_is_refused(qwen2_hf, tmp_path, capsys):
@@ -183,6 +227,9 @@ def test_bad_dense_tier_is_refused(qwen2_hf, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert cli_main(["convert", str(qwen2_hf), "-o", str(tmp_path / "out"), "--dense-tier", "int2"]) == 2
     assert "dense_tier must be one of" in capsys.readouterr().err
+    with pytest.raises(InputError, match="head_tier must be one of bf16, int8, int4"):
+        convert_checkpoint(qwen2_hf, tmp_path / "out", dense_tier="int4", head_tier="int2", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_manifest_whose_dense_format_contradicts_its_tier_is_refused(qwen2_dirs, tmp_path):

@@ -163,23 +163,27 @@ class TracedLayers:
         self.fetcher.predict(mi + 1, counts, gate, wanted)
 
 
+AS_DENSE = "as dense"  # head_quant's default: the embedding table and LM head in the dense tier's format
+
+
 class Transformer(nnx.Module):
     """The whole model. `quant` is the dense tier's format (None: plain param_dtype weights): the
-    attention projections, dense MLPs, shared experts, LM head and embedding table are stored in it;
-    norms, routers and biases stay float."""
+    attention projections, dense MLPs and shared experts are stored in it, and the LM head and
+    embedding table in `head_quant` (default: the same); norms, routers and biases stay float."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 quant: QuantFormat | None = None):
+                 quant: QuantFormat | None = None, head_quant: QuantFormat | None | str = AS_DENSE):
         self.config = cfg
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, **kw)
+        head_kw = dict(kw, quant=quant if head_quant is AS_DENSE else head_quant)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, **head_kw)
         self.layers = nnx.List([DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers)])
         self.norm = make_norm(cfg, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, **kw)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, **head_kw)
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -202,9 +206,12 @@ class Transformer(nnx.Module):
         return x, cache, stack_signals(signals, importance, B, T, runner.fetcher), runner.pools
 
 
-def abstract_model(cfg: ModelConfig, dtype, quant: QuantFormat | None = None) -> Transformer:
-    """The model with shape-only parameters (no memory, no random init); `quant`: the dense tier's format."""
-    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), quant=quant))
+def abstract_model(cfg: ModelConfig, dtype, quant: QuantFormat | None = None,
+                   head_quant: QuantFormat | None | str = AS_DENSE) -> Transformer:
+    """The model with shape-only parameters (no memory, no random init); `quant`: the dense tier's
+    format, `head_quant`: the LM head's and embedding table's (default: the dense tier's)."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), quant=quant,
+                                              head_quant=head_quant))
 
 
-__all__ = ["Transformer", "StepSignals", "abstract_model", "run_layers", "TracedLayers"]
+__all__ = ["AS_DENSE", "Transformer", "StepSignals", "abstract_model", "run_layers", "TracedLayers"]

@@ -25,7 +25,7 @@ from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.attention import attention_scores_nbytes
 from jmoe.layers.linear import Embed, Linear
 from jmoe.layers.transformer import abstract_model
-from jmoe.manifest import check_files, dense_format, inside, read_manifest
+from jmoe.manifest import check_files, dense_format, head_format, inside, read_manifest
 from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Plan, Policy, StepView, make_policy
 from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
@@ -379,7 +379,7 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     apply_miss_mode(chosen, misses)
     chosen.check()
     store = ExpertStore(root, manifest, cfg)
-    _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest)))
+    _, abstract_state = nnx.split(abstract_model(cfg, dtype, dense_format(manifest), head_format(manifest)))
     shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
     max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     plan = reservations(store, abstract_state, dtype, max_seq_len, max_batch, draft, chosen, shards, kv,
@@ -518,7 +518,8 @@ def load(
 
         device = placement.device
         int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's own matmuls
-        graphdef, abstract_state = nnx.split(use_int8_dot(abstract_model(cfg, dtype, dense_format(manifest)), int8_dot))
+        model = abstract_model(cfg, dtype, dense_format(manifest), head_format(manifest))
+        graphdef, abstract_state = nnx.split(use_int8_dot(model, int8_dot))
         prefix_bytes = resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv)
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
                               None if draft is None else check_draft(manifest, draft), None, placement.shards, kv,
