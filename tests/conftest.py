@@ -6,8 +6,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import jax
-import pytest
+# One BLAS and OpenMP thread per process (numpy's and scipy's OpenBLAS, torch's intra-op pool): the
+# suite runs a process per core (pytest-xdist) beside the processes tests start, so those libraries'
+# own threads only contend with them, spinning where they wait (GPTQ's calibrated conversion of the
+# tiny model took 57 s beside another busy process, 28 s with one BLAS thread). Set before numpy and
+# torch are first imported, which is when they read it; the processes tests start inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Eight CPU devices (before any backend starts), for the expert-parallel tests' meshes; everything
 # else runs on the first, as on a one-device machine.
