@@ -136,15 +136,23 @@ def checkpoint(args) -> Path:
 
 def convert_jmoe(src: Path, out: Path, tiers: list[str], extra: list[str], reuse: bool, log: Path) -> dict:
     """`jmoe convert` in its own process: seconds and peak RSS (None when an earlier output holding
-    every tier asked for is reused)."""
+    every tier asked for is reused), and the dense and head tiers it holds."""
     manifest = out / "manifest.json"
     if reuse and manifest.is_file() and set(tiers) <= set(json.loads(manifest.read_text())["tiers"]):
-        return {"path": str(out), "seconds": None, "peak_rss_bytes": None, "bytes": tree_bytes(out)}
+        return {"path": str(out), "seconds": None, "peak_rss_bytes": None, "bytes": tree_bytes(out),
+                **dense_tiers(out)}
     print(f"jmoe convert -> {out} ...", flush=True)
     cmd = jmoe_cli("convert", str(src), "-o", str(out), "--tiers", ",".join(tiers), "--method", "rtn",
                    "--force", "--no-progress", *extra)
     _, seconds, rss = llama_cpp.run_measured(cmd, cwd=ROOT, log=log)
-    return {"path": str(out), "seconds": seconds, "peak_rss_bytes": rss, "bytes": tree_bytes(out)}
+    return {"path": str(out), "seconds": seconds, "peak_rss_bytes": rss, "bytes": tree_bytes(out), **dense_tiers(out)}
+
+
+def dense_tiers(path: Path) -> dict:
+    """The conversion's dense tier and its LM head's (a manifest without a head tier: the dense tier)."""
+    dense = json.loads((path / "manifest.json").read_text())["dense"]
+    tier = dense.get("tier", "bf16")
+    return {"dense_tier": tier, "head_tier": dense.get("head_tier", tier)}
 
 
 def tree_bytes(path: Path) -> int:

@@ -106,8 +106,9 @@ def headline() -> str:
         ])
     xeon = load("real_shapes/real_shapes_xeon_cpu.json")
     for ours, label in [
-        ("jmoe int4 + dense int4 resident, int8 dot", "int4 throughout"),
-        ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot", "DyMoE int4/int2, both tiers whole (per-token mixed)"),
+        ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(xeon)} LM head"),
+        ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot",
+         f"DyMoE int4/int2, both tiers whole (per-token mixed), {head_tier(xeon)} LM head"),
     ]:
         ratio = xeon["ratios"][f"{ours} / llama.cpp Q4_0"]["decode_tok_s@0"]["median"]
         mine, theirs = xeon["summary"][ours], xeon["summary"]["llama.cpp Q4_0"]
@@ -242,6 +243,12 @@ XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks ar
 ]
 
 
+def head_tier(d: dict) -> str:
+    """The LM head's tier in a real-shapes run's dense-int4 conversions (runs from before the head had
+    a tier of its own held it at the dense tier)."""
+    return d["conversions"].get("jmoe dense int4", {}).get("head_tier", "int4")
+
+
 def shapes_on_avx512(name: str) -> str:
     """A real-shapes run on the AVX-512 Xeon: every configuration it has, then its ratios to llama.cpp."""
     d = load(name)
@@ -250,6 +257,7 @@ def shapes_on_avx512(name: str) -> str:
     for key, label in XEON_LABELS:
         if key not in d["summary"]:
             continue
+        label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head)")
         r = d["summary"][key]
         rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
         rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"]), med(r["decode_tok_s@512"]), rss])
