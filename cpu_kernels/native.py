@@ -22,6 +22,7 @@ _state: dict = {}
 MATMUL = "jmoe_cpu_matmul"
 EXPERT_FFN = "jmoe_cpu_expert_ffn"
 ROUTED_FFN = "jmoe_cpu_routed_ffn"
+ROUTED_FFN_TIERS = "jmoe_cpu_routed_ffn_tiers"
 WRITE_ROWS = "jmoe_cpu_write_rows"
 WRITE_SLOTS = "jmoe_cpu_write_slots"
 COPY_RECORDS = "jmoe_cpu_copy_records"
@@ -39,7 +40,8 @@ def _load():
 
                 lib = ctypes.cdll.LoadLibrary(_native.__file__)
                 for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn),
-                                     (ROUTED_FFN, lib.JmoeCpuRoutedFfn), (WRITE_ROWS, lib.JmoeCpuWriteRows),
+                                     (ROUTED_FFN, lib.JmoeCpuRoutedFfn),
+                                     (ROUTED_FFN_TIERS, lib.JmoeCpuRoutedFfnTiers), (WRITE_ROWS, lib.JmoeCpuWriteRows),
                                      (WRITE_SLOTS, lib.JmoeCpuWriteSlots),
                                      (COPY_RECORDS, lib.JmoeCpuCopyRecords)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")

@@ -132,6 +132,40 @@ def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_
     return y.astype(h.dtype)
 
 
+# Attributes every pool of one layer shares; a multi-pool call numbers the others by pool.
+_SHARED_ATTRS = ("hidden", "inner", "clamped", "alpha", "limit")
+
+
+def _multiplies_h_as_is(gate_up) -> bool:
+    """Whether gate_up multiplies the hidden states as they are (no smoothing, no W8A8 rounding)."""
+    return not isinstance(gate_up, QArray) or (gate_up.act_scale is None and gate_up.fmt.act_bits != 8)
+
+
+def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedActivation = SILU,
+                            int8_dot: bool = False):
+    """routed_expert_ffn over several pools at once: assignment a runs expert slot[a] of
+    pools[tier[a]] (each pool a (gate_up, down, gate_up_bias, down_bias) of one layer) on h[token[a]]
+    -> [A, D] in h.dtype. One native call runs every pool's experts in the same passes where each
+    pool multiplies h as it is; otherwise (smoothed or W8A8 inputs, no native kernels) each pool
+    runs on its own assignments and the results are added (each row is zero in all pools but its own)."""
+    native_pools = [_native_pools(*pool, activation, int8_dot) for pool in pools] if available() else []
+    if not native_pools or any(p is None for p in native_pools) or not all(_multiplies_h_as_is(p[0]) for p in pools):
+        out = None
+        for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(pools):
+            y = routed_expert_ffn(h, token, jnp.where(tier == t, slot, -1), gate_up, down, gate_up_bias=gate_up_bias,
+                                  down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+            out = y if out is None else out + y
+        return out
+    operands, attrs = [], {}
+    for t, (pool_operands, pool_attrs) in enumerate(native_pools):
+        operands += pool_operands
+        attrs.update({name if name in _SHARED_ATTRS else f"{name}{t}": value for name, value in pool_attrs.items()})
+    y = native.call(native.ROUTED_FFN_TIERS, jax.ShapeDtypeStruct((token.shape[0], h.shape[1]), jnp.float32),
+                    h.astype(jnp.float32), token.astype(jnp.int32), slot.astype(jnp.int32), tier.astype(jnp.int32),
+                    *operands, **attrs)
+    return y.astype(h.dtype)
+
+
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
     """cache [B, H, S, w] with rows [B, H, T, w] written from slot start[b] of each row b, in place
     (the result aliases the cache); XLA's dynamic_update_slice per row where the kernels do not run."""

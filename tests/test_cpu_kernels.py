@@ -210,6 +210,66 @@ def test_expert_ffn_haq_smoothing_and_w8a8(block_rows):
     _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
 
 
+def _tiers_reference(h, token, slot, tier, pools, activation, int8_dot):
+    """Each pool's assignments on the XLA reference, the rest zero, added."""
+    out = 0
+    for t, (gu, dn, gu_bias, dn_bias) in enumerate(pools):
+        out = out + expert_ffn_reference(h[token], jnp.where(tier == t, slot, -1), gu, dn, block_rows=1,
+                                         gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation,
+                                         int8_dot=int8_dot)
+    return out
+
+
+def _compare_tiers(h, token, slot, tier, pools, activation=SILU, int8_dot=False):
+    kw = dict(activation=activation, int8_dot=int8_dot)
+    y = np.asarray(jax.jit(lambda h, t, s, r, p: ops.routed_expert_ffn_tiers(h, t, s, r, p, **kw))(
+        h, token, slot, tier, pools))
+    ref = np.asarray(jax.jit(lambda h, t, s, r, p: _tiers_reference(h, t, s, r, p, **kw))(h, token, slot, tier, pools))
+    _close(y, ref, int8_dot)
+    assert (y[np.asarray(slot) < 0] == 0).all()
+    return y
+
+
+@pytest.mark.parametrize("int8_dot", [False, True])
+def test_routed_ffn_over_several_pools_runs_each_assignment_at_its_own(int8_dot):
+    """One native call for every tier of a layer (DyMoE's and DynaExq's hi and lo pools): int4, int2
+    and bf16 pools at Qwen3-30B-A3B's widths, decode and prefill-sized assignment lists, each row as
+    its own pool's expert computes it; with the calls counted, one native call for all of them."""
+    rng = np.random.default_rng(13)
+    D, F, S = 2048, 768, 3
+    pools = [(_pool(rng, S, D, 2 * F, FORMATS[t]), _pool(rng, S, F, D, FORMATS[t]), None, None)
+             for t in ("int4", "int2", "bf16")]
+    for A, N in ((8, 1), (48, 12)):
+        h = jnp.asarray(rng.standard_normal((N, D)).astype(np.float32))
+        token = jnp.asarray(rng.integers(0, N, A).astype(np.int32))
+        slot = rng.integers(0, S, A).astype(np.int32)
+        slot[rng.random(A) < 0.2] = -1
+        tier = jnp.asarray(rng.integers(0, len(pools), A).astype(np.int32))
+        _compare_tiers(h, token, jnp.asarray(slot), tier, pools, int8_dot=int8_dot)
+    hlo = jax.jit(lambda h, t, s, r, p: ops.routed_expert_ffn_tiers(h, t, s, r, p, int8_dot=int8_dot)).lower(
+        h, token, jnp.asarray(slot), tier, pools).as_text()
+    assert hlo.count(native.ROUTED_FFN_TIERS) == 1 and hlo.count(native.ROUTED_FFN + '"') == 0
+
+
+def test_routed_ffn_over_several_pools_with_biases_and_inputs_of_their_own():
+    """Per-pool biases and a clamped activation in the one call; a W8A8 pool (its inputs rounded per
+    token) beside an int4 one runs a call per pool and still gives each row its own pool's result."""
+    rng = np.random.default_rng(17)
+    D, F, S, A = 256, 192, 2, 12
+    h = jnp.asarray(rng.standard_normal((4, D)).astype(np.float32) * 3)
+    token = jnp.asarray(rng.integers(0, 4, A).astype(np.int32))
+    slot = jnp.asarray(rng.integers(0, S, A).astype(np.int32))
+    tier = jnp.asarray(rng.integers(0, 2, A).astype(np.int32))
+    biased = [(_pool(rng, S, D, 2 * F, FORMATS[t]), _pool(rng, S, F, D, FORMATS[t]),
+               jnp.asarray(rng.standard_normal((S, 2 * F)).astype(np.float32)),
+               jnp.asarray(rng.standard_normal((S, D)).astype(np.float32))) for t in ("int4", "int8")]
+    _compare_tiers(h, token, slot, tier, biased, activation=CLAMPED)
+    w8a8 = QuantFormat(8, 128, True, act_bits=8)
+    mixed = [(_pool(rng, S, D, 2 * F, w8a8), _pool(rng, S, F, D, w8a8), None, None),
+             (_pool(rng, S, D, 2 * F, FORMATS["int4"]), _pool(rng, S, F, D, FORMATS["int4"]), None, None)]
+    _compare_tiers(h, token, slot, tier, mixed)
+
+
 def test_ragged_widths_and_padded_groups():
     """K not a multiple of the group, N not a multiple of the 64-column tile."""
     rng = np.random.default_rng(3)

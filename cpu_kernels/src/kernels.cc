@@ -577,18 +577,24 @@ static ffi::Error attr(const ffi::Dictionary& attrs, const char* name, T* out) {
   return ffi::Error::Success();
 }
 
+// The pool's attributes: the layer's shape and activation under their own names, the pool's own
+// (formats, slots, int8 inputs) with `suffix` appended (a multi-pool call numbers its pools).
 static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales, ffi::Buffer<ffi::F16> gu_offsets,
                              ffi::Buffer<ffi::F32> gu_bias, ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
                              ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
-                             const ffi::Dictionary& attrs, ExpertPools* p) {
+                             const ffi::Dictionary& attrs, ExpertPools* p, const std::string& suffix = "") {
   int64_t gu_bits, gu_group, dn_bits, dn_group;
   bool gu_sym, dn_sym;
-  for (auto e : {attr(attrs, "gu_bits", &gu_bits), attr(attrs, "gu_group", &gu_group), attr(attrs, "gu_symmetric", &gu_sym),
-                 attr(attrs, "dn_bits", &dn_bits), attr(attrs, "dn_group", &dn_group), attr(attrs, "dn_symmetric", &dn_sym),
-                 attr(attrs, "hidden", &p->D), attr(attrs, "inner", &p->F), attr(attrs, "slots", &p->slots),
+  auto own = [&](const char* name) { return std::string(name) + suffix; };
+  for (auto e : {attr(attrs, own("gu_bits").c_str(), &gu_bits), attr(attrs, own("gu_group").c_str(), &gu_group),
+                 attr(attrs, own("gu_symmetric").c_str(), &gu_sym), attr(attrs, own("dn_bits").c_str(), &dn_bits),
+                 attr(attrs, own("dn_group").c_str(), &dn_group), attr(attrs, own("dn_symmetric").c_str(), &dn_sym),
+                 attr(attrs, "hidden", &p->D), attr(attrs, "inner", &p->F),
+                 attr(attrs, own("slots").c_str(), &p->slots),
                  attr(attrs, "clamped", &p->clamped), attr(attrs, "alpha", &p->alpha), attr(attrs, "limit", &p->limit),
-                 attr(attrs, "dn_int8_inputs", &p->dn_int8_inputs), attr(attrs, "gu_int8_dot", &p->gu_int8_dot),
-                 attr(attrs, "dn_int8_dot", &p->dn_int8_dot)})
+                 attr(attrs, own("dn_int8_inputs").c_str(), &p->dn_int8_inputs),
+                 attr(attrs, own("gu_int8_dot").c_str(), &p->gu_int8_dot),
+                 attr(attrs, own("dn_int8_dot").c_str(), &p->dn_int8_dot)})
     if (e.failure()) return e;
   if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_sym, p->D, 2 * p->F, &p->gu); e.failure())
     return e;
@@ -607,25 +613,54 @@ static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_
   return ffi::Error::Success();
 }
 
-// Rows [row0, row0 + rows) of the inputs all run through the expert in `slot`.
+// Rows [row0, row0 + rows) of the inputs all run through the expert in `slot` of pool `tier`.
 struct Run {
-  int64_t row0, rows, slot;
+  int64_t row0, rows, slot, tier = 0;
 };
 
-// y[r] = down(act(gate_up(x[r]))) for the rows of every run, each expert's weights read once.
-// Each phase runs all experts' products at once (run_products), so one token's experts keep every core busy.
-static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::vector<Run>& runs, const float* x,
-                        int64_t R, float* y) {
-  const int64_t D = p.D, F = p.F;
+// The inputs x [R, K] as each pool's weight multiplies them (rounded per group for the int8 dot),
+// rounded once per distinct (group, int8 dot) among the pools.
+struct PoolInputs {
+  std::vector<QuantizedInputs> quantized;
+  std::vector<Inputs> of_pool;
+
+  PoolInputs(ffi::ThreadPool& pool, const std::vector<const Weight*>& weights, const std::vector<bool>& int8_dot,
+             const float* x, int64_t R, int64_t K)
+      : quantized(weights.size()), of_pool(weights.size()) {
+    for (size_t t = 0; t < weights.size(); ++t) {
+      const bool quantize = int8_dot[t] && weights[t]->quantized();
+      size_t same = 0;
+      while (same < t && !(quantize == (int8_dot[same] && weights[same]->quantized()) &&
+                           (!quantize || weights[same]->group == weights[t]->group)))
+        ++same;
+      of_pool[t] = same < t ? of_pool[same] : quantized[t].of(x, K, R, K, weights[t]->group, quantize, rows_on(pool));
+    }
+  }
+};
+
+// y[r] = down(act(gate_up(x[r]))) for the rows of every run, each expert's weights read once; a
+// run reads the pool of its tier (pools share D, F and the activation). Each phase runs all
+// experts' products at once (run_products), so one token's experts keep every core busy.
+static void run_experts(ffi::ThreadPool& pool, const std::vector<const ExpertPools*>& pools,
+                        const std::vector<Run>& runs, const float* x, int64_t R, float* y) {
+  const ExpertPools& first = *pools[0];
+  const int64_t D = first.D, F = first.F;
   std::vector<float> h(R * 2 * F), act(R * F);
-  QuantizedInputs gu_quantized, dn_quantized;
-  const Inputs gu_in = gu_quantized.of(x, D, R, D, p.gu.group, p.gu_int8_dot && p.gu.quantized(), rows_on(pool));
+  std::vector<const Weight*> gu_weights, dn_weights;
+  std::vector<bool> gu_int8, dn_int8;
+  for (const ExpertPools* p : pools) {
+    gu_weights.push_back(&p->gu), dn_weights.push_back(&p->dn);
+    gu_int8.push_back(p->gu_int8_dot), dn_int8.push_back(p->dn_int8_dot);
+  }
+  const PoolInputs gu_in(pool, gu_weights, gu_int8, x, R, D);
   std::vector<Product> products;
   for (const Run& r : runs)
-    products.push_back({gu_in.from_row(r.row0), r.rows, p.gu.slot(r.slot), h.data() + r.row0 * 2 * F, 2 * F});
+    products.push_back({gu_in.of_pool[r.tier].from_row(r.row0), r.rows, pools[r.tier]->gu.slot(r.slot),
+                        h.data() + r.row0 * 2 * F, 2 * F});
   run_products(pool, products);
   parallel_for(pool, runs.size(), [&](int64_t i) {
     const Run& r = runs[i];
+    const ExpertPools& p = *pools[r.tier];
     const float* bias = p.gu_bias ? p.gu_bias + r.slot * 2 * F : nullptr;
     for (int64_t m = r.row0; m < r.row0 + r.rows; ++m) {
       const float* hm = h.data() + m * 2 * F;
@@ -644,18 +679,19 @@ static void run_experts(ffi::ThreadPool& pool, const ExpertPools& p, const std::
       if (p.dn_int8_inputs) quantize_int8_per_token(am, F);
     }
   });
-  const Inputs dn_in = dn_quantized.of(act.data(), F, R, F, p.dn.group, p.dn_int8_dot && p.dn.quantized(),
-                                       rows_on(pool));
+  const PoolInputs dn_in(pool, dn_weights, dn_int8, act.data(), R, F);
   products.clear();
   for (const Run& r : runs)
-    products.push_back({dn_in.from_row(r.row0), r.rows, p.dn.slot(r.slot), y + r.row0 * D, D});
+    products.push_back({dn_in.of_pool[r.tier].from_row(r.row0), r.rows, pools[r.tier]->dn.slot(r.slot),
+                        y + r.row0 * D, D});
   run_products(pool, products);
-  if (p.dn_bias)
-    for (const Run& r : runs) {
-      const float* bias = p.dn_bias + r.slot * D;
-      for (int64_t m = r.row0; m < r.row0 + r.rows; ++m)
-        for (int64_t c = 0; c < D; ++c) y[m * D + c] += bias[c];
-    }
+  for (const Run& r : runs) {
+    const ExpertPools& p = *pools[r.tier];
+    if (!p.dn_bias) continue;
+    const float* bias = p.dn_bias + r.slot * D;
+    for (int64_t m = r.row0; m < r.row0 + r.rows; ++m)
+      for (int64_t c = 0; c < D; ++c) y[m * D + c] += bias[c];
+  }
 }
 
 // A prefill routes thousands of rows to the experts: they run in chunks of at most kChunkRows
@@ -679,7 +715,7 @@ static std::vector<Chunk> chunks_of(const std::vector<Run>& runs, int64_t most) 
       if (out.empty() || r.row0 - out.back().row0 >= most) out.push_back({r.row0, 0, {}});
       Chunk& c = out.back();
       const int64_t take = std::min(r.rows, most - (r.row0 - c.row0));
-      c.runs.push_back({r.row0 - c.row0, take, r.slot});
+      c.runs.push_back({r.row0 - c.row0, take, r.slot, r.tier});
       c.rows = r.row0 + take - c.row0;
       r.row0 += take, r.rows -= take;
     }
@@ -719,12 +755,55 @@ static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values
       runs.push_back({b * block_rows, block_rows, s});
   }
   for (const Chunk& c : chunks_of(runs, kChunkRows))
-    run_experts(pool, p, c.runs, rows.typed_data() + c.row0 * D, c.rows, y + c.row0 * D);
+    run_experts(pool, {&p}, c.runs, rows.typed_data() + c.row0 * D, c.rows, y + c.row0 * D);
   return ffi::Error::Success();
 }
 
-// Routed assignments, grouped here: out[a] = expert slot[a] applied to h[token[a]] (slot -1: zeros).
-// Each expert runs once over exactly the rows routed to it (no padding to blocks).
+// Routed assignments, grouped here: out[a] = expert slot[a] of pool tier[a] (tier: none, pool 0)
+// applied to h[token[a]] (slot -1: zeros). Each expert runs once over exactly the rows routed to it
+// (no padding to blocks), every pool's experts in the same passes.
+static ffi::Error run_routed(ffi::ThreadPool& pool, const std::vector<const ExpertPools*>& pools,
+                             ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> slot,
+                             const int32_t* tier, float* y) {
+  const int64_t D = pools[0]->D, A = slot.element_count(), T = pools.size();
+  if (h.dimensions().size() != 2 || h.dimensions()[1] != D || token.element_count() != static_cast<size_t>(A))
+    return ffi::Error::InvalidArgument("h must be [N, D] and token, slot [A]");
+  const int64_t N = h.dimensions()[0];
+  const int32_t *tok = token.typed_data(), *sl = slot.typed_data();
+  auto tier_of = [&](int64_t a) -> int64_t { return tier ? tier[a] : 0; };
+  std::vector<int64_t> order;
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t t = tier_of(a);
+    if (t >= 0 && t < T && sl[a] >= 0 && sl[a] < pools[t]->slots && tok[a] >= 0 && tok[a] < N)
+      order.push_back(a);
+    else
+      std::fill(y + a * D, y + (a + 1) * D, 0.0f);
+  }
+  if (order.empty()) return ffi::Error::Success();
+  std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) {
+    return tier_of(i) != tier_of(j) ? tier_of(i) < tier_of(j) : sl[i] < sl[j];
+  });
+  const int64_t R = order.size();
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t a = order[i];
+    if (!runs.empty() && runs.back().slot == sl[a] && runs.back().tier == tier_of(a))
+      runs.back().rows += 1;
+    else
+      runs.push_back({i, 1, sl[a], tier_of(a)});
+  }
+  const int64_t most = std::min(R, kChunkRows);
+  std::vector<float> xs(most * D), ys(most * D);  // one chunk's rows, gathered, and their outputs
+  for (const Chunk& c : chunks_of(runs, most)) {
+    for (int64_t i = 0; i < c.rows; ++i)
+      std::memcpy(xs.data() + i * D, h.typed_data() + tok[order[c.row0 + i]] * D, D * sizeof(float));
+    run_experts(pool, pools, c.runs, xs.data(), c.rows, ys.data());
+    for (int64_t i = 0; i < c.rows; ++i)
+      std::memcpy(y + order[c.row0 + i] * D, ys.data() + i * D, D * sizeof(float));
+  }
+  return ffi::Error::Success();
+}
+
 static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
                                   ffi::Buffer<ffi::F16> gu_offsets, ffi::Buffer<ffi::F32> gu_bias,
                                   ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
@@ -735,39 +814,38 @@ static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values
   if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bias, dn_values, dn_scales, dn_offsets, dn_bias, attrs, &p);
       e.failure())
     return e;
-  const int64_t D = p.D, A = slot.element_count();
-  if (h.dimensions().size() != 2 || h.dimensions()[1] != D || token.element_count() != static_cast<size_t>(A))
-    return ffi::Error::InvalidArgument("h must be [N, D] and token, slot [A]");
-  const int64_t N = h.dimensions()[0];
-  const int32_t *tok = token.typed_data(), *sl = slot.typed_data();
-  float* y = out->typed_data();
-  std::vector<int64_t> order;
-  for (int64_t a = 0; a < A; ++a) {
-    if (sl[a] >= 0 && sl[a] < p.slots && tok[a] >= 0 && tok[a] < N)
-      order.push_back(a);
-    else
-      std::fill(y + a * D, y + (a + 1) * D, 0.0f);
+  return run_routed(pool, {&p}, h, token, slot, nullptr, out->typed_data());
+}
+
+// routed_ffn over several pools (tiers) at once: tier[a] picks assignment a's pool. The pools follow
+// the inputs, eight buffers each (as the single-pool target takes them), their attributes numbered
+// by pool (gu_bits0, gu_bits1, ...).
+static ffi::Error routed_ffn_tiers_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> token,
+                                        ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> tier,
+                                        ffi::RemainingArgs buffers, ffi::ResultBuffer<ffi::F32> out,
+                                        ffi::Dictionary attrs) {
+  if (buffers.size() == 0 || buffers.size() % 8 != 0)
+    return ffi::Error::InvalidArgument("routed_ffn_tiers wants eight buffers per pool");
+  if (tier.element_count() != slot.element_count())
+    return ffi::Error::InvalidArgument("routed_ffn_tiers wants a tier per assignment");
+  std::vector<ExpertPools> storage(buffers.size() / 8);
+  std::vector<const ExpertPools*> pools;
+  for (size_t t = 0; t < storage.size(); ++t) {
+    auto any = [&](size_t i) { return buffers.get<ffi::AnyBuffer>(8 * t + i); };
+    auto f16 = [&](size_t i) { return buffers.get<ffi::Buffer<ffi::F16>>(8 * t + i); };
+    auto f32 = [&](size_t i) { return buffers.get<ffi::Buffer<ffi::F32>>(8 * t + i); };
+    auto guv = any(0), dnv = any(4);
+    auto gus = f16(1), guo = f16(2), dns = f16(5), dno = f16(6);
+    auto gub = f32(3), dnb = f32(7);
+    if (!guv.has_value() || !gus.has_value() || !guo.has_value() || !gub.has_value() || !dnv.has_value() ||
+        !dns.has_value() || !dno.has_value() || !dnb.has_value())
+      return ffi::Error::InvalidArgument("routed_ffn_tiers: a pool buffer has the wrong type");
+    if (auto e = read_pools(*guv, *gus, *guo, *gub, *dnv, *dns, *dno, *dnb, attrs, &storage[t], std::to_string(t));
+        e.failure())
+      return e;
+    pools.push_back(&storage[t]);
   }
-  if (order.empty()) return ffi::Error::Success();
-  std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) { return sl[i] < sl[j]; });
-  const int64_t R = order.size();
-  std::vector<Run> runs;
-  for (int64_t i = 0; i < R; ++i) {
-    if (!runs.empty() && runs.back().slot == sl[order[i]])
-      runs.back().rows += 1;
-    else
-      runs.push_back({i, 1, sl[order[i]]});
-  }
-  const int64_t most = std::min(R, kChunkRows);
-  std::vector<float> xs(most * D), ys(most * D);  // one chunk's rows, gathered, and their outputs
-  for (const Chunk& c : chunks_of(runs, most)) {
-    for (int64_t i = 0; i < c.rows; ++i)
-      std::memcpy(xs.data() + i * D, h.typed_data() + tok[order[c.row0 + i]] * D, D * sizeof(float));
-    run_experts(pool, p, c.runs, xs.data(), c.rows, ys.data());
-    for (int64_t i = 0; i < c.rows; ++i)
-      std::memcpy(y + order[c.row0 + i] * D, ys.data() + i * D, D * sizeof(float));
-  }
-  return ffi::Error::Success();
+  return run_routed(pool, pools, h, token, slot, tier.typed_data(), out->typed_data());
 }
 
 // cache [B, H, S, w] with new [B, H, T, w] written from slot start[b] of each row b (clamped into
@@ -890,6 +968,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuRoutedFfn, jmoe::routed_ffn_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuRoutedFfnTiers, jmoe::routed_ffn_tiers_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attrs());
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import routed_expert_ffn
+from cpu_kernels import routed_expert_ffn, routed_expert_ffn_tiers
 from jmoe.config import ModelConfig
 from jmoe.distributed.expert_parallel import expert_parallel_sum
 from jmoe.distributed.mesh import ExpertParallel
@@ -315,6 +315,8 @@ def _routed_sum(h, routing: Routing, chosen, token_valid, layer: LayerExperts, a
     on_device = (layer.backend or default_backend()) != "cpu"
     if len(layer.pools) > 1 and on_device and gathers(*chosen.shape, layer.group_rows):
         return _gathered_across_tiers(h, routing, chosen, token_valid, layer, activation)
+    if len(layer.pools) > 1 and not on_device:
+        return _routed_across_tiers(h, routing, chosen, token_valid, layer, activation)
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
         active = (chosen == TIER_CODES[name]) & token_valid[:, None]
@@ -332,17 +334,37 @@ def gathers(tokens: int, top_k: int, group_rows: int) -> bool:
     return tokens * top_k <= GATHER_MAX_ASSIGNMENTS and not (group_rows and tokens > 1)
 
 
-def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
-                           activation: GatedActivation) -> jax.Array:
-    """routed_experts for a decode step with several pools: one row per assignment, each reading
-    its chosen tier's pool (a tier index per row), one kernel launch per stage for every tier."""
-    N, k = chosen.shape
+def _tiers_and_slots(routing: Routing, chosen, token_valid, layer: LayerExperts):
+    """[N, k] each assignment's pool (its index in layer.pools) and slot there (NO_SLOT: it runs nowhere)."""
     tier = jnp.zeros(chosen.shape, jnp.int32)
     slot = jnp.full(chosen.shape, NO_SLOT, jnp.int32)
     for i, name in enumerate(layer.pools):
         runs_here = (chosen == TIER_CODES[name]) & token_valid[:, None]
         tier = jnp.where(runs_here, i, tier)
         slot = jnp.where(runs_here, layer.slots[name][routing.ids], slot)
+    return tier, slot
+
+
+def _routed_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
+                         activation: GatedActivation) -> jax.Array:
+    """routed_experts on the CPU kernels with several pools: every tier's experts in one native call
+    (one set of thread-pool passes per layer, not one per tier)."""
+    N, k = chosen.shape
+    tier, slot = _tiers_and_slots(routing, chosen, token_valid, layer)
+    token = jnp.arange(N * k, dtype=jnp.int32) // k
+    pools = [(p.gate_up, p.down, p.gate_up_bias, p.down_bias) for p in layer.pools.values()]
+    y = routed_expert_ffn_tiers(h, token, slot.reshape(-1), tier.reshape(-1), pools, activation=activation,
+                                int8_dot=layer.int8_dot)  # [N * k, D]
+    w = jnp.where(slot != NO_SLOT, routing.weights, 0.0)
+    return (w[..., None] * y.reshape(N, k, -1).astype(jnp.float32)).sum(axis=1)
+
+
+def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
+                           activation: GatedActivation) -> jax.Array:
+    """routed_experts for a decode step with several pools: one row per assignment, each reading
+    its chosen tier's pool (a tier index per row), one kernel launch per stage for every tier."""
+    N, k = chosen.shape
+    tier, slot = _tiers_and_slots(routing, chosen, token_valid, layer)
     token = jnp.arange(N * k, dtype=jnp.int32) // k
     y = expert_ffn_tiers(h[token], tier.reshape(-1), slot.reshape(-1), list(layer.pools.values()), block_rows=1,
                          backend=layer.backend, activation=activation, int8_dot=layer.int8_dot)  # [N * k, D]
