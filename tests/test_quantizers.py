@@ -321,3 +321,20 @@ def test_an_expert_with_its_intermediate_units_reordered_computes_the_same():
     assert np.all(np.diff(np.diagonal((mid.T @ mid))[order]) <= 0)
     moved = permute_intermediate(expert, order)
     np.testing.assert_allclose(intermediate(x, moved) @ moved.down, mid @ expert.down, rtol=1e-5, atol=1e-5)
+
+
+def test_searched_grids_tile_by_tile_are_the_whole_matrix_grids():
+    """rtn's int2 grid search runs in tiles of 512 columns (a padded last tile included): the grids
+    are the whole matrix's, up to the last float16 bit where a sum's order differs."""
+    from convert.quantizers.rtn import TILE_COLUMNS, group_grid
+
+    fmt = QuantFormat(2, 64, False)
+    w = np.random.default_rng(3).normal(size=(256, 2 * TILE_COLUMNS + 76)).astype(np.float32) * 0.02
+    groups = grid.pad_k(w, fmt).reshape(-1, 64, w.shape[1])
+    tiled = jax.jit(group_grid, static_argnums=1)(groups, fmt)
+    whole = jax.jit(grid.fitted_group_params, static_argnums=1)(groups, fmt)
+    for a, b in zip(tiled, whole):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape == (4, 1, w.shape[1])
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
+        assert np.mean(a != b) < 1e-3
