@@ -93,6 +93,17 @@ def headline() -> str:
         f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq2 / base - 1):.1f}%",
         machine(quality), source("quality/quality_tiny_cpu.json"),
     ])
+    beside = load("quality/quality_vs_llama_cpp_cpu.json")
+    by_label = {(r["runtime"], r["label"]): r["over_bf16"] for r in beside["rows"]}
+    ours = next(label for runtime, label in by_label
+                if runtime == "jmoe" and label.startswith("int4 experts + dense int4"))
+    pct = lambda over: " / ".join(f"{100 * over[d]:+.2f}%" for d in ("prose", "code", "math"))  # noqa: E731
+    rows.append([
+        f"Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe {ours}; "
+        "llama.cpp Q4_0",
+        f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
+        machine(beside), source("quality/quality_vs_llama_cpp_cpu.json"),
+    ])
     s = shapes["summary"]
     for ours, theirs, label in [
         ("jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", "int4 throughout, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"),
