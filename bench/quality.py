@@ -131,11 +131,10 @@ LLAMA_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q3_K_M", "Q4_0-experts")
 
 
 def expert_bits(cfg, tier: str) -> float:
-    from jmoe.format import RecordLayout
-    from jmoe.tiers import expert_template, tier_format
+    """Bits per expert weight at a tier, from the record layout (bench/tier_bytes.py's table)."""
+    from bench.tier_bytes import tier_table
 
-    weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return 8 * RecordLayout.from_template(expert_template(cfg, tier, tier_format(tier))).nbytes / weights
+    return tier_table(cfg)["tiers"][tier]["bits_per_weight"]
 
 
 def mixed_bits(cfg, policy) -> float:
