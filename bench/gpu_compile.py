@@ -650,9 +650,16 @@ def slice_launches(thunks: str) -> dict:
     return dict(async_streams=sorted(streams), async_kernels=kernels)
 
 
+def host_async_starts_anywhere(hlo: str) -> int:
+    """Asynchronous starts reading host memory in every computation (a conditional's branches too)."""
+    return sum(bool((m := ASYNC_START.match(line.strip())) and HOST_MEMORY_SPACE in m.group(2))
+               for line in hlo.splitlines())
+
+
 def read_offloaded_step(texts: dict[str, str], log: str) -> dict:
     """Everything the offload checks read, from dumped_step's texts and the compile's log."""
     return dict(host_arrays=host_arrays_in_entry_layout(texts["hlo"]), async_slices=host_async_slices(texts["hlo"]),
+                async_slices_anywhere=host_async_starts_anywhere(texts["hlo"]),
                 host_compute=host_compute(texts["hlo"], log), **branches_and_loops(texts["hlo"]),
                 **command_buffers(texts["thunks"]), **slice_launches(texts["thunks"]))
 
@@ -664,17 +671,36 @@ def expected_fetches(tiers: int, moe_layers: int, requests: int, lookahead: int,
     return tiers * (moe_layers * (requests + misses) + max(0, moe_layers - 1) * lookahead)
 
 
-def offload_checks(found: dict, fetches: int, stores: int) -> dict[str, bool]:
-    """What an offloaded decode step must compile to on an H100 (read_offloaded_step's `found`)."""
+def expected_chains(spec, moe_layers: int, lookahead: int) -> tuple[int, int]:
+    """(chains, conditionals) of a step whose misses and look-ahead are chains of conditional
+    fetches: a chain per (MoE layer, tier) for its misses and, from the second MoE layer on, for its
+    look-ahead; a conditional per fetch."""
+    tiers = len(spec.tiers)
+    chains = tiers * (moe_layers * (spec.misses > 0) + max(0, moe_layers - 1) * (lookahead > 0))
+    return chains, tiers * (moe_layers * spec.misses + max(0, moe_layers - 1) * lookahead)
+
+
+def offload_checks(found: dict, fetches: int, stores: int, chains: int = 0, links: int = 0) -> dict[str, bool]:
+    """What an offloaded decode step must compile to on an H100 (read_offloaded_step's `found`).
+    With fixed fetch slots only: one command buffer, no conditional, every slice in the entry
+    computation. With `chains` chains of conditional fetches (`links` fetches in all): each chain
+    one top-level conditional (the command buffers run between them), `links` conditionals in all,
+    and every slice asynchronous wherever it sits."""
     slices = found["async_slices"]
-    return dict(
+    checks = dict(
         stores_in_host_memory=found["host_arrays"] == dict(parameters=stores, results=0),
-        async_host_slices=slices["started"] == slices["done"] == fetches,
+        async_host_slices=found.get("async_slices_anywhere", slices["started"]) == fetches
+        and (chains > 0 or slices["started"] == slices["done"] == fetches),
         no_host_compute=not found["host_compute"],
-        no_conditional=found["conditionals"] == 0,
-        one_command_buffer=found["command_buffers"] == 1 and found["top_level"] == {"kCommandBuffer": 1},
         known_trip_counts=found["whiles_without_known_trip_count"] == 0,
     )
+    if chains:
+        checks["fetches_in_chains"] = (found["conditionals"] == links
+                                       and found["top_level"].get("kConditional", 0) == chains)
+    else:
+        checks["no_conditional"] = found["conditionals"] == 0
+        checks["one_command_buffer"] = found["command_buffers"] == 1 and found["top_level"] == {"kCommandBuffer": 1}
+    return checks
 
 
 def compile_from_cpu_trace(jitted, args, device, options: dict) -> None:
@@ -773,28 +799,32 @@ def compile_offloaded_step(model: str, case: str, policy_name: str, tier: str, o
     step = jax.jit(functools.partial(_decode, graphdef, greedy=greedy), donate_argnames=("cache", "pools"))
     lookahead = spec.lookahead if spec.predict else 0  # else only a speculative draft's hint looks ahead
     fetches = expected_fetches(len(spec.tiers), cfg.num_moe_layers, spec.requests, lookahead, spec.misses)
+    # the canary (guarded) is held to a chained step's plan: its conditionals are per fetch instead
+    chains, links = expected_chains(spec, cfg.num_moe_layers, lookahead) if spec.chained else (0, 0)
     record = dict(model=model, tier="+".join(spec.tiers), plan=f"step: {case}", layers=STEP_LAYERS,
                   moe_layers=cfg.num_moe_layers, greedy=greedy,
                   fetch_spec=dict(requests=spec.requests, lookahead=spec.lookahead, misses=spec.misses,
-                                  landing=spec.landing, guarded=spec.guarded, degrade=spec.degrade,
+                                  landing=spec.landing, guarded=spec.guarded, chained=spec.chained,
+                                  degrade=spec.degrade,
                                   predict=spec.predict,
                                   record_bytes={t: l.nbytes for t, l in zip(spec.tiers, spec.layouts)}),
                   pool_slots={t: n + spec.extra_slots() for t, n in zip(spec.tiers, spec.cache_slots)},
-                  expected_fetches=fetches)
+                  expected_fetches=fetches, expected_chains=chains, expected_conditionals=links)
     result = compile_and_read(step, args, decode=True, whole_step=True,
                               build=functools.partial(compile_from_cpu_trace, step, args, device),
                               read_dump=read_offloaded_step)
     if "dump" not in result:
         return dict(record, **result)
     found = result.pop("dump")
-    checks = offload_checks(found, fetches, len(spec.tiers) * cfg.num_moe_layers)
+    checks = offload_checks(found, fetches, len(spec.tiers) * cfg.num_moe_layers, chains, links)
     if result["status"] == "ok" and not all(checks.values()):
         result["status"] = "offload checks failed"
     return dict(record, **result, checks=checks, found=found)
 
 
-# What the CPU's fetches (each in a conditional) compile to on an H100: checks that must fail.
-OFFLOAD_CANARY_FAILS = ("no_conditional", "one_command_buffer", "async_host_slices")
+# What the CPU's fetches (each in a conditional of its own, around its pool write) compile to on an
+# H100: checks that must fail (a conditional per fetch at the top level, not one per chain).
+OFFLOAD_CANARY_FAILS = ("fetches_in_chains",)
 
 
 def offload_canary(device) -> dict:
@@ -841,10 +871,12 @@ def offload_line(r: dict) -> str:
         return f"{head} {r.get('error', '')}"
     f, slices = r["found"], r["found"]["async_slices"]
     failed = [name for name, ok in r["checks"].items() if not ok]
-    return (f"{head}, {slices['started']}/{r['expected_fetches']} async host slices ({slices['done']} done, at most "
-            f"{slices['most_in_flight']} in flight), {f['host_arrays']['parameters']} host stores in S(5), "
+    anywhere = f.get("async_slices_anywhere", slices["started"])
+    return (f"{head}, {anywhere}/{r['expected_fetches']} async host slices ({slices['started']} in the entry "
+            f"computation, {slices['done']} done there, at most {slices['most_in_flight']} in flight), "
+            f"{f['host_arrays']['parameters']} host stores in S(5), "
             f"{f['command_buffers']} command buffer(s) (top level: {f['top_level']}), "
-            f"{f['conditionals']} conditionals, {f['whiles']} whiles "
+            f"{f['conditionals']} conditionals ({r.get('expected_chains', 0)} chains planned), {f['whiles']} whiles "
             f"({f['whiles_without_known_trip_count']} without a known trip count), "
             f"{len(f['host_compute'])} host-compute marks, {r['compile_s']} s"
             + (f"; failed: {', '.join(failed)}" if failed else ""))

@@ -220,13 +220,33 @@ def test_offload_checks_name_what_the_step_lacks():
     assert failed(offloaded_step(hlo=spin)) == ["known_trip_counts"]
 
 
+# A chain of two conditional fetches: its outer conditional between two command buffers, the inner
+# one inside its branch (the slices themselves sit in the branches; here in the entry, as counted anywhere).
+CHAIN = OFFLOADED_HLO.replace("  ROOT %tuple", "  %c0 = u8[2,4096]{1,0} conditional(%p, %x, %y)\n"
+                              "  %c1 = u8[1,4096]{1,0} conditional(%q, %x, %y)\n  ROOT %tuple")
+CHAIN_THUNKS = ONE_COMMAND_BUFFER + "006: kConditional [source | sink] \n007: kCommandBuffer [source | sink] \n"
+
+
+def test_chained_fetches_are_checked_against_their_plan():
+    def chained_failures(hlo=CHAIN, thunks=CHAIN_THUNKS, chains=1, links=2):
+        checks = offload_checks(offloaded_step(hlo=hlo, thunks=thunks), 2, 1, chains, links)
+        return [name for name, ok in checks.items() if not ok]
+
+    assert chained_failures() == []
+    assert "no_conditional" not in offload_checks(offloaded_step(hlo=CHAIN, thunks=CHAIN_THUNKS), 2, 1, 1, 2)
+    assert chained_failures(links=3) == ["fetches_in_chains"]  # a conditional too few
+    per_fetch = CHAIN_THUNKS + "008: kConditional [source | sink] \n"
+    assert chained_failures(thunks=per_fetch) == ["fetches_in_chains"]  # a top-level conditional per fetch
+    assert chained_failures(chains=0) == ["no_conditional", "one_command_buffer"]  # held to fixed slots
+
+
 def test_the_offload_canary_must_fail_its_checks():
-    # guarded fetches: each slice in a conditional whose predicate the host reads, between command buffers
-    thunks = ONE_COMMAND_BUFFER + "006: kConditional [source | sink] \n007: kCommandBuffer [source | sink] \n"
-    hlo = OFFLOADED_HLO.replace("  ROOT %tuple", "  %fetch = u8[4,4096]{1,0} conditional(%p, %x, %y)\n  ROOT %tuple")
-    caught = dict(checks=offload_checks(offloaded_step(hlo=hlo, thunks=thunks), fetches=3, stores=1))
+    # guarded fetches: a conditional per fetch at the top level, where a chained step has one per chain
+    thunks = CHAIN_THUNKS + "008: kConditional [source | sink] \n"
+    caught = dict(checks=offload_checks(offloaded_step(hlo=CHAIN, thunks=thunks), 2, 1, chains=1, links=2))
     assert offload_canary_caught(caught)
-    assert not offload_canary_caught(dict(checks=offload_checks(offloaded_step(), fetches=3, stores=1)))
+    proper = offload_checks(offloaded_step(hlo=CHAIN, thunks=CHAIN_THUNKS), 2, 1, chains=1, links=2)
+    assert not offload_canary_caught(dict(checks=proper))
     assert not offload_canary_caught(dict(status="compile error"))
 
 

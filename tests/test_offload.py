@@ -553,3 +553,25 @@ def test_layer_passes_fetch_into_the_slots_of_the_experts_that_ran_first():
     fake = SimpleNamespace(cache=Cache(), pools={"int2": pool}, landing_tier=lambda key, code: "int2")
     wanted = {e: "int2" for e in range(5)}
     assert Offloaded.split_passes(fake, 0, wanted) == [{0: "int2", 1: "int2"}, {2: "int2", 3: "int2"}, {4: "int2"}]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru+prefetch"])
+def test_an_accelerators_chained_fetches_give_the_resident_models_tokens(short_converted, resident_reference,
+                                                                         monkeypatch, policy):
+    """On an accelerator a layer's misses and look-ahead are fetched by chains of conditionals (an
+    unused fetch moves nothing), with as many slots as top_k: run here with the slots and the code an
+    accelerator gets (no native copy, no per-fetch guard), they give the resident model's tokens
+    and serve every miss inside the step."""
+    import jmoe.runtime.fetching as fetching
+
+    monkeypatch.setattr(fetching, "device_is_host", lambda device: False)
+    reference_model, expected = resident_reference
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy=policy)
+    spec = model.residency.in_step.spec
+    assert spec.chained and not spec.guarded and not spec.native
+    assert spec.misses == model.config.top_k  # not a quarter of it: an unused slot costs no record
+    assert [jmoe.generate(model, p, max_new_tokens=16) for p in PROMPTS] == expected
+    stats = jmoe.stats(model)
+    assert stats["replays"] == 0 and stats["in_step_misses"] > 0
+    model.residency.cache.check()

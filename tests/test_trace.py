@@ -25,8 +25,12 @@ def test_trace_books_every_step_and_every_transferred_byte(tiny_converted, execu
     assert sum(b for r in records for b, _ in r.transfers) == stats["bytes_h2d"]
     kinds = ("demand", "prefetch", "transition", "step-demand", "step-prefetch")  # step-: fetched by a step itself
     assert all(kind in kinds for r in records for _, kind in r.transfers)
-    if execution == "auto":  # decode steps fetch inside themselves: what their slots would move on a GPU
-        assert all(r.slot_bytes_late > 0 for r in records[1:]) and records[0].slot_bytes_late == 0
+    if execution == "auto":  # decode steps fetch inside themselves: on a GPU, by chains of conditionals
+        gpu, layers = model.residency.in_step.accelerator, model.config.num_moe_layers
+        assert gpu.chained and gpu.misses and gpu.lookahead  # the default policy, lru+prefetch
+        chains = layers + layers - 1  # misses in every MoE layer, look-ahead from the second on
+        assert all(r.chains == chains for r in records[1:]) and records[0].chains == 0
+        assert all(r.slot_bytes_late == 0 for r in records)  # chains move only what the step fetched
     # every MoE layer read some expert bytes in every step, and the prefill read at least as much
     assert all(len(r.expert_bytes) == model.config.num_layers for r in records)
     assert sum(records[0].expert_bytes.values()) >= max(sum(r.expert_bytes.values()) for r in records[1:])
@@ -80,3 +84,15 @@ def test_replay_of_a_step_fetching_its_own_experts():
                  transfers=[(10**8, "step-demand")])  # a fetch the run needed: inside the slots, not again
     modelled = replay([step], dense_bytes=0, num_layers=1, params=params)
     assert modelled["modelled_tpot_s"] == pytest.approx(1.2)
+
+
+def test_replay_of_a_step_fetching_through_chains():
+    """Chained fetches move only what the step fetched (misses stall, look-ahead overlaps) and cost
+    a predicate read per chain and per fetch in it; fixed request slots still move every step."""
+    params = GpuParams(hbm_gb_per_s=1.0, efficiency=1.0, h2d_gb_per_s=1.0, launch_us=0.0, sync_us=0.0,
+                       predicate_us=1e5)  # 0.1 s a predicate read
+    step = _step(expert_bytes={0: 10**9}, slot_bytes_early=2 * 10**8, chains=3,
+                 transfers=[(3 * 10**8, "step-demand"), (4 * 10**8, "step-prefetch"), (10**8, "step-request")])
+    modelled = replay([step], dense_bytes=0, num_layers=1, params=params)
+    # compute 1.0 + the missed bytes 0.3 + 5 predicate reads (3 chains, 2 chained fetches) 0.5
+    assert modelled["modelled_tpot_s"] == pytest.approx(1.8)

@@ -27,8 +27,12 @@ consecutive steps share what was fetched before the host has read anything.
 On the CPU (`native`) the native kernels copy each fetched expert straight from the store into its
 slot and skip unused fetches; with `guarded` alone each fetch sits in a conditional instead (XLA:CPU
 without the kernels; such a conditional makes XLA copy a whole pool when the step writes several
-tiers). On an accelerator every fetch slot moves a record every step (a conditional would read its
-predicate back to the host inside the step), unused ones into the tier's sink slot.
+tiers). On an accelerator a layer's misses and look-ahead are each fetched by a chain of
+conditionals (`chained`): slot j's fetch sits in the branch that slot j-1's fetch took, so a layer
+that lacks nothing reads one predicate back (XLA's conditional, inside the step) and moves nothing,
+and each fetch costs one more predicate read beside its record; the chain gives records, written as
+fixed slots' are. A conditional around a pool write instead makes XLA copy the pool. Requests are
+fixed slots there: each moves a record every step, unused ones into the tier's sink slot.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class FetchSpec:
     requests: int  # host-requested experts per (layer, tier)
     landing: int  # landing slots per tier and step
     guarded: bool  # unused fetches skipped (XLA:CPU) rather than moving a record into the sink
+    chained: bool = False  # an accelerator's misses and look-ahead fetched by chains of conditionals
     land: bool = True  # look-ahead and missed experts stay resident (False: run once, as on demand)
     degrade: bool = False  # a missing expert with a lower resident version runs at it (not fetched)
     predict: bool = False  # each layer's look-ahead is the previous layer's prediction (else only a draft's hint)
@@ -157,8 +162,23 @@ def fetch_record(store, expert):
     return jax.device_put(record, jax.memory.Space.Device)
 
 
+def fetch_chain(store, ids, valid):
+    """[n, R] the records of experts ids[j] (zeros past the last valid slot): slot j's fetch sits in
+    the conditional branch that slot j-1's took, entered while any slot from j on is valid, so an
+    unused chain reads one predicate and moves nothing."""
+    n, R = ids.shape[0], store.shape[1]
+
+    def from_slot(j):
+        if j == n:
+            return jnp.zeros((0, R), store.dtype)
+        return jax.lax.cond(valid[j:].any(), lambda: jnp.concatenate([fetch_record(store, ids[j]), from_slot(j + 1)]),
+                            lambda: jnp.zeros((n - j, R), store.dtype))
+
+    return from_slot(0)
+
+
 def write_fetched(pool, store, ids, dests, valid, layout: RecordLayout, sink: int, guarded: bool,
-                  native: bool = False):
+                  native: bool = False, chained: bool = False):
     """pool with the records of experts ids[i] written into slots dests[i] where valid[i]."""
     if native:  # no record materialised, no conditional: each leaf's rows copied from the store
         leaves, treedef = jax.tree.flatten(pool)
@@ -172,7 +192,10 @@ def write_fetched(pool, store, ids, dests, valid, layout: RecordLayout, sink: in
                 valid[i], lambda p, i=i: write_records(p, dests[i][None], fetch_record(store, ids[i]), layout),
                 lambda p: p, pool)
         return pool
-    records = jnp.concatenate([fetch_record(store, ids[i]) for i in range(ids.shape[0])])
+    if chained:
+        records = fetch_chain(store, ids, valid)
+    else:
+        records = jnp.concatenate([fetch_record(store, ids[i]) for i in range(ids.shape[0])])
     return write_records(pool, jnp.where(valid, dests, sink), records, layout, False)
 
 
@@ -288,7 +311,7 @@ class StepFetcher:
         for i, tier in enumerate(self.spec.tiers):
             for layer in range(L):
                 ids, dests = plan.request_ids[i, layer], plan.request_slots[i, layer]
-                pools[tier] = self._write(layer, tier, pools[tier], ids, dests, ids >= 0)
+                pools[tier] = self._write(layer, tier, pools[tier], ids, dests, ids >= 0, chained=False)
         layer = jnp.arange(L, dtype=jnp.int32)[None, :, None]
         keys = jnp.where(plan.request_ids >= 0, layer * E + plan.request_ids, -1).reshape(T, -1)
         self.stacked = set_entries(self.stacked, keys, plan.request_slots.reshape(T, -1))
@@ -328,11 +351,11 @@ class StepFetcher:
         kind = mark(kind[None], jnp.where(valid, ids, -1).reshape(1, -1), served)[0]
         return pools, kind, lands
 
-    def _write(self, layer, tier, pool, ids, dests, valid):
+    def _write(self, layer, tier, pool, ids, dests, valid, chained: bool | None = None):
         spec = self.spec
         store = self.inputs.stores[tier][layer]
         return write_fetched(pool, store, ids, dests, valid, spec.layouts[spec.tiers.index(tier)], spec.sink(tier),
-                             spec.guarded, spec.native)
+                             spec.guarded, spec.native, spec.chained if chained is None else chained)
 
     def predict(self, layer: int, counts, gate, predicted_wanted) -> None:
         """MoE layer `layer`'s look-ahead from its predicted routing: per expert token counts [E],

@@ -9,7 +9,10 @@ the host reads it once, a step later, to evict and publish what landed, unlock t
 keep every book (hits, misses, LRU order, the policy's counters).
 
 A miss served in the step costs no host round trip; a step that lacked more experts than its miss
-slots hold (exact mode) is reported as inexact and the caller runs it again.
+slots hold (exact mode) is reported as inexact and the caller runs it again. On an accelerator the
+misses and look-ahead of a (layer, tier) are fetched by a chain of conditionals (jmoe/layers/fetch.py):
+a layer that lacks nothing costs one predicate read there, not a record per slot, so exact-mode
+steps get as many slots as the CPU's (up to twice top_k); degrade mode keeps a few fixed slots.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class FetchSlots:
     requests: int
     guarded: bool
     degrade: bool = False
+    chained: bool = False  # an accelerator's misses and look-ahead: each fetch in a chain of conditionals
     predict: bool = False  # look ahead from the previous layer (the policy prefetches)
     # a plain decode step's misses and look-ahead where a speculative draft sized these for its
     # verification (None: the same): a decode step routes one token per row, whatever the draft
@@ -60,7 +64,10 @@ def fetch_slots(cfg: ModelConfig, policy: Policy, device, rows: int, degrade: bo
     execution of cold experts runs layer-wise, a resident policy never fetches).
 
     On the CPU an unused fetch costs nothing, so a step may fetch every expert `rows` tokens can
-    route to; on an accelerator every fetch slot moves a record every step, so there are few.
+    route to. On an accelerator, in exact mode, a (layer, tier)'s misses and look-ahead are fetched
+    by a chain of conditionals (an unused chain costs one predicate read, each fetch one more), up
+    to twice top_k each; requests (host-chosen, every layer's written as the step starts), and
+    every fetch in degrade mode, by fixed slots that move a record every step, so there are few.
     `miss_slots` sets the misses a step fetches per (layer, tier) instead (exact mode). With a
     speculative draft of up to `draft_tokens` tokens, verification looks ahead at what it routed.
     `guarded`: the slots as for the CPU (True) or an accelerator (False) whatever `device` is."""
@@ -68,19 +75,25 @@ def fetch_slots(cfg: ModelConfig, policy: Policy, device, rows: int, degrade: bo
         return None
     k, E = cfg.top_k, cfg.num_experts
     guarded = device_is_host(device) if guarded is None else guarded
-    per_token = k if guarded else max(1, k // 4)
+    # exact mode on an accelerator: chains, so that a layer lacking more than a few experts need not
+    # run again. Degrade mode never runs a step again and keeps fixed slots: on a lent H200 its
+    # chains' predicate reads (each a wait for the device inside the dispatch) cost more than the
+    # records that fixed slots move (bench/results/offload_decode/offload_decode_qwen3_2L_h200.json)
+    chained = not guarded and not degrade
+    per_token = k if guarded or chained else max(1, k // 4)
+    chain = E if guarded else min(E, 2 * k)  # a chain's length: its code, and the zeros an unused one writes
     # a verification routes (draft tokens + 1) tokens per row: on the CPU its misses get slots too
     tokens = max(1, rows) * (draft_tokens + 1 if guarded and draft_tokens else 1)
-    misses = min(E, per_token * tokens) if miss_slots is None else min(E, miss_slots)
-    lookahead = min(E, per_token * max(int(policy.prefetch), draft_tokens + 1 if draft_tokens else 0))
+    misses = min(chain, per_token * tokens) if miss_slots is None else min(E, miss_slots)
+    lookahead = min(chain, per_token * max(int(policy.prefetch), draft_tokens + 1 if draft_tokens else 0))
     # requests carry what a policy asks for beyond the routing: its own plan's, degrade mode's
     own_plan = type(policy).plan is not Policy.plan
-    requests = min(E, per_token) if (degrade or own_plan) else 0
+    requests = min(E, k if guarded else max(1, k // 4)) if (degrade or own_plan) else 0
     decode = None
     if draft_tokens:
         plain = fetch_slots(cfg, policy, device, rows, degrade, miss_slots, 0, guarded)
         decode = (plain.misses, plain.lookahead)
-    return FetchSlots(misses, lookahead, requests, guarded, degrade, policy.prefetch, decode)
+    return FetchSlots(misses, lookahead, requests, guarded, degrade, chained, policy.prefetch, decode)
 
 
 @dataclass
@@ -110,7 +123,8 @@ class InStepFetch:
                              min(cache_slots) // LANDING_SHARE))
         self.spec = FetchSpec(tuple(pools), tuple(p.layout for p in pools.values()), cache_slots, res.cfg.num_experts,
                               slots.misses, slots.lookahead, slots.requests, landing, slots.guarded,
-                              land=res.policy.cache, degrade=slots.degrade, predict=slots.predict,
+                              land=res.policy.cache, degrade=slots.degrade, chained=slots.chained,
+                              predict=slots.predict,
                               native=slots.guarded and cpu_kernels.available())
         # decode steps of a model with a speculative draft: their own (fewer) misses and look-ahead;
         # scratch and sink stay within the verification's extra slots
@@ -155,10 +169,15 @@ class InStepFetch:
             previous_slots, previous_keys = newest.landing, newest.signals.landed
         else:
             previous_slots, previous_keys = np.full_like(landing, NO_SLOT), self._empty_landing()
-        if res.trace is not None:  # what an accelerator's slots move, every step
-            gpu, record = self.accelerator, res.cfg.num_moe_layers * sum(res.host.nbytes(t) for t in spec.tiers)
+        if res.trace is not None:  # what an accelerator's fixed slots move every step, and its chains
+            gpu, L = self.accelerator, res.cfg.num_moe_layers
+            record = L * sum(res.host.nbytes(t) for t in spec.tiers)
             misses, lookahead = gpu.decode if phase == "decode" and gpu.decode else (gpu.misses, gpu.lookahead)
-            res.trace.fetch_slots((gpu.requests + lookahead) * record, misses * record)
+            if gpu.chained:  # the fetches themselves are the step's "step-*" transfers
+                chains = len(spec.tiers) * (L * (misses > 0) + (L - 1) * (lookahead > 0))
+                res.trace.fetch_slots(gpu.requests * record, 0, chains)
+            else:
+                res.trace.fetch_slots((gpu.requests + lookahead) * record, misses * record)
         packed = spec.pack(tables, request_ids, request_slots, landing, keys, previous_slots)
         # numpy: the step's own dispatch moves it (jax.device_put costs more host time than the copy)
         inputs = FetchInputs(self.stores, packed, previous_keys, hint)

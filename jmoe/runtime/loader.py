@@ -442,9 +442,10 @@ def load(
         DynaExq).
       miss_slots: in exact mode, how many missing experts a decode step fetches per MoE layer (and
         tier); a step that lacks more is run again once the host has fetched what it lacked (counted
-        as a replay). On an accelerator each slot moves one expert record every step whether used
-        or not. Default: every expert a step's tokens can route to on the CPU (unused ones cost
-        nothing there), a quarter of top_k per token on an accelerator.
+        as a replay). Default: every expert a step's tokens can route to on the CPU (unused ones cost
+        nothing there); on an accelerator top_k per token, at most twice top_k (fetched by a chain
+        of conditionals: an unused slot moves nothing and costs a predicate read per layer), and in
+        degrade mode a quarter of top_k (fixed slots, each moving a record every step).
       kernel_backend: expert kernels: "pallas", "mosaic" (int4 decode on Pallas' Mosaic GPU backend, the
         rest as "pallas"), "interpret", "cpu" (native CPU kernels) or "xla"; default Pallas on GPU, the
         native kernels on CPU (XLA where they are not built).

@@ -30,6 +30,9 @@ class StepRecord:
     # the fetches it actually needed are its transfers of kinds "step-prefetch" and "step-demand"
     slot_bytes_early: int = 0
     slot_bytes_late: int = 0
+    # chains of conditional fetches (an accelerator's misses and look-ahead): each costs a predicate
+    # read, each fetch in it one more, and its fetches are the step's "step-*" transfers
+    chains: int = 0
 
 
 class Trace:
@@ -50,10 +53,11 @@ class Trace:
         if self.current is not None:
             self.current.transfers.append((int(nbytes), kind))
 
-    def fetch_slots(self, early: int, late: int) -> None:
+    def fetch_slots(self, early: int, late: int, chains: int = 0) -> None:
         if self.current is not None:
             self.current.slot_bytes_early += int(early)
             self.current.slot_bytes_late += int(late)
+            self.current.chains += int(chains)
 
     def wait(self, nbytes: int) -> None:
         if self.current is not None:
