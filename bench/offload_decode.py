@@ -29,7 +29,7 @@ Modelled GPU (--no-model to skip): each case once more with trace=True, replayed
 (an H100 on PCIe Gen5; labelled modelled, nothing ran on a GPU), beside the PCIe floor: the expert
 bytes the CPU run really moved per decode token at 46 GB/s, and the modelled resident step.
 
-    python -m bench.offload_decode [--layers 8] [--rounds 3] [--data DIR] [--model DIR]
+    python -m bench.offload_decode [--layers 8] [--rounds 3] [--data DIR] [--model DIR] [--model-only]
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def host_counts(model) -> dict:
     return {"decode_tokens": s["decode_tokens"], **{k: sum(io.get(k, 0) for io in phases)
                                                     for k in ("reads", "executions", "transfers", "transfer_bytes")},
             "in_step_fetches": s["in_step_fetches"], "in_step_misses": s["in_step_misses"], "replays": s["replays"],
-            "degraded": s["degraded"], "expert_uses": s["expert_uses"], "hits": s["hit_rate"] * s["expert_uses"]}
+            "degraded": s["degraded"], "expert_uses": s["expert_uses"], "hits": (s["hit_rate"] or 0.0) * s["expert_uses"]}  # None: no expert use yet
 
 
 def per_token(before: dict, after: dict) -> dict:
@@ -288,6 +288,8 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--max-wait", type=float, default=30.0)
     parser.add_argument("--no-model", action="store_true", help="skip the modelled GPU replay")
+    parser.add_argument("--model-only", action="store_true",
+                        help="only the modelled GPU replay (the traces need no timing), to <out>_modelled_<backend>.json")
     parser.add_argument("--out", default="offload_decode_qwen3")
     args = parser.parse_args()
     names = args.cases.split(",")
@@ -309,6 +311,10 @@ def main() -> None:
         else:
             write_result("offload_decode", args.out, result)
 
+    if args.model_only:
+        result["modelled_gpu"] = modelled(path, names, prompts, args)
+        write_result("offload_decode", f"{args.out}_modelled", result)
+        return
     save(timed_run(path, names, prompts, args, save))
     if result["runs"]["failed"]:
         sys.exit(f"failed cases: {result['runs']['failed']}")
