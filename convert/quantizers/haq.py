@@ -28,6 +28,7 @@ from pallas_kernels.qarray import QArray, QuantFormat, prepare_input
 
 # act_scale = 1 / s is stored as float16 (max 65504, smallest normal 6.1e-5): keep both inside.
 S_MIN, S_MAX = 1e-4, 1e4
+CHUNK_BYTES = 64 << 20  # float32 weights of the experts one call of the exponent search takes
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -70,19 +71,33 @@ def search_alpha(cases, fmt: QuantFormat, alphas=tuple(np.linspace(0, 1, 11))) -
     """
     alphas = np.sort(np.asarray(alphas, np.float64))
     errors = np.zeros(len(alphas), np.float64)
-    for x, act_absmax, w in cases:
-        x = np.asarray(x, np.float32)
-        if x.shape[0] == 0:
-            continue
-        # Zero rows add no error: pad the row count to a power of two (at least 16) to bound recompiles.
-        rows = max(16, 1 << (x.shape[0] - 1).bit_length())
-        x = np.pad(x, ((0, rows - x.shape[0]), (0, 0)))
-        errors += np.asarray(_smoothed_rtn_errors(x, act_absmax, w, jnp.asarray(alphas, jnp.float32), fmt), np.float64)
+    cases = [(np.asarray(x, np.float32), act_absmax, w) for x, act_absmax, w in cases if len(x)]
+    if not cases:
+        return float(alphas[0])
+    # Several experts per call (one dispatch, one compile per layer shape), as many as keep a chunk's
+    # weights within CHUNK_BYTES. Zero rows and zero-row experts add no error: rows are padded to a
+    # power of two (at least 16) and a short last chunk with copies of its last expert fed no rows.
+    k, n = np.shape(cases[0][2])
+    chunk = max(1, min(len(cases), CHUNK_BYTES // (4 * k * n)))
+    rows = max(16, 1 << (max(len(x) for x, _, _ in cases) - 1).bit_length())
+    for start in range(0, len(cases), chunk):
+        part = cases[start:start + chunk]
+        part = part + [(part[-1][0][:0], part[-1][1], part[-1][2])] * (chunk - len(part))
+        x = np.stack([np.pad(x, ((0, rows - len(x)), (0, 0))) for x, _, _ in part])
+        absmax = np.stack([np.asarray(a, np.float32) for _, a, _ in part])
+        w = np.stack([np.asarray(w, np.float32) for _, _, w in part])
+        per_expert = _smoothed_rtn_errors(x, absmax, w, jnp.asarray(alphas, jnp.float32), fmt)  # [chunk, A]
+        errors += np.asarray(per_expert, np.float64).sum(0)
     return float(alphas[int(np.argmin(errors))])
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
 def _smoothed_rtn_errors(x, act_absmax, w, alphas, fmt: QuantFormat):
+    """x [E, n, K], act_absmax [E, K], w [E, K, N], alphas [A] -> squared output error [E, A]."""
+    return jax.vmap(lambda x, a, w: _expert_errors(x, a, w, alphas, fmt))(x, act_absmax, w)
+
+
+def _expert_errors(x, act_absmax, w, alphas, fmt: QuantFormat):
     """x [n, K], act_absmax [K], w [K, N], alphas [A] -> squared output error per alpha [A]."""
     x = jnp.asarray(x, jnp.float32)
     w = jnp.asarray(w, jnp.float32)
