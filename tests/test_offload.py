@@ -575,3 +575,20 @@ def test_an_accelerators_chained_fetches_give_the_resident_models_tokens(short_c
     stats = jmoe.stats(model)
     assert stats["replays"] == 0 and stats["in_step_misses"] > 0
     model.residency.cache.check()
+
+
+def test_a_fetch_chain_moves_the_records_up_to_its_last_used_slot():
+    """fetch.fetch_chain: slot j is fetched while any slot from j on is used (its conditional is
+    entered), zeros past the last used one; the records are the store's rows of the ids asked for."""
+    import jax.numpy as jnp
+
+    from jmoe.layers.fetch import fetch_chain
+
+    store = np.arange(6 * 4, dtype=np.uint8).reshape(6, 4)
+    ids = jnp.asarray([4, 1, 5, 0], jnp.int32)
+    for valid, fetched in (([True, True, False, False], 2), ([True, False, True, False], 3),
+                           ([False] * 4, 0), ([True] * 4, 4)):
+        got = np.asarray(jax.jit(fetch_chain)(jnp.asarray(store), ids, jnp.asarray(valid)))
+        want = np.zeros_like(got)
+        want[:fetched] = store[np.asarray(ids)[:fetched]]
+        np.testing.assert_array_equal(got, want)
