@@ -592,3 +592,31 @@ def test_a_fetch_chain_moves_the_records_up_to_its_last_used_slot():
         want = np.zeros_like(got)
         want[:fetched] = store[np.asarray(ids)[:fetched]]
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_accelerators_fixed_slots_count_every_record_they_move(short_two_tier, monkeypatch):
+    """jmoe.stats counts what moves: on an accelerator a fixed fetch slot (degrade mode's misses and
+    look-ahead, every request slot) moves its record every step, used or not, so each decode step
+    counts them all; the experts fetched through them are not counted again."""
+    import jmoe.runtime.fetching as fetching
+    from jmoe.policies import DyMoE
+
+    monkeypatch.setattr(fetching, "device_is_host", lambda device: False)
+    plan = jmoe.runtime.loader.memory_plan(short_two_tier, compute_dtype="float32", policy=DyMoE(hi="int4", lo="int2"))
+    budget = int(sum(v for k, v in plan.items() if k != "all_experts") + 0.3 * plan["all_experts"])
+    model = jmoe.load(short_two_tier, compute_dtype="float32", device_budget=budget, policy=DyMoE(hi="int4", lo="int2"))
+    spec = model.residency.in_step.spec
+    assert not spec.chained and not spec.guarded and spec.misses and spec.requests  # degrade mode: fixed slots
+    moved = []
+    real = model.residency.count_moved
+    monkeypatch.setattr(model.residency, "count_moved", lambda tier, n: moved.append((tier, n)) or real(tier, n))
+    before = jmoe.stats(model)["bytes_h2d"]
+    jmoe.generate(model, PROMPTS[0], max_new_tokens=6, temperature=1.0, seed=2)
+    L = model.config.num_moe_layers
+    per_step = L * (spec.requests + spec.misses) + (L - 1) * spec.lookahead  # look-ahead from the second layer
+    steps = [n for tier, n in moved if n == per_step]
+    assert len(steps) == 2 * 5  # both tiers, every decode step (the prefill runs layer by layer)
+    record = {tier: model.residency.host.nbytes(tier) for tier in spec.tiers}
+    fixed = sum(n * record[tier] for tier, n in moved if n == per_step)
+    assert jmoe.stats(model)["bytes_h2d"] - before >= fixed > 0
+    assert jmoe.stats(model)["in_step_fetches"] > 0

@@ -108,6 +108,7 @@ class Flight:
     summary: jax.Array | None = None
     signals: object = None
     read: Summary | None = None  # the summary once read (its landings published)
+    fixed_slots: dict | None = None  # tier -> records its fixed slots move on an accelerator, used or not
 
 
 class InStepFetch:
@@ -184,7 +185,19 @@ class InStepFetch:
         res.stats.count_io(transfers=1, nbytes=packed.nbytes)
         state = ExpertState({}, None, res.selection(), res.backend, int8_dot=res.int8_dot, fetch=inputs,
                             fetch_spec=spec).for_phase(phase)
-        return state, res.pool_arrays(), Flight(res.step_index, phase, rows, landing, taken)
+        flight = Flight(res.step_index, phase, rows, landing, taken)
+        flight.fixed_slots = self._fixed_slots(spec, hint is not None)
+        return state, res.pool_arrays(), flight
+
+    def _fixed_slots(self, spec: FetchSpec, hinted: bool) -> dict:
+        """tier -> records a step's fixed fetch slots move (an accelerator's: each moves its record
+        whether used or not): its requests, and in degrade mode its misses and look-ahead too."""
+        if spec.guarded:
+            return {}
+        L = self.res.cfg.num_moe_layers
+        lookahead = L if hinted else (L - 1 if spec.predict else 0)  # a draft's hint looks ahead at every layer
+        per_tier = L * spec.requests + (0 if spec.chained else L * spec.misses + lookahead * spec.lookahead)
+        return {tier: per_tier for tier in spec.tiers} if per_tier else {}
 
     def _empty_landing(self) -> jax.Array:
         if self._no_landing is None:
@@ -224,13 +237,15 @@ class InStepFetch:
                 continue
             ids[t, layer, filled[t, layer]], slots[t, layer, filled[t, layer]] = key[1], slot
             filled[t, layer] += 1
-            res.count_fetch(tier, kind)
+            res.count_fetch(tier, kind, moved=spec.guarded)  # an accelerator's request slots count as they move
         return ids, slots
 
     def dispatched(self, flight: Flight, pools: dict, signals, summary) -> None:
         """A step was dispatched: take the pools it returns, start its summary's copy to the host."""
         for tier, arrays in pools.items():
             self.res.pools[tier].replace(arrays)
+        for tier, records in (flight.fixed_slots or {}).items():
+            self.res.count_moved(tier, records)
         summary.copy_to_host_async()
         flight.summary, flight.signals = summary, signals
         self.unsettled.append(flight)
@@ -291,7 +306,7 @@ class InStepFetch:
                     res.cache.land((layer, expert), tier, int(flight.landing[t, position]), flight.taken[t][position],
                                    kinds.get(int(s.served[layer, expert]), "demand"))
             for kind, count in (("prefetch", s.fetched[:, t, 0].sum()), ("demand", s.fetched[:, t, 1].sum())):
-                res.count_fetch(tier, kind, int(count))
+                res.count_fetch(tier, kind, int(count), moved=spec.guarded or spec.chained)
         self.chosen_per_step = 0.8 * self.chosen_per_step + 0.2 * float(s.fetched.sum())
         self.unlock(flight)
 

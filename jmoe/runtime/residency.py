@@ -239,15 +239,14 @@ class Offloaded:
         self.plan = plan
         return plan
 
-    def count_fetch(self, tier: str, kind: str, n: int = 1) -> None:
-        """n expert versions fetched by a step itself (requests, look-ahead, misses)."""
+    def count_fetch(self, tier: str, kind: str, n: int = 1, moved: bool = True) -> None:
+        """n expert versions fetched by a step itself (requests, look-ahead, misses); `moved`: count
+        their transfers and bytes here (False: fixed slots, counted as they move, by count_moved)."""
         if n <= 0:
             return
-        nbytes = n * self.host.nbytes(tier)
-        self.stats.transfers += n
+        if moved:
+            self.count_moved(tier, n)
         self.stats.in_step_fetches += n
-        self.stats.bytes_h2d += nbytes
-        self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
         if kind == "prefetch":
             self.stats.prefetch_issued += n
         elif kind == "demand":
@@ -255,6 +254,13 @@ class Offloaded:
         if self.trace is not None:
             for _ in range(n):
                 self.trace.transfer(self.host.nbytes(tier), f"step-{kind}")
+
+    def count_moved(self, tier: str, records: int) -> None:
+        """records expert records of `tier` moved to the device by a step (fetched or in a fixed slot)."""
+        nbytes = records * self.host.nbytes(tier)
+        self.stats.transfers += records
+        self.stats.bytes_h2d += nbytes
+        self.stats.bytes_h2d_by_tier[tier] = self.stats.bytes_h2d_by_tier.get(tier, 0) + nbytes
 
     @property
     def observes_tokens(self) -> bool:
