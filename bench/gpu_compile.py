@@ -675,9 +675,10 @@ def expected_chains(spec, moe_layers: int, lookahead: int) -> tuple[int, int]:
     """(chains, conditionals) of a step whose misses and look-ahead are chains of conditional
     fetches: a chain per (MoE layer, tier) for its misses and, from the second MoE layer on, for its
     look-ahead; a conditional per fetch."""
-    tiers = len(spec.tiers)
-    chains = tiers * (moe_layers * (spec.misses > 0) + max(0, moe_layers - 1) * (lookahead > 0))
-    return chains, tiers * (moe_layers * spec.misses + max(0, moe_layers - 1) * lookahead)
+    from jmoe.runtime.fetching import step_fetches
+
+    _, chains, links = step_fetches(moe_layers, spec.requests, spec.misses, lookahead, max(0, moe_layers - 1), True)
+    return len(spec.tiers) * chains, len(spec.tiers) * links
 
 
 def offload_checks(found: dict, fetches: int, stores: int, chains: int = 0, links: int = 0) -> dict[str, bool]:
@@ -689,7 +690,7 @@ def offload_checks(found: dict, fetches: int, stores: int, chains: int = 0, link
     slices = found["async_slices"]
     checks = dict(
         stores_in_host_memory=found["host_arrays"] == dict(parameters=stores, results=0),
-        async_host_slices=found.get("async_slices_anywhere", slices["started"]) == fetches
+        async_host_slices=found["async_slices_anywhere"] == fetches
         and (chains > 0 or slices["started"] == slices["done"] == fetches),
         no_host_compute=not found["host_compute"],
         known_trip_counts=found["whiles_without_known_trip_count"] == 0,
@@ -871,9 +872,9 @@ def offload_line(r: dict) -> str:
         return f"{head} {r.get('error', '')}"
     f, slices = r["found"], r["found"]["async_slices"]
     failed = [name for name, ok in r["checks"].items() if not ok]
-    anywhere = f.get("async_slices_anywhere", slices["started"])
-    return (f"{head}, {anywhere}/{r['expected_fetches']} async host slices ({slices['started']} in the entry "
-            f"computation, {slices['done']} done there, at most {slices['most_in_flight']} in flight), "
+    return (f"{head}, {f['async_slices_anywhere']}/{r['expected_fetches']} async host slices "
+            f"({slices['started']} in the entry computation, {slices['done']} done there, "
+            f"at most {slices['most_in_flight']} in flight), "
             f"{f['host_arrays']['parameters']} host stores in S(5), "
             f"{f['command_buffers']} command buffer(s) (top level: {f['top_level']}), "
             f"{f['conditionals']} conditionals ({r.get('expected_chains', 0)} chains planned), {f['whiles']} whiles "

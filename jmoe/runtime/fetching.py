@@ -96,6 +96,18 @@ def fetch_slots(cfg: ModelConfig, policy: Policy, device, rows: int, degrade: bo
     return FetchSlots(misses, lookahead, requests, guarded, degrade, chained, policy.prefetch, decode)
 
 
+def step_fetches(moe_layers: int, requests: int, misses: int, lookahead: int, lookahead_layers: int,
+                 chained: bool) -> tuple[int, int, int]:
+    """Per tier, an accelerator step's fetches: (records its fixed slots move, used or not; chains
+    of conditional fetches; fetches those chains hold). Requests are fixed slots in every layer;
+    misses in every layer and look-ahead in `lookahead_layers` of them are chains when `chained`,
+    else fixed slots too."""
+    chains = moe_layers * (misses > 0) + lookahead_layers * (lookahead > 0)
+    links = moe_layers * misses + lookahead_layers * lookahead
+    fixed = moe_layers * requests
+    return (fixed, chains, links) if chained else (fixed + links, 0, 0)
+
+
 @dataclass
 class Flight:
     """A dispatched fetching step whose summary the host has not read."""
@@ -175,8 +187,8 @@ class InStepFetch:
             record = L * sum(res.host.nbytes(t) for t in spec.tiers)
             misses, lookahead = gpu.decode if phase == "decode" and gpu.decode else (gpu.misses, gpu.lookahead)
             if gpu.chained:  # the fetches themselves are the step's "step-*" transfers
-                chains = len(spec.tiers) * (L * (misses > 0) + (L - 1) * (lookahead > 0))
-                res.trace.fetch_slots(gpu.requests * record, 0, chains)
+                _, chains, _ = step_fetches(L, gpu.requests, misses, lookahead, L - 1, True)
+                res.trace.fetch_slots(gpu.requests * record, 0, len(spec.tiers) * chains)
             else:
                 res.trace.fetch_slots((gpu.requests + lookahead) * record, misses * record)
         packed = spec.pack(tables, request_ids, request_slots, landing, keys, previous_slots)
@@ -195,8 +207,8 @@ class InStepFetch:
         if spec.guarded:
             return {}
         L = self.res.cfg.num_moe_layers
-        lookahead = L if hinted else (L - 1 if spec.predict else 0)  # a draft's hint looks ahead at every layer
-        per_tier = L * spec.requests + (0 if spec.chained else L * spec.misses + lookahead * spec.lookahead)
+        lookahead_layers = L if hinted else (L - 1 if spec.predict else 0)  # a draft's hint: at every layer
+        per_tier, _, _ = step_fetches(L, spec.requests, spec.misses, spec.lookahead, lookahead_layers, spec.chained)
         return {tier: per_tier for tier in spec.tiers} if per_tier else {}
 
     def _empty_landing(self) -> jax.Array:
