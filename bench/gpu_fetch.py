@@ -163,7 +163,9 @@ def run(layers: int, slots: int, record: int, repeat: int, options: dict | None)
     x = jnp.zeros((4096,), jnp.float32)
     used_counts = sorted({0, 1, 2, slots})
     out = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "layers": layers, "slots": slots, "record_bytes": record,
+           # the flags as given, without the temporary dump folder
+           "xla_flags": re.sub(r"\s*--xla_dump_to=\S+", "", os.environ.get("XLA_FLAGS", "")).strip(),
+           "layers": layers, "slots": slots, "record_bytes": record,
            "host_memory_kind": host_kind, "variants": {}}
     seen: set = set()
     for variant in VARIANTS:
