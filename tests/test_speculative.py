@@ -12,7 +12,7 @@ from jax.scipy.special import gammaincc
 import jmoe
 from convert import convert_checkpoint
 from jmoe.decoding.sampling import HISTORY_DTYPE, PROMPT_MARK, SamplingOptions
-from jmoe.decoding.speculative import Governor, _processed, accept
+from jmoe.decoding.speculative import EXPLORE, PLAIN_RUN, Governor, _processed, accept
 from jmoe.layers.experts import VERIFY_BLOCK_ROWS, grouped_expert_ffn
 from tests.hf_models import FAMILIES, make_checkpoint
 
@@ -325,6 +325,26 @@ def test_governor_stops_drafting_when_it_cannot_pay():
         choices.append(k)
         g.update(k, np.array([min(k, 3)]), draft_s=k * 0.01, verify_s=0.01, missing_bytes=0)
     assert choices.count(0) >= 28 and max(choices) >= 1  # plain steps, with a look at drafting now and then
+
+
+def test_plain_cycles_up_to_the_next_look_at_drafting_run_as_one_run():
+    """Each run of plain steps ends with a wait on its last step, so the governor hands out every
+    plain cycle up to its next look at drafting at once, and that look comes when it would have."""
+    g = Governor(k_max=8)
+    for _ in range(10):  # drafting never pays
+        g.update(4, np.array([3]), draft_s=4 * 0.01, verify_s=0.01, missing_bytes=0)
+    g.update(0, None, draft_s=0.0, verify_s=0.01, missing_bytes=0)
+    runs, steps = [], 0
+    while len(runs) < 4:
+        k = g.choose()
+        if k:
+            runs.append(steps)
+            steps = 0
+        else:
+            steps += g.plain_steps()
+    assert runs[1:] == [(EXPLORE - 1) * PLAIN_RUN] * 3  # between looks: the cycles one-at-a-time choosing gave
+    fixed = Governor(k_max=8, fixed=0)
+    assert fixed.choose() == 0 and fixed.plain_steps() == PLAIN_RUN
 
 
 def test_the_serving_engine_speculates_with_the_same_texts(three_tiers, plain_greedy):

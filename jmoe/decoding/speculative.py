@@ -27,7 +27,8 @@ t_verify interpolated from the verification times measured so far; k = 0 (a plai
 too, so where drafting cannot pay (a draft step costing as much as a target step) the governor
 stops drafting, trying again every EXPLORE cycles. A cycle without drafts is PLAIN_RUN plain decode
 steps run as plain decoding runs them, each dispatched before the previous one is read (PlainRun),
-and t_verify(0) is their time per token. k_max comes from the latency
+and t_verify(0) is their time per token; the plain cycles up to the next look at drafting run as
+one such run (Governor.plain_steps). k_max comes from the latency
 target `max_cycle_s` when given and, with an offloaded target, from the pools: no more drafted
 tokens than the run tier's pool can verify in one pass (auto_k_max).
 """
@@ -100,6 +101,7 @@ class Governor:
         self.missing_bytes = 0.0  # per drafted position, still to fetch before verification
         self.plain_cycles = 0
         self.draft_cycles = 0
+        self.plain_ahead = 1  # plain cycles that the last choose() of 0 stands for (see plain_steps)
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.accept[:k]).sum())
@@ -117,6 +119,7 @@ class Governor:
         """k for the next cycle; 0 (plain steps) when no draft length pays for itself, with a look
         at the best k >= 1 every EXPLORE cycles to keep its acceptance and timing estimates fresh,
         and at plain steps every EXPLORE cycles of drafting (and as soon as a draft was timed)."""
+        self.plain_ahead = 1
         if self.fixed is not None:
             return self.fixed
         if self.t_draft is None:
@@ -131,12 +134,22 @@ class Governor:
         if self.expected_tokens(best) / self.cycle_seconds(best) < 1 / plain_s:
             self.plain_cycles += 1
             if self.plain_cycles % EXPLORE:
+                self.plain_ahead = EXPLORE - self.plain_cycles % EXPLORE  # plain up to the next look
                 return 0
         else:
             self.draft_cycles += 1
             if self.draft_cycles % EXPLORE == 0:
                 return 0
         return best
+
+    def plain_steps(self) -> int:
+        """Plain steps to run after choose() returned 0: every plain cycle up to its next look at
+        drafting, in one run (counted as chosen). A run waits for its last step before the next
+        cycle is chosen, so runs of PLAIN_RUN steps would each pay a round trip that the overlapped
+        steps inside a run hide (a quarter of plain decoding's speed on a small model)."""
+        ahead, self.plain_ahead = self.plain_ahead, 1
+        self.plain_cycles += ahead - 1
+        return ahead * PLAIN_RUN
 
     def update(self, k: int, accepted: np.ndarray, draft_s: float, verify_s: float, missing_bytes: float) -> None:
         """accepted [B]: how many of the k drafted tokens each row kept."""
@@ -222,7 +235,7 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             k = max(0, min(governor.choose(), room, need - 1))
         if k == 0:  # drafting does not pay now: plain steps, as plain decoding runs them (overlapped)
             run = PlainRun(decoder, last, sample)
-            for out in run.steps(min(PLAIN_RUN, room + 1, need)):
+            for out in run.steps(min(governor.plain_steps(), room + 1, need)):
                 wanting = np.flatnonzero(produced < lengths.new_tokens)
                 for b in wanting:
                     queue[b].append(int(out[b]))
