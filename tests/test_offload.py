@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import jax
 import numpy as np
 import pytest
@@ -286,13 +288,14 @@ def test_ten_thousand_random_operations_keep_the_budget(two_tier_store, two_tier
     while done < 10_000:
         trace = []
         for _ in range(500):
-            kind = rng.choice(["request", "transition", "poll", "wait", "pin", "unpin", "drop"],
-                              p=[0.35, 0.2, 0.15, 0.1, 0.08, 0.04, 0.08])
+            kind = rng.choice(["request", "transition", "poll", "wait", "pin", "unpin", "drop", "lock", "unlock"],
+                              p=[0.33, 0.2, 0.14, 0.1, 0.07, 0.04, 0.08, 0.02, 0.02])
             key = (int(rng.integers(8)), int(rng.integers(32)))
             tier = str(rng.choice(["int4", "int2"]))
             trace.append({"request": ("request", *key, tier, str(rng.choice(["demand", "prefetch"]))),
                           "transition": ("transition", *key, tier), "poll": ("poll",), "wait": ("wait", *key),
-                          "pin": ("pin", *key), "unpin": ("unpin",), "drop": ("drop", *key)}[kind])
+                          "pin": ("pin", *key), "unpin": ("unpin",), "drop": ("drop", *key),
+                          "lock": ("lock", tier, int(rng.integers(1, 4))), "unlock": ("unlock",)}[kind])
         budget = int(rng.uniform(0.45, 1.5) * 2**20)
         done += run_trace(two_tier_store, two_tier_host, budget, bool(rng.integers(2)), int(rng.integers(4)), trace)
 
@@ -318,6 +321,7 @@ def run_trace(two_tier_store, two_tier_host, budget, keep_lower, refuse, trace) 
 
     cache.victim = victim
     assert tracker.total <= budget
+    locked = []
     for op in trace:
         kind = op[0]
         if kind == "request":
@@ -334,6 +338,17 @@ def run_trace(two_tier_store, two_tier_host, budget, keep_lower, refuse, trace) 
             cache.pinned.clear()
         elif kind == "drop":
             cache.drop((op[1], op[2]))
+        elif kind == "lock":  # a step in flight holds landing candidates
+            locked.append((op[1], [slot for slot, _ in cache.landing_candidates(op[1], op[2])]))
+        elif kind == "unlock":
+            for tier, slots in locked:
+                cache.unlock(tier, slots)
+            locked.clear()
+        for tier in cache.pools:  # the eviction order read off the handle table is the walk over the keys
+            movable = cache.movable(tier, shard=0)
+            walked = heapq.nsmallest(len(movable), movable, key=lambda k: (cache.last_used[k], k))
+            assert cache._least_recent(tier, len(movable) + 1) == walked
+            assert cache._least_recent(tier, 2) == walked[:2]
         assert tracker.total <= budget
         assert cache.staging.total <= cache.staging.budget
         assert cache.stats.resident_bytes <= plan.nbytes
