@@ -370,3 +370,18 @@ def test_the_serving_engine_speculates_with_the_same_texts(three_tiers, plain_gr
     assert [p for p, _ in pairs[4]] == sampled
     assert all(lp[0].token == p and lp[0].top[0][0] == p for row in pairs[:4] for p, lp in row)  # greedy: likeliest
     assert model.stats.spec.accepted > 0
+
+
+def test_the_governor_is_the_models_and_carries_over_to_the_next_request(three_tiers):
+    """What one request measured steers the next one's first cycles: a request with the same draft,
+    draft length and rows takes up the same governor; other rows get their own."""
+    model = jmoe.load(three_tiers, compute_dtype="float32", tier="bf16")
+    greedy = jmoe.generate(model, PROMPT, max_new_tokens=NEW)
+    assert jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative="int4") == greedy
+    (governor,) = model.governors.values()
+    assert governor.t_draft is not None  # the first request's first cycle drafted, and was timed
+    timed = dict(governor.t_verify)
+    assert jmoe.generate(model, PROMPT, max_new_tokens=NEW, speculative="int4") == greedy
+    assert list(model.governors.values()) == [governor] and governor.t_verify != timed
+    jmoe.generate(model, [PROMPT, PROMPT[::-1]], max_new_tokens=4, speculative="int4")
+    assert len(model.governors) == 2

@@ -28,7 +28,8 @@ too, so where drafting cannot pay (a draft step costing as much as a target step
 stops drafting, trying again every EXPLORE cycles. A cycle without drafts is PLAIN_RUN plain decode
 steps run as plain decoding runs them, each dispatched before the previous one is read (PlainRun),
 and t_verify(0) is their time per token; the plain cycles up to the next look at drafting run as
-one such run (Governor.plain_steps). k_max comes from the latency
+one such run (Governor.plain_steps). A governor is the model's, per draft, draft length and rows:
+the next request starts from what the earlier ones measured. k_max comes from the latency
 target `max_cycle_s` when given and, with an offloaded target, from the pools: no more drafted
 tokens than the run tier's pool can verify in one pass (auto_k_max).
 """
@@ -204,7 +205,9 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
     spec = model.stats.spec
     k_max = options.k_max if options.k is not None else auto_k_max(model, options.k_max)
-    governor = Governor(k_max, options.k, max_cycle_s=options.max_cycle_s)
+    with model.lock:  # the model's, for these options and rows: earlier requests' measurements carry over
+        key = (options.draft, options.k, k_max, options.max_cycle_s, B)
+        governor = model.governors.setdefault(key, Governor(k_max, options.k, max_cycle_s=options.max_cycle_s))
     seen = prompt_history(prompts, cfg.vocab_size, sampling)
     sample = Sampler(model.engine, sampling, seen)
     model.count(**Sampler.cost(sampling, seen), phase="prefill")

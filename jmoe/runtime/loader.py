@@ -67,6 +67,9 @@ class JmoeModel(LoadedModel):
     placement: Placement = field(default_factory=Placement, repr=False, compare=False)
     # Speculative drafts by tier (AllResident, sharing the dense weights and the KV cache)
     drafts: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Speculative decoding's governors (jmoe/decoding/speculative.py) by draft, draft length and rows:
+    # what one request measured (draft and step times, acceptance) steers the next one's first cycles
+    governors: dict = field(default_factory=dict, repr=False, compare=False)
     # Kept prompt blocks that later prompts starting alike reuse (jmoe/decoding/prefixes.py), or None
     prefixes: PrefixCache | None = field(default=None, repr=False, compare=False)
     # Serialises steps: threads sharing the model interleave step by step, never inside one
