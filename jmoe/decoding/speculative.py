@@ -236,9 +236,10 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
             room = lengths.cache - 1 - int(decoder.pos.max())
             need = int((lengths.new_tokens - produced[active]).max())
             k = max(0, min(governor.choose(), room, need - 1))
+            plain = min(governor.plain_steps(), room + 1, need) if k == 0 else 0
         if k == 0:  # drafting does not pay now: plain steps, as plain decoding runs them (overlapped)
             run = PlainRun(decoder, last, sample)
-            for out in run.steps(min(governor.plain_steps(), room + 1, need)):
+            for out in run.steps(plain):
                 wanting = np.flatnonzero(produced < lengths.new_tokens)
                 for b in wanting:
                     queue[b].append(int(out[b]))
@@ -247,7 +248,8 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
                     spec.count(0, np.zeros(len(wanting), int))
                 yield from drain()
             last = run.last
-            governor.update(0, None, 0.0, agree(run.seconds / run.taken), 0.0)
+            with model.lock:  # the governor is shared by the model's requests
+                governor.update(0, None, 0.0, agree(run.seconds / run.taken), 0.0)
             continue
         with model.lock:
             governor.bandwidth = h2d_bandwidth(model.stats)
