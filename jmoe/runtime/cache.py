@@ -328,15 +328,17 @@ class CacheManager:
             candidates.remove(key)
         return order
 
-    def _least_recent(self, tier: str, n: int) -> list[Key]:
-        """_eviction_order under least_recent with every version evictable, on the handle table: the
-        movable versions of shard 0 (its slots come first) by (last use, layer, expert). Every step
-        asks this of every tier, and a walk over the pool's keys in Python costs about a microsecond
-        a slot (a millisecond and more at a real model's pools)."""
+    def _least_recent(self, tier: str, n: int, shard: int = 0) -> list[Key]:
+        """The first n versions least_recent would evict with every version evictable, read off the
+        handle table: the movable versions in expert shard `shard`'s slots by (last use, layer,
+        expert). Every step asks this of every tier (and a host-chosen fetch into a full pool once),
+        and a walk over the pool's keys in Python costs about a microsecond a slot (a millisecond and
+        more at a real model's pools)."""
         if n <= 0 or not self.evicts_from(tier):
             return []
         table = self.handles.slot[tier].reshape(-1)
-        movable = (table != NO_SLOT) & (table < self.pools[tier].shard_slots)
+        slots = self.pools[tier].shard_slots
+        movable = (table >= shard * slots) & (table < (shard + 1) * slots)  # NO_SLOT is negative
         if self.locked[tier]:
             movable &= ~np.isin(table, np.fromiter(self.locked[tier], np.int64))
         E = table.size // self.last_used.shape[0]
@@ -405,7 +407,10 @@ class CacheManager:
         for i in range(len(free) - 1, -1, -1):  # lowest first out, skipping slots a step may still write
             if free[i] not in self.locked[tier]:
                 return free.pop(i)
-        candidates = sorted(self.movable(tier, shard=shard), key=lambda k: (self.last_used[k], k))  # least recently used first
+        if self.victim is least_recent and self.evictable is None:
+            candidates = self._least_recent(tier, 1, shard)
+        else:  # least recently used first
+            candidates = sorted(self.movable(tier, shard=shard), key=lambda k: (self.last_used[k], k))
         if not candidates:
             return None
         key = self.victim(tier, candidates)
