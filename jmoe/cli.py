@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C stops jmoe even when it was started with SIGINT ignored (as a shell starts a background job)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    from jmoe.launch import dump_stacks_on_sigusr1
+
+    dump_stacks_on_sigusr1()
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already reported in one line

@@ -17,6 +17,7 @@ the launcher is killed. On several hosts, start the processes yourself with
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from jmoe.distributed.processes import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_N
 
 GRACE_SECONDS = 10.0  # how long the others get to stop by themselves after one failed
 STOP_GRACE_SECONDS = 30.0  # how long the processes get to stop after a forwarded signal (past serve's drain)
+KILLED_REPORT_SECONDS = 5.0  # a killed process still there this long after: reported (the kernel holds it)
 # `python -c DIE_WITH_PARENT PID CMD...` runs CMD, killed when process PID (the launcher) dies, however
 # it dies: prctl(PR_SET_PDEATHSIG = 1) survives exec. A wrapper rather than a preexec_fn, since
 # Python code between fork and exec is unsafe in a process with threads (jax's, when launch() is
@@ -36,6 +38,27 @@ STOP_GRACE_SECONDS = 30.0  # how long the processes get to stop after a forwarde
 DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
                    "os.getppid() == int(sys.argv[1]) or os._exit(1); "  # the launcher died before prctl
                    "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def process_state(pid: int) -> str:
+    """What the kernel says process `pid` is doing ("S (sleeping) in do_epoll_wait"): where a hung
+    stop is stuck. "" where /proc cannot tell (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as wchan:
+            waiting = wchan.read().strip()
+    except (OSError, IndexError):
+        return ""
+    names = {"R": "running", "S": "sleeping", "D": "uninterruptible", "Z": "ended, not yet reaped", "T": "stopped"}
+    return f"{state} ({names.get(state, '?')})" + (f" in {waiting}" if waiting not in ("", "0") else "")
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr: where a process that does not
+    stop is waiting (the launcher, and each jmoe command, register it)."""
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def free_port() -> int:
@@ -106,7 +129,7 @@ def launch(cmd: list[str], processes: int, devices_per_process: int | None = Non
 def _wait(children: list, forwarder: _Forwarder, poll_seconds: float) -> int:
     """Wait for every process, killing them all GRACE_SECONDS after one failed or STOP_GRACE_SECONDS
     after a forwarded signal; the job's status (negative: killed by that signal)."""
-    failed_at, status = None, 0
+    failed_at, status, killed_at = None, 0, None
     while any(c.poll() is None for c in children):
         for c in children:
             code = c.poll()
@@ -115,6 +138,18 @@ def _wait(children: list, forwarder: _Forwarder, poll_seconds: float) -> int:
         now = time.monotonic()
         if ((failed_at is not None and forwarder.signal is None and now - failed_at > GRACE_SECONDS)
                 or (forwarder.signal is not None and now - forwarder.at > STOP_GRACE_SECONDS)):
+            if killed_at is None:  # say which did not stop, and what each was doing
+                killed_at = now
+                for i, c in enumerate(children):
+                    if c.poll() is None:
+                        print(f"jmoe.launch: process {i} (pid {c.pid}) did not stop in time; killing it "
+                              f"(it was {process_state(c.pid) or 'running'})", file=sys.stderr, flush=True)
+            elif now - killed_at > KILLED_REPORT_SECONDS:  # the kernel has not ended it yet: say why, once
+                killed_at = float("inf")
+                for i, c in enumerate(children):
+                    if c.poll() is None:
+                        print(f"jmoe.launch: process {i} (pid {c.pid}) has not ended {KILLED_REPORT_SECONDS:g} s "
+                              f"after SIGKILL: {process_state(c.pid) or 'unknown state'}", file=sys.stderr, flush=True)
             for c in children:
                 if c.poll() is None:
                     c.kill()
@@ -136,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. jmoe generate ...")
     args = parser.parse_args(argv)
+    dump_stacks_on_sigusr1()
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         parser.error("give the command to run after --")

@@ -5,10 +5,12 @@ signal forwarding and its processes dying with it."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 import jmoe
 from jmoe.decoding.evaluate import forward
 from jmoe.distributed.processes import PEER_LOST
-from jmoe.launch import STOP_GRACE_SECONDS, command_line, free_port, launch
+from jmoe.launch import STOP_GRACE_SECONDS, command_line, free_port, launch, process_state
 from jmoe.runtime.loader import memory_plan
 
 # jobs of CPU processes: on a GPU machine the default devices are the GPU's
@@ -95,7 +97,7 @@ def test_killing_a_process_stops_the_other_with_a_clear_message(short_converted)
     assert took < 30
 
 
-def test_launcher_propagates_the_first_failure():
+def test_launcher_propagates_the_first_failure(capfd):
     fail_one = [sys.executable, "-c", "import os, sys; sys.exit(5 if os.environ['JMOE_PROCESS_ID'] == '1' else 0)"]
     assert launch(fail_one, 2) == 5
     assert launch([sys.executable, "-c", "pass"], 3) == 0
@@ -105,6 +107,9 @@ def test_launcher_propagates_the_first_failure():
     started = time.monotonic()
     assert launch(hang_one, 2) == 7
     assert time.monotonic() - started < 60
+    # and the launcher says which one it killed, and what it was doing
+    assert re.search(r"process 1 \(pid \d+\) did not stop in time; killing it \(it was S \(sleeping\)",
+                     capfd.readouterr().err)
 
 
 def ignoring_sigint(cmd: list[str]) -> list[str]:
@@ -116,6 +121,11 @@ def ignoring_sigint(cmd: list[str]) -> list[str]:
 # a job's process: says its pid (in one write: the processes share the pipe), then waits to be stopped
 WAITER = [sys.executable, "-c", ("import os, signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                                  "os.write(1, b'%d\\n' % os.getpid()); time.sleep(120)")]
+
+# WAITER as a jmoe command is: SIGUSR1 prints its Python stacks
+STACK_WAITER = [sys.executable, "-c", ("import faulthandler, os, signal, time; "
+                                       "faulthandler.register(signal.SIGUSR1, all_threads=True); "
+                                       "os.write(1, b'%d\\n' % os.getpid()); time.sleep(120)")]
 
 
 def start_launcher(cmd, processes=2, sigint_ignored=False):
@@ -131,6 +141,58 @@ def gone(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
     except FileNotFoundError:
         return True
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, the ones they started, and so on (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def stop_report(pid: int, stderr: Path) -> str:
+    """Where a job that does not stop is stuck: each of its processes' state, then their stderr with
+    every thread's Python stack (SIGUSR1: the launcher and jmoe commands print them, see jmoe.launch)."""
+    pids = [pid, *descendants(pid)]
+    states = [f"pid {p}: {process_state(p) or 'gone'}" for p in pids]
+    for p in pids:  # one at a time: the processes share the file, and would interleave their lines
+        before = stderr.stat().st_size
+        try:
+            os.kill(p, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+        size, deadline = before, time.monotonic() + 5
+        while (size == before or stderr.stat().st_size != size) and time.monotonic() < deadline:
+            size = stderr.stat().st_size  # until it has written its stacks and stopped writing
+            time.sleep(0.25)
+    return "\n".join(states) + "\n" + stderr.read_text()[-6000:]
+
+
+def test_a_stuck_jobs_report_names_its_processes_and_their_stacks(tmp_path):
+    """The diagnosis a stop that hangs would get: the launcher's and its processes' states and Python stacks."""
+    with open(tmp_path / "stderr.txt", "w") as err:
+        job = subprocess.Popen([sys.executable, "-m", "jmoe.launch", "-n", "2", "--", *STACK_WAITER],
+                               stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            pids = [int(job.stdout.readline()) for _ in range(2)]
+            report = stop_report(job.pid, tmp_path / "stderr.txt")
+        finally:
+            job.kill()
+            job.wait()
+    for pid in [job.pid, *pids]:
+        assert f"pid {pid}: " in report and f"pid {pid}: gone" not in report, report
+    assert report.count("most recent call first") >= 3, report  # faulthandler's stacks, one per process
+    assert "in _wait" in report, report  # the launcher's own stack
 
 
 def test_the_launcher_forwards_sigint_and_sigterm_even_started_with_sigint_ignored():
@@ -211,7 +273,11 @@ def test_serve_as_two_processes_answers_like_generate(short_converted, tmp_path)
         echoed = api.completions.create(model=name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2).choices[0]
         job.send_signal(signal.SIGINT)
         signalled = time.monotonic()
-        code = job.wait(timeout=STOP_GRACE_SECONDS + 30)
+        try:
+            code = job.wait(timeout=STOP_GRACE_SECONDS + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not stop within {STOP_GRACE_SECONDS + 30:g} s of SIGINT\n"
+                        + stop_report(job.pid, tmp_path / "stderr.txt"))
         took = time.monotonic() - signalled
     finally:
         if job.poll() is None:
