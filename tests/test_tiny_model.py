@@ -69,3 +69,30 @@ def test_perplexity_over_each_windows_second_half_matches_transformers(tiny_mode
     assert ours != pytest.approx(jmoe.perplexity(tiny_model, ids, window=256), rel=1e-3)
     with pytest.raises(jmoe.InputError, match="context"):
         jmoe.perplexity(tiny_model, ids, window=256, context=255)
+
+
+def test_loads_of_one_structure_build_the_model_once_and_each_gets_its_own_weights(tiny_converted, short_converted):
+    """The abstract model is built once per structure (jmoe/runtime/loader.py abstract_split), yet a
+    load restores into a state of its own: two loads share no array, and a model of another
+    structure gets its own."""
+    import jax
+    import jax.numpy as jnp
+
+    from jmoe.manifest import dense_format, head_format, read_manifest
+    from jmoe.runtime import loader
+
+    loader._abstract_split.cache_clear()
+    first = jmoe.load(tiny_converted, compute_dtype="float32")
+    second = jmoe.load(tiny_converted, compute_dtype="float32")
+    short = jmoe.load(short_converted, compute_dtype="float32")
+    info = loader._abstract_split.cache_info()
+    assert (info.misses, info.hits) == (2, 1)
+    assert first.graphdef is second.graphdef and short.graphdef != first.graphdef
+    a, b = jax.tree.leaves(first.dense), jax.tree.leaves(second.dense)
+    assert len(a) == len(b) > 0 and all(x is not y and np.array_equal(x, y) for x, y in zip(a, b))
+    ids = [5, 17, 99, 3]
+    assert np.array_equal(jmoe.forward(first, ids), jmoe.forward(second, ids))
+    assert len(jax.tree.leaves(short.dense)) < len(a)
+    manifest = read_manifest(tiny_converted)
+    _, state = loader.abstract_split(first.config, jnp.float32, dense_format(manifest), head_format(manifest))
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(state))  # no load filled it in
