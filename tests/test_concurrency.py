@@ -16,8 +16,8 @@ THREADS, ROUNDS = 8, 10
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_converted):
-    model = jmoe.load(tiny_converted, compute_dtype="float32")
+def reference(short_converted):
+    model = jmoe.load(short_converted, compute_dtype="float32")
     return model, {p: jmoe.generate(model, p, max_new_tokens=NEW_TOKENS) for p in PROMPTS}
 
 
@@ -57,9 +57,9 @@ def run_threads(worker, count: int) -> list[BaseException]:
 
 @pytest.mark.parametrize("policy,execution",
                          [("lru+prefetch", "auto"), ("lru+prefetch", "layerwise"), ("lru", "resident")])
-def test_eight_threads_share_one_offloading_model(tiny_converted, reference, policy, execution):
+def test_eight_threads_share_one_offloading_model(short_converted, reference, policy, execution):
     resident_model, expected = reference
-    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
                       policy=policy, execution=execution)
     assert model.residency.slots < model.config.num_moe_layers * model.config.num_experts  # really offloading
     results: dict[int, list] = {i: [] for i in range(THREADS)}
@@ -104,10 +104,10 @@ class FailingPolicy(Policy):
 
 
 @pytest.mark.parametrize("execution", ["auto", "layerwise", "resident"])
-def test_a_call_that_fails_half_way_leaves_the_model_usable(tiny_converted, reference, execution):
+def test_a_call_that_fails_half_way_leaves_the_model_usable(short_converted, reference, execution):
     resident_model, expected = reference
     policy = FailingPolicy(fail_at=5)  # the fifth eviction, in the middle of fetching a step's experts
-    model = jmoe.load(tiny_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=offloading_budget(resident_model),
                       policy=policy, execution=execution)
     with pytest.raises(RuntimeError, match="policy failed"):
         jmoe.generate(model, PROMPTS[0], max_new_tokens=NEW_TOKENS)
