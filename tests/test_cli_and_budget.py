@@ -65,3 +65,15 @@ def test_budget_too_small_names_the_minimum(tiny_converted):
     assert model.policy.name == "resident" and sum(model.memory.values()) <= 256 * 2**20
     with pytest.raises(BudgetError, match="KV cache"):
         jmoe.generate(model, ["a", "b", "c"], max_new_tokens=2000)
+
+
+def test_sigusr1_prints_a_jmoe_commands_stacks_and_it_goes_on():
+    """`kill -USR1` on a jmoe command (one that seems stuck) prints where each thread is, and does not end it."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal; from jmoe.cli import main; main(['info', '--help']); "
+            "os.kill(os.getpid(), signal.SIGUSR1); print('still here')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("still here"), done.stderr[-2000:]
+    assert "most recent call first" in done.stderr and "in <module>" in done.stderr, done.stderr[-2000:]
