@@ -57,8 +57,12 @@ def process_state(pid: int) -> str:
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's Python stack to stderr: where a process that does not
     stop is waiting (the launcher, and each jmoe command, register it)."""
-    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # stderr is no file (captured, as in a test): nowhere to print
+        pass
 
 
 def free_port() -> int:
