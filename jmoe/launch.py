@@ -40,16 +40,28 @@ DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, s
                    "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state, parent pid, ...); None where
+    there is none (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_state(pid: int) -> str:
     """What the kernel says process `pid` is doing ("S (sleeping) in do_epoll_wait"): where a hung
     stop is stuck. "" where /proc cannot tell (not Linux, or the process is gone)."""
+    fields = proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
         with open(f"/proc/{pid}/wchan") as wchan:
             waiting = wchan.read().strip()
-    except (OSError, IndexError):
+    except OSError:
+        fields = None
+    if not fields:
         return ""
+    state = fields[0]
     names = {"R": "running", "S": "sleeping", "D": "uninterruptible", "Z": "ended, not yet reaped", "T": "stopped"}
     return f"{state} ({names.get(state, '?')})" + (f" in {waiting}" if waiting not in ("", "0") else "")
 
@@ -144,16 +156,12 @@ def _wait(children: list, forwarder: _Forwarder, poll_seconds: float) -> int:
                 or (forwarder.signal is not None and now - forwarder.at > STOP_GRACE_SECONDS)):
             if killed_at is None:  # say which did not stop, and what each was doing
                 killed_at = now
-                for i, c in enumerate(children):
-                    if c.poll() is None:
-                        print(f"jmoe.launch: process {i} (pid {c.pid}) did not stop in time; killing it "
-                              f"(it was {process_state(c.pid) or 'running'})", file=sys.stderr, flush=True)
+                _report_running(children, lambda state: "did not stop in time; killing it "
+                                                        f"(it was {state or 'running'})")
             elif now - killed_at > KILLED_REPORT_SECONDS:  # the kernel has not ended it yet: say why, once
                 killed_at = float("inf")
-                for i, c in enumerate(children):
-                    if c.poll() is None:
-                        print(f"jmoe.launch: process {i} (pid {c.pid}) has not ended {KILLED_REPORT_SECONDS:g} s "
-                              f"after SIGKILL: {process_state(c.pid) or 'unknown state'}", file=sys.stderr, flush=True)
+                _report_running(children, lambda state: f"has not ended {KILLED_REPORT_SECONDS:g} s after SIGKILL: "
+                                                        f"{state or 'unknown state'}")
             for c in children:
                 if c.poll() is None:
                     c.kill()
@@ -165,6 +173,13 @@ def _wait(children: list, forwarder: _Forwarder, poll_seconds: float) -> int:
     if status == 0:
         status = next((c.returncode for c in children if c.returncode != 0), 0)
     return status
+
+
+def _report_running(children: list, says) -> None:
+    """One stderr line per process still running: `says(its process_state)`."""
+    for i, c in enumerate(children):
+        if c.poll() is None:
+            print(f"jmoe.launch: process {i} (pid {c.pid}) {says(process_state(c.pid))}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import pytest
 import jmoe
 from jmoe.decoding.evaluate import forward
 from jmoe.distributed.processes import PEER_LOST
-from jmoe.launch import STOP_GRACE_SECONDS, command_line, free_port, launch, process_state
+from jmoe.launch import STOP_GRACE_SECONDS, command_line, free_port, launch, proc_stat, process_state
 from jmoe.runtime.loader import memory_plan
 
 # jobs of CPU processes: on a GPU machine the default devices are the GPU's
@@ -136,22 +136,17 @@ def start_launcher(cmd, processes=2, sigint_ignored=False):
 
 
 def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] == "Z"  # a zombie has ended
 
 
 def descendants(pid: int) -> list[int]:
     """The processes `pid` started, the ones they started, and so on (read from /proc)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = proc_stat(int(entry))
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         below = children.get(todo.pop(), [])
