@@ -66,10 +66,16 @@ class LayerInputs:
 
     x: np.ndarray  # [n_tokens, D] float32, the normed input of the MoE block
     ids: np.ndarray  # [n_tokens, k] routed experts
+    weights: np.ndarray | None = None  # [n_tokens, k] their combine weights
 
     def routed_to(self, expert: int) -> np.ndarray:
         """Token indices routed to `expert`."""
         return np.flatnonzero((self.ids == expert).any(axis=1))
+
+    def gate_of(self, expert: int) -> np.ndarray:
+        """[n] the combine weight of `expert` in each token routed to it (routed_to's order)."""
+        rows = self.routed_to(expert)
+        return (np.where(self.ids[rows] == expert, self.weights[rows], 0.0)).sum(axis=1)
 
 
 class LayerwiseCalibration:
@@ -142,9 +148,10 @@ class _CalibrationRunner:
         if self.is_moe(i):
             flat = h.reshape(-1, h.shape[-1])
             route = _layer_fn("route", graphdef)
-            ids = np.concatenate([np.asarray(route(state, jnp.asarray(flat[j : j + 8192])))
-                                  for j in range(0, len(flat), 8192)])
-            weights = self.on_moe_layer(self.moe_index[i], LayerInputs(flat, ids))
+            routed = [route(state, jnp.asarray(flat[j : j + 8192])) for j in range(0, len(flat), 8192)]
+            ids = np.concatenate([np.asarray(r[0]) for r in routed])
+            gates = np.concatenate([np.asarray(r[1], np.float32) for r in routed])
+            weights = self.on_moe_layer(self.moe_index[i], LayerInputs(flat, ids, gates))
             # The bf16 tier's pool (half a float32 copy of the layer): what that tier runs; biases stay float32.
             stack = lambda ws, dtype: jnp.asarray(np.stack([np.asarray(w, dtype) for w in ws]))  # noqa: E731
             pool = ExpertWeights(*(None if ws[0] is None else stack(ws, jnp.bfloat16 if n < 2 else np.float32)
@@ -180,7 +187,8 @@ def _layer_fn(kind: str, graphdef):
         return x, h
 
     def route(state, h):
-        return nnx.merge(graphdef, state).mlp.route(h).ids
+        routing = nnx.merge(graphdef, state).mlp.route(h)
+        return routing.ids, routing.weights
 
     def mlp(state, x, h, experts):
         layer = nnx.merge(graphdef, state)

@@ -5,6 +5,10 @@ gate_up and mid = act(x @ gate, x @ up) for down (with the expert's biases, if i
 their statistics shrunk toward the layer's: their Hessian adds `prior_tokens` worth of the average
 over a sample of all the layer's tokens, and their activation ranges come from that sample.
 
+A routed token weighs in an expert's statistics by its combine weight squared (the router's
+weight scales the expert's output in the layer's), and down is quantized once gate_up is, toward
+what the quantized gate_up's intermediate must be mapped to (`compensated_down`).
+
 HAQ picks one smoothing exponent per layer, matrix and tier by grid search; the down projection's
 smoothing is folded into the up projection's columns and bias (mid / s), gate_up's is kept as an
 input scale applied at run time. Folding is exact only for SwiGLU (mid is linear in up); with
@@ -19,6 +23,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from convert.calibration import LayerInputs
@@ -27,7 +32,9 @@ from convert.quantizers.haq import haq_quantize, search_alpha, smoothing_scales
 from convert.quantizers.rtn import quantize_rtn
 from jmoe.quant import ExpertWeights
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QuantFormat
+from pallas_kernels.qarray import QuantFormat, dequantize
+
+_dequantize = jax.jit(dequantize)  # one compile per matrix shape, not an eager op per piece
 
 METHODS = ("rtn", "gptq", "haq")
 PRIOR_TOKENS = 64  # an expert with fewer routed tokens leans on the layer-wide statistics
@@ -52,15 +59,32 @@ class ExpertInputs:
     mid: np.ndarray  # [n, F]
     prior_x: np.ndarray  # [m, D] sample of all the layer's tokens
     prior_mid: np.ndarray  # [m, F] this expert's intermediate on that sample
+    gate: np.ndarray | None = None  # [n] the expert's combine weight in each routed row
 
     @property
     def few(self) -> bool:
         return len(self.x) < PRIOR_TOKENS
 
     def hessian(self, rows: np.ndarray, prior: np.ndarray) -> np.ndarray:
-        """X^T X of the routed rows plus PRIOR_TOKENS rows' worth of the layer average (float64)."""
+        """X^T X of the routed rows plus PRIOR_TOKENS rows' worth of the layer average (float64):
+        R^T R of `weighted_rows`."""
+        weighted = self.weighted_rows(rows, prior)
+        return weighted.T @ weighted
+
+    def weighted_rows(self, rows: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """[routed rows; prior rows] (float64), each scaled by the square root of what it weighs.
+
+        The prior rows together weigh PRIOR_TOKENS rows. With the routing's combine weights (gate),
+        a routed row weighs g^2: the expert's output joins the layer's output times g, so that is
+        what a token's output error costs there (a token the router barely sends here matters
+        little); the prior then weighs PRIOR_TOKENS rows of the routed rows' mean g^2."""
         rows, prior = rows.astype(np.float64), prior.astype(np.float64)
-        return rows.T @ rows + (PRIOR_TOKENS / len(prior)) * (prior.T @ prior)
+        prior_weight = PRIOR_TOKENS / len(prior)
+        if self.gate is not None and len(rows):
+            g = self.gate.astype(np.float64)
+            rows = rows * g[:, None]
+            prior_weight *= float(np.mean(g * g))
+        return np.concatenate([rows, np.sqrt(prior_weight) * prior])
 
     def search_rows(self, which: str) -> np.ndarray:
         rows = self.prior_x if which == "x" else self.prior_mid
@@ -97,6 +121,34 @@ def permute_intermediate(expert: ExpertWeights, order: np.ndarray) -> ExpertWeig
     return expert._replace(gate_up=expert.gate_up[:, columns], down=expert.down[order], gate_up_bias=bias)
 
 
+COMPENSATION_DAMP = 0.01  # fraction of mean(diag) added before solving for down's compensated target
+
+
+def compensated_down(inputs: ExpertInputs, expert: ExpertWeights, gate_up_seen: np.ndarray,
+                     activation: GatedActivation):
+    """down's GPTQ problem once gate_up is quantized (gate_up_seen: its dequantized [D, 2F]):
+    (target [F, D] float32, hessian [F, F]).
+
+    At run time down multiplies the intermediate that the *quantized* gate_up gives (mid_q), not
+    the exact one (mid). So down is quantized against mid_q's Hessian, toward the weight that best
+    maps mid_q to the exact output mid @ down: target = argmin_W |mid_q W - mid @ down|^2, damped
+    toward down. down so takes up part of what rounding gate_up lost. Rows and their weights:
+    `weighted_rows`."""
+    seen = expert._replace(gate_up=gate_up_seen)
+
+    def rows(weights):
+        return inputs.weighted_rows(intermediate(inputs.x, weights, activation),
+                                    intermediate(inputs.prior_x, weights, activation))
+
+    mid, mid_q = rows(expert), rows(seen)
+    down = expert.down.astype(np.float64)
+    h = mid_q.T @ mid_q
+    damped = h + COMPENSATION_DAMP * np.mean(np.diagonal(h)) * np.eye(len(h))
+    # damped toward down itself, not toward zero: an exact gate_up leaves down as it is
+    target = down + np.linalg.solve(damped, mid_q.T @ ((mid - mid_q) @ down))
+    return target.astype(np.float32), h
+
+
 def activation_order(hessian: np.ndarray) -> np.ndarray:
     """GPTQ's act order: inputs by decreasing diag(H), so the ones that matter most are rounded first
     and the later ones absorb their error (and groups gather inputs of like importance)."""
@@ -123,8 +175,9 @@ class LayerQuantizer:
         prior_x = inputs.x[rng.choice(len(inputs.x), size=take, replace=False)]
         for e, expert in enumerate(experts):
             x = inputs.x[inputs.routed_to(e)]
+            gate = None if inputs.weights is None else inputs.gate_of(e)
             self._inputs.append(ExpertInputs(x, intermediate(x, expert, activation), prior_x,
-                                             intermediate(prior_x, expert, activation)))
+                                             intermediate(prior_x, expert, activation), gate))
         if method == "haq":
             self.alphas = {tier: self._search(fmt) for tier, fmt in self.formats.items()}
 
@@ -168,13 +221,19 @@ class LayerQuantizer:
             # columns follow), so down is quantized in act order at no cost at run time
             order = activation_order(h_mid)
             weights = permute_intermediate(weights, order)
-            return ExpertWeights(gptq_quantize(weights.gate_up, h_x, fmt),
-                                 gptq_quantize(weights.down, h_mid[np.ix_(order, order)], fmt)).with_biases_of(weights)
+            gate_up_q = gptq_quantize(weights.gate_up, h_x, fmt)
+            down, h_down = compensated_down(self._inputs[expert], weights, np.asarray(_dequantize(gate_up_q)),
+                                            self.activation)
+            return ExpertWeights(gate_up_q, gptq_quantize(down, h_down, fmt)).with_biases_of(weights)
         inputs = self._inputs[expert]
         alpha_gu, alpha_down = self.alphas[tier]
         s = self._down_scales(inputs, weights, alpha_down)
         folded = self._folded(inputs, weights, alpha_down)  # up columns and bias / s
-        down_q = gptq_quantize(weights.down * s[:, None], h_mid / np.outer(s, s), dataclasses.replace(fmt, smooth=False))
         # gate_up's rows still see x: folding moved its columns, not its inputs
         gate_up_q = haq_quantize(folded.gate_up, h_x, inputs.absmax("x"), alpha_gu, fmt)
+        # what x multiplies at run time: the smoothed weight after x's own scaling by act_scale
+        seen = np.asarray(gate_up_q.act_scale, np.float32)[:, None] * np.asarray(_dequantize(gate_up_q))
+        # down * s multiplies the folded intermediate (mid / s): the same output
+        down, h_down = compensated_down(inputs, folded._replace(down=weights.down * s[:, None]), seen, self.activation)
+        down_q = gptq_quantize(down, h_down, dataclasses.replace(fmt, smooth=False))
         return ExpertWeights(gate_up_q, down_q).with_biases_of(folded)
