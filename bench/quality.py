@@ -47,6 +47,8 @@ from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_to
 from convert import convert_checkpoint
 
 TIERS = ("int8", "int4", "int2")
+METHODS = ("rtn", "gptq", "haq")
+CALIB_SEQUENCES = 64  # the converter's default
 LM_EVAL_TASKS = ROOT / "tests" / "data" / "lm_eval"  # jmoe_choice (multiple choice), jmoe_complete (generate_until)
 
 
@@ -224,8 +226,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N dev tokens per domain")
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--calib-sequences", type=int, default=64)
-    parser.add_argument("--methods", default="rtn,gptq,haq", help="quantizers to convert with (default all three)")
+    parser.add_argument("--calib-sequences", type=int, default=CALIB_SEQUENCES)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="quantizers to convert with (default all three; fewer write a result of their own)")
     parser.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                         help="load(cpu_dot=...) for the quantized tiers; int8 writes quality_tiny_int8_dot_cpu.json "
                              "without the W8A8 variants")
@@ -292,7 +295,18 @@ def main() -> None:
         "rows": rows,
         "seconds": timings,
     }
-    write_result("quality", "quality_tiny" if args.cpu_dot == "float" else "quality_tiny_int8_dot", payload)
+    write_result("quality", result_name(args.cpu_dot, args.calib_sequences, methods), payload)
+
+
+def result_name(cpu_dot: str, calib_sequences: int, methods: list[str]) -> str:
+    """quality_tiny[_int8_dot] for the full table; a run with other calibration or fewer methods
+    gets a name of its own, so it never replaces the full table's rows."""
+    name = "quality_tiny" if cpu_dot == "float" else "quality_tiny_int8_dot"
+    if calib_sequences != CALIB_SEQUENCES:
+        name += f"_calib{calib_sequences}"
+    if sorted(methods) != sorted(METHODS):
+        name += "_" + "_".join(methods)
+    return name
 
 
 if __name__ == "__main__":
