@@ -35,6 +35,7 @@ split loglikelihood requests; the model's id and context are asked of the server
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import tempfile
@@ -45,10 +46,10 @@ from pathlib import Path
 import jmoe
 from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
+from convert.quantizers.expert import METHODS
 
 TIERS = ("int8", "int4", "int2")
-METHODS = ("rtn", "gptq", "haq")
-CALIB_SEQUENCES = 64  # the converter's default
+CALIB_SEQUENCES = inspect.signature(convert_checkpoint).parameters["calib_sequences"].default  # the converter's
 LM_EVAL_TASKS = ROOT / "tests" / "data" / "lm_eval"  # jmoe_choice (multiple choice), jmoe_complete (generate_until)
 
 
