@@ -205,9 +205,15 @@ class LayerQuantizer:
         return fold_down_smoothing(expert, self._down_scales(inputs, expert, alpha_down))
 
     @functools.lru_cache(maxsize=1)  # the pipeline asks for every tier of one expert in a row
-    def _hessians(self, expert: int) -> tuple[np.ndarray, np.ndarray]:
+    def _gate_up_hessian(self, expert: int) -> np.ndarray:
         inputs = self._inputs[expert]
-        return inputs.hessian(inputs.x, inputs.prior_x), inputs.hessian(inputs.mid, inputs.prior_mid)
+        return inputs.hessian(inputs.x, inputs.prior_x)
+
+    @functools.lru_cache(maxsize=1)
+    def _down_order(self, expert: int) -> np.ndarray:
+        """GPTQ's act order of down's inputs (the exact intermediate's Hessian)."""
+        inputs = self._inputs[expert]
+        return activation_order(inputs.hessian(inputs.mid, inputs.prior_mid))
 
     def quantize(self, expert: int, tier: str) -> ExpertWeights:
         """One expert at one integer tier; the version carries the biases it computes with."""
@@ -215,12 +221,11 @@ class LayerQuantizer:
         weights = self.experts[expert]
         if self.method == "rtn":
             return rtn_expert(weights, fmt)
-        h_x, h_mid = self._hessians(expert)
+        h_x = self._gate_up_hessian(expert)
         if self.method == "gptq":
             # down's inputs are the expert's own intermediate units: their order is free (gate_up's
             # columns follow), so down is quantized in act order at no cost at run time
-            order = activation_order(h_mid)
-            weights = permute_intermediate(weights, order)
+            weights = permute_intermediate(weights, self._down_order(expert))
             gate_up_q = gptq_quantize(weights.gate_up, h_x, fmt)
             down, h_down = compensated_down(self._inputs[expert], weights, np.asarray(_dequantize(gate_up_q)),
                                             self.activation)
