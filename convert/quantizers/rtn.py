@@ -25,7 +25,9 @@ def group_grid(groups, fmt: QuantFormat):
     cols = -(-n // TILE_COLUMNS) * TILE_COLUMNS  # zero columns pad the last tile (their grid is dropped)
     tiles = jnp.pad(groups, ((0, 0), (0, 0), (0, cols - n))).reshape(ng, g, cols // TILE_COLUMNS, TILE_COLUMNS)
     tiles = tiles.transpose(0, 2, 1, 3).reshape(-1, g, TILE_COLUMNS)
-    scale, offset = jax.lax.map(lambda tile: fitted_group_params(tile, fmt), tiles)  # [ng * tiles, 1, TILE]
+    # the search unrolled: a matrix this wide is one of a real model's thousands of one shape, where
+    # run time matters more than the compile
+    scale, offset = jax.lax.map(lambda tile: fitted_group_params(tile, fmt, unroll=True), tiles)  # [ng * tiles, 1, T]
     untile = lambda a: a.reshape(ng, cols // TILE_COLUMNS, 1, TILE_COLUMNS).transpose(0, 2, 1, 3).reshape(  # noqa: E731
         ng, 1, cols)[..., :n]
     return untile(scale), untile(offset)
