@@ -18,6 +18,7 @@ With act_bits = 8 (W8A8) the activations are quantized per token to int8 before 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -120,6 +121,9 @@ def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
     return packed.astype(jnp.uint8).reshape(*lead, kp // fmt.pack, n)
 
 
+# Jitted: called eagerly (tests, conversion checks) it compiles once per shape rather than op by op;
+# inside a step it is inlined like any nested jit.
+@functools.partial(jax.jit, static_argnums=1)
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     """Reference dequantization to the logical weight [..., K, N] (smoothing not applied)."""
     fmt = q.fmt
@@ -146,6 +150,7 @@ def quantize_activations(x: jax.Array) -> jax.Array:
     return (codes.astype(jnp.float32) * step).astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnums=1)  # as dequantize
 def quantize_groups(x: jax.Array, group: int) -> jax.Array:
     """x [..., K] onto an int8 grid per group of `group` along K (the CPU kernels' int8 dot, like
     llama.cpp's Q8 blocks): step = max |x| / 127 (1 for a zero group), codes rounded half to
