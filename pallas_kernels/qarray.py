@@ -111,6 +111,9 @@ def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
     return codes.reshape(*lead, groups * fmt.group_size, n)
 
 
+# Jitted, as dequantize and quantize_groups: called eagerly (conversion, tests, checks) each compiles
+# once per shape rather than op by op; inside a jitted function it is inlined like any nested jit.
+@functools.partial(jax.jit, static_argnums=1)
 def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
     """Integer codes [..., Kp, N] in [0, qmax] -> planar-packed uint8 [..., Kp / pack, N]."""
     *lead, kp, n = codes.shape
@@ -121,9 +124,7 @@ def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
     return packed.astype(jnp.uint8).reshape(*lead, kp // fmt.pack, n)
 
 
-# Jitted: called eagerly (tests, conversion checks) it compiles once per shape rather than op by op;
-# inside a step it is inlined like any nested jit.
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=1)  # as pack_codes
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     """Reference dequantization to the logical weight [..., K, N] (smoothing not applied)."""
     fmt = q.fmt
@@ -150,7 +151,7 @@ def quantize_activations(x: jax.Array) -> jax.Array:
     return (codes.astype(jnp.float32) * step).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # as dequantize
+@functools.partial(jax.jit, static_argnums=1)  # as pack_codes
 def quantize_groups(x: jax.Array, group: int) -> jax.Array:
     """x [..., K] onto an int8 grid per group of `group` along K (the CPU kernels' int8 dot, like
     llama.cpp's Q8 blocks): step = max |x| / 127 (1 for a zero group), codes rounded half to

@@ -15,14 +15,10 @@ from convert.quantizers.haq import (
     search_alpha,
     smoothing_scales,
 )
-from convert.quantizers.rtn import rtn_dequantized as _rtn_dequantized
-from pallas_kernels.qarray import QuantFormat, prepare_input, unpack_codes
-from pallas_kernels.qarray import dequantize as _dequantize
+from convert.quantizers.rtn import rtn_dequantized
+from pallas_kernels.qarray import QuantFormat, dequantize, prepare_input, unpack_codes
 
 W8A8 = QuantFormat(8, 128, True, act_bits=8, smooth=True)
-# Jitted once per format and shape: op-by-op dispatch would dominate the test time.
-rtn_dequantized = jax.jit(_rtn_dequantized, static_argnums=1)
-dequantize = jax.jit(_dequantize)
 
 
 def correlated_inputs(rng, n, k, *, rank=8, noise=0.3, outliers=(1, 5), outlier_scale=20.0):

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from convert.calibration import LayerInputs
@@ -33,8 +32,6 @@ from convert.quantizers.rtn import quantize_rtn
 from jmoe.quant import ExpertWeights
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QuantFormat, dequantize
-
-_dequantize = jax.jit(dequantize)  # one compile per matrix shape, not an eager op per piece
 
 METHODS = ("rtn", "gptq", "haq")
 PRIOR_TOKENS = 64  # an expert with fewer routed tokens leans on the layer-wide statistics
@@ -227,7 +224,7 @@ class LayerQuantizer:
             # columns follow), so down is quantized in act order at no cost at run time
             weights = permute_intermediate(weights, self._down_order(expert))
             gate_up_q = gptq_quantize(weights.gate_up, h_x, fmt)
-            down, h_down = compensated_down(self._inputs[expert], weights, np.asarray(_dequantize(gate_up_q)),
+            down, h_down = compensated_down(self._inputs[expert], weights, np.asarray(dequantize(gate_up_q)),
                                             self.activation)
             return ExpertWeights(gate_up_q, gptq_quantize(down, h_down, fmt)).with_biases_of(weights)
         inputs = self._inputs[expert]
@@ -237,7 +234,7 @@ class LayerQuantizer:
         # gate_up's rows still see x: folding moved its columns, not its inputs
         gate_up_q = haq_quantize(folded.gate_up, h_x, inputs.absmax("x"), alpha_gu, fmt)
         # what x multiplies at run time: the smoothed weight after x's own scaling by act_scale
-        seen = np.asarray(gate_up_q.act_scale, np.float32)[:, None] * np.asarray(_dequantize(gate_up_q))
+        seen = np.asarray(gate_up_q.act_scale, np.float32)[:, None] * np.asarray(dequantize(gate_up_q))
         # down * s multiplies the folded intermediate (mid / s): the same output
         down, h_down = compensated_down(inputs, folded._replace(down=weights.down * s[:, None]), seen, self.activation)
         down_q = gptq_quantize(down, h_down, dataclasses.replace(fmt, smooth=False))

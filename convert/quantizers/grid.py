@@ -133,12 +133,9 @@ def pad_k(w, fmt: QuantFormat):
     return jnp.pad(jnp.asarray(w, jnp.float32), widths)
 
 
-_pack_codes = jax.jit(pack_codes, static_argnums=1)  # one compile per shape, not one per op and call
-
-
 def to_qarray(codes, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
     """Codes [Kp, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray."""
-    return host_qarray(_pack_codes(codes, fmt), scales, offsets, fmt, k, act_scale)
+    return host_qarray(pack_codes(codes, fmt), scales, offsets, fmt, k, act_scale)
 
 
 def host_qarray(values, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
