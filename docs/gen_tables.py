@@ -312,6 +312,23 @@ def thread_scaling() -> str:
                   f"rounds, medians, ratios within a round [min–max]. Machine: {machine(d)} ({source(name)}).")
 
 
+def head_tiers_avx2() -> str:
+    """The 8-layer slice at 2 threads with each LM head (bench.thread_scaling --layers 8 [--head-tier int4])."""
+    names = {"int8 LM head (the converter's default)": "kernels/thread_scaling_qwen3-30b-a3b_8L_cpu.json",
+             "int4 LM head (`--head-tier int4`)": "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu.json"}
+    rows = []
+    for label, name in names.items():
+        d = load(name)
+        pre, dec = d["summary"]["prefill_tok_s @2"], d["summary"]["decode_tok_s @2"]
+        rows.append([label, f(pre["jmoe"]), f(pre["llama.cpp"]), med(pre["ratio"], 2), f(dec["jmoe"]),
+                     f(dec["llama.cpp"]), med(dec["ratio"], 2)])
+    out = table(["jmoe int4 + dense int4, int8 dot", f"prefill ({d['prompt']}) tok/s", "llama.cpp", "ratio",
+                 "decode tok/s", "llama.cpp", "ratio"], rows)
+    return out + (f"\n\n{d['model']}; jmoe bench -r 3 --threads 2; llama.cpp {d['llama_cpp']} (its Q4_0 GGUF keeps "
+                  f"the LM head at Q6_K); each file {d['rounds']} alternating rounds, medians, ratios within a round "
+                  f"[min–max]. Machine: {machine(d)} ({source(*names.values())}).")
+
+
 def perplexity() -> str:
     d = load("perplexity/perplexity_tiny_cpu.json")
     rows = [[dom, f(r["tokens_scored"], 0), f"{r['jmoe_ppl']:.4f}", f"{r['transformers_ppl']:.4f}"]
@@ -791,6 +808,7 @@ TABLES = {
     "gpt-oss-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_xeon_cpu.json"),
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "thread-scaling": thread_scaling,
+    "head-tiers-avx2": head_tiers_avx2,
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,
     "long-context-plan": long_context_plan,
