@@ -92,10 +92,10 @@ def main() -> None:
     for key, v in scaling.items():
         print(f"{key}: {v:.2f}x")
     head = f"_head_{args.head_tier}" if args.head_tier else ""
+    head_tier = json.loads((converted / "manifest.json").read_text())["dense"].get("head_tier")  # what it holds
     write_result("kernels", f"thread_scaling_{args.model}_{args.layers}L{head}", {
         "model": f"{model_named(args.model).name} shapes, {args.layers} layers, random weights",
-        "jmoe": f"int4 experts + dense int4 ({args.head_tier or 'int8'} LM head), cpu_dot int8, "
-                "jmoe bench -r 3 --threads T",
+        "jmoe": f"int4 experts + dense int4 ({head_tier} LM head), cpu_dot int8, jmoe bench -r 3 --threads T",
         "llama_cpp": f"Q4_0, llama-bench -t T -r 1 ({llama.version()})", "threads": counts, "prompt": args.prompt,
         "new_tokens": args.new_tokens, "rounds": args.rounds, "runs": {str(t): v for t, v in runs.items()},
         "summary": summary, "scaling": scaling})
