@@ -38,6 +38,9 @@ if "JMOE_TEST_RUN_CACHE" not in os.environ:
     os.environ["JMOE_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="jmoe-test-xla-")
 RUN_CACHE = Path(os.environ["JMOE_TEST_RUN_CACHE"])
 os.environ["JMOE_COMPILATION_CACHE"] = str(RUN_CACHE)
+# Nor the step cache (jmoe/runtime/step_cache.py): tests that patch what a step traces (a kernel made
+# to fail, another backend) must trace it; tests/test_step_cache.py turns it on in a directory of its own.
+os.environ.setdefault("JMOE_STEP_CACHE", "off")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"

@@ -19,6 +19,7 @@ from jmoe.layers.attention import AttentionMeta, KVCache, QuantizedRows
 from jmoe.layers.experts import ExpertState
 from jmoe.layers.modules import cache_bytes_per_token, cache_spec
 from jmoe.layers.rope import rope_tables
+from jmoe.runtime import step_cache
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 64
@@ -176,10 +177,15 @@ _JITS: dict = {}
 
 def jit_for(fn, graphdef, **jit_kwargs):
     """jax.jit of fn(graphdef, ...) with graphdef bound, one per (fn, graphdef): loads of models of
-    the same structure share compiled steps, and no call pays for hashing the graphdef again."""
+    the same structure share compiled steps, and no call pays for hashing the graphdef again. Where
+    the step cache is on (the CPU), a CachedStep: its executables also outlive the process."""
     key = (fn, graphdef)
     if key not in _JITS:
-        _JITS[key] = jax.jit(partial(fn, graphdef), **jit_kwargs)
+        if step_cache.enabled():
+            _JITS[key] = step_cache.CachedStep(partial(fn, graphdef), f"{fn.__module__}.{fn.__qualname__}",
+                                               repr(graphdef), **jit_kwargs)
+        else:
+            _JITS[key] = jax.jit(partial(fn, graphdef), **jit_kwargs)
     return _JITS[key]
 
 
