@@ -329,6 +329,17 @@ def head_tiers_avx2() -> str:
                   f"[min–max]. Machine: {machine(d)} ({source(*names.values())}).")
 
 
+def startup() -> str:
+    """A warm `jmoe generate` of the bundled model with the step cache on and off (python -m bench.startup)."""
+    name = "startup/startup_cpu.json"
+    d = load(name)
+    rows = [[case, mode, med(r["command_wall_s"], 2), med(r["import_s"], 2), med(r["load_s"], 2),
+             med(r["first_generate_s"], 2)] for case, modes in d["cases"].items() for mode, r in modes.items()]
+    out = table(["run", "step cache", "command (s)", "import (s)", "load (s)", "first generate (s)"], rows)
+    return out + (f"\n\n`{d['command']}`; {d['note']}; {d['rounds']} rounds. Machine: {machine(d)} "
+                  f"({source(name)}).")
+
+
 def perplexity() -> str:
     d = load("perplexity/perplexity_tiny_cpu.json")
     rows = [[dom, f(r["tokens_scored"], 0), f"{r['jmoe_ppl']:.4f}", f"{r['transformers_ppl']:.4f}"]
@@ -809,6 +820,7 @@ TABLES = {
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "thread-scaling": thread_scaling,
     "head-tiers-avx2": head_tiers_avx2,
+    "startup": startup,
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,
     "long-context-plan": long_context_plan,
