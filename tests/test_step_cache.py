@@ -78,6 +78,14 @@ def test_a_damaged_entry_is_compiled_again_with_a_warning(cache_dir, caplog):
     assert (cache_dir / entry).read_bytes() != b"not an executable"  # replaced by the fresh compile
 
 
+def test_lower_and_trace_are_jax_jits(cache_dir):
+    step = _step()
+    text = step.lower(jnp.arange(4.0), jnp.ones(4), scale=2.0).as_text()
+    assert "stablehlo.multiply" in text
+    assert step.trace(jnp.arange(4.0), jnp.ones(4), scale=2.0).jaxpr is not None
+    assert not cache_dir.exists() or not _entries(cache_dir)
+
+
 def test_off_means_plain_jit(monkeypatch):
     monkeypatch.setenv(step_cache.ENV, "off")
     assert not step_cache.enabled() and step_cache.directory() is None

@@ -141,6 +141,13 @@ class CachedStep:
         self._last[statics] = compiled
         return compiled(*args, **kwargs)
 
+    def lower(self, *args, **kwargs):
+        """As jax.jit's (for HLO checks and ahead-of-time compiles: nothing is stored)."""
+        return self.jitted.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self.jitted.trace(*args, **kwargs)
+
     def _executable(self, statics, args, kwargs):
         """The executable for this call's signature (None: an argument no key describes)."""
         leaves, tree = jax.tree.flatten((args, kwargs))
