@@ -41,9 +41,10 @@ import jax
 import numpy as np
 from jax._src import config as jax_config
 
+from jmoe.runtime.compile_cache import OFF
+
 ENV = "JMOE_STEP_CACHE"
 MAX_BYTES = 1 << 30  # past this, the least recently used entries go
-OFF = ("off", "0", "false", "no", "none")
 PLAIN = ".plain"  # an entry's marker: this step cannot be stored
 _SOURCES = ("jmoe", "pallas_kernels", "cpu_kernels")
 log = logging.getLogger("jmoe.runtime")
@@ -56,10 +57,15 @@ def _setting() -> str:
     return os.environ.get(ENV, "").strip()
 
 
+def _turned_off() -> bool:
+    """JMOE_STEP_CACHE names an off value (compile_cache's); unset means on."""
+    return bool(_setting()) and _setting().lower() in OFF
+
+
 def enabled() -> bool:
     """On unless turned off; the CPU backend in one process only (executables with GPU kernels, and
     those spanning processes, are not checked here)."""
-    return _setting().lower() not in OFF and jax.default_backend() == "cpu" and jax.process_count() == 1
+    return not _turned_off() and jax.default_backend() == "cpu" and jax.process_count() == 1
 
 
 def directory() -> Path | None:
@@ -157,21 +163,24 @@ class CachedStep:
             return None
         compiled = self._known.get(signature)
         if compiled is None:
-            compiled = self._load_or_compile(statics, signature, args, kwargs)
+            compiled = self._load_or_compile(statics, signature, tree, args, kwargs)
             self._known[signature] = compiled
         return compiled
 
-    def _load_or_compile(self, statics, signature, args, kwargs):
+    def _compile(self, statics, args, kwargs):
+        return self.jitted.lower(*args, **dict(statics), **kwargs).compile()
+
+    def _load_or_compile(self, statics, signature, tree, args, kwargs):
         folder = directory()
         if folder is None:
-            return self.jitted.lower(*args, **dict(statics), **kwargs).compile()
+            return self._compile(statics, args, kwargs)
         key = hashlib.sha256(repr((code_fingerprint(), self.name, self.identity, signature)).encode()).hexdigest()
         if (folder / (key + PLAIN)).exists():  # not storable: jax's own cache serves it
-            return self.jitted.lower(*args, **dict(statics), **kwargs).compile()
-        compiled = _read(folder / key, tree=jax.tree.structure((args, kwargs)))
+            return self._compile(statics, args, kwargs)
+        compiled = _read(folder / key, tree)
         if compiled is None:
             with _fresh_compiles():
-                compiled = self.jitted.lower(*args, **dict(statics), **kwargs).compile()
+                compiled = self._compile(statics, args, kwargs)
             _write(folder, key, compiled)
         return compiled
 
@@ -242,7 +251,8 @@ def _write(folder: Path, key: str, compiled) -> None:
 
 
 def _evict(folder: Path) -> None:
-    entries = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in folder.iterdir() if not p.name.startswith("."))
+    stats = [(p.stat(), p) for p in folder.iterdir() if not p.name.startswith(".")]
+    entries = sorted((st.st_mtime, st.st_size, p) for st, p in stats)
     total = sum(size for _, size, _ in entries)
     for _, size, path in entries:
         if total <= MAX_BYTES:
