@@ -323,8 +323,19 @@ def _routed_sum(h, routing: Routing, chosen, token_valid, layer: LayerExperts, a
         slots = layer.slots[name][routing.ids]
         y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows,
                                activation, layer.int8_dot)  # [N, k, D]
-        w = jnp.where(active, routing.weights, 0.0)
-        out = out + (w[..., None] * y.astype(jnp.float32)).sum(axis=1)
+        out = out + weighted_sum(jnp.where(active, routing.weights, 0.0), y)
+    return out
+
+
+def weighted_sum(w, y) -> jax.Array:
+    """w [N, k], y [N, k, D] -> sum over j of w[:, j] * y[:, j], float32 [N, D]: the combine of each
+    token's k expert outputs, written as k multiply-adds that fuse into one loop. As a reduce over k,
+    XLA:CPU (jax 0.10) hands it to a library fusion that took about 0.25 ms per MoE layer of a
+    decode step at D = 2048, against 0.02 ms this way."""
+    y = y.astype(jnp.float32)
+    out = w[:, 0, None] * y[:, 0]
+    for j in range(1, w.shape[1]):
+        out = out + w[:, j, None] * y[:, j]
     return out
 
 
@@ -355,8 +366,7 @@ def _routed_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerE
     pools = [(p.gate_up, p.down, p.gate_up_bias, p.down_bias) for p in layer.pools.values()]
     y = routed_expert_ffn_tiers(h, token, slot.reshape(-1), tier.reshape(-1), pools, activation=activation,
                                 int8_dot=layer.int8_dot)  # [N * k, D]
-    w = jnp.where(slot != NO_SLOT, routing.weights, 0.0)
-    return (w[..., None] * y.reshape(N, k, -1).astype(jnp.float32)).sum(axis=1)
+    return weighted_sum(jnp.where(slot != NO_SLOT, routing.weights, 0.0), y.reshape(N, k, -1))
 
 
 def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
@@ -368,8 +378,7 @@ def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: Laye
     token = jnp.arange(N * k, dtype=jnp.int32) // k
     y = expert_ffn_tiers(h[token], tier.reshape(-1), slot.reshape(-1), list(layer.pools.values()), block_rows=1,
                          backend=layer.backend, activation=activation, int8_dot=layer.int8_dot)  # [N * k, D]
-    w = jnp.where(slot != NO_SLOT, routing.weights, 0.0)
-    return (w[..., None] * y.reshape(N, k, -1).astype(jnp.float32)).sum(axis=1)
+    return weighted_sum(jnp.where(slot != NO_SLOT, routing.weights, 0.0), y.reshape(N, k, -1))
 
 
 def run_experts(h, routing: Routing, token_valid, layer: LayerExperts, token_importance=None,
