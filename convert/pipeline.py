@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import logging
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -46,6 +47,7 @@ from jmoe.models.checkpoint import checkpoint_names, expert_tensor_names, fused_
 from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
 from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 from jmoe.tokenizer import first_line, load_tokenizer
+from pallas_kernels.qarray import TILE, QArray, tile
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -83,6 +85,7 @@ def convert_checkpoint(
     group_size: int | None = None,
     symmetric: bool | None = None,
     w8a8: bool = False,
+    cpu_layout: bool = False,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
@@ -107,6 +110,9 @@ def convert_checkpoint(
         weights, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
+      cpu_layout: store the integer expert tiers in the CPU layout (pallas_kernels/qarray.py: column
+        tiles of 64, which the CPU kernels stream; GPU kernels leave such experts to the XLA
+        reference, so convert without it for a GPU).
     """
     tiers = parse_tiers(tiers)
     validate.choice("dense_tier", dense_tier, DENSE_TIERS)
@@ -123,8 +129,9 @@ def convert_checkpoint(
         validate.choice("group_size", group_size, (32, 64, 128))
     if symmetric is not None:
         validate.boolean("symmetric", symmetric)
-    w8a8, overwrite, progress = (validate.boolean(n, v) for n, v in
-                                 (("w8a8", w8a8), ("overwrite", overwrite), ("progress", progress)))
+    w8a8, cpu_layout, overwrite, progress = (validate.boolean(n, v) for n, v in
+                                             (("w8a8", w8a8), ("cpu_layout", cpu_layout), ("overwrite", overwrite),
+                                              ("progress", progress)))
     formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq")
                for t in tiers}
     dense_fmt = dense_format(dense_tier, group_size=group_size, symmetric=symmetric)
@@ -136,6 +143,7 @@ def convert_checkpoint(
     cfg = config_from_hf(hf_config)
     source = TensorSource(root)
     check_layer_count(source, cfg)
+    stored = stored_formats(formats, cfg, cpu_layout)
     calibrating = method != "rtn" and any(fmt is not None for fmt in formats.values())
     calibration = None
     if calibrating:
@@ -155,7 +163,7 @@ def convert_checkpoint(
         reader = expert_reader(source, cfg, used)
         source.release()
         layouts, checksums, alphas = write_experts(reader, cfg, tmp, formats, method, progress, calibration,
-                                                   release=source.release)
+                                                   release=source.release, stored=stored)
         copy_tokenizer(root, tmp)
         warn_unused(source, used)
         for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != PARTIAL_MARKER):
@@ -175,7 +183,7 @@ def convert_checkpoint(
             "quantization": quantization,
             "tiers": {
                 tier: {"format": fmt.to_json() if fmt else None, **layouts[tier].to_json()}
-                for tier, fmt in formats.items()
+                for tier, fmt in stored.items()
             },
             "dense": dense_entry,
             "tokenizer": TOKENIZER_DIR if (tmp / TOKENIZER_DIR).is_dir() else None,
@@ -300,11 +308,30 @@ def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> Exp
     return read
 
 
-class LayerFiles:
-    """The expert files of one MoE layer, one per tier, hashed as they are written."""
+def stored_formats(formats: dict, cfg: ModelConfig, cpu_layout: bool) -> dict:
+    """Each tier's format as written: with cpu_layout, integer tiers tiled where every expert
+    weight's width (2F and D) is a whole number of tiles (else written [K, N], with a warning)."""
+    if not cpu_layout:
+        return formats
+    widths = (2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    if any(w % TILE for w in widths):
+        log.warning("expert widths %s are not multiples of %d: experts are written in [K, N] layout", widths, TILE)
+        return formats
+    return {t: None if fmt is None else dataclasses.replace(fmt, tiled=True) for t, fmt in formats.items()}
 
-    def __init__(self, tmp: Path, moe_index: int, layouts: dict[str, RecordLayout]):
-        self.layouts = layouts
+
+def tile_version(version: ExpertWeights) -> ExpertWeights:
+    """One expert version's quantized weights in the CPU layout (biases as they are)."""
+    return version._replace(**{name: tile(w) for name, w in (("gate_up", version.gate_up), ("down", version.down))
+                               if isinstance(w, QArray)})
+
+
+class LayerFiles:
+    """The expert files of one MoE layer, one per tier, hashed as they are written (tiers whose
+    stored format is tiled are tiled on the way)."""
+
+    def __init__(self, tmp: Path, moe_index: int, layouts: dict[str, RecordLayout], tiled: frozenset = frozenset()):
+        self.layouts, self.tiled = layouts, tiled
         self.paths = {tier: expert_file(tier, moe_index) for tier in layouts}
         self.files, self.hashes = {}, {}
         for tier, rel in self.paths.items():
@@ -312,7 +339,7 @@ class LayerFiles:
             self.files[tier], self.hashes[tier] = open(tmp / rel, "wb"), hashlib.sha256()
 
     def write(self, tier: str, version: ExpertWeights) -> None:
-        record = self.layouts[tier].encode(version)
+        record = self.layouts[tier].encode(tile_version(version) if tier in self.tiled else version)
         self.files[tier].write(record)
         self.hashes[tier].update(record)
 
@@ -326,13 +353,17 @@ class LayerFiles:
 
 
 def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: dict, method: str, progress: bool,
-                  calibration: LayerwiseCalibration | None = None, release: Callable[[], None] = lambda: None):
+                  calibration: LayerwiseCalibration | None = None, release: Callable[[], None] = lambda: None,
+                  stored: dict | None = None):
     """One file per (MoE layer, tier), one record per expert, every tier in one pass.
 
     Without calibration (RTN) experts stream one at a time; with it (GPTQ, HAQ) one layer's
-    experts are held while the calibration hidden states pass through that layer.
+    experts are held while the calibration hidden states pass through that layer. `stored`: the
+    formats as written (stored_formats; default `formats`): experts are quantized in `formats`.
     """
-    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier, fmt)) for tier, fmt in formats.items()}
+    stored = formats if stored is None else stored
+    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier, fmt)) for tier, fmt in stored.items()}
+    tiled = frozenset(t for t, fmt in stored.items() if fmt is not None and fmt.tiled)
     checksums, alphas = {}, {}
     E = cfg.num_experts
     with tqdm(total=cfg.num_moe_layers * E, desc="experts", unit="expert", disable=not progress) as bar:
@@ -340,7 +371,7 @@ def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: di
         def write_layer(moe_index: int, inputs=None):
             """Every expert of one MoE layer at every tier; returns the layer's float32 experts."""
             layer = cfg.moe_layer_indices[moe_index]
-            files = LayerFiles(tmp, moe_index, layouts)
+            files = LayerFiles(tmp, moe_index, layouts, tiled)
             try:
                 if inputs is None:
                     for expert in range(E):

@@ -1,7 +1,8 @@
 """Entry points of the CPU kernels, with the XLA reference as the fallback.
 
 Weights reach the native kernels in their stored layout (pallas_kernels/qarray.py): plain
-bf16/float32 [.., K, N] or QArray codes, scales and offsets. What the kernels do not do themselves
+bf16/float32 [.., K, N] or QArray codes, scales and offsets, in [K, N] order or the CPU layout's
+column tiles. What the kernels do not do themselves
 is done here, on the small activations: HAQ's input smoothing (x * act_scale) and W8A8's per-token
 activation quantization, exactly as the XLA reference does them.
 """
@@ -29,14 +30,14 @@ def _weight_operands(w):
         fmt = w.fmt
         offsets = native.empty(np.float16) if w.offsets is None else w.offsets
         return (w.values, w.scales, offsets), dict(bits=np.int64(fmt.bits), group=np.int64(fmt.group_size),
-                                                   symmetric=bool(fmt.symmetric))
+                                                   symmetric=bool(fmt.symmetric), tiled=fmt.tiles(w.n))
     dtype = jnp.dtype(w.dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         w = w.astype(jnp.float32)
         dtype = jnp.dtype(jnp.float32)
     bits = 16 if dtype == jnp.dtype(jnp.bfloat16) else 32
     return (w, native.empty(np.float16), native.empty(np.float16)), dict(bits=np.int64(bits), group=np.int64(64),
-                                                                         symmetric=True)
+                                                                         symmetric=True, tiled=False)
 
 
 def matmul(x: jax.Array, w, *, int8_dot: bool = False) -> jax.Array:

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--group-size", type=int, default=None, help="group size along K (32, 64, 128)")
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
+    conv.add_argument("--cpu-layout", action="store_true",
+                      help="integer expert tiers in the CPU kernels' layout (column tiles they stream; "
+                           "GPU kernels leave such experts to the XLA reference)")
     conv.add_argument("--force", action="store_true", help="replace an existing output directory")
     conv.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
@@ -190,6 +193,7 @@ def cmd_convert(args) -> None:
                              head_tier=args.head_tier, method=args.method, calib=calib,
                              calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
                              group_size=args.group_size, symmetric=args.symmetric, w8a8=args.w8a8,
+                             cpu_layout=args.cpu_layout,
                              overwrite=args.force, progress=not args.no_progress)
     print(f"wrote {out}", file=sys.stderr)
 

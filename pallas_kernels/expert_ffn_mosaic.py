@@ -56,7 +56,8 @@ def supports_mosaic(rows, gate_up, down, block_rows: int, gate_up_bias=None, dow
                                                                           jnp.dtype(jnp.bfloat16)):
         return False
     for w in (gate_up, down):
-        if not (isinstance(w, QArray) and w.fmt.bits == 4 and w.fmt.act_bits is None and w.act_scale is None):
+        if not (isinstance(w, QArray) and w.fmt.bits == 4 and w.fmt.act_bits is None and w.act_scale is None
+                and not w.fmt.tiled):
             return False
         if w.values.shape[-2] % TILE_ROWS or w.n % TILE_N:
             return False

@@ -228,6 +228,8 @@ def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=
         return False
     if rows.ndim != 2 or rows.shape[0] % block_rows:
         return False
+    if any(isinstance(w, QArray) and w.fmt.tiled for w in (gate_up, down)):
+        return False  # the CPU layout is the CPU kernels' (and the reference reads it through untile)
     if not all(offsets_fit(a) for w in (gate_up, down) for a in pool_arrays(w)):
         return False
     D = rows.shape[1]

@@ -13,6 +13,11 @@ each group: the G / pack bytes of group g hold, in bit field j, the K rows g*G +
 a kernel unpacks bit field j into a contiguous K slice without any interleaving.
 
 With act_bits = 8 (W8A8) the activations are quantized per token to int8 before the matmul.
+
+The CPU layout (fmt.tiled, written by `jmoe convert --cpu-layout`): the same arrays, same shapes,
+with every row's columns regrouped into tiles of TILE: tile t (columns [TILE t, TILE t + TILE)) of
+all rows is stored as one K-major [rows, TILE] block, the blocks in column order. The CPU kernels
+read a tile as one sequential stream; everything else reads such an array through `untile`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import jax
 import jax.numpy as jnp
 
 
+TILE = 64  # columns per tile of the CPU layout (the CPU kernels' tile)
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     bits: int  # 8, 4 or 2
@@ -32,6 +40,7 @@ class QuantFormat:
     symmetric: bool
     act_bits: int | None = None  # 8: W8A8 (per-token int8 activations)
     smooth: bool = False  # has an act_scale input-smoothing vector (HAQ)
+    tiled: bool = False  # the CPU layout: columns stored in tiles of TILE (module docstring)
 
     def __post_init__(self):
         if self.bits not in (2, 4, 8):
@@ -42,6 +51,10 @@ class QuantFormat:
             raise ValueError(f"act_bits must be None or 8, not {self.act_bits}")
         if self.act_bits and not (self.bits == 8 and self.symmetric):
             raise ValueError("W8A8 needs symmetric int8 weights")
+
+    def tiles(self, n: int) -> bool:
+        """Whether a weight of N columns in this format is stored tiled (N a multiple of TILE)."""
+        return self.tiled and n % TILE == 0
 
     @property
     def pack(self) -> int:
@@ -59,7 +72,10 @@ class QuantFormat:
         return -(-k // self.group_size) * self.group_size
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.tiled:  # written only where set: [K, N] manifests read as before
+            del d["tiled"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "QuantFormat":
@@ -100,6 +116,37 @@ def template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = ()) ->
     )
 
 
+def _regroup(a, to_tiles: bool):
+    """[..., R, N] <-> the same shape with columns in tiles of TILE (numpy or jax arrays)."""
+    *lead, r, n = a.shape
+    if to_tiles:
+        return a.reshape(*lead, r, n // TILE, TILE).swapaxes(-3, -2).reshape(*lead, r, n)
+    return a.reshape(*lead, n // TILE, r, TILE).swapaxes(-3, -2).reshape(*lead, r, n)
+
+
+def tile(q: QArray) -> QArray:
+    """A QArray in [K, N] layout -> the same weight in the CPU layout (fmt.tiled), where N allows;
+    numpy or jax arrays. Anything else is returned as it is."""
+    if q.fmt.tiled or q.n % TILE:
+        return q
+    regroup = lambda a: None if a is None else _regroup(a, True)  # noqa: E731
+    return dataclasses.replace(q, values=regroup(q.values), scales=regroup(q.scales), offsets=regroup(q.offsets),
+                               fmt=dataclasses.replace(q.fmt, tiled=True))
+
+
+def untile(q: QArray) -> QArray:
+    """A QArray in the CPU layout -> the same weight in [K, N] layout (a tiled format's weight
+    whose N is not a multiple of TILE was never tiled)."""
+    if not q.fmt.tiled:
+        return q
+    fmt = dataclasses.replace(q.fmt, tiled=False)
+    if q.n % TILE:
+        return dataclasses.replace(q, fmt=fmt)
+    regroup = lambda a: None if a is None else _regroup(a, False)  # noqa: E731
+    return dataclasses.replace(q, values=regroup(q.values), scales=regroup(q.scales), offsets=regroup(q.offsets),
+                               fmt=fmt)
+
+
 def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
     """uint8 [..., Kp / pack, N] -> integer codes [..., Kp, N] (int32), undoing the planar packing."""
     *lead, rows, n = values.shape
@@ -127,6 +174,7 @@ def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)  # as pack_codes
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     """Reference dequantization to the logical weight [..., K, N] (smoothing not applied)."""
+    q = untile(q)
     fmt = q.fmt
     codes = unpack_codes(q.values, fmt).astype(jnp.float32)
     scales = jnp.repeat(q.scales.astype(jnp.float32), fmt.group_size, axis=-2)

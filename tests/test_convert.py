@@ -171,3 +171,37 @@ def test_hub_id_that_cannot_be_fetched_fails_cleanly(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="not a local directory and could not be fetched from the hub: no network"):
         convert_checkpoint("some-org/some-moe", tmp_path / "out", progress=False)
     assert no_partial_output(tmp_path, "out")
+
+
+def test_cpu_layout_stores_integer_experts_in_tiles_that_compute_the_same(tmp_path, caplog):
+    """--cpu-layout writes the integer expert tiers in column tiles (the manifest says so, the
+    records hold other bytes of the same size); the model computes the same logits from them, on
+    both CPU dots and offloaded; widths that are no whole number of tiles stay [K, N], with a warning."""
+    small_hf = tmp_path / "hf"
+    make_checkpoint("qwen3_moe", small_hf, overrides=dict(moe_intermediate_size=64))  # gate_up: two tiles
+    plain = convert_checkpoint(small_hf, tmp_path / "plain", tiers="bf16,int4,int2", progress=False)
+    tiled = convert_checkpoint(small_hf, tmp_path / "tiled", tiers="bf16,int4,int2", cpu_layout=True, progress=False)
+    tiers = read_manifest(tiled)["tiers"]
+    assert tiers["int4"]["format"]["tiled"] and tiers["int2"]["format"]["tiled"] and tiers["bf16"]["format"] is None
+    assert "tiled" not in read_manifest(plain)["tiers"]["int4"]["format"]
+    for tier in ("int4", "int2"):
+        a, b = ((p / "experts" / tier / "layer000.bin").read_bytes() for p in (plain, tiled))
+        assert len(a) == len(b) and a != b
+    ids = [5, 17, 99, 3, 42, 250, 7]
+    for tier, cpu_dot in (("int4", "float"), ("int4", "int8"), ("int2", "int8")):
+        logits = [np.asarray(jmoe.forward(jmoe.load(p, tier=tier, cpu_dot=cpu_dot, compute_dtype="float32"), ids))
+                  for p in (plain, tiled)]
+        assert np.array_equal(*logits), (tier, cpu_dot)
+    resident = jmoe.load(plain, tier="int4", compute_dtype="float32")
+    fixed = sum(v for k, v in resident.memory.items() if k != "experts")
+    offloaded = jmoe.load(tiled, tier="int4", compute_dtype="float32", policy="lru",
+                          device_budget=int(fixed + 0.8 * resident.memory["experts"]))
+    assert offloaded.residency.slots < offloaded.config.num_moe_layers * offloaded.config.num_experts
+    assert jmoe.generate(offloaded, ids, max_new_tokens=8) == jmoe.generate(resident, ids, max_new_tokens=8)
+
+    narrow = tmp_path / "narrow"
+    make_checkpoint("qwen3_moe", narrow, overrides=dict(moe_intermediate_size=40))
+    with caplog.at_level("WARNING", logger="jmoe.convert"):
+        out = convert_checkpoint(narrow, tmp_path / "narrow-out", tiers="int4", cpu_layout=True, progress=False)
+    assert "tiled" not in read_manifest(out)["tiers"]["int4"]["format"]
+    assert "not multiples of 64" in caplog.text

@@ -20,7 +20,7 @@ from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups
+from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups, tile, untile
 
 FORMATS = {
     "bf16": None,
@@ -102,6 +102,69 @@ def test_matmul_matches_float64(name, m, k, n):
     ref = x.astype(np.float64) @ _dense(w)
     assert y.dtype == np.float32 and y.shape == (m, n)
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max() + 1e-7
+
+
+def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
+    """tile() regroups each row's columns into tiles of 64 (tile t of every row one K-major block,
+    in column order); untile() gives the [K, N] arrays back; dequantize reads either."""
+    rng = np.random.default_rng(3)
+    w = _weight(rng, 256, 192, FORMATS["int4"])
+    t = tile(w)
+    assert t.fmt.tiled and not w.fmt.tiled and t.values.shape == w.values.shape
+    rows = w.values.shape[0]
+    # tile 1's block is rows x 64 bytes straight after tile 0's: row r of it is columns 64..127 of row r
+    flat = np.asarray(t.values).reshape(-1)
+    assert np.array_equal(flat[rows * 64 : rows * 128].reshape(rows, 64), np.asarray(w.values)[:, 64:128])
+    assert np.array_equal(np.asarray(t.scales).reshape(-1)[: w.scales.shape[0] * 64].reshape(-1, 64),
+                          np.asarray(w.scales)[:, :64])
+    back = untile(t)
+    assert back.fmt == w.fmt and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                                     ((back.values, w.values), (back.scales, w.scales), (back.offsets, w.offsets)))
+    assert np.array_equal(np.asarray(dequantize(t)), np.asarray(dequantize(w)))
+    ragged = _weight(rng, 128, 100, FORMATS["int4"])
+    assert tile(ragged) is ragged  # 100 columns are no whole number of tiles: [K, N] stays
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int4-sym-g32"])
+@pytest.mark.parametrize("int8_dot", [False, True])
+# one row (a whole product per task), few rows split over K, panel rows with a rest, many rows
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (2, 768, 2048), (3, 1100, 128), (9, 512, 640), (40, 256, 192)])
+def test_matmul_reads_the_cpu_layout_as_it_reads_k_by_n(name, m, k, n, int8_dot):
+    """Every native path (few rows in registers, K split over tasks, panels, float and int8 dot)
+    gives a tiled weight the numbers it gives the same weight in [K, N]."""
+    rng = np.random.default_rng(m * 7 + k)
+    w = _weight(rng, k, n, FORMATS[name])
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    run = jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=int8_dot))
+    expected = np.asarray(run(x, w))
+    assert np.array_equal(np.asarray(run(x, tile(w))), expected)
+
+
+@pytest.mark.parametrize("tier", ["int4", "int2"])
+def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
+    """The block and routed expert kernels and the one-call-for-every-tier kernel on pools in the
+    CPU layout (Qwen3-30B-A3B's widths) give what they give the same pools in [K, N]; the XLA
+    reference reads tiled pools too."""
+    rng = np.random.default_rng(21)
+    D, F, S = 2048, 768, 3
+    gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
+    tgu, tdn = tile(gu), tile(dn)
+    rows = jnp.asarray(rng.standard_normal((8, D)).astype(np.float32))
+    bs = jnp.asarray(np.array([0, 2, -1, 1, 1, 0, 2, -1], np.int32))
+    for int8_dot in (False, True):
+        kw = dict(block_rows=1, int8_dot=int8_dot)
+        run = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, backend="cpu", **kw))
+        assert np.array_equal(np.asarray(run(rows, bs, tgu, tdn)), np.asarray(run(rows, bs, gu, dn)))
+        routed = jax.jit(lambda h, s, g, d: ops.routed_expert_ffn(h, jnp.arange(8, dtype=jnp.int32), s, g, d,
+                                                                  int8_dot=int8_dot))
+        assert np.array_equal(np.asarray(routed(rows, bs, tgu, tdn)), np.asarray(routed(rows, bs, gu, dn)))
+    tier_of = jnp.asarray(np.array([0, 1, 0, 1, 0, 1, 0, 1], np.int32))
+    both = jax.jit(lambda h, s, r, p: ops.routed_expert_ffn_tiers(h, jnp.arange(8, dtype=jnp.int32), s, r, p))
+    mixed = [(tgu, tdn, None, None), (gu, dn, None, None)]
+    assert np.array_equal(np.asarray(both(rows, bs, tier_of, mixed)),
+                          np.asarray(both(rows, bs, tier_of, [(gu, dn, None, None)] * 2)))
+    ref = jax.jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1))
+    np.testing.assert_allclose(np.asarray(ref(rows, bs, tgu, tdn)), np.asarray(ref(rows, bs, gu, dn)), rtol=0, atol=0)
 
 
 def test_matmul_keeps_leading_dims_and_takes_bf16_inputs():

@@ -41,6 +41,12 @@ constexpr int kCodePrefetchRows = 64;   // byte rows of codes ahead (two int4 gr
 constexpr int kToL2 = 2;                // __builtin_prefetch's locality for prefetcht1
 
 // One K-major weight [K, N] (one pool slot, or a dense parameter).
+//
+// Tiled (quantized weights only, N a multiple of kTile): values, scales and offsets are stored in
+// column tiles, tile t holding columns [64 t, 64 t + 64) of every row as a K-major [rows, 64] block
+// of its own (pallas_kernels.qarray's CPU layout). A product then reads each tile as one sequential
+// stream, where [K, N] walks eight byte rows N bytes apart at a time; the kernels run each tile as
+// a plain weight of 64 columns (tile()).
 struct Weight {
   const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / pack, N]
   const uint16_t* scales;    // float16 [Kp / G, N] (quantized only)
@@ -49,6 +55,9 @@ struct Weight {
   int64_t group;             // G (quantized only)
   bool symmetric;
   int64_t k, n;              // logical K, N
+  bool tiled = false;
+  int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows and groups of the whole weight's tiles
+  int64_t first_group = 0;                 // tiled: the group rows(k0, k1) starts at
 
   bool quantized() const { return bits <= 8; }
   int64_t padded_k() const { return quantized() ? (k + group - 1) / group * group : k; }
@@ -67,7 +76,9 @@ struct Weight {
   Weight rows(int64_t k0, int64_t k1) const {
     Weight w = *this;
     w.k = k1 - k0;
-    if (quantized()) {
+    if (tiled) {  // the tiles stay where they are: tile() starts each at the group
+      w.first_group = first_group + k0 / group;
+    } else if (quantized()) {
       const int64_t g0 = k0 / group;
       w.values = static_cast<const uint8_t*>(values) + g0 * (group / (8 / bits)) * n;
       if (scales) w.scales = scales + g0 * n;
@@ -75,6 +86,19 @@ struct Weight {
     } else {
       w.values = static_cast<const uint8_t*>(values) + k0 * n * (bits / 8);
     }
+    return w;
+  }
+
+  // Column tile t of a tiled weight as a plain K-major weight of kTile columns.
+  Weight tile(int64_t t) const {
+    Weight w = *this;
+    w.tiled = false;
+    w.n = kTile;
+    w.first_group = 0;
+    const int64_t plane = group / (8 / bits);
+    w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_group * plane) * kTile;
+    if (scales) w.scales = scales + (t * tile_groups + first_group) * kTile;
+    if (offsets) w.offsets = offsets + (t * tile_groups + first_group) * kTile;
     return w;
   }
 };
@@ -483,7 +507,13 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
   parallel_for(pool, tasks.size(), [&](int64_t t) {
     const Task& task = tasks[t];
     const Product& p = products[task.product];
-    gemm_cols(p.in.from_k(task.k0), p.M, p.w.rows(task.k0, task.k1), task.n0, task.n1, task.y, task.ldy);
+    const Weight w = p.w.rows(task.k0, task.k1);
+    if (!w.tiled) {
+      gemm_cols(p.in.from_k(task.k0), p.M, w, task.n0, task.n1, task.y, task.ldy);
+      return;
+    }
+    for (int64_t c0 = task.n0; c0 < task.n1; c0 += kTile)  // blocks are whole tiles (N % kTile == 0)
+      gemm_cols(p.in.from_k(task.k0), p.M, w.tile(c0 / kTile), 0, kTile, task.y + c0, task.ldy);
   });
   for (size_t i = 0; i < products.size(); ++i) {
     const Product& p = products[i];
@@ -512,7 +542,8 @@ static auto rows_on(ffi::ThreadPool& pool) {
 
 // Weight description from a pool's buffers (leading slot dimension optional).
 static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
-                           int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, Weight* w) {
+                           int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, Weight* w,
+                           bool tiled = false) {
   if (bits != 32 && bits != 16 && bits != 8 && bits != 4 && bits != 2)
     return ffi::Error::InvalidArgument("bits must be 32, 16, 8, 4 or 2");
   const auto dtype = values.element_type();
@@ -527,6 +558,13 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, 
   if (bits <= 8 && (scales.element_count() % w->scale_count() != 0 ||
                     (!symmetric && offsets.element_count() != scales.element_count())))
     return ffi::Error::InvalidArgument("scales or offsets do not match the weight's shape");
+  if (tiled) {
+    if (bits > 8 || n % kTile != 0)
+      return ffi::Error::InvalidArgument("a tiled weight must be quantized, with N a multiple of 64");
+    w->tiled = true;
+    w->tile_rows = w->padded_k() / (8 / w->bits);
+    w->tile_groups = w->padded_k() / w->group;
+  }
   return ffi::Error::Success();
 }
 
@@ -534,9 +572,9 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, 
 static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                               ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
                               ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, bool symmetric, int64_t k,
-                              int64_t n, bool int8_dot) {
+                              int64_t n, bool int8_dot, bool tiled) {
   Weight w;
-  if (auto err = describe(values, scales, offsets, bits, group, symmetric, k, n, &w); err.failure()) return err;
+  if (auto err = describe(values, scales, offsets, bits, group, symmetric, k, n, &w, tiled); err.failure()) return err;
   if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
     return ffi::Error::InvalidArgument("weight values do not match [K, N]");
   const auto dims = x.dimensions();
@@ -584,11 +622,12 @@ static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_
                              ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
                              const ffi::Dictionary& attrs, ExpertPools* p, const std::string& suffix = "") {
   int64_t gu_bits, gu_group, dn_bits, dn_group;
-  bool gu_sym, dn_sym;
+  bool gu_sym, dn_sym, gu_tiled, dn_tiled;
   auto own = [&](const char* name) { return std::string(name) + suffix; };
   for (auto e : {attr(attrs, own("gu_bits").c_str(), &gu_bits), attr(attrs, own("gu_group").c_str(), &gu_group),
                  attr(attrs, own("gu_symmetric").c_str(), &gu_sym), attr(attrs, own("dn_bits").c_str(), &dn_bits),
                  attr(attrs, own("dn_group").c_str(), &dn_group), attr(attrs, own("dn_symmetric").c_str(), &dn_sym),
+                 attr(attrs, own("gu_tiled").c_str(), &gu_tiled), attr(attrs, own("dn_tiled").c_str(), &dn_tiled),
                  attr(attrs, "hidden", &p->D), attr(attrs, "inner", &p->F),
                  attr(attrs, own("slots").c_str(), &p->slots),
                  attr(attrs, "clamped", &p->clamped), attr(attrs, "alpha", &p->alpha), attr(attrs, "limit", &p->limit),
@@ -596,9 +635,11 @@ static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_
                  attr(attrs, own("gu_int8_dot").c_str(), &p->gu_int8_dot),
                  attr(attrs, own("dn_int8_dot").c_str(), &p->dn_int8_dot)})
     if (e.failure()) return e;
-  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_sym, p->D, 2 * p->F, &p->gu); e.failure())
+  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_sym, p->D, 2 * p->F, &p->gu,
+                          gu_tiled); e.failure())
     return e;
-  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bits, dn_group, dn_sym, p->F, p->D, &p->dn); e.failure())
+  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bits, dn_group, dn_sym, p->F, p->D, &p->dn,
+                          dn_tiled); e.failure())
     return e;
   if (gu_values.size_bytes() != static_cast<size_t>(p->slots * p->gu.value_bytes()) ||
       dn_values.size_bytes() != static_cast<size_t>(p->slots * p->dn.value_bytes()))
@@ -940,7 +981,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
                                   .Attr<bool>("symmetric")
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
-                                  .Attr<bool>("int8_dot"));
+                                  .Attr<bool>("int8_dot")
+                                  .Attr<bool>("tiled"));
 
 // Both FFN targets take the pools first, then their own inputs, and their attributes as a dictionary.
 static auto bind_pools() {

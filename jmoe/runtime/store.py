@@ -8,6 +8,7 @@ from the page cache into buffers the caller owns, which maps nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from jmoe.format import RecordLayout, expert_file
 from jmoe.quant import ExpertWeights, QuantFormat
 from jmoe.runtime.host_memory import aligned_empty, read_into, release_pages
 from jmoe.tiers import expert_template
+
+log = logging.getLogger("jmoe.runtime")
 
 
 class ExpertStore:
@@ -47,6 +50,10 @@ class ExpertStore:
                 if listed is None or listed["bytes"] != layout.nbytes * cfg.num_experts:
                     raise FormatError(f"manifest.json does not list {expert_file(tier, layer)} with "
                                       f"{cfg.num_experts} records of {layout.nbytes} bytes")
+        tiled = [t for t, fmt in self.formats.items() if fmt is not None and fmt.tiled]
+        if tiled and jax.default_backend() != "cpu":
+            log.warning("tiers %s were converted with --cpu-layout: the GPU kernels leave them to the XLA "
+                        "reference (slow); convert without it for a GPU", ", ".join(tiled))
         self._maps: dict[tuple[str, int], np.memmap] = {}
         self._fds: dict[tuple[str, int], int] = {}
 
