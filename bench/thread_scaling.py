@@ -7,10 +7,11 @@ process is pinned to T cores before its CPU backend sizes its pool), against GGU
 `llama-bench -t T`, each `-p --prompt -n --new-tokens`. Medians of the rounds, ratios within a
 round [min-max], and each side's scaling from the fewest threads to the most.
 
-    python -m bench.thread_scaling [--threads 1,2] [--rounds 3] [--layers 2] [--head-tier int4]
+    python -m bench.thread_scaling [--threads 1,2] [--rounds 3] [--layers 2] [--head-tier int4] [--cpu-layout]
 
 --head-tier converts the slice with that LM head (the converter's default beside dense int4 is
-int8; llama.cpp's Q4_0 GGUF keeps its head at Q6_K).
+int8; llama.cpp's Q4_0 GGUF keeps its head at Q6_K); --cpu-layout converts it with the experts in
+the CPU kernels' layout (`jmoe convert --cpu-layout`).
 
 Needs llama.cpp (bench/lib/llama_cpp.py says where it is found and how to build it).
 """
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-tier", choices=("bf16", "int8", "int4"), default=None,
                         help="jmoe's LM head tier (default: the converter's, int8 beside dense int4)")
+    parser.add_argument("--cpu-layout", action="store_true", help="convert the experts with --cpu-layout")
     parser.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")))
     args = parser.parse_args()
     counts = [int(t) for t in args.threads.split(",")]
@@ -63,7 +65,7 @@ def main() -> None:
         parser.error(f"this process may use {len(os.sched_getaffinity(0))} cores, fewer than {max(counts)}")
     data = args.data.expanduser()
 
-    _, converted, gguf, llama = int4_slice_and_q4_0(args.model, args.layers, data, args.head_tier)
+    _, converted, gguf, llama = int4_slice_and_q4_0(args.model, args.layers, data, args.head_tier, args.cpu_layout)
 
     runs = {t: {"jmoe": [], "llama.cpp": []} for t in counts}
     for r in range(args.rounds):
@@ -91,11 +93,12 @@ def main() -> None:
               f"{v['ratio']['median']:.2f} [{v['ratio']['min']:.2f}-{v['ratio']['max']:.2f}]")
     for key, v in scaling.items():
         print(f"{key}: {v:.2f}x")
-    head = f"_head_{args.head_tier}" if args.head_tier else ""
+    head = (f"_head_{args.head_tier}" if args.head_tier else "") + ("_cpu_layout" if args.cpu_layout else "")
     head_tier = json.loads((converted / "manifest.json").read_text())["dense"].get("head_tier")  # what it holds
     write_result("kernels", f"thread_scaling_{args.model}_{args.layers}L{head}", {
         "model": f"{model_named(args.model).name} shapes, {args.layers} layers, random weights",
-        "jmoe": f"int4 experts + dense int4 ({head_tier} LM head), cpu_dot int8, jmoe bench -r 3 --threads T",
+        "jmoe": f"int4 experts{' (--cpu-layout)' if args.cpu_layout else ''} + dense int4 ({head_tier} LM head), "
+                "cpu_dot int8, jmoe bench -r 3 --threads T",
         "llama_cpp": f"Q4_0, llama-bench -t T -r 1 ({llama.version()})", "threads": counts, "prompt": args.prompt,
         "new_tokens": args.new_tokens, "rounds": args.rounds, "runs": {str(t): v for t, v in runs.items()},
         "summary": summary, "scaling": scaling})
