@@ -167,6 +167,15 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
     return y.astype(h.dtype)
 
 
+def first_max(logits: jax.Array) -> jax.Array:
+    """logits [..., V] float32 -> int32 [...]: each row's first index holding its largest value (NaNs
+    never chosen; a row of NaNs gives V - 1), on the native kernel. Native kernels only."""
+    *lead, V = logits.shape
+    rows = logits.reshape(-1, V).astype(jnp.float32)
+    out = native.call(native.FIRST_MAX, jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32), rows)
+    return out.reshape(lead)
+
+
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
     """cache [B, H, S, w] with rows [B, H, T, w] written from slot start[b] of each row b, in place
     (the result aliases the cache); XLA's dynamic_update_slice per row where the kernels do not run."""

@@ -137,10 +137,10 @@ def test_seeds_use_all_64_bits():
 
 def test_greedy_tokens_take_the_first_largest_logit_as_argmax_does():
     rng = np.random.default_rng(3)
-    logits = rng.standard_normal((6, 5000)).astype(np.float32)
+    logits = rng.standard_normal((6, 5003)).astype(np.float32)  # not a whole number of vectors
     logits[1, [7, 4000]] = 9.0  # a tie: the first index wins
     logits[2, :] = -np.inf  # nothing allowed: index 0, as argmax
-    logits[3, 4999] = np.inf
+    logits[3, 5002] = np.inf
     logits[4] = np.round(logits[4])  # many ties
     got = np.asarray(greedy_tokens(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))

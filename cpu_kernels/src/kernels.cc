@@ -912,6 +912,49 @@ static ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi
   return ffi::Error::Success();
 }
 
+// Greedy decoding's choice per row of logits [B, V]: the first index of the row's largest value,
+// NaNs never chosen (a row of NaNs gives V - 1). A vector max, then the first index holding it:
+// XLA:CPU (jax 0.10) ran the same two reductions over a 151,936-token vocabulary in about 0.4 ms.
+__attribute__((target("avx2"))) static float row_max_avx2(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + i), m);  // a NaN operand gives m back
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = -INFINITY;
+  for (float v : lanes) best = std::max(best, v);
+  for (; i < n; ++i)
+    if (x[i] > best) best = x[i];
+  return best;
+}
+
+static float row_max(const float* x, int64_t n) {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  if (avx2) return row_max_avx2(x, n);
+  float best = -INFINITY;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] > best) best = x[i];
+  return best;
+}
+
+static ffi::Error first_max_impl(ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> out) {
+  const auto d = logits.dimensions();
+  if (d.size() != 2 || d[1] == 0 || out->element_count() != static_cast<size_t>(d[0]))
+    return ffi::Error::InvalidArgument("first_max wants logits [B, V] (V > 0) and a result [B]");
+  const int64_t B = d[0], V = d[1];
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = logits.typed_data() + b * V;
+    const float best = row_max(x, V);
+    int64_t i = 0;
+    while (i < V && !(x[i] == best)) ++i;  // -inf rows find their first -inf; NaN rows run off the end
+    out->typed_data()[b] = static_cast<int32_t>(std::min<int64_t>(i, V - 1));
+  }
+  return ffi::Error::Success();
+}
+
 // Rows of a pool [S, ...] replaced in place: row slot[i] = bytes [offset, offset + row bytes) of
 // source row r[i] for every i with 0 <= slot[i] < S and 0 <= r[i] < n (others are skipped); r[i] = i
 // without `source_row`. source [n, ...] of any type: an expert record's raw bytes, each leaf of the
@@ -1023,6 +1066,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuRoutedFfnTiers, jmoe::routed_ffn_tiers_impl
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attrs());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuFirstMax, jmoe::first_max_impl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteRows, jmoe::write_rows_impl,
                               ffi::Ffi::Bind()
