@@ -313,9 +313,12 @@ def thread_scaling() -> str:
 
 
 def head_tiers_avx2() -> str:
-    """The 8-layer slice at 2 threads with each LM head (bench.thread_scaling --layers 8 [--head-tier int4])."""
+    """The 8-layer slice at 2 threads with each LM head and expert layout (bench.thread_scaling --layers 8
+    [--head-tier int4] [--cpu-layout])."""
     names = {"int8 LM head (the converter's default)": "kernels/thread_scaling_qwen3-30b-a3b_8L_cpu.json",
-             "int4 LM head (`--head-tier int4`)": "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu.json"}
+             "int4 LM head (`--head-tier int4`)": "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu.json",
+             "int4 LM head, experts `--cpu-layout`":
+                 "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"}
     rows = []
     for label, name in names.items():
         d = load(name)
