@@ -129,6 +129,15 @@ def headline() -> str:
             f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
             machine(xeon), source("real_shapes/real_shapes_xeon_cpu.json"),
         ])
+    tiled_name = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
+    tiled = load(tiled_name)
+    dec = tiled["summary"]["decode_tok_s @2"]
+    rows.append([
+        "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX2 EPYC, int4 experts in the CPU layout "
+        "(`--cpu-layout`), dense int4, int4 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
+        f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
+        machine(tiled), source(tiled_name),
+    ])
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
