@@ -223,6 +223,7 @@ ROWS = [
     Row("convert-group-size-string", lambda c: conv(c, tiers="int4", group_size="64"), InputError, "group_size"),
     Row("convert-symmetric-string", lambda c: conv(c, symmetric="yes"), InputError, "symmetric"),
     Row("convert-w8a8-int", lambda c: conv(c, w8a8=1), InputError, "w8a8"),
+    Row("convert-cpu-layout-string", lambda c: conv(c, cpu_layout="yes"), InputError, "cpu_layout"),
     Row("convert-overwrite-string", lambda c: conv(c, overwrite="no"), InputError, "overwrite"),
     Row("convert-progress-none", lambda c: conv(c, progress=None), InputError, "progress"),
     Row("convert-calib-file-missing",
