@@ -50,6 +50,13 @@ def zeros_qarray(fmt: QuantFormat, k: int, n: int) -> QArray:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template(fmt, k, n))
 
 
+def initial_value(init, rngs: nnx.Rngs | None, shape: tuple, dtype) -> jax.Array:
+    """A parameter's initial value: `init` drawn from `rngs`, or zeros when rngs is None (a model built
+    only for its shapes, whose weights are loaded: tracing the random initialisers cost about half
+    of a small model's load time)."""
+    return jnp.zeros(shape, dtype) if rngs is None else init(rngs.params(), shape, dtype)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias) in the compute dtype; kernel [in, out] a plain array or a QArray
     (`quant`), bias float (param_dtype). Parameter names follow nnx.Linear's (kernel, bias)."""
@@ -58,7 +65,7 @@ class Linear(nnx.Module):
                  quant: QuantFormat | None = None):
         if quant is None:
             init = nnx.initializers.lecun_normal()
-            self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+            self.kernel = nnx.Param(initial_value(init, rngs, (in_features, out_features), param_dtype))
         else:
             self.kernel = nnx.Param(zeros_qarray(quant, in_features, out_features))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
@@ -89,7 +96,7 @@ class Embed(nnx.Module):
                  quant: QuantFormat | None = None):
         if quant is None:
             init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
-            self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
+            self.embedding = nnx.Param(initial_value(init, rngs, (num_embeddings, features), param_dtype))
         else:
             self.embedding = nnx.Param(zeros_qarray(quant, features, num_embeddings))
         self.features = features

@@ -13,13 +13,13 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError
 from jmoe.layers.experts import Routing
-from jmoe.layers.linear import matmul
+from jmoe.layers.linear import initial_value, matmul
 
 
 class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
         init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.num_experts), param_dtype))
+        self.kernel = nnx.Param(initial_value(init, rngs, (cfg.hidden_size, cfg.num_experts), param_dtype))
         self.top_k, self.num_experts = cfg.top_k, cfg.num_experts
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor

@@ -210,8 +210,7 @@ def abstract_model(cfg: ModelConfig, dtype, quant: QuantFormat | None = None,
                    head_quant: QuantFormat | None | str = AS_DENSE) -> Transformer:
     """The model with shape-only parameters (no memory, no random init); `quant`: the dense tier's
     format, `head_quant`: the LM head's and embedding table's (default: the dense tier's)."""
-    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), quant=quant,
-                                              head_quant=head_quant))
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=None, quant=quant, head_quant=head_quant))
 
 
 __all__ = ["AS_DENSE", "Transformer", "StepSignals", "abstract_model", "run_layers", "TracedLayers"]
