@@ -43,12 +43,14 @@ readme-check: $(STAMP)
 # while pytest reports a failure) can corrupt the ast module's recursion counter, which turns the
 # report of a failing test into a pytest INTERNALERROR that hides it.
 # -n 2 --dist loadfile: two worker processes (the CI machine's two cores; most of a test's time is
-# XLA compiling, one core each), each test module on one worker so its fixtures are built once.
+# XLA compiling, one core each), each test module on one worker so its fixtures are built once;
+# --no-loadscope-reorder: modules in collection order, which tests/conftest.py makes slowest first.
 # Beside the suite, one after another (mostly one core): the H100 compile check (gpu-compile, below:
 # its venv's download, then compiling), the docs site (docs) and the README's commands
 # (readme-check), each into its log, printed after the tests; any of them failing fails `make
 # test`, whose last line is pytest's summary line again (what CI reads).
 TEST_WORKERS ?= 2
+TEST_ARGS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 GPU_COMPILE_LOG ?= gpu-compile.log
 DOCS_LOG ?= docs.log
 README_LOG ?= readme-check.log
@@ -60,7 +62,7 @@ test: $(STAMP)
 		$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) $${job%%:*} > $${job#*:} 2>&1; \
 		echo "$$?" > $${job#*:}.rc; \
 	done & beside=$$!; \
-	{ PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; echo "$$?" > $(TEST_LOG).rc; } \
+	{ PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest $(TEST_ARGS); echo "$$?" > $(TEST_LOG).rc; } \
 		2>&1 | tee $(TEST_LOG); \
 	wait $$beside; failed=0; \
 	for job in $(BESIDE); do log=$${job#*:}; rc=$$(cat $$log.rc); \

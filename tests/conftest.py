@@ -96,7 +96,32 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
+# Seconds each of the slower modules took on the 2-core CI machine (one run, 2 workers). `make test`
+# hands whole modules to its two workers in collection order (--dist loadfile --no-loadscope-reorder),
+# so the suite is collected slowest module first: what is left for the end is small modules, and
+# neither worker waits long for the other (by default xdist orders modules by their number of
+# tests, which left a 5-test, 4-minute module for last). A module not listed is taken as quick.
+MODULE_SECONDS = {
+    "test_offload.py": 432, "test_cpu_kernels.py": 377, "test_family_deepseek.py": 360, "test_speculative.py": 313,
+    "test_expert_parallel.py": 302, "test_quantized_model.py": 276, "test_kernels.py": 253,
+    "test_multiprocess.py": 250, "test_serving_batcher.py": 193, "test_family_phimoe.py": 152,
+    "test_family_gpt_oss.py": 138, "test_host_waits.py": 137, "test_serving_api.py": 119, "test_dense_tier.py": 104,
+    "test_chat_and_bench.py": 103, "test_family_parity.py": 97, "test_blocked_attention.py": 96,
+    "test_policies.py": 95, "test_host_memory.py": 90, "test_seams.py": 90, "test_rope.py": 76,
+    "test_serving_signals.py": 75, "test_sampling.py": 74, "test_quantizers.py": 73, "test_expert_path.py": 68,
+    "test_serving_load.py": 61, "test_prefix_cache.py": 59, "test_kv_int8.py": 59, "test_concurrency.py": 48,
+    "test_generation.py": 48, "test_step_cache.py": 43, "test_convert.py": 43, "test_tiny_model.py": 23,
+}
+
+
+def slowest_module_first(items) -> None:
+    """Reorder in place: modules by MODULE_SECONDS, slowest first; each module's tests stay together
+    and in their order (a stable sort on a per-module key)."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.name, 0))
+
+
 def pytest_collection_modifyitems(config, items):
+    slowest_module_first(items)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (run with -m gpu on a GPU machine)")
