@@ -52,8 +52,8 @@ def zeros_qarray(fmt: QuantFormat, k: int, n: int) -> QArray:
 
 def initial_value(init, rngs: nnx.Rngs | None, shape: tuple, dtype) -> jax.Array:
     """A parameter's initial value: `init` drawn from `rngs`, or zeros when rngs is None (a model built
-    only for its shapes, whose weights are loaded: tracing the random initialisers cost about half
-    of a small model's load time)."""
+    only for its shapes, whose weights are loaded: tracing the random initialisers took about 0.17 s
+    of the tiny model's 2 s load)."""
     return jnp.zeros(shape, dtype) if rngs is None else init(rngs.params(), shape, dtype)
 
 
