@@ -7,7 +7,7 @@ process is pinned to T cores before its CPU backend sizes its pool), against GGU
 `llama-bench -t T`, each `-p --prompt -n --new-tokens`. Medians of the rounds, ratios within a
 round [min-max], and each side's scaling from the fewest threads to the most.
 
-    python -m bench.thread_scaling [--threads 1,2] [--rounds 3] [--layers 2] [--head-tier int4] [--cpu-layout]
+    python -m bench.thread_scaling [--threads 1,2] [--rounds 3] [--layers 2] [--head-tier int4] [--cpu-layout] [--tag T]
 
 --head-tier converts the slice with that LM head (the converter's default beside dense int4 is
 int8; llama.cpp's Q4_0 GGUF keeps its head at Q6_K); --cpu-layout converts it with the experts in
@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--head-tier", choices=("bf16", "int8", "int4"), default=None,
                         help="jmoe's LM head tier (default: the converter's, int8 beside dense int4)")
     parser.add_argument("--cpu-layout", action="store_true", help="convert the experts with --cpu-layout")
+    parser.add_argument("--tag", default="", help="appended to the result's name (another machine's run beside the "
+                                                  "recorded one, e.g. --tag zen5)")
     parser.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")))
     args = parser.parse_args()
     counts = [int(t) for t in args.threads.split(",")]
@@ -93,7 +95,8 @@ def main() -> None:
               f"{v['ratio']['median']:.2f} [{v['ratio']['min']:.2f}-{v['ratio']['max']:.2f}]")
     for key, v in scaling.items():
         print(f"{key}: {v:.2f}x")
-    head = (f"_head_{args.head_tier}" if args.head_tier else "") + ("_cpu_layout" if args.cpu_layout else "")
+    head = ((f"_head_{args.head_tier}" if args.head_tier else "") + ("_cpu_layout" if args.cpu_layout else "")
+            + (f"_{args.tag}" if args.tag else ""))
     head_tier = json.loads((converted / "manifest.json").read_text())["dense"].get("head_tier")  # what it holds
     write_result("kernels", f"thread_scaling_{args.model}_{args.layers}L{head}", {
         "model": f"{model_named(args.model).name} shapes, {args.layers} layers, random weights",
