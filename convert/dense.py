@@ -11,6 +11,7 @@ per token), while norms, routers and biases stay bf16. Which leaves are quantize
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -26,7 +27,7 @@ from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from pallas_kernels.qarray import QArray, QuantFormat
+from pallas_kernels.qarray import QArray, QuantFormat, tile
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
 
@@ -93,14 +94,18 @@ def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArra
     rows is a block of columns, quantized on its own (groups run along K, so columns are independent)."""
     values, scales = np.empty(spec.values.shape, np.uint8), np.empty(spec.scales.shape, np.float16)
     offsets = None if spec.offsets is None else np.empty(spec.offsets.shape, np.float16)
+    plain = dataclasses.replace(spec.fmt, tiled=False)  # blocks of columns are quantized in [K, N] order
     for rows in row_blocks(hf_shape[0], hf_shape[1] * 4):
         block = source.get(name, hf_shape, rows)  # [n, K]
-        codes, scale, offset = rtn_block(block.T, spec.fmt)
+        codes, scale, offset = rtn_block(block.T, plain)
         values[:, rows], scales[:, rows] = np.asarray(codes), np.asarray(scale)
         if offsets is not None:
             offsets[:, rows] = np.asarray(offset)
         advance(block.size)
-    return QArray(values, scales, offsets, None, spec.fmt, spec.k)
+    q = QArray(values, scales, offsets, None, plain, spec.k)
+    if spec.fmt.tiles(spec.n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
+        q = tile(q)
+    return dataclasses.replace(q, fmt=spec.fmt)
 
 
 def source_elements(cfg: ModelConfig, structure: dict) -> int:

@@ -147,6 +147,22 @@ def untile(q: QArray) -> QArray:
                                fmt=fmt)
 
 
+def take_columns(q: QArray, cols: jax.Array) -> QArray:
+    """Columns `cols` [A] of the weight, as a [K, N]-layout QArray of A columns (a gather of a few
+    columns, as an embedding lookup makes: in the CPU layout each column is read from its tile)."""
+    tiled = q.fmt.tiles(q.n)
+
+    def take(a):
+        if a is None:
+            return None
+        if not tiled:
+            return jnp.take(a, cols, axis=-1)
+        r, n = a.shape
+        return a.reshape(n // TILE, r, TILE)[cols // TILE, :, cols % TILE].T  # [A, r] -> [r, A]
+
+    return QArray(take(q.values), take(q.scales), take(q.offsets), None, dataclasses.replace(q.fmt, tiled=False), q.k)
+
+
 def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
     """uint8 [..., Kp / pack, N] -> integer codes [..., Kp, N] (int32), undoing the planar packing."""
     *lead, rows, n = values.shape

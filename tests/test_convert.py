@@ -205,3 +205,23 @@ def test_cpu_layout_stores_integer_experts_in_tiles_that_compute_the_same(tmp_pa
         out = convert_checkpoint(narrow, tmp_path / "narrow-out", tiers="int4", cpu_layout=True, progress=False)
     assert "tiled" not in read_manifest(out)["tiers"]["int4"]["format"]
     assert "not multiples of 64" in caplog.text
+
+
+@pytest.mark.parametrize("tied,head_tier", [(False, "int4"), (True, "int8")])
+def test_cpu_layout_stores_an_integer_lm_head_in_tiles_that_compute_the_same(tmp_path, tied, head_tier):
+    """--cpu-layout also tiles an integer LM head and embedding table (the lookup reads each token's
+    column from its tile, the head multiplies the tiles); tied or not, logits and greedy tokens are
+    those of the [K, N] conversion, on both CPU dots."""
+    hf = tmp_path / "hf"
+    make_checkpoint("qwen3_moe", hf, overrides=dict(tie_word_embeddings=tied))
+    kw = dict(tiers="int4", dense_tier="int4", head_tier=head_tier, progress=False)
+    plain = convert_checkpoint(hf, tmp_path / "plain", **kw)
+    tiled = convert_checkpoint(hf, tmp_path / "tiled", cpu_layout=True, **kw)
+    dense = read_manifest(tiled)["dense"]
+    assert dense["head_format"]["tiled"] and "tiled" not in dense["format"]
+    assert "tiled" not in read_manifest(plain)["dense"]["head_format"]
+    ids = [5, 17, 99, 3, 42, 250, 7, 255, 64]
+    for cpu_dot in ("float", "int8"):
+        models = [jmoe.load(p, cpu_dot=cpu_dot, compute_dtype="float32") for p in (plain, tiled)]
+        assert np.array_equal(*(np.asarray(jmoe.forward(m, ids)) for m in models)), cpu_dot
+        assert jmoe.generate(models[0], ids, max_new_tokens=6) == jmoe.generate(models[1], ids, max_new_tokens=6)

@@ -20,7 +20,7 @@ from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups, tile, untile
+from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups, take_columns, tile, untile
 
 FORMATS = {
     "bf16": None,
@@ -106,7 +106,8 @@ def test_matmul_matches_float64(name, m, k, n):
 
 def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
     """tile() regroups each row's columns into tiles of 64 (tile t of every row one K-major block,
-    in column order); untile() gives the [K, N] arrays back; dequantize reads either."""
+    in column order); untile() gives the [K, N] arrays back; dequantize and take_columns (an
+    embedding lookup) read either."""
     rng = np.random.default_rng(3)
     w = _weight(rng, 256, 192, FORMATS["int4"])
     t = tile(w)
@@ -121,6 +122,12 @@ def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
     assert back.fmt == w.fmt and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                                      ((back.values, w.values), (back.scales, w.scales), (back.offsets, w.offsets)))
     assert np.array_equal(np.asarray(dequantize(t)), np.asarray(dequantize(w)))
+    cols = jnp.asarray([130, 0, 63, 64, 191, 130, 7])  # an embedding lookup's columns: any order, repeated
+    wanted = np.asarray(dequantize(w))[:, np.asarray(cols)]
+    for q in (w, t):
+        taken = take_columns(q, cols)
+        assert not taken.fmt.tiled and taken.n == len(cols)
+        assert np.array_equal(np.asarray(dequantize(taken)), wanted)
     ragged = _weight(rng, 128, 100, FORMATS["int4"])
     assert tile(ragged) is ragged  # 100 columns are no whole number of tiles: [K, N] stays
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 import cpu_kernels
 from jmoe.layers.norms import matmul_precision
-from pallas_kernels.qarray import QArray, QuantFormat, dequantize, prepare_input, template
+from pallas_kernels.qarray import QArray, QuantFormat, dequantize, prepare_input, take_columns, template
 
 
 def on_cpu() -> bool:
@@ -108,9 +108,7 @@ class Embed(nnx.Module):
         table = self.embedding.get_value()
         if not isinstance(table, QArray):
             return jnp.take(table, ids, axis=0).astype(self.dtype)
-        flat = ids.reshape(-1)
-        take = lambda a: None if a is None else jnp.take(a, flat, axis=-1)  # noqa: E731
-        cols = QArray(take(table.values), take(table.scales), take(table.offsets), None, table.fmt, table.k)
+        cols = take_columns(table, ids.reshape(-1))
         return dequantize(cols, jnp.float32).T.reshape(*ids.shape, self.features).astype(self.dtype)
 
     def head_weight(self):
