@@ -110,8 +110,8 @@ def convert_checkpoint(
         weights, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
-      cpu_layout: store the integer expert tiers, and an integer LM head and embedding table, in
-        the CPU layout (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream;
+      cpu_layout: store the integer expert tiers, and integer dense weights, LM head and embedding
+        table, in the CPU layout (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream;
         GPU kernels leave such experts to the XLA reference, so convert without it for a GPU).
     """
     tiers = parse_tiers(tiers)
@@ -136,8 +136,8 @@ def convert_checkpoint(
                for t in tiers}
     dense_fmt = dense_format(dense_tier, group_size=group_size, symmetric=symmetric)
     head_fmt = dense_format(head_tier, group_size=group_size, symmetric=symmetric)
-    if cpu_layout and head_fmt is not None:  # the LM head and embedding table too: a decode step's largest read
-        head_fmt = dataclasses.replace(head_fmt, tiled=True)
+    if cpu_layout:  # integer dense weights, LM head and embedding table too (a decode step reads them all)
+        dense_fmt, head_fmt = (None if f is None else dataclasses.replace(f, tiled=True) for f in (dense_fmt, head_fmt))
     out = absolute(validate.path("output", out))
     root = resolve_source(validate.path("source", src))
     check_output(out, root, overwrite)

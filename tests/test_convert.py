@@ -208,18 +208,18 @@ def test_cpu_layout_stores_integer_experts_in_tiles_that_compute_the_same(tmp_pa
 
 
 @pytest.mark.parametrize("tied,head_tier", [(False, "int4"), (True, "int8")])
-def test_cpu_layout_stores_an_integer_lm_head_in_tiles_that_compute_the_same(tmp_path, tied, head_tier):
-    """--cpu-layout also tiles an integer LM head and embedding table (the lookup reads each token's
-    column from its tile, the head multiplies the tiles); tied or not, logits and greedy tokens are
-    those of the [K, N] conversion, on both CPU dots."""
+def test_cpu_layout_stores_integer_dense_weights_and_head_in_tiles_that_compute_the_same(tmp_path, tied, head_tier):
+    """--cpu-layout also tiles integer dense weights, LM head and embedding table (the lookup reads
+    each token's column from its tile; the 32-column k and v projections stay [K, N]); tied or not,
+    logits and greedy tokens are those of the [K, N] conversion, on both CPU dots."""
     hf = tmp_path / "hf"
     make_checkpoint("qwen3_moe", hf, overrides=dict(tie_word_embeddings=tied))
     kw = dict(tiers="int4", dense_tier="int4", head_tier=head_tier, progress=False)
     plain = convert_checkpoint(hf, tmp_path / "plain", **kw)
     tiled = convert_checkpoint(hf, tmp_path / "tiled", cpu_layout=True, **kw)
     dense = read_manifest(tiled)["dense"]
-    assert dense["head_format"]["tiled"] and "tiled" not in dense["format"]
-    assert "tiled" not in read_manifest(plain)["dense"]["head_format"]
+    assert dense["head_format"]["tiled"] and dense["format"]["tiled"]
+    assert not any("tiled" in read_manifest(plain)["dense"][f] for f in ("format", "head_format"))
     ids = [5, 17, 99, 3, 42, 250, 7, 255, 64]
     for cpu_dot in ("float", "int8"):
         models = [jmoe.load(p, cpu_dot=cpu_dot, compute_dtype="float32") for p in (plain, tiled)]

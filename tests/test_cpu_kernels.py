@@ -138,20 +138,31 @@ def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (2, 768, 2048), (3, 1100, 128), (9, 512, 640), (40, 256, 192)])
 def test_matmul_reads_the_cpu_layout_as_it_reads_k_by_n(name, m, k, n, int8_dot):
     """Every native path (few rows in registers, K split over tasks, panels, float and int8 dot)
-    gives a tiled weight the numbers it gives the same weight in [K, N]."""
+    gives a tiled weight the numbers it gives the same weight in [K, N]: the same bits where both
+    run the same tasks, within float32 rounding where a product too narrow for every thread is
+    split over K in [K, N] but into runs of whole tiles when tiled (so the sums add in another order)."""
     rng = np.random.default_rng(m * 7 + k)
     w = _weight(rng, k, n, FORMATS[name])
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
     run = jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=int8_dot))
-    expected = np.asarray(run(x, w))
-    assert np.array_equal(np.asarray(run(x, tile(w))), expected)
+    expected, tiled = np.asarray(run(x, w)), np.asarray(run(x, tile(w)))
+    if m > 16 or n >= 4 * 4096:  # many rows, or enough 4096-column blocks for every thread: the same tasks
+        assert np.array_equal(tiled, expected)
+    else:
+        assert np.abs(tiled - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
 @pytest.mark.parametrize("tier", ["int4", "int2"])
 def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     """The block and routed expert kernels and the one-call-for-every-tier kernel on pools in the
-    CPU layout (Qwen3-30B-A3B's widths) give what they give the same pools in [K, N]; the XLA
-    reference reads tiled pools too."""
+    CPU layout (Qwen3-30B-A3B's widths) give what they give the same pools in [K, N] (within float32
+    rounding where a phase has fewer products than threads: test_matmul_reads_the_cpu_layout...);
+    the XLA reference reads tiled pools too."""
+
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
+
     rng = np.random.default_rng(21)
     D, F, S = 2048, 768, 3
     gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
@@ -161,15 +172,14 @@ def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     for int8_dot in (False, True):
         kw = dict(block_rows=1, int8_dot=int8_dot)
         run = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, backend="cpu", **kw))
-        assert np.array_equal(np.asarray(run(rows, bs, tgu, tdn)), np.asarray(run(rows, bs, gu, dn)))
+        assert same(run(rows, bs, tgu, tdn), run(rows, bs, gu, dn))
         routed = jax.jit(lambda h, s, g, d: ops.routed_expert_ffn(h, jnp.arange(8, dtype=jnp.int32), s, g, d,
                                                                   int8_dot=int8_dot))
-        assert np.array_equal(np.asarray(routed(rows, bs, tgu, tdn)), np.asarray(routed(rows, bs, gu, dn)))
+        assert same(routed(rows, bs, tgu, tdn), routed(rows, bs, gu, dn))
     tier_of = jnp.asarray(np.array([0, 1, 0, 1, 0, 1, 0, 1], np.int32))
     both = jax.jit(lambda h, s, r, p: ops.routed_expert_ffn_tiers(h, jnp.arange(8, dtype=jnp.int32), s, r, p))
     mixed = [(tgu, tdn, None, None), (gu, dn, None, None)]
-    assert np.array_equal(np.asarray(both(rows, bs, tier_of, mixed)),
-                          np.asarray(both(rows, bs, tier_of, [(gu, dn, None, None)] * 2)))
+    assert same(both(rows, bs, tier_of, mixed), both(rows, bs, tier_of, [(gu, dn, None, None)] * 2))
     ref = jax.jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1))
     np.testing.assert_allclose(np.asarray(ref(rows, bs, tgu, tdn)), np.asarray(ref(rows, bs, gu, dn)), rtol=0, atol=0)
 

@@ -476,11 +476,21 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
     const int64_t width = p.M <= kFusedRows ? kFewRowBlock : kBlock;
     blocks += (p.w.n + width - 1) / width;
   }
+  const bool narrow = blocks < want;  // the blocks alone would leave threads idle
+  // A tiled weight's few-row product is then cut into runs of whole tiles, each task reading its
+  // tiles as one sequential stream; other weights are split over K below.
+  const int64_t split = (want + static_cast<int64_t>(products.size()) - 1) / static_cast<int64_t>(products.size());
+  auto width_of = [&](const Product& p) -> int64_t {
+    if (p.M > kFusedRows) return kBlock;
+    if (!narrow || !p.w.tiled) return kFewRowBlock;
+    const int64_t tiles = p.w.n / kTile;
+    return std::min<int64_t>(kFewRowBlock, std::max<int64_t>(1, (tiles + split - 1) / split) * kTile);
+  };
   std::vector<Pieces> pieces(products.size());
   int64_t part_floats = 0;
   for (size_t i = 0; i < products.size(); ++i) {
     const Product& p = products[i];
-    if (p.M > kFusedRows || blocks >= want) continue;
+    if (p.M > kFusedRows || !narrow || p.w.tiled) continue;
     const int64_t most = std::max<int64_t>(1, p.w.k / kMinPieceRows);
     pieces[i].count = std::min<int64_t>(most, (want + blocks - 1) / blocks);
     pieces[i].offset = part_floats;
@@ -490,7 +500,7 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
   std::vector<Task> tasks;
   for (size_t i = 0; i < products.size(); ++i) {
     const Product& p = products[i];
-    const int64_t width = p.M <= kFusedRows ? kFewRowBlock : kBlock, count = pieces[i].count;
+    const int64_t width = width_of(p), count = pieces[i].count;
     const int64_t unit = p.w.quantized() ? p.w.group : 8, units = (p.w.k + unit - 1) / unit;
     for (int64_t n0 = 0; n0 < p.w.n; n0 += width) {
       const int64_t n1 = std::min(p.w.n, n0 + width);

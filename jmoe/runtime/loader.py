@@ -523,9 +523,10 @@ def load(
 
         device = placement.device
         int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's own matmuls
-        if not device_is_host(device) and getattr(head_format(manifest), "tiled", False):
-            log.warning("the LM head was converted with --cpu-layout: on this device it is read through the XLA "
-                        "reference's untiling (slower); convert without it for a GPU")
+        if not device_is_host(device) and any(getattr(f, "tiled", False) for f in (dense_format(manifest),
+                                                                                    head_format(manifest))):
+            log.warning("the dense weights were converted with --cpu-layout: on this device they are read through "
+                        "the XLA reference's untiling (slower); convert without it for a GPU")
         graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest), int8_dot)
         prefix_bytes = resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv)
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
