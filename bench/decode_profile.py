@@ -66,7 +66,7 @@ def thunk_times(trace_dir: str) -> list[tuple[str, str, float]]:
 
 
 def kind_of(op: str, event: str) -> str:
-    if "custom-call" in op or "custom_call" in op:
+    if op.startswith(("ffi_call", "custom-call", "custom_call")):
         return "native call"
     if op.startswith("copy") or "copy" in event:
         return "copy"

@@ -129,6 +129,15 @@ def headline() -> str:
             f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
             machine(xeon), source("real_shapes/real_shapes_xeon_cpu.json"),
         ])
+    zen5_name = ZEN5_LAYOUTS["experts, dense weights and LM head tiled (`--cpu-layout` and kernels now)"]
+    zen5 = load(zen5_name)
+    dec = zen5["summary"]["decode_tok_s @2"]
+    rows.append([
+        "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts, dense weights and "
+        "LM head in the CPU layout (`--cpu-layout`), `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
+        f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
+        machine(zen5), source(zen5_name),
+    ])
     tiled_name = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
     tiled = load(tiled_name)
     dec = tiled["summary"]["decode_tok_s @2"]
@@ -319,6 +328,44 @@ def thread_scaling() -> str:
     out = table(["threads", "", "jmoe tok/s", "llama.cpp tok/s", "jmoe / llama.cpp"], rows)
     return out + (f"\n\n{d['model']}; jmoe {d['jmoe']}; llama.cpp {d['llama_cpp']}; {d['rounds']} alternating "
                   f"rounds, medians, ratios within a round [min–max]. Machine: {machine(d)} ({source(name)}).")
+
+
+ZEN5_LAYOUTS = {  # the 8-layer slice on the AVX-512 EPYC (Zen 5): bench.thread_scaling --cpu-layout --tag ...
+    "experts tiled (the earlier `--cpu-layout` and kernels)":
+        "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_zen5_before_cpu.json",
+    "experts and LM head tiled (the earlier kernels)":
+        "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_zen5_head_cpu.json",
+    "experts, dense weights and LM head tiled (`--cpu-layout` and kernels now)":
+        "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_zen5_cpu.json",
+}
+
+
+def cpu_layout_zen5() -> str:
+    """The 8-layer slice at 2 threads beside llama.cpp on the AVX-512 EPYC, as each part of the
+    weights came into the CPU layout (bench.thread_scaling --layers 8 --head-tier int4 --cpu-layout)."""
+    rows = []
+    for label, name in ZEN5_LAYOUTS.items():
+        d = load(name)
+        pre, dec = d["summary"]["prefill_tok_s @2"], d["summary"]["decode_tok_s @2"]
+        rows.append([label, f(pre["jmoe"]), f(pre["llama.cpp"]), med(pre["ratio"], 2), f(dec["jmoe"]),
+                     f(dec["llama.cpp"]), med(dec["ratio"], 2), str(d["rounds"])])
+    out = table(["jmoe int4 + dense int4, int4 LM head, int8 dot", f"prefill ({d['prompt']}) tok/s", "llama.cpp",
+                 "ratio", "decode tok/s", "llama.cpp", "ratio", "rounds"], rows)
+    return out + (f"\n\n{d['model']}; jmoe bench -r 3 --threads 2; llama.cpp {d['llama_cpp']} (its Q4_0 GGUF keeps "
+                  f"the LM head at Q6_K); alternating rounds, medians, ratios within a round [min–max]. Machine: "
+                  f"{machine(d)}, AVX-512 with VNNI (Zen 5) ({source(*ZEN5_LAYOUTS.values())}).")
+
+
+def cpu_layout_ab_zen5() -> str:
+    """The three conversions of ZEN5_LAYOUTS timed against each other (python -m bench.decode_ab)."""
+    name = "kernels/decode_ab_qwen3_8L_cpu_layout_zen5_cpu.json"
+    d = load(name)
+    first = next(iter(d["cases"]))
+    rows = [[case, f(s["decode_tok_s"]), med(s[f"over {first}"], 2)] for case, s in d["summary"].items()]
+    out = table(["Qwen3-30B-A3B slice (8 layers), int4 + dense int4, int4 LM head", "decode tok/s",
+                 f"over {first}, within a round"], rows)
+    return out + (f"\n\njmoe bench {d['jmoe_bench']}; {d['rounds']} alternating rounds, medians [min–max]. "
+                  f"Machine: {machine(d)}, AVX-512 with VNNI (Zen 5) ({source(name)}).")
 
 
 def head_tiers_avx2() -> str:
@@ -832,6 +879,8 @@ TABLES = {
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "thread-scaling": thread_scaling,
     "head-tiers-avx2": head_tiers_avx2,
+    "cpu-layout-zen5": cpu_layout_zen5,
+    "cpu-layout-ab-zen5": cpu_layout_ab_zen5,
     "startup": startup,
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,
