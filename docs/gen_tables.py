@@ -340,20 +340,28 @@ ZEN5_LAYOUTS = {  # the 8-layer slice on the AVX-512 EPYC (Zen 5): bench.thread_
 }
 
 
-def cpu_layout_zen5() -> str:
-    """The 8-layer slice at 2 threads beside llama.cpp on the AVX-512 EPYC, as each part of the
-    weights came into the CPU layout (bench.thread_scaling --layers 8 --head-tier int4 --cpu-layout)."""
+def thread_scaling_table(names: dict[str, str], first_header: str, *, machine_note: str = "",
+                         rounds_column: bool = False) -> str:
+    """Rows of 8-layer bench.thread_scaling results at 2 threads (label -> results file), beside llama.cpp."""
     rows = []
-    for label, name in ZEN5_LAYOUTS.items():
+    for label, name in names.items():
         d = load(name)
         pre, dec = d["summary"]["prefill_tok_s @2"], d["summary"]["decode_tok_s @2"]
         rows.append([label, f(pre["jmoe"]), f(pre["llama.cpp"]), med(pre["ratio"], 2), f(dec["jmoe"]),
-                     f(dec["llama.cpp"]), med(dec["ratio"], 2), str(d["rounds"])])
-    out = table(["jmoe int4 + dense int4, int4 LM head, int8 dot", f"prefill ({d['prompt']}) tok/s", "llama.cpp",
-                 "ratio", "decode tok/s", "llama.cpp", "ratio", "rounds"], rows)
+                     f(dec["llama.cpp"]), med(dec["ratio"], 2)] + ([str(d["rounds"])] if rounds_column else []))
+    out = table([first_header, f"prefill ({d['prompt']}) tok/s", "llama.cpp", "ratio", "decode tok/s", "llama.cpp",
+                 "ratio"] + (["rounds"] if rounds_column else []), rows)
+    each = "" if rounds_column else f"each file {d['rounds']} "
     return out + (f"\n\n{d['model']}; jmoe bench -r 3 --threads 2; llama.cpp {d['llama_cpp']} (its Q4_0 GGUF keeps "
-                  f"the LM head at Q6_K); alternating rounds, medians, ratios within a round [min–max]. Machine: "
-                  f"{machine(d)}, AVX-512 with VNNI (Zen 5) ({source(*ZEN5_LAYOUTS.values())}).")
+                  f"the LM head at Q6_K); {each}alternating rounds, medians, ratios within a round [min–max]. "
+                  f"Machine: {machine(d)}{machine_note} ({source(*names.values())}).")
+
+
+def cpu_layout_zen5() -> str:
+    """The 8-layer slice at 2 threads beside llama.cpp on the AVX-512 EPYC, as each part of the
+    weights came into the CPU layout (bench.thread_scaling --layers 8 --head-tier int4 --cpu-layout)."""
+    return thread_scaling_table(ZEN5_LAYOUTS, "jmoe int4 + dense int4, int4 LM head, int8 dot",
+                                machine_note=", AVX-512 with VNNI (Zen 5)", rounds_column=True)
 
 
 def cpu_layout_ab_zen5() -> str:
@@ -375,17 +383,7 @@ def head_tiers_avx2() -> str:
              "int4 LM head (`--head-tier int4`)": "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu.json",
              "int4 LM head, experts `--cpu-layout`":
                  "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"}
-    rows = []
-    for label, name in names.items():
-        d = load(name)
-        pre, dec = d["summary"]["prefill_tok_s @2"], d["summary"]["decode_tok_s @2"]
-        rows.append([label, f(pre["jmoe"]), f(pre["llama.cpp"]), med(pre["ratio"], 2), f(dec["jmoe"]),
-                     f(dec["llama.cpp"]), med(dec["ratio"], 2)])
-    out = table(["jmoe int4 + dense int4, int8 dot", f"prefill ({d['prompt']}) tok/s", "llama.cpp", "ratio",
-                 "decode tok/s", "llama.cpp", "ratio"], rows)
-    return out + (f"\n\n{d['model']}; jmoe bench -r 3 --threads 2; llama.cpp {d['llama_cpp']} (its Q4_0 GGUF keeps "
-                  f"the LM head at Q6_K); each file {d['rounds']} alternating rounds, medians, ratios within a round "
-                  f"[min–max]. Machine: {machine(d)} ({source(*names.values())}).")
+    return thread_scaling_table(names, "jmoe int4 + dense int4, int8 dot")
 
 
 def startup() -> str:
