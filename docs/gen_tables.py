@@ -38,7 +38,8 @@ def machine(data: dict) -> str:
     m = data["machine"]
     if m.get("backend") == "gpu":
         return f"{m['device']} (host: {m['cpu']}, {m['cpu_count']} cores; jax {m['jax']})"
-    return f"{m['cpu']} CPU, {m['cpu_count']} cores, no GPU (jax {m['jax']})"
+    isa = f", {m['cpu_kernels_isa']} kernels" if m.get("cpu_kernels_isa") else ""  # recorded since the Zen 5 runs
+    return f"{m['cpu']} CPU, {m['cpu_count']} cores{isa}, no GPU (jax {m['jax']})"
 
 
 def source(*names: str) -> str:

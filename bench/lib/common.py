@@ -34,17 +34,26 @@ def dev_prompts(tokenizer, n_tokens: int = 48) -> list[list[int]]:
 def machine() -> dict:
     dev = jax.devices()[0]
     cpu = platform.processor() or platform.machine()
+    family = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu family"):
+                family = int(line.split(":", 1)[1])
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    except OSError:
+    except (OSError, ValueError):
         pass
+    from cpu_kernels import native
+
     return {
         "backend": jax.default_backend(),
         "device": dev.device_kind,
         "cpu": cpu,
+        # a VM may name only the brand ("AMD EPYC"): the family and the kernels' instruction set
+        # tell one generation from another
+        "cpu_family": family,
+        "cpu_kernels_isa": native.isa(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
         "python": platform.python_version(),
