@@ -130,24 +130,17 @@ def headline() -> str:
             f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
             machine(xeon), source("real_shapes/real_shapes_xeon_cpu.json"),
         ])
-    zen5_name = ZEN5_LAYOUTS["experts, dense weights and LM head tiled (`--cpu-layout` and kernels now)"]
-    zen5 = load(zen5_name)
-    dec = zen5["summary"]["decode_tok_s @2"]
-    rows.append([
-        "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts, dense weights and "
-        "LM head in the CPU layout (`--cpu-layout`), `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
-        f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
-        machine(zen5), source(zen5_name),
-    ])
-    tiled_name = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
-    tiled = load(tiled_name)
-    dec = tiled["summary"]["decode_tok_s @2"]
-    rows.append([
-        "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX2 EPYC, int4 experts in the CPU layout "
-        "(`--cpu-layout`), dense int4, int4 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
-        f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
-        machine(tiled), source(tiled_name),
-    ])
+    for what, name in [
+        ("on an AVX-512 EPYC (Zen 5), int4 experts, dense weights and LM head in the CPU layout (`--cpu-layout`)",
+         ZEN5_LAYOUTS["experts, dense weights and LM head tiled (`--cpu-layout` and kernels now)"]),
+        ("on an AVX2 EPYC, int4 experts in the CPU layout (`--cpu-layout`), dense int4, int4 LM head",
+         "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"),
+    ]:
+        scaled = load(name)
+        dec = scaled["summary"]["decode_tok_s @2"]
+        rows.append([f"Qwen3-30B-A3B shapes (8 layers), decode tok/s {what}, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
+                     f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
+                     machine(scaled), source(name)])
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
