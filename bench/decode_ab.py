@@ -12,14 +12,10 @@ taken within a round compare. Writes bench/results/kernels/decode_ab_RESULT_cpu.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from bench.lib.common import ROOT, write_result
+from bench.lib.common import jmoe_bench_rows, write_result
 
 
 def parse_case(text: str) -> tuple[str, Path, dict]:
@@ -33,11 +29,8 @@ def parse_case(text: str) -> tuple[str, Path, dict]:
 
 
 def decode_tok_s(model: Path, env: dict, args) -> float:
-    cmd = [sys.executable, "-m", "jmoe.cli", "bench", str(model), "--cpu-dot", args.cpu_dot, "-p", "16",
-           "-n", str(args.new_tokens), "-r", "5", "--json"] + (["--tier", args.tier] if args.tier else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={**os.environ, **env}).stdout
-    rows = json.loads(out[out.index("["):])
+    rows = jmoe_bench_rows(model, "--cpu-dot", args.cpu_dot, "-p", "16", "-n", str(args.new_tokens), "-r", "5",
+                           *(["--tier", args.tier] if args.tier else []), env=env)
     return next(r["tokens_per_s"] for r in rows if r["test"].startswith("tg"))
 
 

@@ -21,7 +21,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # The optimized HLO of the steps (for each instruction's jax scope), dumped by XLA as it compiles:
@@ -86,24 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=None, help="result file name (default: the model directory's)")
     args = parser.parse_args(argv)
 
-    import numpy as np
-
     import jmoe
+    from jmoe.bench import decode_seconds, random_prompt
 
     model = jmoe.load(args.model, tier=args.tier, cpu_dot=args.cpu_dot, max_seq_len=256)
-    prompt = np.random.default_rng(0).integers(10, min(model.config.vocab_size, 32000), args.prompt).tolist()
-    no_eos = {int(t): -100.0 for t in model.eos_token_ids}
+    prompts = [random_prompt(model, args.prompt, 0)]
 
     def decode() -> tuple[float, int]:
-        first = last = None
-        steps = 0
-        for _ in jmoe.generate(model, prompt, max_new_tokens=args.tokens, stream=True, logit_bias=no_eos):
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                last, steps = now, steps + 1
-        return last - first, steps
+        return decode_seconds(model, prompts, args.tokens)  # as `jmoe bench` times a tg row
 
     decode()  # compiles every shape
     untraced, steps = decode()

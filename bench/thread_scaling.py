@@ -22,22 +22,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from bench.lib import llama_cpp
-from bench.lib.common import ROOT, write_result
+from bench.lib.common import jmoe_bench_rows, write_result
 from bench.lib.q4_slice import int4_slice_and_q4_0
 from bench.lib.random_checkpoint import model_named
 
 
 def run_jmoe(path: Path, threads: int, prompt: int, new_tokens: int) -> dict:
     """`jmoe bench` in its own process: prefill and decode tok/s (median of its repetitions)."""
-    cmd = [sys.executable, "-m", "jmoe.cli", "bench", str(path), "--tier", "int4", "--cpu-dot", "int8",
-           "--threads", str(threads), "-p", str(prompt), "-n", str(new_tokens), "-r", "3", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    rows = json.loads(out[out.index("["):])
+    rows = jmoe_bench_rows(path, "--tier", "int4", "--cpu-dot", "int8", "--threads", str(threads), "-p", str(prompt),
+                           "-n", str(new_tokens), "-r", "3")
     return {"prefill_tok_s": next(r["tokens_per_s"] for r in rows if r["test"].startswith("pp")),
             "decode_tok_s": next(r["tokens_per_s"] for r in rows if r["test"].startswith("tg"))}
 

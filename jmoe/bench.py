@@ -36,7 +36,7 @@ class Row:
         return dict(self.__dict__)
 
 
-def _prompt(model, length: int, seed: int) -> list[int]:
+def random_prompt(model, length: int, seed: int) -> list[int]:
     """A prompt of `length` random tokens below the vocabulary's special ones."""
     rng = np.random.default_rng(seed)
     return rng.integers(10, min(model.config.vocab_size, 32000), size=length).tolist()
@@ -52,7 +52,7 @@ def _timed(fn, repetitions: int) -> list[float]:
     return times
 
 
-def _decode_seconds(model, prompts: list[list[int]], n: int) -> tuple[float, int]:
+def decode_seconds(model, prompts: list[list[int]], n: int) -> tuple[float, int]:
     """(seconds, tokens) of one run's decode steps: from the first streamed step to the last."""
     import jmoe
 
@@ -103,7 +103,7 @@ def run(model, *, prompt_lengths=(512,), gen_lengths=(128,), batches=(1,), repet
     name, backend = model.path.name, jax.default_backend()
     rows = []
     for p in prompt_lengths:
-        ids = _prompt(model, p, p)
+        ids = random_prompt(model, p, p)
         model.residency.reset_stats()
         times = _timed(lambda: jmoe.generate(model, ids, max_new_tokens=1), repetitions)
         rates = [p / t for t in times]
@@ -111,10 +111,10 @@ def run(model, *, prompt_lengths=(512,), gen_lengths=(128,), batches=(1,), repet
                         *_offload_figures(model, p * (repetitions + 1))))
     for n in gen_lengths:
         for b in batches:
-            prompts = [_prompt(model, TG_PROMPT, 1000 + i) for i in range(b)]
-            _decode_seconds(model, prompts, n)  # compiles
+            prompts = [random_prompt(model, TG_PROMPT, 1000 + i) for i in range(b)]
+            decode_seconds(model, prompts, n)  # compiles
             model.residency.reset_stats()
-            runs = [_decode_seconds(model, prompts, n) for _ in range(repetitions)]
+            runs = [decode_seconds(model, prompts, n) for _ in range(repetitions)]
             rates = [tokens / seconds for seconds, tokens in runs]
             rows.append(Row(name, backend, f"tg{n}", b, runs[0][1], statistics.mean(rates), statistics.pstdev(rates),
                             *_offload_figures(model, b * n * repetitions)))

@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +60,14 @@ def machine() -> dict:
         "jax": jax.__version__,
         "python": platform.python_version(),
     }
+
+
+def jmoe_bench_rows(model: Path, *flags: str, env: dict | None = None) -> list[dict]:
+    """`jmoe bench MODEL FLAGS --json` in its own process (its own thread pool and compile): its rows."""
+    cmd = [sys.executable, "-m", "jmoe.cli", "bench", str(model), *flags, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=None if env is None else {**os.environ, **env}).stdout
+    return json.loads(out[out.index("["):])
 
 
 def timed(fn, *, repeat: int = 5, warmup: int = 1) -> float:
