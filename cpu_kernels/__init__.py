@@ -5,8 +5,8 @@ behind XLA's FFI, built by the package's build) when it is loaded and the inputs
 and the XLA reference otherwise.
 """
 
-from cpu_kernels.ops import (available, copy_records, expert_ffn, first_max, matmul, routed_expert_ffn,
-                             routed_expert_ffn_tiers, write_rows, write_slots)
+from cpu_kernels.ops import (attention, attention_reads, available, copy_records, expert_ffn, first_max, matmul,
+                             routed_expert_ffn, routed_expert_ffn_tiers, write_rows, write_slots)
 
-__all__ = ["available", "copy_records", "expert_ffn", "first_max", "matmul", "routed_expert_ffn",
-           "routed_expert_ffn_tiers", "write_rows", "write_slots"]
+__all__ = ["attention", "attention_reads", "available", "copy_records", "expert_ffn", "first_max", "matmul",
+           "routed_expert_ffn", "routed_expert_ffn_tiers", "write_rows", "write_slots"]

@@ -27,6 +27,7 @@ WRITE_ROWS = "jmoe_cpu_write_rows"
 WRITE_SLOTS = "jmoe_cpu_write_slots"
 COPY_RECORDS = "jmoe_cpu_copy_records"
 FIRST_MAX = "jmoe_cpu_first_max"
+ATTENTION = "jmoe_cpu_attention"
 
 
 def _load():
@@ -44,7 +45,8 @@ def _load():
                                      (ROUTED_FFN, lib.JmoeCpuRoutedFfn),
                                      (ROUTED_FFN_TIERS, lib.JmoeCpuRoutedFfnTiers), (WRITE_ROWS, lib.JmoeCpuWriteRows),
                                      (WRITE_SLOTS, lib.JmoeCpuWriteSlots),
-                                     (COPY_RECORDS, lib.JmoeCpuCopyRecords), (FIRST_MAX, lib.JmoeCpuFirstMax)):
+                                     (COPY_RECORDS, lib.JmoeCpuCopyRecords), (FIRST_MAX, lib.JmoeCpuFirstMax),
+                                     (ATTENTION, lib.JmoeCpuAttention)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
             except Exception as e:  # noqa: BLE001 - not built, not loadable, or refused by this jaxlib's XLA

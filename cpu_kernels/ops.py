@@ -167,6 +167,44 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
     return y.astype(h.dtype)
 
 
+_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
+def attention_reads(cache) -> bool:
+    """Whether the native attention reads this cache array as it lies (float32, bfloat16, or int8 values
+    with float32 scales), so `attention` takes it without a copy."""
+    values = getattr(cache, "values", cache)
+    return jnp.dtype(values.dtype) in _CACHE_DTYPES
+
+
+def attention(q, keys, values, start, key_start, *, groups: int, scale: float, window: int | None, sink=None):
+    """Softmax attention of a few current tokens over a heads-major cache, in one native call.
+
+    q [B, K, groups * T, w] (query heads of each cache head, then tokens); keys [B, K, S, w] and values
+    [B, K, S, wv], each an array or int8 values with float32 scales [B, K, S, 1] (`.values`, `.scales`);
+    token t of row b sits at slot start[b] + t and attends to slots [key_start[b], start[b] + t], the
+    last `window` of them if set; sink [K, groups] or None. Returns (out [B, K, groups * T, wv] float32,
+    top, norm [B, K, groups, T]): the normalised attention, and the softmax's maximum and normaliser
+    (-inf and 0 for a query with no key and no sink, whose output is 0). Native kernels only."""
+    B, K, M, _ = q.shape
+    wv = getattr(values, "values", values).shape[-1]
+
+    def operands(cache):
+        if hasattr(cache, "scales"):
+            return cache.values, cache.scales.astype(jnp.float32)
+        return cache, native.empty(np.float32)
+
+    no_sink = native.empty(np.float32)
+    sink = no_sink if sink is None else sink.astype(jnp.float32).reshape(-1)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    out, top, norm = native.call(native.ATTENTION, (f32(B, K, M, wv), f32(B, K, M), f32(B, K, M)),
+                                 q.astype(jnp.float32), *operands(keys), *operands(values),
+                                 start.astype(jnp.int32), key_start.astype(jnp.int32), sink,
+                                 groups=np.int64(groups), scale=np.float32(scale), window=np.int64(window or 0))
+    T = M // groups
+    return out, top.reshape(B, K, groups, T), norm.reshape(B, K, groups, T)
+
+
 def first_max(logits: jax.Array) -> jax.Array:
     """logits [..., V] float32 -> int32 [...]: each row's first index holding its largest value (NaNs
     never chosen; a row of NaNs gives V - 1), on the native kernel. Native kernels only."""

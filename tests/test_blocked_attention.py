@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +153,92 @@ def test_a_prefill_chunk_at_a_32k_context_needs_a_block_of_scores_not_the_contex
     accumulator = B * K * G * T * hd * 4  # the float32 output being summed (the plan counts it as activations)
     assert temp <= attention_scores_nbytes(K * G, T, S) + accumulator, (temp, attention_scores_nbytes(K * G, T, S))
     assert 2 * K * G * T * S * 4 > 60 * temp
+
+
+def _softmax_stats(queries, keys, start, key_start, T, *, groups, scale, window, sink):
+    """The materialised softmax's maximum and normaliser [B, K, G, T] (float64; -inf and 0 where a
+    query has no key and no sink)."""
+    B, K, M, _ = queries.shape
+    S = keys.shape[2]
+    scores = np.einsum("bkmd,bksd->bkms", queries.astype(np.float64), keys).reshape(B, K, groups, T, S) * scale
+    q_slot = start[:, None] + np.arange(T)[None]
+    k_slot = np.arange(S)[None, None]
+    allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= key_start[:, None, None])
+    if window is not None:
+        allowed &= q_slot[:, :, None] - k_slot < window
+    scores = np.where(allowed[:, None, None], scores, -np.inf)
+    top = scores.max(-1)
+    if sink is not None:
+        top = np.maximum(top, sink[None, :, :, None])
+    safe = np.where(np.isfinite(top), top, 0.0)
+    norm = np.exp(scores - safe[..., None]).sum(-1)
+    if sink is not None:
+        norm = norm + np.exp(sink[None, :, :, None] - safe)
+    return top, norm
+
+
+# (B, K, G, T, S, width, cache, window, sink): Qwen3-30B-A3B's heads at decode and at a speculative
+# verification of 4 tokens; one cache head over 1,100 keys (its range cut into chunks merged at the
+# end); rows of padding, a window and int8; a width that is no multiple of 16.
+NATIVE_CASES = [(1, 4, 8, 1, 700, 128, "float32", None, False), (2, 4, 8, 4, 600, 128, "int8", None, False),
+                (1, 1, 4, 1, 1100, 64, "bfloat16", None, True), (3, 2, 2, 3, 300, 32, "int8", 50, True),
+                (2, 1, 3, 2, 70, 24, "float32", 9, True)]
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}")
+def test_native_attention_equals_the_materialised_softmax(case):
+    """cpu_kernels.attention (what blocked_attention runs for a few tokens on the CPU) against the
+    materialised softmax in float64 over what each cache holds: outputs, maxima and normalisers."""
+    import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("native kernels switched off or not built")
+    B, K, G, T, S, w, cache, window, has_sink = case
+    rng = np.random.default_rng(S)
+    q = rng.normal(size=(B, K, G * T, w)).astype(np.float32)
+    keys = rng.normal(size=(B, K, S, w)).astype(np.float32)
+    values = rng.normal(size=(B, K, S, w)).astype(np.float32)
+    sink = rng.normal(size=(K, G)).astype(np.float32) if has_sink else None
+    start = np.array([S - T - 7 * b for b in range(B)], np.int32)
+    key_start = np.array([0, 5, start[-1] + T][:B], np.int32)  # the third row is all padding
+    if cache == "int8":
+        cached_keys, cached_values = quantize_rows(keys), quantize_rows(values)
+        keys, values = (np.asarray(dequantize_rows(c, jnp.float32)) for c in (cached_keys, cached_values))
+    else:
+        cached_keys, cached_values = jnp.asarray(keys, cache), jnp.asarray(values, cache)
+        keys, values = (np.asarray(c, np.float32) for c in (cached_keys, cached_values))
+    kw = dict(groups=G, scale=w**-0.5, window=window)
+    out, top, norm = jax.jit(lambda q, k, v, s: cpu_kernels.attention(q, k, v, start, key_start, sink=s, **kw))(
+        q, cached_keys, cached_values, sink)
+    keys64, values64 = keys.astype(np.float64), values.astype(np.float64)
+    want, _, valid = materialised([q.astype(np.float64)], [keys64], values64, start, key_start, T, sink=sink, **kw)
+    want_top, want_norm = _softmax_stats(q, keys64, start, key_start, T, sink=sink, **kw)
+    has_key = np.broadcast_to(valid[:, None, None], (B, K, G, T)).reshape(B, K, G * T)
+    np.testing.assert_allclose(np.asarray(out)[has_key], want[has_key], rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[~has_key] == 0)
+    np.testing.assert_allclose(np.asarray(top), want_top, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(norm), want_norm, rtol=1e-5, atol=1e-6)
+
+
+def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
+    """blocked_attention hands a decode token to the native kernel on the CPU (its one custom call
+    in the compiled step, no XLA dot), with the result of the blocked XLA formulation."""
+    import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("native kernels switched off or not built")
+    B, K, G, S, w = 2, 2, 4, 96, 32
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(B, K, G, w)).astype(np.float32)
+    keys, values = (rng.normal(size=(B, K, S, w)).astype(np.float32) for _ in range(2))
+    meta = AttentionMeta(jnp.array([40, 95], jnp.int32), jnp.array([0, 10], jnp.int32), jnp.zeros((B, 1, 2)),
+                         jnp.zeros((B, 1, 2)))
+    kw = dict(groups=G, scale=0.3, window=None, precision=jax.lax.Precision.HIGHEST)
+    native = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, **kw))
+    hlo = native.lower(q, keys, values).compile().as_text()
+    assert "jmoe_cpu_attention" in hlo and " dot(" not in hlo
+    xla = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, reachable_only=True, **kw))
+    (out, (top, norm)), (want, (want_top, want_norm)) = native(q, keys, values), xla(q, keys, values)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(top), np.asarray(want_top), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(norm), np.asarray(want_norm), rtol=1e-5, atol=1e-6)

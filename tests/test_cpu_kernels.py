@@ -68,11 +68,14 @@ def test_narrower_instruction_sets_compute_the_same(isa):
     assert chosen == isa
     if native.isa() == isa:  # this CPU's widest path is this one: this module's own tests ran it already
         return
-    tests = "test_ragged_widths_and_padded_groups or (test_expert_ffn_qwen3_widths and 16-6 and (int4 or bf16))"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+    tests = ("test_ragged_widths_and_padded_groups or (test_expert_ffn_qwen3_widths and 16-6 and (int4 or bf16))"
+             " or (native_attention and (int8-w32 or bfloat16))")
+    attention = str(Path(__file__).with_name("test_blocked_attention.py"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, attention,
+                           "-k", tests],
                           cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "3 passed" in done.stdout
+    assert "5 passed" in done.stdout
 
 
 def _weight(rng, k, n, fmt, act_scale=None):

@@ -165,6 +165,21 @@ def _cache_block(cache, start, size, dtype):
     return values, scales[..., 0][:, :, None, None, :]
 
 
+# Current tokens per row up to which the CPU runs attention in one native call (decode and speculative
+# verification); longer prompt chunks multiply enough queries per key for XLA's batched dots.
+NATIVE_MAX_TOKENS = 16
+
+
+def native_applies(queries, keys, values, num_tokens: int) -> bool:
+    """Whether the CPU's native kernel runs this attention: one score term (not MLA's two), a few
+    current tokens, caches of one type it reads as they lie, and the native kernels in use."""
+    dtype = lambda cache: jnp.dtype(getattr(cache, "values", cache).dtype)  # noqa: E731
+    int8 = lambda cache: isinstance(cache, QuantizedRows)  # noqa: E731
+    same_type = dtype(keys[0]) == dtype(values) and int8(keys[0]) == int8(values)
+    return (len(queries) == 1 and queries[0].ndim == 4 and num_tokens <= NATIVE_MAX_TOKENS and same_type
+            and cpu_kernels.available() and cpu_kernels.attention_reads(keys[0]))
+
+
 def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float,
                       window: int | None, precision, sink=None, block: int | None = None,
                       reachable_only: bool | None = None):
@@ -182,8 +197,16 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     On the CPU the loop visits only the blocks some row's queries may reach (a prompt chunk at
     position p reads p keys, not the whole cache); elsewhere its trip count is the number of
     blocks, known when compiled (a loop bound read back from the device would stall a GPU step per
-    iteration). reachable_only forces one of the two (None: by the platform the step is lowered for)."""
+    iteration). reachable_only forces one of the two (None: by the platform the step is lowered for).
+
+    A few current tokens on the CPU (`native_applies`) run in one native call instead, which streams
+    each cache head's keys and values once with the same online softmax (cpu_kernels.attention); an
+    explicit block or reachable_only asks for this formulation itself."""
     S, T, G = keys[0].shape[2], meta.num_tokens, groups
+    if block is None and reachable_only is None and native_applies(queries, keys, values, T):
+        out, top, norm = cpu_kernels.attention(queries[0], keys[0], values, meta.start, meta.key_start,
+                                               groups=G, scale=scale, window=window, sink=sink)
+        return out, (top, norm)
     B, K, M = keys[0].shape[0], keys[0].shape[1], groups * T
     block = block or key_block(K * G, T, S)
     num_blocks = -(-S // block)

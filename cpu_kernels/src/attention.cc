@@ -1,0 +1,214 @@
+// Decode attention over a heads-major KV cache, read where it lies.
+//
+// A few current tokens (decode, speculative verification) attend to the keys each may reach in the
+// cache [B, K, S, w]: float32, bfloat16 or int8 with a scale per slot. XLA:CPU ran the same scores
+// and values as batched dots at 7-15 GB/s and copied each block of keys transposed first; here each
+// task streams one (row, cache head)'s keys and values once, every query head of its group at a
+// time, with an online softmax (no score matrix held beyond 32 keys). Long ranges are cut into
+// chunks whose partial softmaxes are merged at the end (flash-decoding), so one row's few heads
+// still use every thread.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmoe {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// What one task reads: the queries of one (row, cache head) and a range of its cache's slots.
+struct AttentionChunk {
+  const float* q;  // [M, w], query m is head m / T's token m % T
+  int64_t M, T, w, wv;
+  const void* keys;            // [S, w] of this (row, head)
+  const float* key_scales;     // [S] (int8 keys) or null
+  const void* values;          // [S, wv]
+  const float* value_scales;   // [S] (int8 values) or null
+  ffi::DataType key_type, value_type;
+  const int64_t* first;        // [T]: token t attends to slots [first[t], last[t])
+  const int64_t* last;
+  int64_t s0, s1;              // this chunk's slots
+  float scale;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace attention_avx512 {
+#include "attention_body.inc"
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace attention_avx2 {
+#include "attention_body.inc"
+}
+#pragma GCC pop_options
+
+namespace attention_portable {
+#include "attention_body.inc"
+}
+
+using Attend = void (*)(const AttentionChunk&, float*, float*, float*);
+
+// The same choice as the matmul kernels' (JMOE_CPU_ISA narrows it).
+static Attend pick_attend() {
+  __builtin_cpu_init();
+  const char* forced = std::getenv("JMOE_CPU_ISA");
+  const std::string want = forced ? forced : "";
+  if (want == "portable") return attention_portable::attend;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (want != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return attention_avx512::attend;
+  return avx2 ? attention_avx2::attend : attention_portable::attend;
+}
+
+static const Attend attend = pick_attend();
+
+constexpr int64_t kMinChunkKeys = 256;  // a chunk shorter than this costs more to merge than it saves
+
+static bool cache_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16 || t == ffi::S8; }
+
+// q [B, K, M, w] (M = groups x T, head-major) against keys [B, K, S, w] and values [B, K, S, wv]
+// (int8 ones with scales [B, K, S, 1]; float ones with empty scales), token t of row b at slot
+// start[b] + t attending to slots [key_start[b], start[b] + t], within `window` slots when window > 0.
+// sink [K * groups] or empty: a logit per query head that joins the normaliser without a value.
+// Out: the normalised attention [B, K, M, wv], and per query the softmax's maximum and normaliser
+// [B, K, M] (-inf and 0 where a query has no key and no sink; its output is then 0).
+static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
+                                 ffi::Buffer<ffi::F32> key_scales, ffi::AnyBuffer values,
+                                 ffi::Buffer<ffi::F32> value_scales, ffi::Buffer<ffi::S32> start,
+                                 ffi::Buffer<ffi::S32> key_start, ffi::Buffer<ffi::F32> sink,
+                                 ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> top_out,
+                                 ffi::ResultBuffer<ffi::F32> norm_out, int64_t groups, float scale, int64_t window) {
+  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || groups < 1 || qd[2] % groups != 0)
+    return ffi::Error::InvalidArgument("attention wants q [B, K, groups * T, w], keys [B, K, S, w], "
+                                       "values [B, K, S, wv]");
+  const int64_t B = qd[0], K = qd[1], M = qd[2], w = qd[3], T = M / groups, S = kd[2], wv = vd[3];
+  if (kd[0] != B || kd[1] != K || kd[3] != w || vd[0] != B || vd[1] != K || vd[2] != S ||
+      start.element_count() != static_cast<size_t>(B) || key_start.element_count() != static_cast<size_t>(B))
+    return ffi::Error::InvalidArgument("attention: queries, keys, values and positions disagree on their shapes");
+  if (!cache_type(keys.element_type()) || values.element_type() != keys.element_type())
+    return ffi::Error::InvalidArgument("attention reads float32, bfloat16 or int8 caches, keys and values alike");
+  const bool int8_keys = keys.element_type() == ffi::S8, int8_values = values.element_type() == ffi::S8;
+  const size_t slots = static_cast<size_t>(B * K * S);
+  if (key_scales.element_count() != (int8_keys ? slots : 0) ||
+      value_scales.element_count() != (int8_values ? slots : 0))
+    return ffi::Error::InvalidArgument("attention: int8 caches want a scale per slot, float caches none");
+  if (sink.element_count() != 0 && sink.element_count() != static_cast<size_t>(K * groups))
+    return ffi::Error::InvalidArgument("attention: the sink has one logit per query head");
+  const size_t key_bytes = ffi::ByteWidth(keys.element_type()), value_bytes = ffi::ByteWidth(values.element_type());
+
+  // Each row's reach per token, and the slots some token of the row reaches.
+  std::vector<int64_t> first(B * T), last(B * T), lo(B), hi(B);
+  for (int64_t b = 0; b < B; ++b) {
+    lo[b] = S, hi[b] = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = static_cast<int64_t>(start.typed_data()[b]) + t;
+      int64_t f = std::max<int64_t>(key_start.typed_data()[b], 0);
+      if (window > 0) f = std::max(f, slot - window + 1);
+      const int64_t l = std::min(slot + 1, S);
+      first[b * T + t] = f, last[b * T + t] = l;
+      if (f < l) lo[b] = std::min(lo[b], f), hi[b] = std::max(hi[b], l);
+    }
+  }
+  // Chunks: enough tasks for every thread twice over, none shorter than kMinChunkKeys.
+  const int64_t want = 2 * static_cast<int64_t>(pool.num_threads());
+  struct Task {
+    int64_t b, k, s0, s1;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(B * K + 1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t reach = std::max<int64_t>(hi[b] - lo[b], 0);
+    const int64_t chunks = std::max<int64_t>(1, std::min((want + B * K - 1) / (B * K), reach / kMinChunkKeys));
+    for (int64_t k = 0; k < K; ++k) {
+      first_task[b * K + k] = static_cast<int64_t>(tasks.size());
+      for (int64_t c = 0; c < chunks; ++c)
+        tasks.push_back({b, k, lo[b] + reach * c / chunks, lo[b] + reach * (c + 1) / chunks});
+    }
+  }
+  first_task[B * K] = static_cast<int64_t>(tasks.size());
+  std::vector<float> tops(tasks.size() * M, -INFINITY), norms(tasks.size() * M, 0.0f);
+  std::vector<float> accs(tasks.size() * M * wv, 0.0f);
+  const float* qp = q.typed_data();
+  const auto* kp = static_cast<const uint8_t*>(keys.untyped_data());
+  const auto* vp = static_cast<const uint8_t*>(values.untyped_data());
+  parallel_for(pool, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& task = tasks[i];
+    const int64_t head = task.b * K + task.k;
+    AttentionChunk c;
+    c.q = qp + head * M * w, c.M = M, c.T = T, c.w = w, c.wv = wv;
+    c.keys = kp + head * S * w * key_bytes, c.values = vp + head * S * wv * value_bytes;
+    c.key_scales = int8_keys ? key_scales.typed_data() + head * S : nullptr;
+    c.value_scales = int8_values ? value_scales.typed_data() + head * S : nullptr;
+    c.key_type = keys.element_type(), c.value_type = values.element_type();
+    c.first = first.data() + task.b * T, c.last = last.data() + task.b * T;
+    c.s0 = task.s0, c.s1 = task.s1, c.scale = scale;
+    attend(c, tops.data() + i * M, norms.data() + i * M, accs.data() + i * M * wv);
+  });
+  // Merge each head's chunks (and its sink) into one softmax.
+  for (int64_t head = 0; head < B * K; ++head) {
+    const int64_t k = head % K;
+    for (int64_t m = 0; m < M; ++m) {
+      const bool has_sink = sink.element_count() != 0;
+      const float sink_logit = has_sink ? sink.typed_data()[k * groups + m / T] : -INFINITY;
+      float top = sink_logit;
+      for (int64_t i = first_task[head]; i < first_task[head + 1]; ++i) top = std::max(top, tops[i * M + m]);
+      float norm = has_sink ? std::exp(sink_logit - top) : 0.0f;
+      float* o = out->typed_data() + (head * M + m) * wv;
+      std::fill(o, o + wv, 0.0f);
+      for (int64_t i = first_task[head]; i < first_task[head + 1]; ++i) {
+        if (tops[i * M + m] == -INFINITY) continue;
+        const float weight = std::exp(tops[i * M + m] - top);
+        norm += norms[i * M + m] * weight;
+        const float* a = accs.data() + (i * M + m) * wv;
+        for (int64_t d = 0; d < wv; ++d) o[d] += a[d] * weight;
+      }
+      if (norm > 0.0f)
+        for (int64_t d = 0; d < wv; ++d) o[d] /= norm;
+      top_out->typed_data()[head * M + m] = top;
+      norm_out->typed_data()[head * M + m] = norm;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jmoe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuAttention, jmoe::attention_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("groups")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
