@@ -50,21 +50,28 @@ struct AttentionChunk {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+// (The target pragma does not define __AVX512F__ or __AVX2__: the body is told which it is.)
+#define JMOE_ATTENTION_ISA 512
 namespace attention_avx512 {
 #include "attention_body.inc"
 }
+#undef JMOE_ATTENTION_ISA
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#define JMOE_ATTENTION_ISA 2
 namespace attention_avx2 {
 #include "attention_body.inc"
 }
+#undef JMOE_ATTENTION_ISA
 #pragma GCC pop_options
 
+#define JMOE_ATTENTION_ISA 0
 namespace attention_portable {
 #include "attention_body.inc"
 }
+#undef JMOE_ATTENTION_ISA
 
 using Attend = void (*)(const AttentionChunk&, float*, float*, float*);
 
