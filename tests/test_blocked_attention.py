@@ -181,7 +181,7 @@ def _softmax_stats(queries, keys, start, key_start, T, *, groups, scale, window,
 # verification of 4 tokens; one cache head over 1,100 keys (its range cut into chunks merged at the
 # end); rows of padding, a window and int8; a width that is no multiple of 16.
 NATIVE_CASES = [(1, 4, 8, 1, 700, 128, "float32", None, False), (2, 4, 8, 4, 600, 128, "int8", None, False),
-                (1, 1, 4, 1, 1100, 64, "bfloat16", None, True), (3, 2, 2, 3, 300, 32, "int8", 50, True),
+                (1, 1, 4, 1, 1100, 64, "bfloat16", None, True), (3, 2, 4, 2, 300, 32, "int8", 50, True),
                 (2, 1, 3, 2, 70, 24, "float32", 9, True)]
 
 
