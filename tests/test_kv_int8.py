@@ -60,6 +60,8 @@ def test_load_reserves_the_int8_cache_and_refuses_other_kv_dtypes(short_converte
     int8 = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=512, max_batch=4, kv_dtype="int8")
     assert int8["kv_cache"] < plain["kv_cache"] / 3.5
     assert {k: v for k, v in int8.items() if k != "kv_cache"} == {k: v for k, v in plain.items() if k != "kv_cache"}
+    bf16 = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=512, max_batch=4, kv_dtype="bfloat16")
+    assert bf16["kv_cache"] * 2 == plain["kv_cache"]
     with pytest.raises(InputError, match="kv_dtype"):
         jmoe.load(short_converted, kv_dtype="int4")
     with pytest.raises(InputError, match="kv_dtype"):
@@ -78,6 +80,18 @@ def test_perplexity_stays_within_a_percent_of_the_float_cache(short_model, int8_
     rounded = perplexity(int8_model, ids, window=128)
     assert rounded != plain  # the int8 cache is what attention read
     assert abs(rounded / plain - 1) < 0.01, (plain, rounded)
+
+
+def test_a_bfloat16_cache_under_float32_compute_holds_bfloat16_and_keeps_perplexity(short_model, short_converted):
+    """kv_dtype="bfloat16" beside a float32 compute dtype (llama.cpp's f16 cache's bytes): the cache
+    holds bfloat16, and the trained model's perplexity moves by well under a percent."""
+    model = jmoe.load(short_converted, compute_dtype="float32", kv_dtype="bfloat16", max_seq_len=256)
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_cache(model.config, 1, 8, model.kv_dtype))} == {
+        jnp.dtype(jnp.bfloat16)}
+    ids = short_model.tokenizer.encode(dev_text("prose"))[:256]
+    plain, rounded = perplexity(short_model, ids, window=128), perplexity(model, ids, window=128)
+    assert rounded != plain
+    assert abs(rounded / plain - 1) < 0.005, (plain, rounded)
 
 
 def test_batching_and_speculation_on_an_int8_cache_give_what_plain_decoding_gives(int8_model):

@@ -59,7 +59,7 @@ class JmoeModel(LoadedModel):
     residency: Any  # AllResident or Offloaded (jmoe/runtime/residency.py)
     executor: Executor
     compute_dtype: Any
-    kv_dtype: Any  # the KV cache's: compute_dtype, or int8 (jmoe/layers/attention.py: QuantizedRows)
+    kv_dtype: Any  # the KV cache's: compute_dtype, bfloat16, or int8 (jmoe/layers/attention.py: QuantizedRows)
     max_seq_len: int
     device_budget: int | None
     memory: dict[str, int]
@@ -213,7 +213,7 @@ def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
     return dtype
 
 
-KV_DTYPES = ("int8",)
+KV_DTYPES = ("int8", "bfloat16")
 
 
 NO_PREFIX_CACHE = (None, 0, "0", "none")
@@ -231,7 +231,8 @@ def resolve_prefix_cache(prefix_cache, cfg: ModelConfig, max_seq_len: int, kv_dt
 
 
 def resolve_kv_dtype(kv_dtype, compute_dtype) -> jnp.dtype:
-    """The KV cache's dtype: the compute dtype (None), or int8 (values rounded per slot and head)."""
+    """The KV cache's dtype: the compute dtype (None), int8 (values rounded per slot and head), or
+    bfloat16 (half a float32 cache's bytes under a float32 compute dtype)."""
     if kv_dtype is None:
         return compute_dtype
     validate.choice("kv_dtype", kv_dtype, KV_DTYPES)
@@ -430,9 +431,9 @@ def load(
       tier: expert precision to run ("bf16", "int8", ...); default the policy's tier, else the most
         precise tier converted.
       compute_dtype: activation dtype; default bfloat16 on GPU, float32 on CPU.
-      kv_dtype: the KV cache's dtype: None (the compute dtype) or "int8" (each cached head's values
-        rounded to int8 with a float32 scale per token: a quarter of a float32 cache, about half of
-        a bfloat16 one; attention reads the int8 directly).
+      kv_dtype: the KV cache's dtype: None (the compute dtype), "bfloat16" (half of a float32 cache)
+        or "int8" (each cached head's values rounded to int8 with a float32 scale per token: a quarter
+        of a float32 cache, about half of a bfloat16 one; attention reads the int8 directly).
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
       max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
       execution: how an offloaded step runs: "auto" (decode and verification one executable per
