@@ -5,9 +5,9 @@ A random-weight checkpoint with a named model's exact shapes cut to --layers lay
 llama.cpp to GGUF Q4_0 (the same weights). For each depth, jmoe prefills a prompt of that many
 random tokens and decodes --new-tokens greedy tokens (EOS banned), timing the decode after the
 first token; llama.cpp runs `llama-bench -fa 1 -p 0 -n <new tokens> -d <depths>` (flash attention,
-which llama.cpp needs for a quantised V cache). KV types side by side: jmoe's float32 cache against
-llama.cpp's f16 (its default), and jmoe's int8 cache against llama.cpp's q8_0 (both 8-bit with a
-scale per block). jmoe multiplies through the int8 dot (`cpu_dot="int8"`, llama.cpp's Q8 dot).
+which llama.cpp needs for a quantised V cache). KV types side by side: jmoe's float32 cache (its
+default on the CPU) and its bfloat16 cache (the same bytes) against llama.cpp's f16 (its default),
+and jmoe's int8 cache against llama.cpp's q8_0 (both 8-bit with a scale per block). jmoe multiplies through the int8 dot (`cpu_dot="int8"`, llama.cpp's Q8 dot).
 
 Every round runs each configuration once, jmoe and llama.cpp alternating (the order rotates by
 round); ratios are taken within a round, medians with [min-max] reported. Only on an idle machine:
@@ -32,7 +32,8 @@ from bench.lib.common import ROOT, write_result
 from bench.lib.q4_slice import int4_slice_and_q4_0
 from bench.lib.random_checkpoint import model_named
 
-KV_PAIRS = {"float32 / f16": (None, "f16"), "int8 / q8_0": ("int8", "q8_0")}  # jmoe kv_dtype, llama.cpp cache type
+KV_PAIRS = {"float32 / f16": (None, "f16"), "bfloat16 / f16": ("bfloat16", "f16"),
+            "int8 / q8_0": ("int8", "q8_0")}  # jmoe kv_dtype, llama.cpp cache type
 
 
 def jmoe_depths(path: Path, kv_dtype: str | None, depths: list[int], new_tokens: int) -> dict:
@@ -92,7 +93,8 @@ def main() -> None:
     runs = {pair: {"jmoe": [], "llama.cpp": []} for pair in KV_PAIRS}
     for r in range(args.rounds):
         order = [("jmoe", p) for p in KV_PAIRS] + [("llama.cpp", p) for p in KV_PAIRS]
-        for who, pair in order[r % 2 * 2:] + order[:r % 2 * 2]:  # rotate who goes first
+        turn = r % 2 * len(KV_PAIRS)
+        for who, pair in order[turn:] + order[:turn]:  # rotate who goes first
             ours, theirs = KV_PAIRS[pair]
             result = (run_jmoe(converted, ours, depths, args.new_tokens, logs / f"jmoe-{r}.log") if who == "jmoe"
                       else run_llama(llama, gguf, theirs, depths, args.new_tokens, logs / f"llama-{r}.log"))

@@ -160,14 +160,16 @@ def headline() -> str:
         f"({top['aggregate_speedup']:.2f}×)",
         machine(serve), source("serve/serve_tiny_cpu.json"),
     ])
-    depth = load("long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json")
-    deep = depth["summary"]["int8 / q8_0 @4096"]
-    rows.append([
-        "Qwen3-30B-A3B shapes (2 layers, int4 + dense int4), decode tok/s at 4,096 tokens of context, int8 KV vs "
-        "llama.cpp Q4_0 with q8_0 KV",
-        f"{f(deep['jmoe_tok_s'])} vs {f(deep['llama_cpp_tok_s'])} ({deep['ratio']['median']:.2f}×)",
-        machine(depth), source("long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json"),
-    ])
+    for depth_name, at in (("long_context/depth_vs_llama_qwen3-30b-a3b_2L_native_attention_zen5_cpu.json", 4096),
+                           ("long_context/depth16k_vs_llama_qwen3-30b-a3b_2L_native_attention_zen5_cpu.json", 16384)):
+        depth = load(depth_name)
+        deep = depth["summary"][f"int8 / q8_0 @{at}"]
+        rows.append([
+            f"Qwen3-30B-A3B shapes (2 layers, int4 + dense int4), decode tok/s at {at:,} tokens of context, int8 KV vs "
+            "llama.cpp Q4_0 with q8_0 KV",
+            f"{f(deep['jmoe_tok_s'])} vs {f(deep['llama_cpp_tok_s'])} ({deep['ratio']['median']:.2f}×)",
+            machine(depth), source(depth_name),
+        ])
     prefix = load("prefix_sharing/prefix_sharing_cpu.json")
     pairs = list(zip(prefix["rounds"]["alone"], prefix["rounds"]["shared"]))
     alone, shared = (statistics.median(r[i]["ttft_median_s"] for r in pairs) for i in (0, 1))
@@ -845,6 +847,36 @@ def depth_vs_llama() -> str:
                   f"Machine: {machine(data)} ({source(name)}).")
 
 
+def cpu_attention(name: str) -> str:
+    data = load(name)
+    rows = [[f"{r['depth']:,}", r["cache"], r["tokens"], med(r["xla_ms"], 3), med(r["native_ms"], 3),
+             f(r["native_gb_s"], 1), med(r["speedup"], 2)] for r in data["rows"]]
+    out = table(["depth", "cache", "tokens", "XLA ms / layer", "native ms / layer", "native GB/s", "speed-up"], rows)
+    return out + (f"\n\n{data['shapes']}; chains of {data['calls']} calls over {data['layers']} layers' caches; "
+                  f"medians [min–max] of {data['rounds']} alternating rounds. Machine: {machine(data)} "
+                  f"({source(name)}).")
+
+
+def depth_vs_llama_native() -> str:
+    """The 2-layer slice at depth beside llama.cpp with the native decode attention (4K and 16K runs),
+    after the run before it on the same machine."""
+    names = ["long_context/depth_vs_llama_qwen3-30b-a3b_2L_zen5_cpu.json",
+             "long_context/depth_vs_llama_qwen3-30b-a3b_2L_native_attention_zen5_cpu.json",
+             "long_context/depth16k_vs_llama_qwen3-30b-a3b_2L_native_attention_zen5_cpu.json"]
+    rows = []
+    for label, name in zip(["XLA attention", "native attention", "native attention"], names):
+        data = load(name)
+        for key, v in data["summary"].items():
+            pair, depth = key.rsplit(" @", 1)
+            rows.append([label, pair, f"{int(depth):,}", f(v["jmoe_tok_s"]), f(v["llama_cpp_tok_s"]),
+                         med(v["ratio"], 2), data["rounds"]])
+    out = table(["jmoe", "KV cache, jmoe / llama.cpp", "depth (tokens)", "jmoe decode tok/s",
+                 "llama.cpp decode tok/s", "jmoe / llama.cpp", "rounds"], rows)
+    data = load(names[-1])
+    return out + (f"\n\n{data['model']}; jmoe {data['jmoe']}; llama.cpp {data['llama_cpp']}; {data['new_tokens']} new "
+                  f"tokens; ratios within a round [min–max]. Machine: {machine(data)} ({source(*names)}).")
+
+
 def prefix_sharing() -> str:
     name = "prefix_sharing/prefix_sharing_cpu.json"
     data = load(name)
@@ -881,6 +913,8 @@ TABLES = {
     "kv-int8": kv_int8,
     "prefix-sharing": prefix_sharing,
     "depth-vs-llama": depth_vs_llama,
+    "depth-vs-llama-native-zen5": depth_vs_llama_native,
+    "cpu-attention-zen5": lambda: cpu_attention("kernels/cpu_attention_zen5_cpu.json"),
     "perplexity": perplexity,
     "quality": quality,
     "quality-vs-llama": quality_vs_llama,
