@@ -166,8 +166,9 @@ def _cache_block(cache, start, size, dtype):
 
 
 # Current tokens per row up to which the CPU runs attention in one native call (decode and speculative
-# verification); longer prompt chunks multiply enough queries per key for XLA's batched dots.
-NATIVE_MAX_TOKENS = 16
+# verification); longer prompt chunks multiply enough queries per key for XLA's batched dots
+# (measured at Qwen3-30B-A3B's heads over 4,096 keys: native 1.7-2.8x faster at 8 tokens, 0.6-1.1x at 16).
+NATIVE_MAX_TOKENS = 8
 
 
 def native_applies(queries, keys, values, num_tokens: int) -> bool:
