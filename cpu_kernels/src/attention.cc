@@ -10,14 +10,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
 
+#include "isa.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -42,7 +41,7 @@ struct AttentionChunk {
   const float* key_scales;     // [S] (int8 keys) or null
   const void* values;          // [S, wv]
   const float* value_scales;   // [S] (int8 values) or null
-  ffi::DataType key_type, value_type;
+  ffi::DataType type;           // of keys and values alike
   const int64_t* first;        // [T]: token t attends to slots [first[t], last[t])
   const int64_t* last;
   int64_t s0, s1;              // this chunk's slots
@@ -76,17 +75,12 @@ namespace attention_portable {
 
 using Attend = void (*)(const AttentionChunk&, float*, float*, float*);
 
-// The same choice as the matmul kernels' (JMOE_CPU_ISA narrows it).
-static Attend pick_attend() {
-  __builtin_cpu_init();
-  const char* forced = std::getenv("JMOE_CPU_ISA");
-  const std::string want = forced ? forced : "";
-  if (want == "portable") return attention_portable::attend;
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (want != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return attention_avx512::attend;
-  return avx2 ? attention_avx2::attend : attention_portable::attend;
+static Attend pick_attend() {  // the matmul kernels' choice (isa.h)
+  switch (chosen_isa()) {
+    case Isa::kAvx512: return attention_avx512::attend;
+    case Isa::kAvx2: return attention_avx2::attend;
+    default: return attention_portable::attend;
+  }
 }
 
 static const Attend attend = pick_attend();
@@ -117,14 +111,13 @@ static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
     return ffi::Error::InvalidArgument("attention: queries, keys, values and positions disagree on their shapes");
   if (!cache_type(keys.element_type()) || values.element_type() != keys.element_type())
     return ffi::Error::InvalidArgument("attention reads float32, bfloat16 or int8 caches, keys and values alike");
-  const bool int8_keys = keys.element_type() == ffi::S8, int8_values = values.element_type() == ffi::S8;
+  const bool int8 = keys.element_type() == ffi::S8;
   const size_t slots = static_cast<size_t>(B * K * S);
-  if (key_scales.element_count() != (int8_keys ? slots : 0) ||
-      value_scales.element_count() != (int8_values ? slots : 0))
+  if (key_scales.element_count() != (int8 ? slots : 0) || value_scales.element_count() != (int8 ? slots : 0))
     return ffi::Error::InvalidArgument("attention: int8 caches want a scale per slot, float caches none");
   if (sink.element_count() != 0 && sink.element_count() != static_cast<size_t>(K * groups))
     return ffi::Error::InvalidArgument("attention: the sink has one logit per query head");
-  const size_t key_bytes = ffi::ByteWidth(keys.element_type()), value_bytes = ffi::ByteWidth(values.element_type());
+  const size_t bytes = ffi::ByteWidth(keys.element_type());
 
   // Each row's reach per token, and the slots some token of the row reaches.
   std::vector<int64_t> first(B * T), last(B * T), lo(B), hi(B);
@@ -166,10 +159,10 @@ static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
     const int64_t head = task.b * K + task.k;
     AttentionChunk c;
     c.q = qp + head * M * w, c.M = M, c.T = T, c.w = w, c.wv = wv;
-    c.keys = kp + head * S * w * key_bytes, c.values = vp + head * S * wv * value_bytes;
-    c.key_scales = int8_keys ? key_scales.typed_data() + head * S : nullptr;
-    c.value_scales = int8_values ? value_scales.typed_data() + head * S : nullptr;
-    c.key_type = keys.element_type(), c.value_type = values.element_type();
+    c.keys = kp + head * S * w * bytes, c.values = vp + head * S * wv * bytes;
+    c.key_scales = int8 ? key_scales.typed_data() + head * S : nullptr;
+    c.value_scales = int8 ? value_scales.typed_data() + head * S : nullptr;
+    c.type = keys.element_type();
     c.first = first.data() + task.b * T, c.last = last.data() + task.b * T;
     c.s0 = task.s0, c.s1 = task.s1, c.scale = scale;
     attend(c, tops.data() + i * M, norms.data() + i * M, accs.data() + i * M * wv);

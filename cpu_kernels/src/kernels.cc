@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "isa.h"
 #include "parallel.h"
 
 namespace ffi = xla::ffi;
@@ -386,19 +387,12 @@ static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64
 
 using GemmCols = void (*)(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t);
 
-// The widest instruction set the CPU has; JMOE_CPU_ISA=avx2 or =portable asks for a narrower one
-// (the tests run every path on one machine).
 static GemmCols pick_gemm_cols() {
-  __builtin_cpu_init();
-  const char* forced = std::getenv("JMOE_CPU_ISA");
-  const std::string want = forced ? forced : "";
-  if (want == "portable") return portable::gemm_cols;
-  if (want == "avx2" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_cols;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return avx512::gemm_cols;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::gemm_cols;
-  return portable::gemm_cols;
+  switch (chosen_isa()) {
+    case Isa::kAvx512: return avx512::gemm_cols;
+    case Isa::kAvx2: return avx2::gemm_cols;
+    default: return portable::gemm_cols;
+  }
 }
 
 static const GemmCols gemm_cols = pick_gemm_cols();
