@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
-from bench.lib.common import write_result
+from bench.lib.common import timed, write_result
 from jmoe.layers.attention import AttentionMeta, blocked_attention, quantize_rows
+from jmoe.serving.compiles import CompileCounter
 
 HEADS, CACHE_HEADS, WIDTH = 32, 4, 128
 CACHES = ("float32", "bfloat16", "int8")
@@ -50,19 +50,12 @@ def chain(attend, layers: int, calls: int):
     return jax.jit(run)
 
 
-COMPILES: list[str] = []  # every backend compile since main() started listening
-
-
 def seconds_per_call(fn, q, per_layer, calls: int, repeat: int) -> float:
-    compiled = len(COMPILES)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(q, per_layer))
-        times.append(time.perf_counter() - t)
-    if len(COMPILES) > compiled:
-        raise RuntimeError(f"compiled in the timed window: {COMPILES[compiled:]}")
-    return statistics.median(times) / calls
+    compiles = CompileCounter.count()
+    seconds = timed(lambda: jax.block_until_ready(fn(q, per_layer)), repeat=repeat, warmup=0)
+    if CompileCounter.count() != compiles:
+        raise RuntimeError("something compiled in the timed window")
+    return seconds / calls
 
 
 def main() -> None:
@@ -76,8 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the native CPU kernels are not loaded")
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *_a, **_k: COMPILES.append(event) if "backend_compile" in event else None)
+    CompileCounter.start()
     rng = np.random.default_rng(0)
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
