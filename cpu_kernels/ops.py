@@ -170,11 +170,11 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
 _CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
 
-def attention_reads(cache) -> bool:
-    """Whether the native attention reads this cache array as it lies (float32, bfloat16, or int8 values
-    with float32 scales), so `attention` takes it without a copy."""
-    values = getattr(cache, "values", cache)
-    return jnp.dtype(values.dtype) in _CACHE_DTYPES
+def attention_reads(keys, values) -> bool:
+    """Whether the native attention reads these caches as they lie, so `attention` takes them without a
+    copy: keys and values of one kind, float32, bfloat16, or int8 values with float32 scales."""
+    kind = lambda cache: (jnp.dtype(getattr(cache, "values", cache).dtype), hasattr(cache, "scales"))  # noqa: E731
+    return kind(keys) == kind(values) and kind(keys)[0] in _CACHE_DTYPES
 
 
 def attention(q, keys, values, start, key_start, *, groups: int, scale: float, window: int | None, sink=None):

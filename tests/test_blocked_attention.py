@@ -26,9 +26,9 @@ from jmoe.layers.attention import (
 NEG = jnp.finfo(jnp.float32).min
 
 
-def materialised(queries, keys, values, start, key_start, T, *, groups, scale, window, sink):
-    """The whole [query, key] score matrix, a masked softmax over it, and the attention each cache
-    slot received from the valid current queries (the formulation blocked attention replaces)."""
+def _scores(queries, keys, start, key_start, T, *, groups, scale, window):
+    """Every [query, key] score [B, K, G, T, S], which of them each token may attend to [B, T, S], and
+    the tokens' slots [B, T]."""
     B, K, M, _ = queries[0].shape
     S = keys[0].shape[2]
     scores = sum(np.einsum("bkmd,bksd->bkms", q, k) for q, k in zip(queries, keys)).reshape(B, K, groups, T, S) * scale
@@ -37,6 +37,15 @@ def materialised(queries, keys, values, start, key_start, T, *, groups, scale, w
     allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= key_start[:, None, None])
     if window is not None:
         allowed &= q_slot[:, :, None] - k_slot < window
+    return scores, allowed, q_slot
+
+
+def materialised(queries, keys, values, start, key_start, T, *, groups, scale, window, sink):
+    """The whole [query, key] score matrix, a masked softmax over it, and the attention each cache
+    slot received from the valid current queries (the formulation blocked attention replaces)."""
+    B, K, M, _ = queries[0].shape
+    S = keys[0].shape[2]
+    scores, allowed, q_slot = _scores(queries, keys, start, key_start, T, groups=groups, scale=scale, window=window)
     scores = np.where(allowed[:, None, None], scores, NEG)
     top = scores.max(-1, keepdims=True)
     if sink is not None:
@@ -158,14 +167,8 @@ def test_a_prefill_chunk_at_a_32k_context_needs_a_block_of_scores_not_the_contex
 def _softmax_stats(queries, keys, start, key_start, T, *, groups, scale, window, sink):
     """The materialised softmax's maximum and normaliser [B, K, G, T] (float64; -inf and 0 where a
     query has no key and no sink)."""
-    B, K, M, _ = queries.shape
-    S = keys.shape[2]
-    scores = np.einsum("bkmd,bksd->bkms", queries.astype(np.float64), keys).reshape(B, K, groups, T, S) * scale
-    q_slot = start[:, None] + np.arange(T)[None]
-    k_slot = np.arange(S)[None, None]
-    allowed = (k_slot <= q_slot[:, :, None]) & (k_slot >= key_start[:, None, None])
-    if window is not None:
-        allowed &= q_slot[:, :, None] - k_slot < window
+    scores, allowed, _ = _scores([queries.astype(np.float64)], [keys], start, key_start, T, groups=groups,
+                                 scale=scale, window=window)
     scores = np.where(allowed[:, None, None], scores, -np.inf)
     top = scores.max(-1)
     if sink is not None:

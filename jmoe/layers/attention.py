@@ -174,11 +174,8 @@ NATIVE_MAX_TOKENS = 8
 def native_applies(queries, keys, values, num_tokens: int) -> bool:
     """Whether the CPU's native kernel runs this attention: one score term (not MLA's two), a few
     current tokens, caches of one type it reads as they lie, and the native kernels in use."""
-    dtype = lambda cache: jnp.dtype(getattr(cache, "values", cache).dtype)  # noqa: E731
-    int8 = lambda cache: isinstance(cache, QuantizedRows)  # noqa: E731
-    same_type = dtype(keys[0]) == dtype(values) and int8(keys[0]) == int8(values)
-    return (len(queries) == 1 and queries[0].ndim == 4 and num_tokens <= NATIVE_MAX_TOKENS and same_type
-            and cpu_kernels.available() and cpu_kernels.attention_reads(keys[0]))
+    return (len(queries) == 1 and queries[0].ndim == 4 and num_tokens <= NATIVE_MAX_TOKENS
+            and cpu_kernels.available() and cpu_kernels.attention_reads(keys[0], values))
 
 
 def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float,
