@@ -833,15 +833,23 @@ def kv_int8() -> str:
             f"tokens, max_seq_len {d['max_seq_len']:,}. Machine: {machine(depth)} ({source(quality_name, depth_name)}).")
 
 
-def depth_vs_llama() -> str:
-    name = "long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json"
-    data = load(name)
+DEPTH_HEADER = ["KV cache, jmoe / llama.cpp", "depth (tokens)", "jmoe decode tok/s", "llama.cpp decode tok/s",
+                "jmoe / llama.cpp"]
+
+
+def depth_rows(data: dict) -> list[list[str]]:
+    """A bench.depth_vs_llama result's summary as rows under DEPTH_HEADER, one per KV pair and depth."""
     rows = []
     for key, v in data["summary"].items():
         pair, depth = key.rsplit(" @", 1)
         rows.append([pair, f"{int(depth):,}", f(v["jmoe_tok_s"]), f(v["llama_cpp_tok_s"]), med(v["ratio"], 2)])
-    out = table(["KV cache, jmoe / llama.cpp", "depth (tokens)", "jmoe decode tok/s", "llama.cpp decode tok/s",
-                 "jmoe / llama.cpp"], rows)
+    return rows
+
+
+def depth_vs_llama() -> str:
+    name = "long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json"
+    data = load(name)
+    out = table(DEPTH_HEADER, depth_rows(data))
     return out + (f"\n\n{data['model']}; jmoe {data['jmoe']}; llama.cpp {data['llama_cpp']}; {data['new_tokens']} new "
                   f"tokens; medians of {data['rounds']} alternating rounds, ratios within a round [min–max]. "
                   f"Machine: {machine(data)} ({source(name)}).")
@@ -866,12 +874,8 @@ def depth_vs_llama_native() -> str:
     rows = []
     for label, name in zip(["XLA attention", "native attention", "native attention"], names):
         data = load(name)
-        for key, v in data["summary"].items():
-            pair, depth = key.rsplit(" @", 1)
-            rows.append([label, pair, f"{int(depth):,}", f(v["jmoe_tok_s"]), f(v["llama_cpp_tok_s"]),
-                         med(v["ratio"], 2), data["rounds"]])
-    out = table(["jmoe", "KV cache, jmoe / llama.cpp", "depth (tokens)", "jmoe decode tok/s",
-                 "llama.cpp decode tok/s", "jmoe / llama.cpp", "rounds"], rows)
+        rows += [[label, *row, data["rounds"]] for row in depth_rows(data)]
+    out = table(["jmoe", *DEPTH_HEADER, "rounds"], rows)
     data = load(names[-1])
     return out + (f"\n\n{data['model']}; jmoe {data['jmoe']}; llama.cpp {data['llama_cpp']}; {data['new_tokens']} new "
                   f"tokens; ratios within a round [min–max]. Machine: {machine(data)} ({source(*names)}).")
