@@ -14,7 +14,12 @@
 3. DyMoE ablation (its Table 3) on a synthetic Qwen3-30B-A3B-shaped model at two budgets:
    on-demand, cache, +prefetch, +4/2, +4/2+prefetch, +4/0+prefetch.
 
+4. With --streams N [N ...]: DynaExq on the three rotations of the domain order, each stream from
+   its own place in the dev texts, N tokens per domain: the gap closed per stream and over all of
+   them, at the default hotness horizon, two shorter ones and with router counts.
+
     python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
+    python -m bench.policies --streams 250 2048
 """
 
 from __future__ import annotations
@@ -165,6 +170,7 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
     budget = fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4  # DynaExq 8/32's footprint
     runs = {"uniform int4": ("lru", {"tier": "int4"}), "uniform int2": ("lru", {"tier": "int2"}),
             "DynaExq 8/32": (DynaExq(hi_per_layer=8), {"budget": budget}),
+            "DynaExq 8/32, alpha 0.7": (DynaExq(hi_per_layer=8, alpha=0.7), {"budget": budget}),
             "DynaExq 8/32, count hotness": (DynaExq(hi_per_layer=8, hotness="count"), {"budget": budget}),
             "DynaExq 8/32, the previous defaults": (DynaExq(hi_per_layer=8, hotness="count", alpha=0.5, margin=0.01),
                                                     {"budget": budget}),
@@ -174,27 +180,76 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
     for name, (policy, kw) in runs.items():
         model = jmoe.load(path, compute_dtype="float32", policy=policy, tier=kw.get("tier"),
                           device_budget=kw.get("budget"), trace=True)
-        windows = []
         started = time.perf_counter()
-        for start in range(0, len(stream) - 1, WINDOW):
-            before = jmoe.stats(model)
-            nll, count = window_nll(model, stream[start : start + WINDOW + 1], WINDOW + 1, mode="decode")
-            after = jmoe.stats(model)
-            windows.append({"start": start, "perplexity": math.exp(nll / count),
-                            "bytes_h2d_per_token": (after["bytes_h2d"] - before["bytes_h2d"]) / count,
-                            "hit_rate": (((after["hit_rate"] or 0.0) * after["expert_uses"]  # None before any use
-                                          - (before["hit_rate"] or 0.0) * before["expert_uses"])
-                                         / max(1, after["expert_uses"] - before["expert_uses"]))})
+        windows = score_stream(model, stream)
         seconds = time.perf_counter() - started
-        nll_total = sum(math.log(w["perplexity"]) for w in windows) / len(windows)
         modelled = replay(model.trace.records(), dense_bytes=dense_bytes_of(model), num_layers=model.config.num_layers)
-        out[name] = {"windows": windows, "perplexity": math.exp(nll_total), "stats": jmoe.stats(model),
+        out[name] = {"windows": windows, "perplexity": stream_perplexity(windows), "stats": jmoe.stats(model),
                      "cpu_s_per_token_measured": seconds / (len(stream) - 1),
                      "gpu_s_per_token_modelled": modelled["modelled_tpot_s"]}
         print(name, round(out[name]["perplexity"], 3), flush=True)
-    p4, p2 = out["uniform int4"]["perplexity"], out["uniform int2"]["perplexity"]
-    closed = {k: (p2 - run["perplexity"]) / (p2 - p4) for k, run in out.items() if k.startswith("DynaExq")}
-    return {"tokens_per_domain": tokens, "budget_bytes": budget, "runs": out, "int2_to_int4_gap_closed": closed}
+    return {"tokens_per_domain": tokens, "budget_bytes": budget, "runs": out,
+            "int2_to_int4_gap_closed": gap_closed({k: run["perplexity"] for k, run in out.items()})}
+
+
+def score_stream(model, stream: np.ndarray) -> list[dict]:
+    """Decode-mode perplexity, bytes moved and hit rate of each WINDOW-token window of the stream."""
+    windows = []
+    for start in range(0, len(stream) - 1, WINDOW):
+        before = jmoe.stats(model)
+        nll, count = window_nll(model, stream[start : start + WINDOW + 1], WINDOW + 1, mode="decode")
+        after = jmoe.stats(model)
+        windows.append({"start": start, "perplexity": math.exp(nll / count),
+                        "bytes_h2d_per_token": (after["bytes_h2d"] - before["bytes_h2d"]) / count,
+                        "hit_rate": (((after["hit_rate"] or 0.0) * after["expert_uses"]  # None before any use
+                                      - (before["hit_rate"] or 0.0) * before["expert_uses"])
+                                     / max(1, after["expert_uses"] - before["expert_uses"]))})
+    return windows
+
+
+def stream_perplexity(windows: list[dict]) -> float:
+    """The windows' geometric mean perplexity."""
+    return math.exp(sum(math.log(w["perplexity"]) for w in windows) / len(windows))
+
+
+def gap_closed(perplexity: dict[str, float]) -> dict[str, float]:
+    """How much of the uniform int2 -> uniform int4 perplexity gap each DynaExq run closed."""
+    p4, p2 = perplexity["uniform int4"], perplexity["uniform int2"]
+    return {k: (p2 - p) / (p2 - p4) for k, p in perplexity.items() if k.startswith("DynaExq")}
+
+
+# Streams of the three dev domains in each rotation of their order, each from its own place in the
+# dev texts: the first is the issue's prose -> code -> math from the start.
+STREAMS = {"prose -> code -> math": (("prose", "code", "math"), 0),
+           "code -> math -> prose": (("code", "math", "prose"), 3000),
+           "math -> prose -> code": (("math", "prose", "code"), 5000)}
+STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dict(alpha=0.7),
+                   "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count")}
+
+
+def shift_streams(path: Path, tokens: int) -> dict:
+    """DynaExq's share of the int2 -> int4 gap on several shifting streams (STREAMS), beside uniform
+    int4 and int2: how much one stream's figure says about another's, and how it moves with the
+    hotness horizon. Also the gap closed over all streams together (the sum of what each closed
+    over the sum of their gaps)."""
+    tokenizer = jmoe.load(path, tier="int2").tokenizer
+    int4, int2 = model_slot_bytes(path, "int4"), model_slot_bytes(path, "int2")
+    budget = fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4  # as workload_shift's
+    out = {}
+    for name, (order, skip) in STREAMS.items():
+        stream = np.concatenate([dev_tokens(tokenizer, d, skip + tokens)[skip:] for d in order])
+        runs = {"uniform int4": ("lru", "int4", None), "uniform int2": ("lru", "int2", None),
+                **{k: (DynaExq(hi_per_layer=8, **kw), None, budget) for k, kw in STREAM_POLICIES.items()}}
+        perplexity = {}
+        for run, (policy, tier, device_budget) in runs.items():
+            model = jmoe.load(path, compute_dtype="float32", policy=policy, tier=tier, device_budget=device_budget)
+            perplexity[run] = stream_perplexity(score_stream(model, stream))
+        out[name] = {"offset_tokens": skip, "perplexity": perplexity, "int2_to_int4_gap_closed": gap_closed(perplexity)}
+        print(name, {k: round(v, 3) for k, v in out[name]["int2_to_int4_gap_closed"].items()}, flush=True)
+    pooled = {k: sum(s["perplexity"]["uniform int2"] - s["perplexity"][k] for s in out.values())
+              / sum(s["perplexity"]["uniform int2"] - s["perplexity"]["uniform int4"] for s in out.values())
+              for k in STREAM_POLICIES}
+    return {"tokens_per_domain": tokens, "budget_bytes": budget, "streams": out, "gap_closed_all_streams": pooled}
 
 
 def plot_shift(shift: dict, path: Path) -> None:
@@ -281,10 +336,17 @@ def main() -> None:
                         help="run the workload shift only, replacing it in an existing policies JSON")
     parser.add_argument("--only-quality", action="store_true",
                         help="run the quality table only, replacing it in an existing policies JSON")
+    parser.add_argument("--streams", type=int, nargs="+", metavar="TOKENS",
+                        help="DynaExq on several shifting streams instead, TOKENS per domain each "
+                             "(results: policies/dynaexq_streams_cpu.json)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = convert_tiny(root, args.calib_sequences)
+        if args.streams:
+            write_result("policies", "dynaexq_streams", {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
+                                                          "runs": [shift_streams(path, n) for n in args.streams]})
+            return
         if args.only_importance:
             previous = json.loads((RESULTS / "policies" / "policies_cpu.json").read_text())
             previous.pop("machine", None)

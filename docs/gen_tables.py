@@ -710,6 +710,23 @@ def workload_shift() -> str:
     return out + f"\n\nMachine: {machine(d)}; GPU times modelled ({source('policies/policies_cpu.json')})."
 
 
+def dynaexq_streams() -> str:
+    d = load("policies/dynaexq_streams_cpu.json")
+    policies = list(d["runs"][0]["gap_closed_all_streams"])
+    rows = []
+    for run in d["runs"]:
+        for name, stream in run["streams"].items():
+            rows.append([name, f"{run['tokens_per_domain']:,}", f"{stream['offset_tokens']:,}",
+                         f"{stream['perplexity']['uniform int4']:.3f} / {stream['perplexity']['uniform int2']:.3f}",
+                         *(f"{100 * stream['int2_to_int4_gap_closed'][k]:.0f}%" for k in policies)])
+        rows.append(["all three together", f"{run['tokens_per_domain']:,}", "", "",
+                     *(f"{100 * run['gap_closed_all_streams'][k]:.0f}%" for k in policies)])
+    header = ["stream", "tokens per domain", "from dev token", "perplexity, uniform int4 / int2",
+              *(k.replace("DynaExq 8/32", "DynaExq").replace("DynaExq, ", "") for k in policies)]
+    return table(header, rows) + f"\n\nShare of the int2 -> int4 gap closed. Machine: {machine(d)} " \
+                                 f"({source('policies/dynaexq_streams_cpu.json')})."
+
+
 def dymoe_ablation() -> str:
     d = load("policies/policies_cpu.json")
     runs = d["dymoe_ablation_synthetic_qwen3_30b_a3b_4L"]
@@ -937,6 +954,7 @@ TABLES = {
     "placement-hit-rates": placement_hit_rates,
     "speculative-acceptance": speculative_acceptance,
     "workload-shift": workload_shift,
+    "dynaexq-streams": dynaexq_streams,
     "dymoe-ablation": dymoe_ablation,
     "paper-headlines-tiny": lambda: paper_headlines("tiny"),
     "paper-headlines-qwen3": lambda: paper_headlines("qwen3"),
