@@ -695,8 +695,9 @@ def speculative_acceptance() -> str:
 def workload_shift() -> str:
     d = load("policies/policies_cpu.json")
     names = {"uniform int4": "uniform int4 (unbudgeted)", "uniform int2": "uniform int2 (unbudgeted)",
-             "DynaExq 8/32": "DynaExq 8/32 (defaults: gate-weighted hotness)",
-             "DynaExq 8/32, the previous defaults": "DynaExq 8/32, counts, `alpha=0.5`, `margin=0.01` (the previous defaults)",
+             "DynaExq 8/32": "DynaExq 8/32 (defaults: gate-weighted hotness, `alpha=0.9`)",
+             "DynaExq 8/32, alpha 0.7": "DynaExq 8/32, `alpha=0.7` (the previous default)",
+             "DynaExq 8/32, the previous defaults": "DynaExq 8/32, counts, `alpha=0.5`, `margin=0.01` (the defaults before)",
              "LRU int4 (same budget)": "LRU int4, same budget",
              "placement two-stage int4 (same budget)": "static placement (two-stage) int4 + CPU, same budget"}
     rows = []
