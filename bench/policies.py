@@ -163,11 +163,22 @@ def model_slot_bytes(path: Path, tier: str) -> int:
     return read_manifest(path)["tiers"][tier]["record_nbytes"]
 
 
+def dynaexq_budget(path: Path) -> int:
+    """The device budget of DynaExq 8/32 on the tiny model: fixed + staging + every expert at int2
+    + 8 int4 copies per layer."""
+    int4, int2 = model_slot_bytes(path, "int4"), model_slot_bytes(path, "int2")
+    return fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4
+
+
+def domain_stream(tokenizer, order, tokens: int, skip: int = 0) -> np.ndarray:
+    """`tokens` dev tokens of each domain in `order`, each from its dev token `skip` on, one after another."""
+    return np.concatenate([dev_tokens(tokenizer, d, skip + tokens)[skip:] for d in order])
+
+
 def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
     tokenizer = jmoe.load(path, tier="int2").tokenizer
-    stream = np.concatenate([dev_tokens(tokenizer, d, tokens) for d in ("prose", "code", "math")])
-    int4, int2 = model_slot_bytes(path, "int4"), model_slot_bytes(path, "int2")
-    budget = fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4  # DynaExq 8/32's footprint
+    stream = domain_stream(tokenizer, ("prose", "code", "math"), tokens)
+    budget = dynaexq_budget(path)
     runs = {"uniform int4": ("lru", {"tier": "int4"}), "uniform int2": ("lru", {"tier": "int2"}),
             "DynaExq 8/32": (DynaExq(hi_per_layer=8), {"budget": budget}),
             "DynaExq 8/32, alpha 0.7": (DynaExq(hi_per_layer=8, alpha=0.7), {"budget": budget}),
@@ -233,11 +244,10 @@ def shift_streams(path: Path, tokens: int) -> dict:
     hotness horizon. Also the gap closed over all streams together (the sum of what each closed
     over the sum of their gaps)."""
     tokenizer = jmoe.load(path, tier="int2").tokenizer
-    int4, int2 = model_slot_bytes(path, "int4"), model_slot_bytes(path, "int2")
-    budget = fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4  # as workload_shift's
+    budget = dynaexq_budget(path)
     out = {}
     for name, (order, skip) in STREAMS.items():
-        stream = np.concatenate([dev_tokens(tokenizer, d, skip + tokens)[skip:] for d in order])
+        stream = domain_stream(tokenizer, order, tokens, skip)
         runs = {"uniform int4": ("lru", "int4", None), "uniform int2": ("lru", "int2", None),
                 **{k: (DynaExq(hi_per_layer=8, **kw), None, budget) for k, kw in STREAM_POLICIES.items()}}
         perplexity = {}
