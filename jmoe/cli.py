@@ -13,12 +13,16 @@ import time
 
 from jmoe import validate
 from jmoe.errors import InputError, JmoeError
+from jmoe.runtime.collector import freeze_start_up
 from jmoe.tokenizer import first_line
 
 API_KEY_ENV = "JMOE_API_KEY"  # serve's API key when --api-key is not given
 MAX_BATCH = 4096  # rows decoded together at most (serve's --max-batch, bench's -b)
 MAX_SECONDS = 86400.0  # a day: the longest timeout an option takes
 MAX_SEQ_LEN = 2**31 - 1  # positions are int32 in the step
+# Set by the console script (entry): this process is the command's alone, so what start-up loads may be
+# frozen out of the garbage collector's reach (jmoe/runtime/collector.py); main() called in-process may not.
+_OWN_PROCESS = False
 
 
 class Parser(argparse.ArgumentParser):
@@ -179,10 +183,13 @@ def load_model(args, **extra):
         validate.integer("max_seq_len", args.max_seq_len, minimum=2, maximum=MAX_SEQ_LEN)
     limit_threads(args.threads)  # before the CPU backend starts: it sizes its thread pool once
 
-    return jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
-                     compute_dtype=args.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
-                     execution=args.execution,
-                     cpu_dot=args.cpu_dot, mesh=args.mesh, **extra)
+    model = jmoe.load(args.model, device_budget=args.device_budget, policy=cli_policy(args), tier=args.tier,
+                      compute_dtype=args.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
+                      execution=args.execution,
+                      cpu_dot=args.cpu_dot, mesh=args.mesh, **extra)
+    if _OWN_PROCESS:
+        freeze_start_up()
+    return model
 
 
 def cmd_convert(args) -> None:
@@ -504,5 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     return status or 0
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The `jmoe` console script (and `python -m jmoe.cli`): main() in a process of its own."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -77,3 +77,29 @@ def test_sigusr1_prints_a_jmoe_commands_stacks_and_it_goes_on():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("still here"), done.stderr[-2000:]
     assert "most recent call first" in done.stderr and "in <module>" in done.stderr, done.stderr[-2000:]
+
+
+def test_loading_pauses_the_garbage_collector_and_only_the_commands_own_process_freezes(short_converted, capsys):
+    """jmoe.load and main() called in-process leave the collector as they found it (on, nothing frozen);
+    the `jmoe` command's own process freezes what start-up loaded (jmoe/runtime/collector.py)."""
+    import gc
+    import subprocess
+    import sys
+
+    frozen = gc.get_freeze_count()
+    assert gc.isenabled()
+    assert main(["generate", str(short_converted), "def f", "--max-new-tokens", "2"]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    gc.disable()
+    try:
+        jmoe.load(short_converted)
+        assert not gc.isenabled()  # a caller's choice to keep it off stands
+    finally:
+        gc.enable()
+    code = ("import gc, sys; from jmoe import cli; sys.argv[1:] = ['generate', sys.argv[1], 'def f', "
+            "'--max-new-tokens', '2']\ntry:\n    cli.entry()\nexcept SystemExit as e:\n"
+            "    print(e.code, gc.isenabled(), gc.get_freeze_count() > 0)")
+    done = subprocess.run([sys.executable, "-c", code, str(short_converted)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "0 True True", done.stdout[-2000:]

@@ -30,6 +30,7 @@ from jmoe.manifest import check_files, dense_format, head_format, inside, read_m
 from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Plan, Policy, StepView, make_policy
 from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
+from jmoe.runtime.collector import collector_paused
 from jmoe.runtime.execution import PATHS, Executor
 from jmoe.runtime.host_memory import available_memory, device_is_host
 from jmoe.runtime.fetching import fetch_slots
@@ -393,6 +394,7 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     return plan
 
 
+@collector_paused()  # a load allocates much and frees little (jmoe/runtime/collector.py)
 def load(
     path: str | Path,
     *,
