@@ -1,12 +1,13 @@
 """Start-up without the garbage collector's passes over what it allocates.
 
-Importing jax, flax and jmoe and loading a model create about a million long-lived objects and
-almost no garbage, yet each object allocated counts towards the collector's next pass, and its
-passes over the growing heap found nothing to free while taking a tenth of a warm `jmoe generate`.
-`collector_paused` holds the collector off for the import and for `jmoe.load`, then puts it back
-as it was. The `jmoe` command, a process of its own, also freezes what start-up left
-(`freeze_start_up`): later passes, and the last one as the interpreter exits (a second on the
-bundled model), no longer walk the loaded model.
+Importing jax, flax and jmoe and loading the bundled model leave about 210,000 objects the
+collector tracks, nearly all of them in use for good, yet each allocation counts towards its next
+pass, and those passes over the growing heap find almost nothing to free. `collector_paused` holds
+the collector off for the import and for `jmoe.load`, then puts it back as it was. The `jmoe`
+command, a process of its own, also freezes what start-up left (`freeze_start_up`): later passes,
+and the last one as the interpreter exits (0.9-1.0 s of a warm `jmoe generate` on the bundled
+model), no longer walk the loaded model. Together: 3.5 s -> 2.9 s for that command without its
+exit pass, and the exit pass itself down to 0.1 s (2-core EPYC, alternating rounds).
 """
 
 from __future__ import annotations
