@@ -21,6 +21,7 @@ from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.layers.attention import AttentionMeta
 from jmoe.layers.experts import ExpertState, Selection
+from jmoe.layers.linear import use_tiled_kernels
 from jmoe.layers.rope import rope_tables
 from jmoe.layers.transformer import AS_DENSE, abstract_model, run_layers
 from jmoe.quant import ExpertWeights
@@ -87,13 +88,13 @@ class LayerwiseCalibration:
 
     def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16, *,
                  quant: QuantFormat | None = None, head_quant: QuantFormat | None | str = AS_DENSE,
-                 progress: bool = False):
+                 progress: bool = False, tiled_kernels: bool = False):
         """dense: the stored dense tree (at the dense tier `quant` and head tier `head_quant`, as the
-        converter wrote it)."""
+        converter wrote it; tiled_kernels: its plain projections in the CPU layout)."""
         self.cfg = cfg
         self.batch = batch
         self.progress = progress
-        model = abstract_model(cfg, jnp.float32, quant, head_quant)
+        model = use_tiled_kernels(abstract_model(cfg, jnp.float32, quant, head_quant), tiled_kernels)
         self.layers = []
         for i, layer in enumerate(model.layers):
             graphdef, state = nnx.split(layer)

@@ -27,7 +27,8 @@ from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from pallas_kernels.qarray import QArray, QuantFormat, tile
+from jmoe.layers.linear import tiled_kernel_paths
+from pallas_kernels.qarray import QArray, QuantFormat, tile, tile_plain
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
 
@@ -116,11 +117,14 @@ def source_elements(cfg: ModelConfig, structure: dict) -> int:
 
 def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt: QuantFormat | None,
                advance: Callable[[int], None] = lambda n: None, *,
-               head_fmt: QuantFormat | None | str = AS_DENSE) -> tuple[dict, dict]:
+               head_fmt: QuantFormat | None | str = AS_DENSE, tile_kernels: bool = False) -> tuple[dict, dict]:
     """Every non-expert weight in jmoe's parameter tree at the dense tier (the LM head and embedding
     table at `head_fmt`'s, default the same), and the manifest's dense entry (tensor index, tiers,
-    formats, stored bytes). `advance(n)` reports n source numbers read."""
+    formats, stored bytes). `advance(n)` reports n source numbers read. tile_kernels: the plain
+    Linear kernels (jmoe.layers.linear.tiled_kernel_paths) stored in the CPU layout, the entry's
+    `tiled_kernels` saying so."""
     structure = dense_structure(cfg, fmt, head_fmt)
+    tiled = set(tiled_kernel_paths(abstract_model(cfg, np.float32, fmt, head_fmt))) if tile_kernels else set()
     index = {}
 
     def load(path, spec):
@@ -136,6 +140,8 @@ def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt: Quan
             value = read_quantized(source, hf_name, hf_shape, spec, advance)
         else:
             value = read_plain(source, hf_name, hf_shape, transpose, spec.dtype, advance)
+            if t.path in tiled:
+                value = tile_plain(value)
         key = ".".join(str(p) for p in t.path)
         dtype = f"int{spec.fmt.bits}" if quantized else np.dtype(spec.dtype).name
         index[key] = {"hf_name": hf_name, "shape": list(shape), "dtype": dtype}
@@ -145,6 +151,8 @@ def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt: Quan
     tier_of = lambda f: "bf16" if f is None else f"int{f.bits}"  # noqa: E731
     entry = {"dir": DENSE_DIR, "tier": tier_of(fmt), "format": None if fmt is None else fmt.to_json(),
              "bytes": tree_nbytes(dense), "tensors": index}
+    if tiled:
+        entry["tiled_kernels"] = True
     if head_fmt is not AS_DENSE:
         entry.update(head_tier=tier_of(head_fmt), head_format=None if head_fmt is None else head_fmt.to_json())
     return dense, entry

@@ -110,8 +110,8 @@ def convert_checkpoint(
         weights, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
-      cpu_layout: store the integer expert tiers, and integer dense weights, LM head and embedding
-        table, in the CPU layout (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream;
+      cpu_layout: store the integer expert tiers, the dense weights (plain bf16 projections and an
+        untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream;
         GPU kernels leave such experts to the XLA reference, so convert without it for a GPU).
     """
     tiers = parse_tiers(tiers)
@@ -157,10 +157,11 @@ def convert_checkpoint(
     tmp = partial.path
     try:
         used: set[str] = set()
-        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, head_fmt, tmp, progress)
+        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, head_fmt, tmp, progress, cpu_layout)
         if calibrating:  # the experts' inputs as the model will compute them: through the dense tier
             calibration = LayerwiseCalibration(cfg, dense, tokens, quant=dense_fmt, head_quant=head_fmt,
-                                               progress=progress)
+                                               progress=progress,
+                                               tiled_kernels=dense_entry.get("tiled_kernels", False))
         del dense
         reader = expert_reader(source, cfg, used)
         source.release()
@@ -228,12 +229,14 @@ def load_source_tokenizer(root: Path):
     return load_tokenizer(root, error=CheckpointError)
 
 
-def convert_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt, head_fmt, tmp: Path, progress: bool):
+def convert_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt, head_fmt, tmp: Path, progress: bool,
+                  tile_kernels: bool = False):
     """Read the dense weights at their tiers (a progress bar over the numbers read) and save them;
-    returns (the stored tree, the manifest's dense entry). The checkpoint's pages are released after."""
+    returns (the stored tree, the manifest's dense entry). The checkpoint's pages are released after.
+    tile_kernels: plain projections in the CPU layout (read_dense)."""
     total = source_elements(cfg, dense_structure(cfg, fmt, head_fmt))
     with tqdm(total=total, desc="dense weights", unit="", unit_scale=True, disable=not progress) as bar:
-        dense, entry = read_dense(source, cfg, used, fmt, bar.update, head_fmt=head_fmt)
+        dense, entry = read_dense(source, cfg, used, fmt, bar.update, head_fmt=head_fmt, tile_kernels=tile_kernels)
         source.release()
         bar.set_postfix_str("saving")
         save_dense(dense, tmp / DENSE_DIR)

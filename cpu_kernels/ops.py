@@ -16,7 +16,8 @@ import numpy as np
 from cpu_kernels import native
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
+from pallas_kernels.qarray import (TILE, QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups,
+                                   untile_plain)
 
 
 def available() -> bool:
@@ -24,8 +25,9 @@ def available() -> bool:
     return native.loaded() and jax.default_backend() == "cpu"
 
 
-def _weight_operands(w):
-    """(values, scales, offsets) operands and (bits, group, symmetric) of a weight or a pool of them."""
+def _weight_operands(w, tiled: bool = False):
+    """(values, scales, offsets) operands and (bits, group, symmetric, tiled) of a weight or a pool of
+    them; tiled: a plain weight stored in the CPU layout (pallas_kernels.qarray.tile_plain)."""
     if isinstance(w, QArray):
         fmt = w.fmt
         offsets = native.empty(np.float16) if w.offsets is None else w.offsets
@@ -37,13 +39,15 @@ def _weight_operands(w):
         dtype = jnp.dtype(jnp.float32)
     bits = 16 if dtype == jnp.dtype(jnp.bfloat16) else 32
     return (w, native.empty(np.float16), native.empty(np.float16)), dict(bits=np.int64(bits), group=np.int64(64),
-                                                                         symmetric=True, tiled=False)
+                                                                         symmetric=True, tiled=tiled)
 
 
-def matmul(x: jax.Array, w, *, int8_dot: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> jax.Array:
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray (smoothing and W8A8 applied).
     int8_dot: a quantized w multiplies x on its per-group int8 grid (quantize_groups), in integers
-    where the CPU has VNNI."""
+    where the CPU has VNNI. tiled: a plain w stored in the CPU layout (tile_plain; N a multiple of TILE)."""
+    if tiled and (isinstance(w, QArray) or w.shape[-1] % TILE):
+        raise ValueError("tiled applies to a plain weight whose N is a multiple of 64")
     int8_dot = int8_dot and int8_dot_applies(w)
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
@@ -54,11 +58,13 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False) -> jax.Array:
         if int8_dot:
             x = quantize_groups(x, w.fmt.group_size)
         dense = dequantize(w, jnp.float32) if isinstance(w, QArray) else w.astype(jnp.float32)
+        if tiled:
+            dense = untile_plain(dense)
         return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    operands, fmt = _weight_operands(w)
+    operands, fmt = _weight_operands(w, tiled)
     y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands,
                     k=np.int64(k), n=np.int64(n), int8_dot=int8_dot, **fmt)
     return y.reshape(*lead, n)

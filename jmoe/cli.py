@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
     conv.add_argument("--cpu-layout", action="store_true",
-                      help="integer expert tiers, dense weights and LM head in the CPU kernels' layout "
-                           "(column tiles they stream; GPU kernels leave such weights to the XLA reference)")
+                      help="integer expert tiers, dense weights (bf16 projections too) and LM head in the CPU "
+                           "kernels' layout (column tiles they stream; GPU kernels leave such weights to the XLA "
+                           "reference)")
     conv.add_argument("--force", action="store_true", help="replace an existing output directory")
     conv.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 

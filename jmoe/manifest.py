@@ -150,7 +150,7 @@ SCHEMA = {
     "dense": {"dir": RELPATH, "tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
               "format?": Maybe(TIER_FORMAT), "bytes?": Int(0),
               "head_tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
-              "head_format?": Maybe(TIER_FORMAT),
+              "head_format?": Maybe(TIER_FORMAT), "tiled_kernels?": bool,
               "tensors": Entries({"hf_name": str, "shape": Items(Int(0)), "dtype": str})},
     "tokenizer": Maybe(RELPATH),
     "files": Entries({"bytes": Int(0), "sha256": SHA256}, key=RELPATH),
@@ -273,6 +273,11 @@ def _check_consistency(root: Path, manifest: dict[str, Any]) -> None:
 def dense_format(manifest: dict[str, Any]) -> QuantFormat | None:
     """The format the dense weights are stored in (None: bf16 arrays), for building the model."""
     return _format(manifest["dense"].get("format"), "dense.format")
+
+
+def tiled_kernels(manifest: dict[str, Any]) -> bool:
+    """Whether the plain dense projections are stored in the CPU layout (jmoe.layers.linear.Linear.tiled)."""
+    return bool(manifest["dense"].get("tiled_kernels", False))
 
 
 def head_format(manifest: dict[str, Any]) -> QuantFormat | None:

@@ -17,7 +17,9 @@ With act_bits = 8 (W8A8) the activations are quantized per token to int8 before 
 The CPU layout (fmt.tiled, written by `jmoe convert --cpu-layout`): the same arrays, same shapes,
 with every row's columns regrouped into tiles of TILE: tile t (columns [TILE t, TILE t + TILE)) of
 all rows is stored as one K-major [rows, TILE] block, the blocks in column order. The CPU kernels
-read a tile as one sequential stream; everything else reads such an array through `untile`.
+read a tile as one sequential stream; everything else reads such an array through `untile`. A
+plain bf16 dense projection is stored the same way (`tile_plain`), its flag on the module that
+holds it (jmoe.layers.linear.Linear.tiled), since a plain array carries no format.
 """
 
 from __future__ import annotations
@@ -145,6 +147,17 @@ def untile(q: QArray) -> QArray:
     regroup = lambda a: None if a is None else _regroup(a, False)  # noqa: E731
     return dataclasses.replace(q, values=regroup(q.values), scales=regroup(q.scales), offsets=regroup(q.offsets),
                                fmt=fmt)
+
+
+def tile_plain(a):
+    """A plain [..., K, N] weight (bf16/float32, numpy or jax) -> its CPU layout: columns in tiles of
+    TILE, as `tile` stores a QArray's arrays (N a multiple of TILE)."""
+    return _regroup(a, True)
+
+
+def untile_plain(a):
+    """tile_plain undone: the plain weight back in [..., K, N] layout."""
+    return _regroup(a, False)
 
 
 def take_columns(q: QArray, cols: jax.Array) -> QArray:

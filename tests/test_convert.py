@@ -225,3 +225,31 @@ def test_cpu_layout_stores_integer_dense_weights_and_head_in_tiles_that_compute_
     models = [jmoe.load(p, cpu_dot="int8", compute_dtype="float32") for p in (plain, tiled)]
     assert np.array_equal(*(np.asarray(jmoe.forward(m, ids)) for m in models))
     assert jmoe.generate(models[0], ids, max_new_tokens=6) == jmoe.generate(models[1], ids, max_new_tokens=6)
+
+
+def test_cpu_layout_stores_plain_bf16_projections_and_head_in_tiles_that_compute_the_same(tmp_path):
+    """At the bf16 dense tier --cpu-layout stores the plain projections and the untied LM head in
+    column tiles (the manifest's dense.tiled_kernels; k and v, 32 columns wide, and the routers stay
+    [K, N]): the stored bytes are the [K, N] conversion's regrouped, and the model gives the same
+    logits and greedy tokens from them."""
+    import orbax.checkpoint as ocp
+
+    from pallas_kernels.qarray import tile_plain
+
+    hf = tmp_path / "hf"
+    make_checkpoint("qwen3_moe", hf, overrides=dict(tie_word_embeddings=False, num_attention_heads=8))  # q: 2 tiles
+    kw = dict(tiers="bf16", progress=False)
+    plain = convert_checkpoint(hf, tmp_path / "plain", **kw)
+    tiled = convert_checkpoint(hf, tmp_path / "tiled", cpu_layout=True, **kw)
+    assert read_manifest(tiled)["dense"]["tiled_kernels"] and "tiled_kernels" not in read_manifest(plain)["dense"]
+    a, b = (ocp.StandardCheckpointer().restore((p / "dense").absolute()) for p in (plain, tiled))
+    for name in ("q_proj", "k_proj"):
+        kernels = [np.asarray(d["layers"]["0"]["self_attn"][name]["kernel"]) for d in (a, b)]
+        assert kernels[0].shape[1] == (128 if name == "q_proj" else 32)
+        expected = np.asarray(tile_plain(kernels[0])) if name == "q_proj" else kernels[0]
+        assert np.array_equal(kernels[1], expected) and (name == "k_proj") == np.array_equal(*kernels), name
+    assert not np.array_equal(np.asarray(a["lm_head"]["kernel"]), np.asarray(b["lm_head"]["kernel"]))
+    ids = [5, 17, 99, 3, 42, 250, 7, 255, 64]
+    models = [jmoe.load(p, compute_dtype="float32") for p in (plain, tiled)]
+    assert np.array_equal(*(np.asarray(jmoe.forward(m, ids)) for m in models))
+    assert jmoe.generate(models[0], ids, max_new_tokens=6) == jmoe.generate(models[1], ids, max_new_tokens=6)

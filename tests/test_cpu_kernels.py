@@ -20,7 +20,8 @@ from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QuantFormat, dequantize, quantize_groups, take_columns, tile, untile
+from pallas_kernels.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
+                                   untile_plain)
 
 FORMATS = {
     "bf16": None,
@@ -153,6 +154,39 @@ def test_matmul_reads_the_cpu_layout_as_it_reads_k_by_n(name, m, k, n, int8_dot)
         assert np.array_equal(tiled, expected)
     else:
         assert np.abs(tiled - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (2, 768, 2048), (3, 1100, 128), (9, 512, 640), (40, 256, 192)])
+def test_matmul_reads_plain_weights_in_the_cpu_layout(dtype, m, k, n, monkeypatch):
+    """A plain bf16/float32 weight in column tiles (tile_plain: tile t of every row one K-major block)
+    gives, on every native path, the numbers the [K, N] weight gives (the same bits with many rows,
+    within float32 rounding of the exact product where the tasks differ); the XLA reference
+    and the model's non-CPU matmul read it through untile_plain, and untile_plain undoes tile_plain."""
+    from jmoe.layers import linear
+
+    rng = np.random.default_rng(m * 5 + n)
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32), dtype)
+    t = tile_plain(w)
+    assert t.shape == w.shape and not np.array_equal(np.asarray(t), np.asarray(w))
+    assert np.array_equal(np.asarray(t).reshape(-1)[k * 64: k * 128].reshape(k, 64), np.asarray(w)[:, 64:128])
+    assert np.array_equal(np.asarray(untile_plain(t)), np.asarray(w))
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    expected = np.asarray(jax.jit(ops.matmul)(x, w))
+    tiled = np.asarray(jax.jit(lambda x, w: ops.matmul(x, w, tiled=True))(x, t))
+    exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    if m > 16:
+        assert np.array_equal(tiled, expected)
+    else:  # float32 sums in another order: each within rounding of the exact product
+        for y in (tiled, expected):
+            assert np.abs(y - exact).max() <= 2e-6 * np.abs(exact).max()
+    monkeypatch.setattr(ops, "available", lambda: False)  # the XLA reference
+    assert np.abs(np.asarray(ops.matmul(x, t, tiled=True)) - exact).max() <= 2e-6 * np.abs(exact).max()
+    monkeypatch.setattr(linear, "on_cpu", lambda: False)  # the path every other backend takes
+    assert np.abs(np.asarray(linear.matmul(x, t, tiled=True)) - exact).max() <= 2e-6 * np.abs(exact).max()
+    assert np.array_equal(np.asarray(linear.dense_weight(t, jnp.float32, tiled=True)), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ops.matmul(x[:, :k], w[:, : n - 1], tiled=True)
 
 
 @pytest.mark.parametrize("tier", ["int4", "int2"])

@@ -44,9 +44,9 @@ constexpr int kToL2 = 2;                // __builtin_prefetch's locality for pre
 
 // One K-major weight [K, N] (one pool slot, or a dense parameter).
 //
-// Tiled (quantized weights only, N a multiple of kTile): values, scales and offsets are stored in
-// column tiles, tile t holding columns [64 t, 64 t + 64) of every row as a K-major [rows, 64] block
-// of its own (pallas_kernels.qarray's CPU layout). A product then reads each tile as one sequential
+// Tiled (N a multiple of kTile): values, scales and offsets are stored in column tiles, tile t
+// holding columns [64 t, 64 t + 64) of every row as a K-major [rows, 64] block of its own
+// (pallas_kernels.qarray's CPU layout; a plain bf16/float32 weight's rows are its K rows). A product then reads each tile as one sequential
 // stream, where [K, N] walks eight byte rows N bytes apart at a time; the kernels run each tile as
 // a plain weight of 64 columns (tile()).
 struct Weight {
@@ -60,6 +60,7 @@ struct Weight {
   bool tiled = false;
   int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows and groups of the whole weight's tiles
   int64_t first_group = 0;                 // tiled: the group rows(k0, k1) starts at
+  int64_t first_row = 0;                   // tiled plain: the K row rows(k0, k1) starts at
 
   bool quantized() const { return bits <= 8; }
   int64_t padded_k() const { return quantized() ? (k + group - 1) / group * group : k; }
@@ -78,7 +79,9 @@ struct Weight {
   Weight rows(int64_t k0, int64_t k1) const {
     Weight w = *this;
     w.k = k1 - k0;
-    if (tiled) {  // the tiles stay where they are: tile() starts each at the group
+    if (tiled && !quantized()) {  // the tiles stay where they are: tile() starts each at the row
+      w.first_row = first_row + k0;
+    } else if (tiled) {  // tile() starts each at the group
       w.first_group = first_group + k0 / group;
     } else if (quantized()) {
       const int64_t g0 = k0 / group;
@@ -96,7 +99,11 @@ struct Weight {
     Weight w = *this;
     w.tiled = false;
     w.n = kTile;
-    w.first_group = 0;
+    w.first_group = w.first_row = 0;
+    if (!quantized()) {
+      w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_row) * kTile * (bits / 8);
+      return w;
+    }
     const int64_t plane = group / (8 / bits);
     w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_group * plane) * kTile;
     if (scales) w.scales = scales + (t * tile_groups + first_group) * kTile;
@@ -540,11 +547,10 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, 
                     (!symmetric && offsets.element_count() != scales.element_count())))
     return ffi::Error::InvalidArgument("scales or offsets do not match the weight's shape");
   if (tiled) {
-    if (bits > 8 || n % kTile != 0)
-      return ffi::Error::InvalidArgument("a tiled weight must be quantized, with N a multiple of 64");
+    if (n % kTile != 0) return ffi::Error::InvalidArgument("a tiled weight must have N a multiple of 64");
     w->tiled = true;
-    w->tile_rows = w->padded_k() / (8 / w->bits);
-    w->tile_groups = w->padded_k() / w->group;
+    w->tile_rows = w->quantized() ? w->padded_k() / (8 / w->bits) : k;
+    w->tile_groups = w->quantized() ? w->padded_k() / w->group : 0;
   }
   return ffi::Error::Success();
 }

@@ -9,6 +9,10 @@ through `matmul`:
   reference, which is exact float32);
 - elsewhere, `jnp.dot` in the compute dtype with float32 accumulation (GPU: bf16 x bf16).
 
+A plain Linear kernel may be stored in the CPU layout (`Linear.tiled`, written by `jmoe convert
+--cpu-layout`: columns in tiles of 64, pallas_kernels.qarray.tile_plain), which the native kernel
+streams tile by tile; every other reader untiles it first (on a GPU, inside the step).
+
 A weight is never promoted whole per step outside that call: the embedding gathers its rows first
 and casts (or dequantizes) only those. A quantized embedding table stores E^T [D, V] (each token a
 column, groups along D), which is also the tied LM head's K-major weight.
@@ -22,7 +26,8 @@ from flax import nnx
 
 import cpu_kernels
 from jmoe.layers.norms import matmul_precision
-from pallas_kernels.qarray import QArray, QuantFormat, dequantize, prepare_input, take_columns, template
+from pallas_kernels.qarray import (TILE, QArray, QuantFormat, dequantize, prepare_input, take_columns, template,
+                                   untile_plain)
 
 
 def on_cpu() -> bool:
@@ -30,20 +35,26 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def matmul(x: jax.Array, w, *, int8_dot: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> jax.Array:
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray. int8_dot (CPU only):
-    a quantized w multiplies x on its per-group int8 grid (load's cpu_dot="int8")."""
+    a quantized w multiplies x on its per-group int8 grid (load's cpu_dot="int8"). tiled: a plain w
+    stored in the CPU layout."""
     if on_cpu():
-        return cpu_kernels.matmul(x, w, int8_dot=int8_dot)
+        return cpu_kernels.matmul(x, w, int8_dot=int8_dot, tiled=tiled)
+    if tiled:
+        w = untile_plain(w)
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
         w = dequantize(w, x.dtype)  # fused into the dot's operand by XLA, never a stored copy
     return jnp.dot(x, w.astype(x.dtype), precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32)
 
 
-def dense_weight(w, dtype) -> jax.Array:
-    """The logical weight [K, N] in `dtype` (for the few small weights used outside a matmul)."""
-    return dequantize(w, dtype) if isinstance(w, QArray) else w.astype(dtype)
+def dense_weight(w, dtype, tiled: bool = False) -> jax.Array:
+    """The logical weight [K, N] in `dtype` (for the few small weights used outside a matmul); tiled:
+    a plain w stored in the CPU layout."""
+    if isinstance(w, QArray):
+        return dequantize(w, dtype)
+    return (untile_plain(w) if tiled else w).astype(dtype)
 
 
 def zeros_qarray(fmt: QuantFormat, k: int, n: int) -> QArray:
@@ -71,10 +82,11 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
         self.dtype = dtype
         self.int8_dot = False  # static: set by load(cpu_dot="int8")
+        self.tiled = False  # static: a plain kernel stored in the CPU layout (set by load, see use_tiled_kernels)
 
     def project(self, x):
         """x [..., in] -> float32 [..., out] (bias added in float32)."""
-        y = matmul(x.astype(self.dtype), self.kernel.get_value(), int8_dot=self.int8_dot)
+        y = matmul(x.astype(self.dtype), self.kernel.get_value(), int8_dot=self.int8_dot, tiled=self.tiled)
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x):
@@ -82,7 +94,12 @@ class Linear(nnx.Module):
 
     def weight(self, dtype) -> jax.Array:
         """The kernel [in, out] in `dtype`."""
-        return dense_weight(self.kernel.get_value(), dtype)
+        return dense_weight(self.kernel.get_value(), dtype, self.tiled)
+
+    def tileable(self) -> bool:
+        """Whether the CPU layout stores this kernel tiled: a plain kernel of whole 64-column tiles."""
+        kernel = self.kernel.get_value()
+        return not isinstance(kernel, QArray) and kernel.shape[-1] % TILE == 0
 
 
 class Embed(nnx.Module):
@@ -116,3 +133,20 @@ class Embed(nnx.Module):
         (folded into the dot by XLA)."""
         table = self.embedding.get_value()
         return table if isinstance(table, QArray) else table.T
+
+
+def tiled_kernel_paths(model: nnx.Module) -> list[tuple]:
+    """The parameter paths of the plain Linear kernels the CPU layout stores tiled (Linear.tileable):
+    the attention projections, dense MLPs, shared experts and an untied LM head at a plain dense
+    tier. Conversion tiles these leaves; load marks their modules (use_tiled_kernels)."""
+    return [(*path, "kernel") for path, module in nnx.iter_graph(model)
+            if isinstance(module, Linear) and module.tileable()]
+
+
+def use_tiled_kernels(model: nnx.Module, on: bool) -> nnx.Module:
+    """Mark every tileable Linear as holding its kernel in the CPU layout (a static attribute)."""
+    if on:
+        for _, module in nnx.iter_graph(model):
+            if isinstance(module, Linear) and module.tileable():
+                module.tiled = True
+    return model

@@ -24,9 +24,9 @@ from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.attention import attention_scores_nbytes
-from jmoe.layers.linear import Embed, Linear
+from jmoe.layers.linear import Embed, Linear, use_tiled_kernels
 from jmoe.layers.transformer import abstract_model
-from jmoe.manifest import check_files, dense_format, head_format, inside, read_manifest
+from jmoe.manifest import check_files, dense_format, head_format, inside, read_manifest, tiled_kernels
 from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Plan, Policy, StepView, make_policy
 from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
@@ -526,11 +526,13 @@ def load(
 
         device = placement.device
         int8_dot = cpu_dot == "int8" and device_is_host(device)  # the step's own matmuls
-        if not device_is_host(device) and any(getattr(f, "tiled", False) for f in (dense_format(manifest),
-                                                                                    head_format(manifest))):
+        tiled = tiled_kernels(manifest)
+        if not device_is_host(device) and (tiled or any(getattr(f, "tiled", False)
+                                                        for f in (dense_format(manifest), head_format(manifest)))):
             log.warning("the dense weights were converted with --cpu-layout: on this device they are read through "
                         "the XLA reference's untiling (slower); convert without it for a GPU")
-        graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest), int8_dot)
+        graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest), int8_dot,
+                                                  tiled)
         prefix_bytes = resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv)
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
                               None if draft is None else check_draft(manifest, draft), None, placement.shards, kv,
@@ -630,17 +632,18 @@ def use_int8_dot(model, on: bool):
     return model
 
 
-def abstract_split(cfg: ModelConfig, dtype, quant, head_quant, int8_dot: bool = False):
+def abstract_split(cfg: ModelConfig, dtype, quant, head_quant, int8_dot: bool = False, tiled: bool = False):
     """(graphdef, state of shapes) of the model: built once per structure, as building it traces every
     parameter's initialiser (0.2-0.3 s at the tiny model, paid by each load); the state is a new
     tree each call, since restoring the weights fills it in place."""
-    graphdef, state = _abstract_split(cfg, dtype, quant, head_quant, int8_dot)
+    graphdef, state = _abstract_split(cfg, dtype, quant, head_quant, int8_dot, tiled)
     return graphdef, jax.tree.map(lambda leaf: leaf, state)
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_split(cfg: ModelConfig, dtype, quant, head_quant, int8_dot: bool):
-    return nnx.split(use_int8_dot(abstract_model(cfg, dtype, quant, head_quant), int8_dot))
+def _abstract_split(cfg: ModelConfig, dtype, quant, head_quant, int8_dot: bool, tiled: bool):
+    model = use_int8_dot(abstract_model(cfg, dtype, quant, head_quant), int8_dot)
+    return nnx.split(use_tiled_kernels(model, tiled))
 
 
 def start_tokenizer(root: Path, manifest: dict[str, Any]) -> Future:
