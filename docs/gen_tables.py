@@ -293,6 +293,8 @@ def shapes_on_avx512(name: str) -> str:
         if key not in d["summary"]:
             continue
         label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head)")
+        if d["settings"].get("cpu_layout") and key.startswith("jmoe"):
+            label += ", `--cpu-layout`"
         r = d["summary"][key]
         rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
         rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"]), med(r["decode_tok_s@512"]), rss])
@@ -921,6 +923,8 @@ TABLES = {
     "real-shapes-avx2": real_shapes_avx2,
     "real-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_xeon_cpu.json"),
     "real-shapes-bf16-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_bf16_xeon_cpu.json"),
+    "real-shapes-bf16-zen5-before": lambda: shapes_on_avx512("real_shapes/real_shapes_bf16_zen5_before_cpu.json"),
+    "real-shapes-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_bf16_zen5_cpu.json"),
     "gpt-oss-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_xeon_cpu.json"),
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "thread-scaling": thread_scaling,
