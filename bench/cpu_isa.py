@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 
-from bench.lib.common import ROOT, write_result
+from bench.lib.common import ROOT, result_name, write_result
 
 SHAPES = {"lm_head": (2048, 151936), "attention q": (2048, 4096), "expert gate_up": (2048, 1536),
           "expert down": (768, 2048)}
@@ -76,7 +76,7 @@ def isa_paths() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--name", default="cpu_isa", help="the result file's name (_cpu.json added)")
+    parser.add_argument("--name", type=result_name, default="cpu_isa", help="the result file's name (_cpu.json added)")
     parser.add_argument("--rows", default="1,4,16,64", help="input rows per product, comma-separated")
     parser.add_argument("--bits", type=int, choices=(2, 4, 8), default=4, help="weight code width (default 4)")
     args = parser.parse_args()

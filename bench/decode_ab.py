@@ -15,7 +15,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from bench.lib.common import jmoe_bench_rows, write_result
+from bench.lib.common import jmoe_bench_rows, result_name, write_result
 
 
 def parse_case(text: str) -> tuple[str, Path, dict]:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--tier", default=None)
     parser.add_argument("--cpu-dot", default="int8", choices=("float", "int8"))
-    parser.add_argument("--result", default="cases", help="result file name")
+    parser.add_argument("--result", type=result_name, default="cases", help="result file name")
     args = parser.parse_args(argv)
     cases = [parse_case(c) for c in args.cases]
     runs: dict[str, list[float]] = {name: [] for name, _, _ in cases}

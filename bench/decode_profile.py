@@ -31,7 +31,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={D
 
 import jax  # noqa: E402
 
-from bench.lib.common import write_result  # noqa: E402
+from bench.lib.common import result_name, write_result  # noqa: E402
 
 SCOPE = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--by-instruction", action="store_true",
                         help="list single HLO instructions (each layer's own), not their scopes summed")
-    parser.add_argument("--name", default=None, help="result file name (default: the model directory's)")
+    parser.add_argument("--name", type=result_name, default=None,
+                        help="result file name (default: the model directory's)")
     args = parser.parse_args(argv)
 
     import jmoe

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from bench.lib import llama_cpp
-from bench.lib.common import ROOT, write_result
+from bench.lib.common import ROOT, result_name, write_result
 from bench.lib.q4_slice import int4_slice_and_q4_0
 from bench.lib.random_checkpoint import model_named
 
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")))
-    parser.add_argument("--name", default=None, help="the result file's name (_cpu.json added)")
+    parser.add_argument("--name", type=result_name, default=None, help="the result file's name (_cpu.json added)")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     data = args.data.expanduser()

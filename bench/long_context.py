@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.lib.common import ROOT, write_result
+from bench.lib.common import ROOT, result_name, write_result
 
 TINY_HF = ROOT / "examples" / "tiny-qwen3-moe"
 PLAN_CASES = [  # (model, compute dtype, max_seq_len, max_batch)
@@ -181,7 +181,8 @@ def main() -> None:
     parser.add_argument("--quality-tokens", type=int, default=16384, help="dev tokens scored per domain")
     parser.add_argument("--plan-only", action="store_true")
     parser.add_argument("--no-depth", action="store_true", help="skip the timed depth runs")
-    parser.add_argument("--name", default="long_context", help="the result file's name (_cpu.json added)")
+    parser.add_argument("--name", type=result_name, default="long_context",
+                        help="the result file's name (_cpu.json added)")
     args = parser.parse_args()
     payload = {"plan": plan_rows()}
     if args.quality and not args.plan_only:

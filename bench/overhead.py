@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.lib.common import TINY_HF, write_result
+from bench.lib.common import TINY_HF, result_name, write_result
 from convert import convert_checkpoint
 
 PROMPT = "def fibonacci(n):\n    "
@@ -43,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--name", default="overhead_tiny")
+    parser.add_argument("--name", type=result_name, default="overhead_tiny")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = convert_checkpoint(TINY_HF, Path(tmp) / "tiny", progress=False)

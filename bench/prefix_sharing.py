@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.lib.common import ROOT, TINY_HF, write_result
+from bench.lib.common import ROOT, TINY_HF, result_name, write_result
 
 REQUESTS = 16
 SYSTEM_TOKENS = 1000
@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/jmoe-prefix-sharing")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--name", default="prefix_sharing", help="the result file's name (_cpu.json added)")
+    parser.add_argument("--name", type=result_name, default="prefix_sharing",
+                        help="the result file's name (_cpu.json added)")
     args = parser.parse_args()
 
     import jmoe

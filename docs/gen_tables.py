@@ -141,6 +141,16 @@ def headline() -> str:
         rows.append([f"Qwen3-30B-A3B shapes (8 layers), decode tok/s {what}, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
                      f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
                      machine(scaled), source(name)])
+    bf16_name = "real_shapes/real_shapes_bf16_zen5_cpu.json"
+    bf16 = load(bf16_name)
+    ratio = bf16["ratios"]["jmoe bf16 resident / llama.cpp BF16"]["decode_tok_s@0"]["median"]
+    rows.append([
+        "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 EPYC (Zen 5), bf16 throughout, projections and "
+        "LM head in the CPU layout (`--cpu-layout`), vs llama.cpp BF16",
+        f"{f(bf16['summary']['jmoe bf16 resident']['decode_tok_s@0']['median'])} vs "
+        f"{f(bf16['summary']['llama.cpp BF16']['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
+        machine(bf16), source(bf16_name),
+    ])
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -111,6 +113,15 @@ def planned_budget(path: Path, share: float, **plan_kw) -> int:
     plan = memory_plan(path, **plan_kw)
     experts = plan.pop("all_experts")
     return sum(plan.values()) + int(share * experts)
+
+
+def result_name(value: str) -> str:
+    """An argparse type for a result's name: a file name, checked when the command starts rather
+    than when a long run has its results to write (a path would land under bench/results)."""
+    if not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a file name (the result is written to "
+                                         "bench/results/BENCH/NAME_cpu.json)")
+    return value
 
 
 def result_path(bench: str, name: str) -> Path:

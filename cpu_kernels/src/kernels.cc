@@ -58,7 +58,7 @@ struct Weight {
   bool symmetric;
   int64_t k, n;              // logical K, N
   bool tiled = false;
-  int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows and groups of the whole weight's tiles
+  int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows (plain: K rows) and groups of the whole weight's tiles
   int64_t first_group = 0;                 // tiled: the group rows(k0, k1) starts at
   int64_t first_row = 0;                   // tiled plain: the K row rows(k0, k1) starts at
 
