@@ -22,12 +22,12 @@ from convert.hf_source import TensorSource
 from convert.quantizers.rtn import rtn_block
 from jmoe.config import ModelConfig
 from jmoe.format import DENSE_DIR
+from jmoe.layers.linear import tiled_kernel_paths
 from jmoe.layers.transformer import AS_DENSE, abstract_model
 from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from jmoe.layers.linear import tiled_kernel_paths
 from pallas_kernels.qarray import QArray, QuantFormat, tile, tile_plain
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time

@@ -111,8 +111,9 @@ def convert_checkpoint(
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
       cpu_layout: store the integer expert tiers, the dense weights (plain bf16 projections and an
-        untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream;
-        GPU kernels leave such experts to the XLA reference, so convert without it for a GPU).
+        untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout
+        (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream; GPU kernels
+        leave such experts to the XLA reference, so convert without it for a GPU).
     """
     tiers = parse_tiers(tiers)
     validate.choice("dense_tier", dense_tier, DENSE_TIERS)

@@ -46,9 +46,9 @@ constexpr int kToL2 = 2;                // __builtin_prefetch's locality for pre
 //
 // Tiled (N a multiple of kTile): values, scales and offsets are stored in column tiles, tile t
 // holding columns [64 t, 64 t + 64) of every row as a K-major [rows, 64] block of its own
-// (pallas_kernels.qarray's CPU layout; a plain bf16/float32 weight's rows are its K rows). A product then reads each tile as one sequential
-// stream, where [K, N] walks eight byte rows N bytes apart at a time; the kernels run each tile as
-// a plain weight of 64 columns (tile()).
+// (pallas_kernels.qarray's CPU layout; a plain bf16/float32 weight's rows are its K rows). A
+// product then reads each tile as one sequential stream, where [K, N] walks eight byte rows N bytes
+// apart at a time; the kernels run each tile as a plain weight of 64 columns (tile()).
 struct Weight {
   const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / pack, N]
   const uint16_t* scales;    // float16 [Kp / G, N] (quantized only)

@@ -135,18 +135,21 @@ class Embed(nnx.Module):
         return table if isinstance(table, QArray) else table.T
 
 
+def _tileable(model: nnx.Module):
+    """(path, Linear) of every Linear whose kernel the CPU layout stores tiled (Linear.tileable)."""
+    return [(path, module) for path, module in nnx.iter_graph(model) if isinstance(module, Linear)
+            and module.tileable()]
+
+
 def tiled_kernel_paths(model: nnx.Module) -> list[tuple]:
-    """The parameter paths of the plain Linear kernels the CPU layout stores tiled (Linear.tileable):
-    the attention projections, dense MLPs, shared experts and an untied LM head at a plain dense
-    tier. Conversion tiles these leaves; load marks their modules (use_tiled_kernels)."""
-    return [(*path, "kernel") for path, module in nnx.iter_graph(model)
-            if isinstance(module, Linear) and module.tileable()]
+    """The parameter paths of the plain Linear kernels the CPU layout stores tiled: the attention
+    projections, dense MLPs, shared experts and an untied LM head at a plain dense tier.
+    Conversion tiles these leaves; load marks their modules (use_tiled_kernels)."""
+    return [(*path, "kernel") for path, _ in _tileable(model)]
 
 
 def use_tiled_kernels(model: nnx.Module, on: bool) -> nnx.Module:
     """Mark every tileable Linear as holding its kernel in the CPU layout (a static attribute)."""
-    if on:
-        for _, module in nnx.iter_graph(model):
-            if isinstance(module, Linear) and module.tileable():
-                module.tiled = True
+    for _, module in _tileable(model) if on else []:
+        module.tiled = True
     return model
