@@ -20,12 +20,107 @@ _LOCK = threading.Lock()
 
 
 def load_tokenizer(path: Path | None, error: type[JmoeError] = FormatError):
+    """The tokenizer in `path` (None where there is none): a `TokenizerFile` where the files ask for
+    nothing beyond tokenizer.json, else the class AutoTokenizer would choose."""
     if path is None or not Path(path).is_dir():
         return None
     try:
+        if TokenizerFile.reads(Path(path)):
+            return TokenizerFile(Path(path))
         return tokenizer_class(Path(path)).from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for damaged tokenizer files
         raise error(f"the tokenizer in {path} cannot be loaded: {first_line(e)}") from None
+
+
+# tokenizer_config.json classes that are tokenizer.json and nothing more: transformers' generic fast
+# tokenizer (the name it writes since 5.0 and the name before).
+PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Settings with which transformers changes what tokenizer.json alone would give: special tokens
+# added or moved, a rebuilt post-processor, cleaned-up decoded text, custom code.
+CHANGING_SETTINGS = ("add_bos_token", "add_eos_token", "added_tokens_decoder", "additional_special_tokens",
+                     "extra_special_tokens", "auto_map", "clean_up_tokenization_spaces", "add_prefix_space")
+SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class TokenizerFile:
+    """A tokenizer.json read by the `tokenizers` library itself, for the tokenizers transformers would
+    only wrap (`reads`): the same ids and text as transformers' fast tokenizer, without importing
+    transformers (a second of every command's start-up; measured in bench/startup.py). A chat
+    template is rendered by transformers' tokenizer, built the first time one is needed."""
+
+    def __init__(self, path: Path):
+        import tokenizers
+
+        self.path = path
+        self.config = json.loads((path / "tokenizer_config.json").read_text())
+        self.backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.backend.no_truncation()  # as transformers leaves an encode without max_length
+        self.backend.no_padding()
+        self.chat_template = self.config.get("chat_template")
+        jinja = path / "chat_template.jinja"
+        if self.chat_template is None and jinja.is_file():
+            self.chat_template = jinja.read_text()
+        self._full = None
+
+    @staticmethod
+    def reads(path: Path) -> bool:
+        """Whether this class gives what AutoTokenizer would in `path`."""
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(config, dict) or not (path / "tokenizer.json").is_file():
+            return False
+        if config.get("tokenizer_class") not in PLAIN_CLASSES or any(config.get(k) for k in CHANGING_SETTINGS):
+            return False
+        specials = [config.get(name) for name in SPECIAL_NAMES]
+        if not all(s is None or isinstance(s, str) for s in specials):
+            return False  # an AddedToken's settings (lstrip, normalized, ...) are transformers' to apply
+        import tokenizers
+
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        return all(s is None or backend.token_to_id(s) is not None for s in specials)  # else transformers adds them
+
+    # -- what jmoe asks of a tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.config.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.config.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.config.get("pad_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+
+    @property
+    def added_tokens_encoder(self) -> dict[str, int]:
+        return {token.content: i for i, token in self.backend.get_added_tokens_decoder().items()}
+
+    def apply_chat_template(self, messages, **kwargs):
+        kwargs.setdefault("chat_template", self.chat_template)  # as set on this object, as transformers allows
+        return self.full().apply_chat_template(messages, **kwargs)
+
+    def full(self):
+        """transformers' own tokenizer for these files (its import deferred to the first chat)."""
+        if self._full is None:
+            self._full = tokenizer_class(self.path).from_pretrained(str(self.path))
+        return self._full
 
 
 def tokenizer_class(path: Path):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.errors import InputError
+from jmoe.tokenizer import TokenizerFile
 
 # JSON without optional whitespace: a model cannot pad an answer with blank lines forever
 COMPACT_JSON = {"whitespace_flexible": False}
@@ -106,7 +107,12 @@ def _tokenizer(tokenizer, vocab_size: int, eos_token_ids):
         if known is None or known[0] is not tokenizer:
             llg = _llguidance()
             eos = sorted(eos_token_ids) or None
-            known = (tokenizer, llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
+            if isinstance(tokenizer, TokenizerFile):  # what llguidance.hf builds from transformers' tokenizer
+                view = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                       eos_token=tokenizer.eos_token_id if eos is None else eos)
+            else:
+                view = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+            known = (tokenizer, view)
             _TOKENIZERS[id(tokenizer)] = known
         return known[1]
 
