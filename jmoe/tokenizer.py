@@ -25,8 +25,9 @@ def load_tokenizer(path: Path | None, error: type[JmoeError] = FormatError):
     if path is None or not Path(path).is_dir():
         return None
     try:
-        if TokenizerFile.reads(Path(path)):
-            return TokenizerFile(Path(path))
+        plain = TokenizerFile.open(Path(path))
+        if plain is not None:
+            return plain
         return tokenizer_class(Path(path)).from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for damaged tokenizer files
         raise error(f"the tokenizer in {path} cannot be loaded: {first_line(e)}") from None
@@ -44,42 +45,41 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 class TokenizerFile:
     """A tokenizer.json read by the `tokenizers` library itself, for the tokenizers transformers would
-    only wrap (`reads`): the same ids and text as transformers' fast tokenizer, without importing
+    only wrap (`open`): the same ids and text as transformers' fast tokenizer, without importing
     transformers (a second of every command's start-up; measured in bench/startup.py). A chat
     template is rendered by transformers' tokenizer, built the first time one is needed."""
 
-    def __init__(self, path: Path):
-        import tokenizers
-
-        self.path = path
-        self.config = json.loads((path / "tokenizer_config.json").read_text())
-        self.backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    def __init__(self, path: Path, config: dict, backend):
+        self.path, self.config, self.backend = path, config, backend
         self.backend.no_truncation()  # as transformers leaves an encode without max_length
         self.backend.no_padding()
-        self.chat_template = self.config.get("chat_template")
+        self.chat_template = config.get("chat_template")
         jinja = path / "chat_template.jinja"
         if self.chat_template is None and jinja.is_file():
             self.chat_template = jinja.read_text()
         self._full = None
 
-    @staticmethod
-    def reads(path: Path) -> bool:
-        """Whether this class gives what AutoTokenizer would in `path`."""
+    @classmethod
+    def open(cls, path: Path) -> "TokenizerFile | None":
+        """The tokenizer in `path` where this class gives what AutoTokenizer would, else None (each
+        file read once)."""
         try:
             config = json.loads((path / "tokenizer_config.json").read_text())
         except (OSError, ValueError):
-            return False
+            return None
         if not isinstance(config, dict) or not (path / "tokenizer.json").is_file():
-            return False
+            return None
         if config.get("tokenizer_class") not in PLAIN_CLASSES or any(config.get(k) for k in CHANGING_SETTINGS):
-            return False
+            return None
         specials = [config.get(name) for name in SPECIAL_NAMES]
         if not all(s is None or isinstance(s, str) for s in specials):
-            return False  # an AddedToken's settings (lstrip, normalized, ...) are transformers' to apply
+            return None  # an AddedToken's settings (lstrip, normalized, ...) are transformers' to apply
         import tokenizers
 
         backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-        return all(s is None or backend.token_to_id(s) is not None for s in specials)  # else transformers adds them
+        if not all(s is None or backend.token_to_id(s) is not None for s in specials):
+            return None  # transformers would add them
+        return cls(path, config, backend)
 
     # -- what jmoe asks of a tokenizer
 

@@ -7,11 +7,10 @@ and AutoTokenizer itself where the files ask for custom code or name a class tra
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 import sys
-
-import random
 
 import pytest
 from transformers import AutoTokenizer
