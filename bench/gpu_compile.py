@@ -96,6 +96,7 @@ MATRIX_FORMATS = {
     "int2-g64-asym": dict(bits=2, group_size=64, symmetric=False),
     "int2-g32": dict(bits=2, group_size=32, symmetric=True),
     "int2-g128": dict(bits=2, group_size=128, symmetric=True),
+    "int2-g32-s8": dict(bits=2, group_size=32, symmetric=False, scale_bits=8),  # the int2 tier's default
     "int4-smooth": dict(bits=4, group_size=64, symmetric=False, smooth=True),
     "w8a8-smooth": dict(bits=8, group_size=128, symmetric=True, act_bits=8, smooth=True),
 }

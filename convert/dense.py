@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from convert.hf_source import TensorSource
+from convert.quantizers.grid import host_qarray
 from convert.quantizers.rtn import rtn_block
 from jmoe.config import ModelConfig
 from jmoe.format import DENSE_DIR
@@ -93,8 +94,8 @@ def read_plain(source: TensorSource, name: str, hf_shape: tuple, transpose: bool
 def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArray, advance) -> QArray:
     """A QArray leaf encoding the K-major transpose of the source tensor [N, K]: each block of source
     rows is a block of columns, quantized on its own (groups run along K, so columns are independent)."""
-    values, scales = np.empty(spec.values.shape, np.uint8), np.empty(spec.scales.shape, np.float16)
-    offsets = None if spec.offsets is None else np.empty(spec.offsets.shape, np.float16)
+    values, scales = np.empty(spec.values.shape, np.uint8), np.empty(spec.scales.shape, np.float32)
+    offsets = None if spec.offsets is None else np.empty(spec.offsets.shape, np.float32)
     plain = dataclasses.replace(spec.fmt, tiled=False)  # blocks of columns are quantized in [K, N] order
     for rows in row_blocks(hf_shape[0], hf_shape[1] * 4):
         block = source.get(name, hf_shape, rows)  # [n, K]
@@ -103,7 +104,7 @@ def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArra
         if offsets is not None:
             offsets[:, rows] = np.asarray(offset)
         advance(block.size)
-    q = QArray(values, scales, offsets, None, plain, spec.k)
+    q = host_qarray(values, scales, offsets, plain, spec.k)
     if spec.fmt.tiles(spec.n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
         q = tile(q)
     return dataclasses.replace(q, fmt=spec.fmt)

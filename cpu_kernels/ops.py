@@ -26,20 +26,22 @@ def available() -> bool:
 
 
 def _weight_operands(w, tiled: bool = False):
-    """(values, scales, offsets) operands and (bits, group, symmetric, tiled) of a weight or a pool of
-    them; tiled: a plain weight stored in the CPU layout (pallas_kernels.qarray.tile_plain)."""
+    """(values, scales, offsets, bases) operands and (bits, group, symmetric, tiled) of a weight or a
+    pool of them; tiled: a plain weight stored in the CPU layout (pallas_kernels.qarray.tile_plain)."""
     if isinstance(w, QArray):
         fmt = w.fmt
         offsets = native.empty(np.float16) if w.offsets is None else w.offsets
-        return (w.values, w.scales, offsets), dict(bits=np.int64(fmt.bits), group=np.int64(fmt.group_size),
-                                                   symmetric=bool(fmt.symmetric), tiled=fmt.tiles(w.n))
+        bases = native.empty(np.float32) if w.bases is None else w.bases
+        return (w.values, w.scales, offsets, bases), dict(bits=np.int64(fmt.bits), group=np.int64(fmt.group_size),
+                                                          symmetric=bool(fmt.symmetric), tiled=fmt.tiles(w.n))
     dtype = jnp.dtype(w.dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         w = w.astype(jnp.float32)
         dtype = jnp.dtype(jnp.float32)
     bits = 16 if dtype == jnp.dtype(jnp.bfloat16) else 32
-    return (w, native.empty(np.float16), native.empty(np.float16)), dict(bits=np.int64(bits), group=np.int64(64),
-                                                                         symmetric=True, tiled=tiled)
+    no_scales = native.empty(np.float16)
+    return (w, no_scales, no_scales, native.empty(np.float32)), dict(bits=np.int64(bits), group=np.int64(64),
+                                                                     symmetric=True, tiled=tiled)
 
 
 def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> jax.Array:

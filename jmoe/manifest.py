@@ -134,7 +134,7 @@ def check_schema(value: Any, schema, where: str) -> None:
 RELPATH = Text(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*", "a relative path inside the model directory")
 SHA256 = Text(r"[0-9a-f]{64}", "a sha256 hex digest")
 TIER_FORMAT = {"bits": Int(1), "group_size": Int(1), "symmetric": bool, "act_bits": Maybe(Int(1)), "smooth": bool,
-               "tiled?": bool}
+               "tiled?": bool, "scale_bits?": Int(8)}
 LEAF = {"name": str, "shape": Items(Int(0)), "dtype": str, "offset": Int(0)}
 SCHEMA = {
     "format": Const(FORMAT_NAME),

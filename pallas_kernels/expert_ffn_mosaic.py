@@ -57,7 +57,7 @@ def supports_mosaic(rows, gate_up, down, block_rows: int, gate_up_bias=None, dow
         return False
     for w in (gate_up, down):
         if not (isinstance(w, QArray) and w.fmt.bits == 4 and w.fmt.act_bits is None and w.act_scale is None
-                and not w.fmt.tiled):
+                and not w.fmt.tiled and w.fmt.scale_bits == 16):
             return False
         if w.values.shape[-2] % TILE_ROWS or w.n % TILE_N:
             return False

@@ -69,7 +69,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import device_config
 from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray, int8_per_token
+from pallas_kernels.qarray import OFFSET_CODE_ZERO, QArray, int8_per_token
 
 DECODE_ROW_BYTES = 128  # bytes of each weight row a decode program reads per step: one memory transaction
 DECODE_STEP_ROWS = 64  # packed weight rows per decode K step (at most; never more than a group)
@@ -115,6 +115,7 @@ class _Plan:
     plain_dtype: str | None  # 16-bit float dtype of a plain pool passed as its bit pattern
     splits: int = 1  # programs sharing one output tile's K steps (partial sums added outside)
     bias: bool = False  # a float32 bias pool [S, N] follows the weight operands
+    coded: bool = False  # 8-bit scales and offsets on per-column bases (a bases operand follows them)
     activation: GatedActivation = SILU  # stage 1 only
 
     @property
@@ -194,6 +195,7 @@ def _plan(w, block_rows: int, n_out: int, up_offset: int | None, dtype) -> _Plan
         up_offset=up_offset,
         float32=jnp.dtype(dtype) == jnp.float32,
         plain_dtype=None if quantized or jnp.dtype(w.dtype).itemsize != 2 else jnp.dtype(w.dtype).name,
+        coded=quantized and fmt.scale_bits == 8,
     )
 
 
@@ -244,8 +246,8 @@ def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=
 
 
 def pool_arrays(w) -> list:
-    """Every array of a pool: the plain array, or a QArray's values, scales, offsets and act_scale."""
-    return [w] if not isinstance(w, QArray) else [a for a in (w.values, w.scales, w.offsets, w.act_scale)
+    """Every array of a pool: the plain array, or a QArray's values, scales, offsets, act_scale and bases."""
+    return [w] if not isinstance(w, QArray) else [a for a in (w.values, w.scales, w.offsets, w.act_scale, w.bases)
                                                   if a is not None]
 
 
@@ -305,20 +307,28 @@ def _load_x(x_ref, field: int, r0, plan: _Plan):
     return x_ref[:, field, pl.ds(r0, plan.step_rows)]
 
 
-def _group_row(ref, slot, group, col, plan: _Plan):
-    """One group's scale or offset row for the N tile: [BN] float32."""
-    return ref[slot, group, pl.ds(col, plan.block_n)].astype(jnp.float32)
+SCALE, OFFSET = 0, 1  # a group parameter's kind: its weight ref is q_refs[1 + kind], its base row bases[kind]
 
 
-def _group_rows(ref, slot, g0, col, plan: _Plan):
+def _group_row(q_refs, kind: int, slot, group, col, plan: _Plan):
+    """One group's scale or offset row for the N tile: [BN] float32 (8-bit codes times their
+    columns' base, pallas_kernels/qarray.py)."""
+    row = q_refs[1 + kind][slot, group, pl.ds(col, plan.block_n)].astype(jnp.float32)
+    if not plan.coded:
+        return row
+    base = q_refs[3][slot, kind, pl.ds(col, plan.block_n)]
+    return (row if kind == SCALE else row - OFFSET_CODE_ZERO) * base
+
+
+def _group_rows(q_refs, kind: int, slot, g0, col, plan: _Plan):
     """Per-group parameter (scale or offset) for every packed row of the step: [step or 1, BN]."""
-    tile = _group_row(ref, slot, g0, col, plan)[None, :]  # [1, BN]
+    tile = _group_row(q_refs, kind, slot, g0, col, plan)[None, :]  # [1, BN]
     if plan.groups_per_step == 1:
         return tile
     row = jax.lax.broadcasted_iota(jnp.int32, (plan.step_rows, plan.block_n), 0)
     tile = jnp.broadcast_to(tile, (plan.step_rows, plan.block_n))
     for i in range(1, plan.groups_per_step):
-        later = _group_row(ref, slot, g0 + i, col, plan)[None, :]
+        later = _group_row(q_refs, kind, slot, g0 + i, col, plan)[None, :]
         tile = jnp.where(row >= i * plan.plane, later, tile)
     return tile
 
@@ -342,16 +352,16 @@ def _step_plain(x_ref, w_ref, slot, r0, col, plan: _Plan):
 
 def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
     """Dot path: one K step (one group, or two for int2/G32): unpack every bit field, dequantize, contract."""
-    values_ref, scales_ref, offsets_ref = q_refs
+    values_ref = q_refs[0]
     g0 = r0 // plan.plane
     packed = values_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)].astype(jnp.int32)
     if plan.int8_activations:
         # W8A8: integer dot per group, then the group's scale (groups_per_step == 1 for int8)
         w = (packed - 128).astype(jnp.int8)
         total = _contract(_load_x(x_ref, 0, r0, plan), w, plan).astype(jnp.float32)
-        return total * _group_row(scales_ref, slot, g0, col, plan)
-    scale = _group_rows(scales_ref, slot, g0, col, plan)
-    offset = None if plan.symmetric else _group_rows(offsets_ref, slot, g0, col, plan)
+        return total * _group_row(q_refs, SCALE, slot, g0, col, plan)
+    scale = _group_rows(q_refs, SCALE, slot, g0, col, plan)
+    offset = None if plan.symmetric else _group_rows(q_refs, OFFSET, slot, g0, col, plan)
     total = None
     for field in range(plan.pack):
         x = _load_x(x_ref, field, r0, plan)
@@ -374,10 +384,9 @@ def _gemv_load(x_ref, w_refs, slot, r0, columns, plan: _Plan):
     xs = [x_ref[0, field, rows, :].astype(jnp.float32) for field in range(plan.pack)]
     if not plan.quantized:
         return xs, [(w_refs[0][slot, rows, pl.ds(col, plan.block_n)], None, None) for col in columns]
-    values_ref, scales_ref, offsets_ref = w_refs
     group = r0 // plan.plane  # a decode step never crosses a group
-    tiles = [(values_ref[slot, rows, pl.ds(col, plan.block_n)], _group_row(scales_ref, slot, group, col, plan),
-              None if plan.symmetric else _group_row(offsets_ref, slot, group, col, plan)) for col in columns]
+    tiles = [(w_refs[0][slot, rows, pl.ds(col, plan.block_n)], _group_row(w_refs, SCALE, slot, group, col, plan),
+              None if plan.symmetric else _group_row(w_refs, OFFSET, slot, group, col, plan)) for col in columns]
     return xs, tiles
 
 
@@ -446,10 +455,11 @@ def _tier_refs(refs, plans: tuple[_Plan, ...]) -> list[tuple]:
     for plan in plans:
         x_ref = refs.pop(0)
         step_ref = refs.pop(0) if plan.int8_activations else None
-        weights = 1 if not plan.quantized else (2 if plan.symmetric else 3)
-        w_refs = [refs.pop(0) for _ in range(weights)]
-        if plan.quantized and plan.symmetric:
-            w_refs.append(None)  # no offsets
+        if plan.quantized:  # (values, scales, offsets or None, bases or None)
+            w_refs = [refs.pop(0), refs.pop(0), None if plan.symmetric else refs.pop(0),
+                      refs.pop(0) if plan.coded else None]
+        else:
+            w_refs = [refs.pop(0)]
         bias_ref = refs.pop(0) if plan.bias else None
         out.append((x_ref, step_ref, tuple(w_refs), bias_ref))
     return out
@@ -532,7 +542,7 @@ def _weight_operands(w, plan: _Plan):
         return [jax.lax.bitcast_convert_type(w, jnp.uint16)]
     if not plan.quantized:
         return [w]
-    return [w.values, w.scales] + ([] if plan.symmetric else [w.offsets])
+    return [w.values, w.scales] + ([] if plan.symmetric else [w.offsets]) + ([w.bases] if plan.coded else [])
 
 
 def _tier_operands(x, tier_slot, w, bias, plan: _Plan):

@@ -7,6 +7,14 @@ A QArray stores a K-major weight W [K, N] (y = x @ W) quantized group-wise along
   offsets  f16   [..., Kp / G, N]      asymmetric only: w = q * scale + offset
   act_scale f16  [..., K]              optional input smoothing: y = (x * act_scale) @ W
 
+With 8-bit scales (fmt.scale_bits = 8, asymmetric only: the int2 tier's default, groups of 32 for
+the bytes of float16 scales in groups of 64) scales and offsets are uint8 codes against one float16
+base per column and kind, as llama.cpp's k-quants store their block scales:
+
+  scales   u8    [..., Kp / G, N]      scale  = scales * bases[0]
+  offsets  u8    [..., Kp / G, N]      offset = (offsets - 128) * bases[1]
+  bases    f32   [..., 2, N]           (float32: a column's scale base can lie below float16's normals)
+
 Symmetric codes are unsigned with a midpoint: w = (q - 2^(bits-1)) * scale. Kp is K rounded up
 to the group size G (padding rows are zero and meet zero activations). Packing is planar within
 each group: the G / pack bytes of group g hold, in bit field j, the K rows g*G + j*(G/pack) + r, so
@@ -43,6 +51,7 @@ class QuantFormat:
     act_bits: int | None = None  # 8: W8A8 (per-token int8 activations)
     smooth: bool = False  # has an act_scale input-smoothing vector (HAQ)
     tiled: bool = False  # the CPU layout: columns stored in tiles of TILE (module docstring)
+    scale_bits: int = 16  # 16: float16 scales and offsets; 8: uint8 codes on per-column bases (module docstring)
 
     def __post_init__(self):
         if self.bits not in (2, 4, 8):
@@ -53,6 +62,10 @@ class QuantFormat:
             raise ValueError(f"act_bits must be None or 8, not {self.act_bits}")
         if self.act_bits and not (self.bits == 8 and self.symmetric):
             raise ValueError("W8A8 needs symmetric int8 weights")
+        if self.scale_bits not in (8, 16):
+            raise ValueError(f"scale_bits must be 8 or 16, not {self.scale_bits}")
+        if self.scale_bits == 8 and (self.symmetric or self.act_bits):
+            raise ValueError("8-bit scales are for asymmetric weight-only formats")
 
     def tiles(self, n: int) -> bool:
         """Whether a weight of N columns in this format is stored tiled (N a multiple of TILE)."""
@@ -77,6 +90,8 @@ class QuantFormat:
         d = dataclasses.asdict(self)
         if not self.tiled:  # written only where set: [K, N] manifests read as before
             del d["tiled"]
+        if self.scale_bits == 16:  # likewise
+            del d["scale_bits"]
         return d
 
     @classmethod
@@ -93,6 +108,7 @@ class QArray:
     act_scale: jax.Array | None
     fmt: QuantFormat = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))  # logical K (before padding)
+    bases: jax.Array | None = None  # 8-bit scales only: [..., 2, N] float32 (module docstring)
 
     @property
     def n(self) -> int:
@@ -108,13 +124,16 @@ def template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = ()) ->
     """A QArray of ShapeDtypeStructs: the arrays a (K, N) weight takes in this format."""
     kp = fmt.padded_k(k)
     sds = lambda *shape, dtype: jax.ShapeDtypeStruct((*leading, *shape), dtype)  # noqa: E731
+    coded = fmt.scale_bits == 8
+    group_dtype = jnp.uint8 if coded else jnp.float16
     return QArray(
         values=sds(kp // fmt.pack, n, dtype=jnp.uint8),
-        scales=sds(kp // fmt.group_size, n, dtype=jnp.float16),
-        offsets=None if fmt.symmetric else sds(kp // fmt.group_size, n, dtype=jnp.float16),
+        scales=sds(kp // fmt.group_size, n, dtype=group_dtype),
+        offsets=None if fmt.symmetric else sds(kp // fmt.group_size, n, dtype=group_dtype),
         act_scale=sds(k, dtype=jnp.float16) if fmt.smooth else None,
         fmt=fmt,
         k=k,
+        bases=sds(2, n, dtype=jnp.float32) if coded else None,
     )
 
 
@@ -133,7 +152,7 @@ def tile(q: QArray) -> QArray:
         return q
     regroup = lambda a: None if a is None else _regroup(a, True)  # noqa: E731
     return dataclasses.replace(q, values=regroup(q.values), scales=regroup(q.scales), offsets=regroup(q.offsets),
-                               fmt=dataclasses.replace(q.fmt, tiled=True))
+                               bases=regroup(q.bases), fmt=dataclasses.replace(q.fmt, tiled=True))
 
 
 def untile(q: QArray) -> QArray:
@@ -146,7 +165,7 @@ def untile(q: QArray) -> QArray:
         return dataclasses.replace(q, fmt=fmt)
     regroup = lambda a: None if a is None else _regroup(a, False)  # noqa: E731
     return dataclasses.replace(q, values=regroup(q.values), scales=regroup(q.scales), offsets=regroup(q.offsets),
-                               fmt=fmt)
+                               bases=regroup(q.bases), fmt=fmt)
 
 
 def tile_plain(a):
@@ -173,7 +192,8 @@ def take_columns(q: QArray, cols: jax.Array) -> QArray:
         r, n = a.shape
         return a.reshape(n // TILE, r, TILE)[cols // TILE, :, cols % TILE].T  # [A, r] -> [r, A]
 
-    return QArray(take(q.values), take(q.scales), take(q.offsets), None, dataclasses.replace(q.fmt, tiled=False), q.k)
+    return QArray(take(q.values), take(q.scales), take(q.offsets), None, dataclasses.replace(q.fmt, tiled=False), q.k,
+                  take(q.bases))
 
 
 def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
@@ -206,12 +226,24 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     q = untile(q)
     fmt = q.fmt
     codes = unpack_codes(q.values, fmt).astype(jnp.float32)
-    scales = jnp.repeat(q.scales.astype(jnp.float32), fmt.group_size, axis=-2)
+    scale, offset = group_scales(q)
+    scales = jnp.repeat(scale, fmt.group_size, axis=-2)
     if fmt.symmetric:
         w = (codes - fmt.midpoint) * scales
     else:
-        w = codes * scales + jnp.repeat(q.offsets.astype(jnp.float32), fmt.group_size, axis=-2)
+        w = codes * scales + jnp.repeat(offset, fmt.group_size, axis=-2)
     return w[..., : q.k, :].astype(dtype)
+
+
+def group_scales(q: QArray) -> tuple[jax.Array, jax.Array | None]:
+    """Each group's scale and offset (None when symmetric), float32 [..., Kp / G, N], in q's layout."""
+    if q.fmt.scale_bits == 16:
+        return q.scales.astype(jnp.float32), None if q.offsets is None else q.offsets.astype(jnp.float32)
+    scale = q.scales.astype(jnp.float32) * q.bases[..., 0:1, :]
+    return scale, (q.offsets.astype(jnp.float32) - OFFSET_CODE_ZERO) * q.bases[..., 1:2, :]
+
+
+OFFSET_CODE_ZERO = 128  # an 8-bit offset code's zero (the codes are unsigned)
 
 
 def int8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:

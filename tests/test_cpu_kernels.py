@@ -18,6 +18,7 @@ from convert import convert_checkpoint
 from convert.quantizers.rtn import quantize_rtn
 from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
+from jmoe.tiers import tier_format
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
@@ -27,7 +28,8 @@ FORMATS = {
     "bf16": None,
     "int8": QuantFormat(8, 128, True),
     "int4": QuantFormat(4, 64, False),
-    "int2": QuantFormat(2, 64, False),
+    "int2": tier_format("int2"),  # groups of 32, 8-bit scales and offsets on per-column bases
+    "int2-f16-g64": QuantFormat(2, 64, False),
     "int4-sym-g32": QuantFormat(4, 32, True),
     "int8-asym-g64": QuantFormat(8, 64, False),
 }

@@ -10,6 +10,7 @@ import pytest
 import jmoe
 from convert import convert_checkpoint
 from jmoe.errors import InputError
+from jmoe.policies import DyMoE
 from jmoe.runtime.loader import memory_plan
 from tests.hf_models import make_checkpoint
 from tests.test_family_deepseek import DEEPSEEK_V3, RANDOMIZED
@@ -87,13 +88,15 @@ def test_tiny_offloaded_per_device_budget(tiny_tiers, tiny_reference, mesh, exec
 
 
 def test_dymoe_on_a_mesh_gives_one_device_tokens(tiny_tiers):
-    """Offloaded (a budget of every int4 expert: too little for both tiers whole) and with both
-    tiers whole (no budget), each as on one device."""
-    one = load(tiny_tiers, policy="dymoe", tier="int4", device_budget=offload_budget(
+    """Offloaded (a budget of every int4 expert, split evenly between the two tiers' pools: too
+    little for both tiers whole, far above one layer's working set) and with both tiers whole (no
+    budget), each as on one device."""
+    policy = lambda: DyMoE(hi="int4", lo="int2", pool_shares={"int4": 0.5, "int2": 0.5})  # noqa: E731
+    one = load(tiny_tiers, policy=policy(), tier="int4", device_budget=offload_budget(
         tiny_tiers, 1, tier="int4", share=1, policy="dymoe"))
     want = jmoe.generate(one, PROMPT, max_new_tokens=TOKENS)
     budget = offload_budget(tiny_tiers, 4, tier="int4", share=1, policy="dymoe")
-    model = load(tiny_tiers, mesh="ep=4", policy="dymoe", tier="int4", device_budget=budget)
+    model = load(tiny_tiers, mesh="ep=4", policy=policy(), tier="int4", device_budget=budget)
     assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == want
     model.residency.cache.check()
     assert model.stats.transfers > 0

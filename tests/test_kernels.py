@@ -53,6 +53,7 @@ def rtn_pool(rng, K: int, N: int, fmt: QuantFormat) -> QArray:
         act_scale=None if act_scale is None else jnp.asarray(act_scale, jnp.float16),
         fmt=fmt,
         k=K,
+        bases=None if q.bases is None else per_slot(q.bases),
     )
 
 
@@ -64,6 +65,12 @@ def random_code_pool(rng, K: int, N: int, fmt: QuantFormat) -> QArray:
     offsets = None if fmt.symmetric else rng.normal(size=(SLOTS, groups, N)) * 0.05
     act_scale = rng.uniform(0.5, 2.0, size=(SLOTS, K)) if fmt.smooth else None
     f16 = lambda a: None if a is None else jnp.asarray(a, jnp.float16)  # noqa: E731
+    if fmt.scale_bits == 8:  # random codes on random per-column bases
+        codes8 = lambda: jnp.asarray(rng.integers(0, 256, size=(SLOTS, groups, N)), jnp.uint8)  # noqa: E731
+        bases = np.stack([rng.uniform(0.5, 1.5, size=(SLOTS, N)) * 0.2 / 255, rng.uniform(0.5, 1.5, size=(SLOTS, N))
+                          * 0.1 / 127], axis=1)
+        return QArray(pack_codes(jnp.asarray(codes), fmt), codes8(), codes8(), None, fmt, K,
+                      jnp.asarray(bases, jnp.float32))
     return QArray(pack_codes(jnp.asarray(codes), fmt), f16(scales), f16(offsets), f16(act_scale), fmt, K)
 
 
@@ -102,6 +109,10 @@ PARITY_CASES = {
     "int2-g32-decode-bf16-odd_groups": (fmt(2, 32), 64, 96, 1, jnp.bfloat16, "random"),
     "int2-g32-asym-prefill-f32-two_groups_per_step": (fmt(2, 32, False), 64, 64, 16, jnp.float32, "random"),
     "int2-g128-asym-prefill-bf16": (fmt(2, 128, False), 128, 96, 16, jnp.bfloat16, "random"),
+    # the int2 tier's default: groups of 32, 8-bit scales and offsets on per-column bases
+    "int2-g32-s8-decode-bf16": (fmt(2, 32, False, scale_bits=8), 64, 96, 1, jnp.bfloat16, "rtn"),
+    "int2-g32-s8-prefill-f32-two_groups_per_step": (fmt(2, 32, False, scale_bits=8), 64, 64, 16, jnp.float32,
+                                                    "random"),
     "int4-smooth-decode-f32": (fmt(4, 64, False, smooth=True), 64, 96, 1, jnp.float32, "rtn"),
     "int4-smooth-prefill-bf16": (fmt(4, 32, smooth=True), 64, 48, 16, jnp.bfloat16, "random"),
     "w8a8-g128-decode-f32": (fmt(8, 128, act_bits=8), 128, 96, 1, jnp.float32, "rtn"),
@@ -222,6 +233,7 @@ LOWERING_FORMATS = {
     "int2-g64-asym": fmt(2, 64, False),
     "int2-g32": fmt(2, 32),
     "int2-g128": fmt(2, 128),
+    "int2-g32-s8": fmt(2, 32, False, scale_bits=8),
     "int4-smooth": fmt(4, 64, False, smooth=True),
     "w8a8-smooth": fmt(8, 128, act_bits=8, smooth=True),
 }
@@ -369,7 +381,8 @@ def test_biased_clamped_variants_lower_for_cuda(name, block_rows):
 
 # ----------------------------------------------------------------------------- compiled (GPU)
 
-GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32", "int4-smooth", "w8a8-smooth"]
+GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32", "int2-g32-s8", "int4-smooth",
+               "w8a8-smooth"]
 
 
 @pytest.mark.gpu
@@ -584,6 +597,7 @@ def test_gpu_launch_settings_follow_the_device():
 TIER_MIXES = {
     "bf16+int4-asym-f32": ((None, fmt(4, 64, False)), jnp.float32, False),
     "int8+int2-g32-bf16": ((fmt(8, 128), fmt(2, 32)), jnp.bfloat16, False),
+    "int4+int2-s8-f32": ((fmt(4, 64, False), fmt(2, 32, False, scale_bits=8)), jnp.float32, False),
     "w8a8-smooth+int4-smooth+bf16-f32": ((fmt(8, 64, act_bits=8, smooth=True), fmt(4, 64, False, smooth=True), None),
                                          jnp.float32, False),
     "bf16+int4-biased-clamped-f32": ((None, fmt(4, 32)), jnp.float32, True),

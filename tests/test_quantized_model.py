@@ -17,14 +17,17 @@ from tests.conftest import CALIB_FILES as CALIB
 from tests.conftest import dev_text
 
 
-def expected_record_bytes(D: int, F: int, bits: int, group: int, symmetric: bool, smooth: bool = False) -> int:
+def expected_record_bytes(D: int, F: int, bits: int, group: int, symmetric: bool, smooth: bool = False,
+                          scale_bits: int = 16) -> int:
     """Bytes of one expert version, from the format's definition (64-byte aligned arrays)."""
     align = lambda n: -(-n // 64) * 64  # noqa: E731
+    per_group = scale_bits // 8  # bytes of a scale (float16, or an 8-bit code)
 
     def matrix(K, N, with_smooth):
         Kp = -(-K // group) * group
-        size = align(Kp * N * bits // 8) + align(Kp // group * N * 2)  # codes + f16 scales
-        size += 0 if symmetric else align(Kp // group * N * 2)  # f16 offsets
+        size = align(Kp * N * bits // 8) + align(Kp // group * N * per_group)  # codes + scales
+        size += 0 if symmetric else align(Kp // group * N * per_group)  # offsets
+        size += align(2 * N * 4) if scale_bits == 8 else 0  # float32 scale and offset bases per column
         return size + (align(K * 2) if with_smooth else 0)  # f16 input scale
 
     return matrix(D, 2 * F, smooth) + matrix(F, D, False)
@@ -42,7 +45,7 @@ def test_bytes_per_expert_follow_the_format(rtn_model_dir):
     assert tiers["bf16"]["record_nbytes"] == 2 * (D * 2 * F + F * D)
     assert tiers["int8"]["record_nbytes"] == expected_record_bytes(D, F, 8, 128, True)
     assert tiers["int4"]["record_nbytes"] == expected_record_bytes(D, F, 4, 64, False)
-    assert tiers["int2"]["record_nbytes"] == expected_record_bytes(D, F, 2, 64, False)
+    assert tiers["int2"]["record_nbytes"] == expected_record_bytes(D, F, 2, 32, False, scale_bits=8)
     for tier, info in tiers.items():
         files = [f for f in manifest["files"] if f.startswith(f"experts/{tier}/")]
         assert sum(manifest["files"][f]["bytes"] for f in files) == 8 * 32 * info["record_nbytes"]

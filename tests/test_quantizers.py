@@ -389,3 +389,49 @@ def test_down_compensated_for_the_quantized_gate_up_lowers_the_experts_output_er
     alone = gptq_quantize(expert.down, inputs.hessian(inputs.mid, inputs.prior_mid), INT2)
     target, h = compensated_down(inputs, expert, gate_up_q, SILU_ACT)
     assert error(gptq_quantize(target, h, INT2)) < 0.98 * error(alone)
+
+
+def test_8bit_scales_code_each_column_against_its_own_range_and_keep_flat_groups_exact():
+    """coded_scales: each group's scale and offset within half a code step of its column's base
+    (independently of the other columns), a group whose codes are all equal exactly its value, and
+    dequantize reading the codes as the float16 grid they came from."""
+    rng = np.random.default_rng(3)
+    K, N = 256, 96
+    w = rng.standard_normal((K, N)).astype(np.float32) * np.geomspace(1e-3, 10, N, dtype=np.float32)  # columns apart
+    w[32:64, 5] = 0.25  # a flat group: one value, whatever its scale
+    fmt16 = QuantFormat(2, 32, False)
+    fmt8 = QuantFormat(2, 32, False, scale_bits=8)
+    codes = grid.encode(*_grid_of(w, fmt16), fmt16)
+    scale, offset = (np.asarray(a)[:, 0] for a in grid.fitted_group_params(w.reshape(-1, 32, N), fmt16))
+    q16 = grid.to_qarray(np.asarray(codes).reshape(K, N), scale, offset, fmt16, K)
+    q8 = grid.to_qarray(np.asarray(codes).reshape(K, N), scale, offset, fmt8, K)
+    assert q8.scales.dtype == np.uint8 and q8.offsets.dtype == np.uint8 and q8.bases.shape == (2, N)
+    assert q8.scales.nbytes + q8.offsets.nbytes == (q16.scales.nbytes + q16.offsets.nbytes) // 2
+    s8 = q8.scales * q8.bases[0]
+    o8 = (q8.offsets.astype(np.float32) - 128) * q8.bases[1]
+    flat = np.zeros_like(s8, bool)
+    flat[1, 5] = True
+    assert s8[1, 5] == 0 and o8[1, 5] == pytest.approx(0.25, rel=1e-2)
+    half_step = 0.5 * (1 + 1e-6) * q8.bases[:, None, :]  # [2, 1, N]: each column's own
+    assert np.all((np.abs(s8 - q16.scales) <= half_step[0]) | flat)
+    assert np.all((np.abs(o8 - q16.offsets) <= half_step[1]) | flat)
+    assert np.all((q8.scales >= 1) | flat)
+    w16, w8 = np.asarray(dequantize(q16)), np.asarray(dequantize(q8))
+    column_range = np.abs(w16).max(axis=0)
+    assert np.all(np.abs(w8 - w16) <= 0.02 * column_range)  # each column within its own range's codes
+    assert np.all(w8[32:64, 5] == pytest.approx(0.25, rel=1e-2))
+
+
+def _grid_of(w, fmt):
+    scale, offset = grid.fitted_group_params(w.reshape(-1, fmt.group_size, w.shape[1]), fmt)
+    return w.reshape(-1, fmt.group_size, w.shape[1]), scale, offset
+
+
+def test_8bit_scales_are_for_asymmetric_weight_only_formats_and_written_to_the_manifest_only_when_set():
+    with pytest.raises(ValueError, match="8-bit scales"):
+        QuantFormat(2, 32, True, scale_bits=8)
+    with pytest.raises(ValueError, match="scale_bits"):
+        QuantFormat(2, 32, False, scale_bits=4)
+    assert "scale_bits" not in QuantFormat(4, 64, False).to_json()
+    coded = QuantFormat(2, 32, False, scale_bits=8)
+    assert QuantFormat.from_json(coded.to_json()) == coded

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
+from pallas_kernels.qarray import OFFSET_CODE_ZERO, QArray, QuantFormat, pack_codes
 
 
 def _f16(x):
@@ -139,12 +139,55 @@ def to_qarray(codes, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) 
 
 
 def host_qarray(values, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
-    """Packed codes [Kp / pack, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray."""
+    """Packed codes [Kp / pack, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray
+    (with 8-bit scales, the scales and offsets coded on their columns' bases: coded_scales)."""
+    values = np.asarray(values)
+    bases = None
+    if fmt.scale_bits == 8:
+        scales, offsets, bases = coded_scales(values, scales, offsets, fmt)
+    else:
+        scales = np.asarray(scales, np.float16)
+        offsets = None if fmt.symmetric else np.asarray(offsets, np.float16)
     return QArray(
-        values=np.asarray(values),
-        scales=np.asarray(scales, np.float16),
-        offsets=None if fmt.symmetric else np.asarray(offsets, np.float16),
+        values=values,
+        scales=scales,
+        offsets=offsets,
         act_scale=None if act_scale is None else np.asarray(act_scale, np.float16),
         fmt=fmt,
         k=k,
+        bases=bases,
     )
+
+
+def coded_scales(values, scales, offsets, fmt: QuantFormat):
+    """A [K, N] weight's float scales and offsets [Kp / G, N] as 8-bit codes on per-column bases
+    (pallas_kernels/qarray.py): (uint8 scale codes, uint8 offset codes, float32 bases [2, N]).
+
+    A column's scale base is its largest scale / 255 and its offset base its largest |offset| / 127,
+    so each code keeps about 0.2-0.4% of its column's range (measured on the tiny model's int2 experts:
+    +0.04 points of perplexity over float16 scales). A group whose codes are all equal holds a single
+    value, stored as its offset with a zero scale, so that its arbitrary scale does not widen the
+    column's range. A group that varies keeps a scale code of at least 1."""
+    scales, offsets = np.asarray(scales, np.float32), np.asarray(offsets, np.float32)
+    groups, n = scales.shape
+    codes = unpack_codes_host(values, fmt).reshape(groups, fmt.group_size, n)
+    flat = codes.min(axis=1) == codes.max(axis=1)
+    offsets = np.where(flat, codes[:, 0, :] * scales + offsets, offsets)
+    scales = np.where(flat, 0.0, scales)
+    scale_base = scales.max(axis=0) / 255.0
+    offset_base = np.abs(offsets).max(axis=0) / 127.0
+    scale_base = np.where(scale_base > 0, scale_base, 1.0).astype(np.float32)
+    offset_base = np.where(offset_base > 0, offset_base, 1.0).astype(np.float32)
+    scale_codes = np.clip(np.rint(scales / scale_base), np.where(flat, 0, 1), 255).astype(np.uint8)
+    offset_codes = (np.clip(np.rint(offsets / offset_base), -127, 127) + OFFSET_CODE_ZERO).astype(np.uint8)
+    return scale_codes, offset_codes, np.stack([scale_base, offset_base])
+
+
+def unpack_codes_host(values, fmt: QuantFormat) -> np.ndarray:
+    """pallas_kernels.qarray.unpack_codes in numpy: packed [Kp / pack, N] -> codes [Kp, N] uint8."""
+    values = np.asarray(values, np.uint8)
+    rows, n = values.shape
+    plane = fmt.group_size // fmt.pack
+    v = values.reshape(rows // plane, 1, plane, n)
+    shifts = (np.arange(fmt.pack, dtype=np.uint8) * fmt.bits).reshape(fmt.pack, 1, 1)
+    return ((v >> shifts) & fmt.qmax).reshape(-1, n)

@@ -51,12 +51,14 @@ constexpr int kToL2 = 2;                // __builtin_prefetch's locality for pre
 // apart at a time; the kernels run each tile as a plain weight of 64 columns (tile()).
 struct Weight {
   const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / pack, N]
-  const uint16_t* scales;    // float16 [Kp / G, N] (quantized only)
-  const uint16_t* offsets;   // float16 [Kp / G, N] (asymmetric only)
+  const uint8_t* scales;     // [Kp / G, N] (quantized only): float16, or uint8 codes (scale_bits 8)
+  const uint8_t* offsets;    // [Kp / G, N] (asymmetric only): as scales
   int bits;                  // 32, 16 (bf16), 8, 4 or 2
   int64_t group;             // G (quantized only)
   bool symmetric;
   int64_t k, n;              // logical K, N
+  int scale_bits = 16;       // 8: scale = code * bases[0][c], offset = (code - 128) * bases[1][c]
+  const float* bases = nullptr;  // scale_bits 8: float32 [2, N] (pallas_kernels.qarray)
   bool tiled = false;
   int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows (plain: K rows) and groups of the whole weight's tiles
   int64_t first_group = 0;                 // tiled: the group rows(k0, k1) starts at
@@ -66,12 +68,18 @@ struct Weight {
   int64_t padded_k() const { return quantized() ? (k + group - 1) / group * group : k; }
   int64_t value_bytes() const { return quantized() ? padded_k() / (8 / bits) * n : k * n * (bits / 8); }
   int64_t scale_count() const { return quantized() ? padded_k() / group * n : 0; }
+  int64_t scale_size() const { return scale_bits / 8; }  // bytes per scale or offset
+
+  // Group g's scale and offset of column c (symmetric: offset = -midpoint * scale).
+  float scale_at(int64_t g, int64_t c) const;
+  float offset_at(int64_t g, int64_t c) const;
 
   Weight slot(int64_t s) const {
     Weight w = *this;
     w.values = static_cast<const uint8_t*>(values) + s * value_bytes();
-    if (scales) w.scales = scales + s * scale_count();
-    if (offsets) w.offsets = offsets + s * scale_count();
+    if (scales) w.scales = scales + s * scale_count() * scale_size();
+    if (offsets) w.offsets = offsets + s * scale_count() * scale_size();
+    if (bases) w.bases = bases + s * 2 * n;
     return w;
   }
 
@@ -86,8 +94,8 @@ struct Weight {
     } else if (quantized()) {
       const int64_t g0 = k0 / group;
       w.values = static_cast<const uint8_t*>(values) + g0 * (group / (8 / bits)) * n;
-      if (scales) w.scales = scales + g0 * n;
-      if (offsets) w.offsets = offsets + g0 * n;
+      if (scales) w.scales = scales + g0 * n * scale_size();
+      if (offsets) w.offsets = offsets + g0 * n * scale_size();
     } else {
       w.values = static_cast<const uint8_t*>(values) + k0 * n * (bits / 8);
     }
@@ -106,8 +114,9 @@ struct Weight {
     }
     const int64_t plane = group / (8 / bits);
     w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_group * plane) * kTile;
-    if (scales) w.scales = scales + (t * tile_groups + first_group) * kTile;
-    if (offsets) w.offsets = offsets + (t * tile_groups + first_group) * kTile;
+    if (scales) w.scales = scales + (t * tile_groups + first_group) * kTile * scale_size();
+    if (offsets) w.offsets = offsets + (t * tile_groups + first_group) * kTile * scale_size();
+    if (bases) w.bases = bases + t * 2 * kTile;  // the bases' [2, N] in tiles of [2, kTile]
     return w;
   }
 };
@@ -129,6 +138,17 @@ static inline float half_to_float(uint16_t h) {
   return f;
 }
 
+float Weight::scale_at(int64_t g, int64_t c) const {
+  if (scale_bits == 8) return static_cast<float>(scales[g * n + c]) * bases[c];
+  return half_to_float(reinterpret_cast<const uint16_t*>(scales)[g * n + c]);
+}
+
+float Weight::offset_at(int64_t g, int64_t c) const {
+  if (symmetric) return -static_cast<float>(1 << (bits - 1)) * scale_at(g, c);
+  if (scale_bits == 8) return (static_cast<float>(offsets[g * n + c]) - 128.0f) * bases[n + c];
+  return half_to_float(reinterpret_cast<const uint16_t*>(offsets)[g * n + c]);
+}
+
 static inline float bf16_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -145,9 +165,7 @@ static float weight_at(const Weight& w, int64_t k, int64_t n) {
   const int64_t field = within / plane, r = within % plane;
   const uint8_t byte = static_cast<const uint8_t*>(w.values)[(g * plane + r) * w.n + n];
   const float q = static_cast<float>((byte >> (field * w.bits)) & ((1u << w.bits) - 1));
-  const float s = half_to_float(w.scales[g * w.n + n]);
-  const float o = w.symmetric ? -static_cast<float>(1 << (w.bits - 1)) * s : half_to_float(w.offsets[g * w.n + n]);
-  return q * s + o;
+  return q * w.scale_at(g, n) + w.offset_at(g, n);
 }
 
 // The symmetric int8 grid of n values (W8A8's per token, the int8 dot's per group), as
@@ -528,8 +546,9 @@ static auto rows_on(ffi::ThreadPool& pool) {
   };
 }
 
-// Weight description from a pool's buffers (leading slot dimension optional).
-static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
+// Weight description from a pool's buffers (leading slot dimension optional). Scales and offsets
+// are float16, or uint8 codes with float32 bases [slots, 2, N] (8-bit scales); bases is empty otherwise.
+static ffi::Error describe(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::AnyBuffer bases,
                            int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, Weight* w,
                            bool tiled = false) {
   if (bits != 32 && bits != 16 && bits != 8 && bits != 4 && bits != 2)
@@ -539,13 +558,25 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, 
     return ffi::Error::InvalidArgument("weight values have the wrong element type for their bits");
   if (bits <= 8 && (group != 32 && group != 64 && group != 128))
     return ffi::Error::InvalidArgument("group size must be 32, 64 or 128");
+  const bool coded = bits <= 8 && scales.element_type() == ffi::U8;
+  if (bits <= 8 && !coded && scales.element_type() != ffi::F16)
+    return ffi::Error::InvalidArgument("scales must be float16 or uint8 codes");
+  if (coded && (symmetric || offsets.element_type() != ffi::U8 || bases.element_type() != ffi::F32))
+    return ffi::Error::InvalidArgument("8-bit scales need uint8 offsets and float32 bases (asymmetric only)");
+  if (!coded && bits <= 8 && !symmetric && offsets.element_type() != ffi::F16)
+    return ffi::Error::InvalidArgument("offsets must be float16 like the scales");
   *w = Weight{values.untyped_data(),
-              bits <= 8 ? reinterpret_cast<const uint16_t*>(scales.typed_data()) : nullptr,
-              bits <= 8 && !symmetric ? reinterpret_cast<const uint16_t*>(offsets.typed_data()) : nullptr,
+              bits <= 8 ? static_cast<const uint8_t*>(scales.untyped_data()) : nullptr,
+              bits <= 8 && !symmetric ? static_cast<const uint8_t*>(offsets.untyped_data()) : nullptr,
               static_cast<int>(bits), group, symmetric, k, n};
+  if (coded) {
+    w->scale_bits = 8;
+    w->bases = static_cast<const float*>(bases.untyped_data());
+  }
   if (bits <= 8 && (scales.element_count() % w->scale_count() != 0 ||
-                    (!symmetric && offsets.element_count() != scales.element_count())))
-    return ffi::Error::InvalidArgument("scales or offsets do not match the weight's shape");
+                    (!symmetric && offsets.element_count() != scales.element_count()) ||
+                    (coded && bases.element_count() != scales.element_count() / w->scale_count() * 2 * n)))
+    return ffi::Error::InvalidArgument("scales, offsets or bases do not match the weight's shape");
   if (tiled) {
     if (n % kTile != 0) return ffi::Error::InvalidArgument("a tiled weight must have N a multiple of 64");
     w->tiled = true;
@@ -557,11 +588,12 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::Buffer<ffi::F16> scales, 
 
 // y [M, N] = x [M, K] @ W
 static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                              ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets,
+                              ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::AnyBuffer bases,
                               ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, bool symmetric, int64_t k,
                               int64_t n, bool int8_dot, bool tiled) {
   Weight w;
-  if (auto err = describe(values, scales, offsets, bits, group, symmetric, k, n, &w, tiled); err.failure()) return err;
+  if (auto err = describe(values, scales, offsets, bases, bits, group, symmetric, k, n, &w, tiled); err.failure())
+    return err;
   if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
     return ffi::Error::InvalidArgument("weight values do not match [K, N]");
   const auto dims = x.dimensions();
@@ -604,10 +636,11 @@ static ffi::Error attr(const ffi::Dictionary& attrs, const char* name, T* out) {
 
 // The pool's attributes: the layer's shape and activation under their own names, the pool's own
 // (formats, slots, int8 inputs) with `suffix` appended (a multi-pool call numbers its pools).
-static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales, ffi::Buffer<ffi::F16> gu_offsets,
-                             ffi::Buffer<ffi::F32> gu_bias, ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
-                             ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
-                             const ffi::Dictionary& attrs, ExpertPools* p, const std::string& suffix = "") {
+static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scales, ffi::AnyBuffer gu_offsets,
+                             ffi::AnyBuffer gu_bases, ffi::Buffer<ffi::F32> gu_bias, ffi::AnyBuffer dn_values,
+                             ffi::AnyBuffer dn_scales, ffi::AnyBuffer dn_offsets, ffi::AnyBuffer dn_bases,
+                             ffi::Buffer<ffi::F32> dn_bias, const ffi::Dictionary& attrs, ExpertPools* p,
+                             const std::string& suffix = "") {
   int64_t gu_bits, gu_group, dn_bits, dn_group;
   bool gu_sym, dn_sym, gu_tiled, dn_tiled;
   auto own = [&](const char* name) { return std::string(name) + suffix; };
@@ -622,11 +655,11 @@ static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_
                  attr(attrs, own("gu_int8_dot").c_str(), &p->gu_int8_dot),
                  attr(attrs, own("dn_int8_dot").c_str(), &p->dn_int8_dot)})
     if (e.failure()) return e;
-  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bits, gu_group, gu_sym, p->D, 2 * p->F, &p->gu,
-                          gu_tiled); e.failure())
+  if (auto e = describe(gu_values, gu_scales, gu_offsets, gu_bases, gu_bits, gu_group, gu_sym, p->D, 2 * p->F,
+                        &p->gu, gu_tiled); e.failure())
     return e;
-  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bits, dn_group, dn_sym, p->F, p->D, &p->dn,
-                          dn_tiled); e.failure())
+  if (auto e = describe(dn_values, dn_scales, dn_offsets, dn_bases, dn_bits, dn_group, dn_sym, p->F, p->D, &p->dn,
+                        dn_tiled); e.failure())
     return e;
   if (gu_values.size_bytes() != static_cast<size_t>(p->slots * p->gu.value_bytes()) ||
       dn_values.size_bytes() != static_cast<size_t>(p->slots * p->dn.value_bytes()))
@@ -753,14 +786,15 @@ static std::vector<Chunk> chunks_of(const std::vector<Run>& runs, int64_t most) 
 
 // pallas_kernels.expert_ffn's contract: rows [R, D] in blocks of block_rows, block b through the
 // expert in slot block_slot[b] (-1: zeros); consecutive blocks of one slot run as one matmul.
-static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
-                                  ffi::Buffer<ffi::F16> gu_offsets, ffi::Buffer<ffi::F32> gu_bias,
-                                  ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
-                                  ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
+static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scales,
+                                  ffi::AnyBuffer gu_offsets, ffi::AnyBuffer gu_bases, ffi::Buffer<ffi::F32> gu_bias,
+                                  ffi::AnyBuffer dn_values, ffi::AnyBuffer dn_scales, ffi::AnyBuffer dn_offsets,
+                                  ffi::AnyBuffer dn_bases, ffi::Buffer<ffi::F32> dn_bias,
                                   ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> block_slot,
                                   ffi::ResultBuffer<ffi::F32> out, ffi::Dictionary attrs) {
   ExpertPools p;
-  if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bias, dn_values, dn_scales, dn_offsets, dn_bias, attrs, &p);
+  if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bases, gu_bias, dn_values, dn_scales, dn_offsets,
+                         dn_bases, dn_bias, attrs, &p);
       e.failure())
     return e;
   int64_t block_rows;
@@ -832,43 +866,46 @@ static ffi::Error run_routed(ffi::ThreadPool& pool, const std::vector<const Expe
   return ffi::Error::Success();
 }
 
-static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F16> gu_scales,
-                                  ffi::Buffer<ffi::F16> gu_offsets, ffi::Buffer<ffi::F32> gu_bias,
-                                  ffi::AnyBuffer dn_values, ffi::Buffer<ffi::F16> dn_scales,
-                                  ffi::Buffer<ffi::F16> dn_offsets, ffi::Buffer<ffi::F32> dn_bias,
+static ffi::Error routed_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scales,
+                                  ffi::AnyBuffer gu_offsets, ffi::AnyBuffer gu_bases, ffi::Buffer<ffi::F32> gu_bias,
+                                  ffi::AnyBuffer dn_values, ffi::AnyBuffer dn_scales, ffi::AnyBuffer dn_offsets,
+                                  ffi::AnyBuffer dn_bases, ffi::Buffer<ffi::F32> dn_bias,
                                   ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> slot,
                                   ffi::ResultBuffer<ffi::F32> out, ffi::Dictionary attrs) {
   ExpertPools p;
-  if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bias, dn_values, dn_scales, dn_offsets, dn_bias, attrs, &p);
+  if (auto e = read_pools(gu_values, gu_scales, gu_offsets, gu_bases, gu_bias, dn_values, dn_scales, dn_offsets,
+                         dn_bases, dn_bias, attrs, &p);
       e.failure())
     return e;
   return run_routed(pool, {&p}, h, token, slot, nullptr, out->typed_data());
 }
 
 // routed_ffn over several pools (tiers) at once: tier[a] picks assignment a's pool. The pools follow
-// the inputs, eight buffers each (as the single-pool target takes them), their attributes numbered
+// the inputs, kPoolBuffers buffers each (as the single-pool target takes them), their attributes numbered
 // by pool (gu_bits0, gu_bits1, ...).
+constexpr size_t kPoolBuffers = 10;  // per weight: values, scales, offsets, bases, bias
+
 static ffi::Error routed_ffn_tiers_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> token,
                                         ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> tier,
                                         ffi::RemainingArgs buffers, ffi::ResultBuffer<ffi::F32> out,
                                         ffi::Dictionary attrs) {
-  if (buffers.size() == 0 || buffers.size() % 8 != 0)
-    return ffi::Error::InvalidArgument("routed_ffn_tiers wants eight buffers per pool");
+  if (buffers.size() == 0 || buffers.size() % kPoolBuffers != 0)
+    return ffi::Error::InvalidArgument("routed_ffn_tiers wants ten buffers per pool");
   if (tier.element_count() != slot.element_count())
     return ffi::Error::InvalidArgument("routed_ffn_tiers wants a tier per assignment");
-  std::vector<ExpertPools> storage(buffers.size() / 8);
+  std::vector<ExpertPools> storage(buffers.size() / kPoolBuffers);
   std::vector<const ExpertPools*> pools;
   for (size_t t = 0; t < storage.size(); ++t) {
-    auto any = [&](size_t i) { return buffers.get<ffi::AnyBuffer>(8 * t + i); };
-    auto f16 = [&](size_t i) { return buffers.get<ffi::Buffer<ffi::F16>>(8 * t + i); };
-    auto f32 = [&](size_t i) { return buffers.get<ffi::Buffer<ffi::F32>>(8 * t + i); };
-    auto guv = any(0), dnv = any(4);
-    auto gus = f16(1), guo = f16(2), dns = f16(5), dno = f16(6);
-    auto gub = f32(3), dnb = f32(7);
-    if (!guv.has_value() || !gus.has_value() || !guo.has_value() || !gub.has_value() || !dnv.has_value() ||
-        !dns.has_value() || !dno.has_value() || !dnb.has_value())
+    auto any = [&](size_t i) { return buffers.get<ffi::AnyBuffer>(kPoolBuffers * t + i); };
+    auto f32 = [&](size_t i) { return buffers.get<ffi::Buffer<ffi::F32>>(kPoolBuffers * t + i); };
+    auto guv = any(0), gus = any(1), guo = any(2), gua = any(3), dnv = any(5), dns = any(6), dno = any(7),
+         dna = any(8);
+    auto gub = f32(4), dnb = f32(9);
+    if (!guv.has_value() || !gus.has_value() || !guo.has_value() || !gua.has_value() || !gub.has_value() ||
+        !dnv.has_value() || !dns.has_value() || !dno.has_value() || !dna.has_value() || !dnb.has_value())
       return ffi::Error::InvalidArgument("routed_ffn_tiers: a pool buffer has the wrong type");
-    if (auto e = read_pools(*guv, *gus, *guo, *gub, *dnv, *dns, *dno, *dnb, attrs, &storage[t], std::to_string(t));
+    if (auto e = read_pools(*guv, *gus, *guo, *gua, *gub, *dnv, *dns, *dno, *dna, *dnb, attrs, &storage[t],
+                            std::to_string(t));
         e.failure())
       return e;
     pools.push_back(&storage[t]);
@@ -1014,8 +1051,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
@@ -1030,12 +1068,14 @@ static auto bind_pools() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::F32>>();
 }
 
