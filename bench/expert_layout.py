@@ -9,6 +9,10 @@ the rounds with [min-max], and the weight bytes read per second. A compilation i
 window fails the run.
 
     python -m bench.expert_layout [--rounds 5] [--calls 200]
+
+With --int2 it compares the int2 tier's two formats instead, both layouts: groups of 64 with
+float16 scales and offsets (the earlier default) against groups of 32 with 8-bit scales and offsets
+on per-column float32 bases (the default now), bench/results/kernels/expert_layout_int2_cpu.json.
 """
 
 from __future__ import annotations
@@ -23,20 +27,26 @@ from bench.lib.common import machine, write_result
 SLOTS, TOP_K, D, F, GROUP = 128, 8, 2048, 768, 64
 
 
-def pools():
-    """(gate_up, down) int4 pools of SLOTS random experts in [K, N] layout."""
+def pools(fmt=None):
+    """(gate_up, down) pools of SLOTS random experts in [K, N] layout (default: int4 in groups of GROUP)."""
     import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels.qarray import QArray, QuantFormat
 
-    fmt = QuantFormat(bits=4, group_size=GROUP, symmetric=False)
+    fmt = fmt or QuantFormat(bits=4, group_size=GROUP, symmetric=False)
     rng = np.random.default_rng(0)
 
     def pool(k, n):
-        return QArray(jnp.asarray(rng.integers(0, 256, (SLOTS, k // 2, n), dtype=np.uint8)),
-                      jnp.asarray((rng.random((SLOTS, k // GROUP, n)) * 0.01).astype(np.float16)),
-                      jnp.asarray((rng.random((SLOTS, k // GROUP, n)) * -0.005).astype(np.float16)), None, fmt, k)
+        values = jnp.asarray(rng.integers(0, 256, (SLOTS, k // fmt.pack, n), dtype=np.uint8))
+        groups = k // fmt.group_size
+        if fmt.scale_bits == 8:
+            codes = lambda: jnp.asarray(rng.integers(1, 256, (SLOTS, groups, n), dtype=np.uint8))  # noqa: E731
+            bases = jnp.asarray(np.stack([rng.random((SLOTS, n)) * 4e-5, rng.random((SLOTS, n)) * 4e-5], axis=1),
+                                jnp.float32)
+            return QArray(values, codes(), codes(), None, fmt, k, bases)
+        return QArray(values, jnp.asarray((rng.random((SLOTS, groups, n)) * 0.01).astype(np.float16)),
+                      jnp.asarray((rng.random((SLOTS, groups, n)) * -0.005).astype(np.float16)), None, fmt, k)
 
     return pool(D, 2 * F), pool(F, D)
 
@@ -45,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--int2", action="store_true", help="the int2 tier's two formats, both layouts")
     args = parser.parse_args()
 
     import jax
@@ -53,13 +64,24 @@ def main() -> None:
 
     from cpu_kernels import native, ops
     from jmoe.serving.compiles import CompileCounter
-    from pallas_kernels.qarray import tile
+    from jmoe.tiers import tier_format
+    from pallas_kernels.qarray import QuantFormat, tile
 
     if not ops.available():
         sys.exit("the native CPU kernels are not loaded")
-    gate_up, down = pools()
-    layouts = {"[K, N]": (gate_up, down), "cpu layout": (tile(gate_up), tile(down))}
-    weight_bytes = TOP_K * sum(a.nbytes // SLOTS for w in (gate_up, down) for a in (w.values, w.scales, w.offsets))
+    formats = {"int4 g64": None}
+    if args.int2:
+        formats = {"int2 g64 f16 scales": QuantFormat(bits=2, group_size=64, symmetric=False),
+                   "int2 g32 8-bit scales": tier_format("int2")}
+    layouts, weight_bytes = {}, {}
+    for label, fmt in formats.items():
+        gate_up, down = pools(fmt)
+        prefix = "" if not args.int2 else f"{label}, "
+        layouts[prefix + "[K, N]"] = (gate_up, down)
+        layouts[prefix + "cpu layout"] = (tile(gate_up), tile(down))
+        arrays = [a for w in (gate_up, down) for a in (w.values, w.scales, w.offsets, w.bases) if a is not None]
+        weight_bytes[prefix + "[K, N]"] = weight_bytes[prefix + "cpu layout"] = TOP_K * sum(a.nbytes // SLOTS
+                                                                                           for a in arrays)
     rng = np.random.default_rng(1)
     picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
     h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
@@ -86,14 +108,15 @@ def main() -> None:
         key = f"{name}, {'int8 dot' if dot else 'float inputs'}"
         ms = statistics.median(ts) * 1e3
         results[key] = {"ms": round(ms, 3), "min_ms": round(min(ts) * 1e3, 3), "max_ms": round(max(ts) * 1e3, 3),
-                        "weight_gb_per_s": round(weight_bytes / (ms / 1e3) / 1e9, 2)}
+                        "weight_bytes": weight_bytes[name],
+                        "weight_gb_per_s": round(weight_bytes[name] / (ms / 1e3) / 1e9, 2)}
         print(f"{key}: {ms:.3f} ms [{min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f}], "
               f"{results[key]['weight_gb_per_s']:.1f} GB/s of weights")
-    write_result("kernels", "expert_layout", {
+    tiers = "int2 experts in both formats" if args.int2 else f"int4 experts (groups of {GROUP})"
+    write_result("kernels", "expert_layout_int2" if args.int2 else "expert_layout", {
         "machine": machine(), "isa": native.isa(),
-        "case": f"routed_expert_ffn, {TOP_K} of {SLOTS} int4 experts (groups of {GROUP}), D={D}, F={F}, one token",
-        "weight_bytes_per_call": weight_bytes, "rounds": args.rounds, "calls_per_round": args.calls,
-        "results": results})
+        "case": f"routed_expert_ffn, {TOP_K} of {SLOTS} {tiers}, D={D}, F={F}, one token",
+        "rounds": args.rounds, "calls_per_round": args.calls, "results": results})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ calibrating GPTQ/HAQ on the train splits, then scores every tier on ../shared/co
 
     python -m bench.quality [--max-tokens N] [--window 256]
     python -m bench.quality --cpu-dot int8 --methods rtn,gptq   # the tiers under load(cpu_dot="int8")
+    python -m bench.quality --tiers int2 --no-w8a8               # one tier's methods: quality_tiny_int2_cpu.json
 
 With --llama-cpp, it scores the same model beside llama.cpp: the tiny model converted to GGUF
 (its own tokenizer; llama-tokenize must give jmoe's token ids, or the run stops) and quantized to
@@ -47,6 +48,7 @@ import jmoe
 from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
 from convert import convert_checkpoint
 from convert.quantizers.expert import METHODS
+from jmoe.manifest import read_manifest
 
 TIERS = ("int8", "int4", "int2")
 CALIB_SEQUENCES = inspect.signature(convert_checkpoint).parameters["calib_sequences"].default  # the converter's
@@ -230,6 +232,9 @@ def main() -> None:
     parser.add_argument("--calib-sequences", type=int, default=CALIB_SEQUENCES)
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="quantizers to convert with (default all three; fewer write a result of their own)")
+    parser.add_argument("--tiers", default=",".join(TIERS),
+                        help="integer tiers to score (default all; fewer write a result of their own)")
+    parser.add_argument("--no-w8a8", action="store_true", help="skip the W8A8 int8 variants")
     parser.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                         help="load(cpu_dot=...) for the quantized tiers; int8 writes quality_tiny_int8_dot_cpu.json "
                              "without the W8A8 variants")
@@ -258,14 +263,18 @@ def main() -> None:
             parser.error("--server needs --tokenizer")
         return server_main(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    scored = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    if not scored or set(scored) - set(TIERS):
+        parser.error(f"--tiers takes some of {','.join(TIERS)}")
+    w8a8_variants = (False,) if args.cpu_dot == "int8" or args.no_w8a8 or "int8" not in scored else (False, True)
 
     rows, timings = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        variants = [(m, w8a8) for w8a8 in ((False,) if args.cpu_dot == "int8" else (False, True)) for m in methods]
+        variants = [(m, w8a8) for w8a8 in w8a8_variants for m in methods]
         tokens = None
         for method, w8a8 in variants:
             name = f"{method}{'-w8a8' if w8a8 else ''}"
-            tiers = ("bf16", *TIERS) if not w8a8 else ("int8",)
+            tiers = ("bf16", *scored) if not w8a8 else ("int8",)
             t = time.perf_counter()
             out = convert_checkpoint(TINY_HF, Path(tmp) / name, tiers=",".join(tiers), method=method, w8a8=w8a8,
                                      calib=None if method == "rtn" else [str(p) for p in CALIB_FILES],
@@ -283,6 +292,7 @@ def main() -> None:
                 activations = "int8 per token" if w8a8 else "int8 per group (cpu_dot)" if args.cpu_dot == "int8" \
                     else "float"
                 row = {"method": method, "tier": tier, "activations": activations,
+                       "format": read_manifest(out)["tiers"][tier]["format"],
                        **perplexities(out, tier, tokens, args.window, args.cpu_dot)}
                 timings[name][f"eval_{tier}_s"] = time.perf_counter() - t
                 rows.append(row)
@@ -296,17 +306,22 @@ def main() -> None:
         "rows": rows,
         "seconds": timings,
     }
-    write_result("quality", result_name(args.cpu_dot, args.calib_sequences, methods), payload)
+    write_result("quality", result_name(args.cpu_dot, args.calib_sequences, methods, scored, w8a8_variants), payload)
 
 
-def result_name(cpu_dot: str, calib_sequences: int, methods: list[str]) -> str:
-    """quality_tiny[_int8_dot] for the full table; a run with other calibration or fewer methods
-    gets a name of its own, so it never replaces the full table's rows."""
+def result_name(cpu_dot: str, calib_sequences: int, methods: list[str], tiers=TIERS,
+                w8a8_variants=(False, True)) -> str:
+    """quality_tiny[_int8_dot] for the full table; a run with other calibration, fewer methods or
+    tiers, or without the W8A8 rows gets a name of its own, so it never replaces the full table's rows."""
     name = "quality_tiny" if cpu_dot == "float" else "quality_tiny_int8_dot"
     if calib_sequences != CALIB_SEQUENCES:
         name += f"_calib{calib_sequences}"
     if sorted(methods) != sorted(METHODS):
         name += "_" + "_".join(methods)
+    if sorted(tiers) != sorted(TIERS):
+        name += "_" + "_".join(tiers)
+    elif cpu_dot == "float" and len(w8a8_variants) == 1:
+        name += "_no_w8a8"
     return name
 
 

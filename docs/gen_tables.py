@@ -88,11 +88,15 @@ def headline() -> str:
     ]]
     by = {(r["method"], r["tier"], r["activations"]): r for r in quality["rows"]}
     base = by[("-", "bf16", "bf16/f32")]["prose"]
-    gptq4, gptq2 = by[("gptq", "int4", "float")]["prose"], by[("gptq", "int2", "float")]["prose"]
+    int2 = load("quality/quality_tiny_int2_cpu.json")  # the int2 tier's format now (8-bit scales)
+    int2_by = {(r["method"], r["tier"]): r["prose"] for r in int2["rows"]}
+    gptq4 = by[("gptq", "int4", "float")]["prose"]
+    gptq2 = int2_by[("gptq", "int2")] / int2_by[("-", "bf16")]  # over that run's own bf16
     rows.append([
         "Tiny Qwen3-MoE, prose perplexity over bf16, GPTQ int4 / int2 experts",
-        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq2 / base - 1):.1f}%",
-        machine(quality), source("quality/quality_tiny_cpu.json"),
+        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq2 - 1):.1f}%",
+        f"int4: {machine(quality)}; int2: {machine(int2)}",
+        source("quality/quality_tiny_cpu.json", "quality/quality_tiny_int2_cpu.json"),
     ])
     beside = load("quality/quality_vs_llama_cpp_cpu.json")
     by_label = {(r["runtime"], r["label"]): r["over_bf16"] for r in beside["rows"]}
@@ -429,6 +433,28 @@ def quality() -> str:
     return table(["method", "tier", "activations", "prose", "code", "math"], rows) + (
         f"\n\nMachines: the float and W8A8 rows, {machine(plain)} ({source('quality/quality_tiny_cpu.json')}); "
         f"the `cpu_dot=\"int8\"` rows, {machine(dot)} ({source('quality/quality_tiny_int8_dot_cpu.json')}).")
+
+
+INT2_FORMATS = {  # label -> results file: the int2 tier before and after its 8-bit scales
+    "groups of 64, float16 scales and offsets (before)": "quality/quality_tiny_cpu.json",
+    "groups of 32, 8-bit scales and offsets on per-column bases (now)": "quality/quality_tiny_int2_cpu.json",
+}
+
+
+def quality_int2() -> str:
+    """The int2 tier's perplexity over bf16 in its two formats (python -m bench.quality [--tiers int2 --no-w8a8])."""
+    names = {"rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
+    rows, machines = [], []
+    for label, name in INT2_FORMATS.items():
+        data = load(name)
+        base = next(r for r in data["rows"] if r["tier"] == "bf16")
+        for r in data["rows"]:
+            if r["tier"] == "int2" and r["activations"] == "float":
+                rows.append([label, names[r["method"]]] + [f"+{100 * (r[d] / base[d] - 1):.2f}%"
+                                                           for d in ("prose", "code", "math")])
+        machines.append(f"{label.split(',')[0]}: {machine(data)} ({source(name)})")
+    return table(["int2 format", "method", "prose", "code", "math"], rows) + (
+        "\n\nPerplexity over each run's own bf16 on the whole dev splits. Machines: " + "; ".join(machines) + ".")
 
 
 def quality_vs_llama() -> str:
@@ -954,6 +980,7 @@ TABLES = {
     "perplexity": perplexity,
     "quality": quality,
     "quality-vs-llama": quality_vs_llama,
+    "quality-int2": quality_int2,
     "decode-io": decode_io,
     "offload-h200": offload_h200,
     "offload-quality": offload_quality,
