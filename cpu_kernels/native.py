@@ -7,6 +7,7 @@ XLA reference instead (for comparisons).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -49,6 +50,7 @@ def _load():
                                      (ATTENTION, lib.JmoeCpuAttention)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
+                lib.jmoe_cpu_set_isa.argtypes = [ctypes.c_char_p]
             except Exception as e:  # noqa: BLE001 - not built, not loadable, or refused by this jaxlib's XLA
                 log.warning("native CPU kernels unavailable (%s); the XLA reference runs instead", e)
                 lib = None
@@ -61,9 +63,27 @@ def loaded() -> bool:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels run with ('avx512', 'avx2', 'portable'), or None when not loaded."""
+    """The instruction set the kernels run with ('avx512-vnni', 'avx512', 'avx2', 'portable'), or None
+    when not loaded."""
     lib = _load()
     return None if lib is None else lib.jmoe_cpu_isa().decode()
+
+
+@contextlib.contextmanager
+def using_isa(name: str):
+    """Every native kernel on `name` ('avx512', 'avx2' or 'portable') inside the block, then on the
+    one before: the paths a narrower CPU runs, in this process (compiled steps read the choice at
+    each call). For tests; a user picks a path with JMOE_CPU_ISA before the first call."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not loaded")
+    before = isa().removesuffix("-vnni")
+    if not lib.jmoe_cpu_set_isa(name.encode()):
+        raise ValueError(f"this CPU cannot run the {name!r} kernels (or no such path)")
+    try:
+        yield
+    finally:
+        lib.jmoe_cpu_set_isa(before.encode())
 
 
 def call(name: str, result: jax.ShapeDtypeStruct, *args, input_output_aliases=None, **attrs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -60,8 +61,9 @@ def test_a_library_this_jaxlib_refuses_falls_back_to_the_reference(monkeypatch, 
 
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_narrower_instruction_sets_compute_the_same(isa):
-    """JMOE_CPU_ISA picks a narrower path than this CPU's widest: the products a CPU without AVX-512
-    (or without AVX2) runs, checked here in a process of their own (the path is chosen at load)."""
+    """The paths a CPU without AVX-512 (or without AVX2) runs, on this one: JMOE_CPU_ISA picks one
+    when the library loads (a process of its own), and native.using_isa switches this process's
+    kernels to it, where the expert, ragged-width and attention checks run again."""
     if os.environ.get("JMOE_CPU_KERNELS", "on").lower() in ("off", "0", "false") or not native.loaded():
         pytest.skip("native kernels switched off or not built")
     root = Path(__file__).resolve().parents[1]
@@ -69,16 +71,22 @@ def test_narrower_instruction_sets_compute_the_same(isa):
     chosen = subprocess.run([sys.executable, "-c", "from cpu_kernels import native; print(native.isa())"],
                             cwd=root, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert chosen == isa
-    if native.isa() == isa:  # this CPU's widest path is this one: this module's own tests ran it already
-        return
-    tests = ("test_ragged_widths_and_padded_groups or (test_expert_ffn_qwen3_widths and 16-6 and (int4 or bf16))"
-             " or (native_attention and (int8-w32 or bfloat16))")
-    attention = str(Path(__file__).with_name("test_blocked_attention.py"))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, attention,
-                           "-k", tests],
-                          cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "5 passed" in done.stdout
+    widest = native.isa()
+    attention_tests = importlib.import_module("test_blocked_attention")
+    with native.using_isa(isa):
+        assert native.isa() == isa
+        if widest != isa:  # else this module's own tests ran this path already
+            test_ragged_widths_and_padded_groups()
+            for tier in ("int4", "bf16"):
+                test_expert_ffn_qwen3_widths(tier, 16, 6)
+            for case in attention_tests.NATIVE_CASES:
+                if case[6] in ("int8", "bfloat16") and case[5] in (32, 64):
+                    attention_tests.test_native_attention_equals_the_materialised_softmax(case)
+    assert native.isa() == widest
+    with pytest.raises(ValueError, match="cannot run"):
+        with native.using_isa("sse9"):
+            pass
+    assert native.isa() == widest
 
 
 def _weight(rng, k, n, fmt, act_scale=None):

@@ -75,15 +75,13 @@ namespace attention_portable {
 
 using Attend = void (*)(const AttentionChunk&, float*, float*, float*);
 
-static Attend pick_attend() {  // the matmul kernels' choice (isa.h)
-  switch (chosen_isa()) {
+static Attend attend_for(Isa isa) {  // the matmul kernels' choice (isa.h)
+  switch (isa) {
     case Isa::kAvx512: return attention_avx512::attend;
     case Isa::kAvx2: return attention_avx2::attend;
     default: return attention_portable::attend;
   }
 }
-
-static const Attend attend = pick_attend();
 
 constexpr int64_t kMinChunkKeys = 256;  // a chunk shorter than this costs more to merge than it saves
 
@@ -154,6 +152,7 @@ static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   const float* qp = q.typed_data();
   const auto* kp = static_cast<const uint8_t*>(keys.untyped_data());
   const auto* vp = static_cast<const uint8_t*>(values.untyped_data());
+  const Attend attend = attend_for(current_isa());
   parallel_for(pool, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& task = tasks[i];
     const int64_t head = task.b * K + task.k;

@@ -412,19 +412,18 @@ static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64
 
 using GemmCols = void (*)(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t);
 
-static GemmCols pick_gemm_cols() {
-  switch (chosen_isa()) {
+static GemmCols gemm_cols(Isa isa) {
+  switch (isa) {
     case Isa::kAvx512: return avx512::gemm_cols;
     case Isa::kAvx2: return avx2::gemm_cols;
     default: return portable::gemm_cols;
   }
 }
 
-static const GemmCols gemm_cols = pick_gemm_cols();
-
 static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum) {
-  if (gemm_cols == avx512::gemm_cols && n % 16 == 0) return avx512::quantize_group(in, n, out, codes, sum);
-  if (gemm_cols == avx2::gemm_cols && n % 8 == 0) return avx2::quantize_group(in, n, out, codes, sum);
+  const Isa isa = current_isa();
+  if (isa == Isa::kAvx512 && n % 16 == 0) return avx512::quantize_group(in, n, out, codes, sum);
+  if (isa == Isa::kAvx2 && n % 8 == 0) return avx2::quantize_group(in, n, out, codes, sum);
   const float step = int8_step(in, n);
   int32_t total = 0;
   for (int64_t k = 0; k < n; ++k) {
@@ -438,9 +437,21 @@ static float quantize_group(const float* in, int64_t n, float* out, int8_t* code
 }
 
 extern "C" const char* jmoe_cpu_isa() {
-  if (gemm_cols == avx512::gemm_cols) return avx512::has_vnni() ? "avx512-vnni" : "avx512";
-  if (gemm_cols == avx2::gemm_cols) return "avx2";
+  const Isa isa = current_isa();
+  if (isa == Isa::kAvx512) return avx512::has_vnni() ? "avx512-vnni" : "avx512";
+  if (isa == Isa::kAvx2) return "avx2";
   return "portable";
+}
+
+// Every kernel on `name` ("avx512", "avx2" or "portable") from the next call on: 1, or 0 where this
+// CPU lacks it (nothing changes). The tests run the narrower paths with it; a user picks one with
+// JMOE_CPU_ISA before the first call.
+extern "C" int jmoe_cpu_set_isa(const char* name) {
+  const std::string want = name;
+  const Isa isa = want == "avx512" ? Isa::kAvx512 : want == "avx2" ? Isa::kAvx2 : Isa::kPortable;
+  if ((want != "avx512" && want != "avx2" && want != "portable") || !cpu_has(isa)) return 0;
+  active_isa().store(isa, std::memory_order_relaxed);
+  return 1;
 }
 
 // One product of a phase: y[M, N] (row stride ldy) = in @ w.
@@ -510,16 +521,17 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
                          parts.data() + pieces[i].offset + s * p.M * p.w.n, p.w.n});
     }
   }
+  const GemmCols gemm = gemm_cols(current_isa());  // one path for the whole phase
   parallel_for(pool, tasks.size(), [&](int64_t t) {
     const Task& task = tasks[t];
     const Product& p = products[task.product];
     const Weight w = p.w.rows(task.k0, task.k1);
     if (!w.tiled) {
-      gemm_cols(p.in.from_k(task.k0), p.M, w, task.n0, task.n1, task.y, task.ldy);
+      gemm(p.in.from_k(task.k0), p.M, w, task.n0, task.n1, task.y, task.ldy);
       return;
     }
     for (int64_t c0 = task.n0; c0 < task.n1; c0 += kTile)  // blocks are whole tiles (N % kTile == 0)
-      gemm_cols(p.in.from_k(task.k0), p.M, w.tile(c0 / kTile), 0, kTile, task.y + c0, task.ldy);
+      gemm(p.in.from_k(task.k0), p.M, w.tile(c0 / kTile), 0, kTile, task.y + c0, task.ldy);
   });
   for (size_t i = 0; i < products.size(); ++i) {
     const Product& p = products[i];
@@ -965,7 +977,7 @@ __attribute__((target("avx2"))) static int64_t vector_find(const float* x, int64
 
 // Whether the vector parts run: on the instruction set the kernels chose (both wide paths have
 // AVX2; JMOE_CPU_ISA=portable keeps this scalar too).
-static bool vectors() { return gemm_cols != portable::gemm_cols; }
+static bool vectors() { return current_isa() != Isa::kPortable; }
 
 static float row_max(const float* x, int64_t n) {
   int64_t i = 0;
