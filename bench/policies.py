@@ -163,11 +163,33 @@ def model_slot_bytes(path: Path, tier: str) -> int:
     return read_manifest(path)["tiers"][tier]["record_nbytes"]
 
 
+DYNAEXQ_HI = 8  # int4 copies per layer of "DynaExq 8/32"
+
+
 def dynaexq_budget(path: Path) -> int:
-    """The device budget of DynaExq 8/32 on the tiny model: fixed + staging + every expert at int2
-    + 8 int4 copies per layer."""
-    int4, int2 = model_slot_bytes(path, "int4"), model_slot_bytes(path, "int2")
-    return fixed_bytes(path) + staging_bytes(path) + 256 * int2 + 8 * 8 * int4
+    """The device budget of DynaExq 8/32 on the tiny model: every reservation load makes for it
+    (jmoe.memory_plan: dense, KV cache, workspace, staging, fetch slots), every expert at int2 and
+    8 int4 copies per layer; checked by loading it (the pools it gets must be those)."""
+    policy = DynaExq(hi_per_layer=DYNAEXQ_HI)
+    plan = jmoe.memory_plan(path, compute_dtype="float32", policy=policy)
+    layers, experts = plan_shape(path)
+    budget = (sum(v for k, v in plan.items() if k != "all_experts") + layers * experts * model_slot_bytes(path, "int2")
+              + layers * DYNAEXQ_HI * model_slot_bytes(path, "int4"))
+    pools = jmoe.load(path, compute_dtype="float32", policy=policy, device_budget=budget).residency.pools
+    got = {tier: pool.slots for tier, pool in pools.items()}
+    if got != {"int2": layers * experts, "int4": layers * DYNAEXQ_HI}:
+        raise SystemExit(f"DynaExq's budget {budget} gave pools of {got} slots, not every int2 expert and "
+                         f"{DYNAEXQ_HI} int4 copies per layer")
+    return budget
+
+
+def plan_shape(path: Path) -> tuple[int, int]:
+    """(MoE layers, experts per layer) of a converted model."""
+    from jmoe.config import ModelConfig
+    from jmoe.manifest import read_manifest
+
+    cfg = ModelConfig.from_dict(read_manifest(path)["config"])
+    return cfg.num_moe_layers, cfg.num_experts
 
 
 def domain_stream(tokenizer, order, tokens: int, skip: int = 0) -> np.ndarray:
