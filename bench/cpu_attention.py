@@ -1,5 +1,7 @@
 """Decode attention on the CPU: the native kernel (cpu_kernels.attention) against the blocked XLA
-formulation it replaced, at Qwen3-30B-A3B's heads (32 query heads on 4 cache heads of 128).
+formulation it replaced, at Qwen3-30B-A3B's heads (32 query heads on 4 cache heads of 128). The
+native kernel reads a paged cache (pages of 64 slots in shuffled order, as a page table leaves them
+after sequences come and go), XLA the same data contiguous.
 
 Each timed call is one layer's attention of a decode token (or a speculative verification of 4)
 over a cache at the given depth; a chain of calls cycles through --layers distinct caches, so the
@@ -26,16 +28,24 @@ from jmoe.serving.compiles import CompileCounter
 
 HEADS, CACHE_HEADS, WIDTH = 32, 4, 128
 CACHES = ("float32", "bfloat16", "int8")
+PAGE = 64
 
 
-def caches(kind: str, layers: int, depth: int, rng) -> list:
+def caches(kind: str, layers: int, depth: int, table: np.ndarray, rng) -> tuple[list, list]:
+    """Per layer, (keys, values) contiguous [1, K, depth, w] and the same as pages [n, K, PAGE, w]:
+    the row's page p at table[0, p]."""
     def one():
         k, v = (rng.normal(size=(1, CACHE_HEADS, depth, WIDTH)).astype(np.float32) for _ in range(2))
         if kind == "int8":
             return quantize_rows(jnp.asarray(k)), quantize_rows(jnp.asarray(v))
         return jnp.asarray(k, kind), jnp.asarray(v, kind)
 
-    return [one() for _ in range(layers)]
+    def paged(x):  # [1, K, depth, w] -> [n, K, PAGE, w]
+        pages = x[0].reshape(x.shape[1], -1, PAGE, x.shape[3]).transpose(1, 0, 2, 3)
+        return pages[np.argsort(table[0])]
+
+    contiguous = [one() for _ in range(layers)]
+    return contiguous, [jax.tree.map(paged, c) for c in contiguous]
 
 
 def chain(attend, layers: int, calls: int):
@@ -73,9 +83,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
+        table = rng.permutation(depth // PAGE).astype(np.int32)[None]
         for kind in CACHES:
-            per_layer = caches(kind, args.layers, depth, rng)
-            cache_bytes = sum(x.nbytes for x in jax.tree.leaves(per_layer[0]))
+            contiguous, paged = caches(kind, args.layers, depth, table, rng)
+            cache_bytes = sum(x.nbytes for x in jax.tree.leaves(contiguous[0]))
             for tokens in (int(t) for t in args.tokens.split(",")):
                 groups = HEADS // CACHE_HEADS
                 q = jnp.asarray(rng.normal(size=(1, CACHE_HEADS, groups * tokens, WIDTH)).astype(np.float32))
@@ -84,16 +95,18 @@ def main() -> None:
                                      jnp.zeros((1, tokens, 2)))
                 kw = dict(groups=groups, scale=WIDTH**-0.5, window=None, precision=None)
                 forms = {
-                    "native": lambda q, k, v: blocked_attention((q,), (k,), v, meta, **kw)[0],
+                    "native": lambda q, k, v: cpu_kernels.attention(q, k, v, meta.start, meta.key_start, table,
+                                                                    groups=groups, scale=kw["scale"], window=None)[0],
                     "xla": lambda q, k, v: blocked_attention((q,), (k,), v, meta, reachable_only=True, **kw)[0],
                 }
                 fns = {name: chain(f, args.layers, args.calls) for name, f in forms.items()}
-                for fn in fns.values():
-                    jax.block_until_ready(fn(q, per_layer))  # compiles
+                inputs = {"native": paged, "xla": contiguous}
+                for name, fn in fns.items():
+                    jax.block_until_ready(fn(q, inputs[name]))  # compiles
                 times = {name: [] for name in fns}
                 for r in range(args.rounds):
                     for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                        times[name].append(seconds_per_call(fns[name], q, per_layer, args.calls, repeat=3))
+                        times[name].append(seconds_per_call(fns[name], q, inputs[name], args.calls, repeat=3))
                 ratios = [x / n for x, n in zip(times["xla"], times["native"])]
                 row = {"depth": depth, "cache": kind, "tokens": tokens, "cache_bytes_per_layer": cache_bytes,
                        **{f"{name}_ms": {"median": statistics.median(t) * 1e3, "min": min(t) * 1e3,

@@ -115,8 +115,9 @@ class LayerwiseCalibration:
     def meta(self, batch: int) -> AttentionMeta:
         cos, sin = self._rope
         zeros = jnp.zeros((batch,), jnp.int32)
+        rows = jnp.arange(batch, dtype=jnp.int32)[:, None]  # a page of the sequence's length per row
         return AttentionMeta(zeros, zeros, jnp.broadcast_to(cos, (batch, *cos.shape[1:])),
-                             jnp.broadcast_to(sin, (batch, *sin.shape[1:])))
+                             jnp.broadcast_to(sin, (batch, *sin.shape[1:])), rows)
 
     def batches(self):
         for start in range(0, self.hidden.shape[0], self.batch):

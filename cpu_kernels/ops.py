@@ -185,15 +185,19 @@ def attention_reads(keys, values) -> bool:
     return kind(keys) == kind(values) and kind(keys)[0] in _CACHE_DTYPES
 
 
-def attention(q, keys, values, start, key_start, *, groups: int, scale: float, window: int | None, sink=None):
-    """Softmax attention of a few current tokens over a heads-major cache, in one native call.
+def attention(q, keys, values, start, key_start, table, *, groups: int, scale: float, window: int | None,
+              sink=None):
+    """Softmax attention of a few current tokens over a paged heads-major cache, in one native call.
 
-    q [B, K, groups * T, w] (query heads of each cache head, then tokens); keys [B, K, S, w] and values
-    [B, K, S, wv], each an array or int8 values with float32 scales [B, K, S, 1] (`.values`, `.scales`);
-    token t of row b sits at slot start[b] + t and attends to slots [key_start[b], start[b] + t], the
-    last `window` of them if set; sink [K, groups] or None. Returns (out [B, K, groups * T, wv] float32,
-    top, norm [B, K, groups, T]): the normalised attention, and the softmax's maximum and normaliser
-    (-inf and 0 for a query with no key and no sink, whose output is 0). Native kernels only."""
+    q [B, K, groups * T, w] (query heads of each cache head, then tokens); keys [P, K, page, w] and
+    values [P, K, page, wv], pools of pages, each an array or int8 values with float32 scales
+    [P, K, page, 1] (`.values`, `.scales`); table [B, n] int32: row b's logical slot s lies in page
+    table[b, s // page] at s % page (S = n * page slots a row; a page outside [0, P) is absent, its
+    slots never attended to). Token t of row b sits at slot start[b] + t and attends to slots
+    [key_start[b], start[b] + t], the last `window` of them if set; sink [K, groups] or None. Returns
+    (out [B, K, groups * T, wv] float32, top, norm [B, K, groups, T]): the normalised attention, and the
+    softmax's maximum and normaliser (-inf and 0 for a query with no key and no sink, whose output is
+    0). Native kernels only."""
     B, K, M, _ = q.shape
     wv = getattr(values, "values", values).shape[-1]
 
@@ -207,7 +211,7 @@ def attention(q, keys, values, start, key_start, *, groups: int, scale: float, w
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     out, top, norm = native.call(native.ATTENTION, (f32(B, K, M, wv), f32(B, K, M), f32(B, K, M)),
                                  q.astype(jnp.float32), *operands(keys), *operands(values),
-                                 start.astype(jnp.int32), key_start.astype(jnp.int32), sink,
+                                 start.astype(jnp.int32), key_start.astype(jnp.int32), table.astype(jnp.int32), sink,
                                  groups=np.int64(groups), scale=np.float32(scale), window=np.int64(window or 0))
     T = M // groups
     return out, top.reshape(B, K, groups, T), norm.reshape(B, K, groups, T)
@@ -222,15 +226,29 @@ def first_max(logits: jax.Array) -> jax.Array:
     return out.reshape(lead)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """cache [B, H, S, w] with rows [B, H, T, w] written from slot start[b] of each row b, in place
-    (the result aliases the cache); XLA's dynamic_update_slice per row where the kernels do not run."""
-    rows = rows.astype(cache.dtype)
+def write_rows(pool: jax.Array, rows: jax.Array, start: jax.Array, table: jax.Array) -> jax.Array:
+    """A paged cache pool [P, H, page, w] with rows [B, H, T, w] written from logical slot start[b] of
+    each row b, row b's slot s at pool[table[b, s // page], :, s % page] (table [B, n] int32); slots
+    outside [0, n * page) and pages outside [0, P) skipped. In place (the result aliases the pool);
+    one XLA scatter where the kernels do not run."""
+    rows = rows.astype(pool.dtype)
     if not available():
-        put = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0))  # noqa: E731
-        return jax.vmap(put)(cache, rows, start)
-    return native.call(native.WRITE_ROWS, jax.ShapeDtypeStruct(cache.shape, cache.dtype), cache, rows,
-                       start.astype(jnp.int32), input_output_aliases={0: 0})
+        return _write_rows_xla(pool, rows, start, table)
+    return native.call(native.WRITE_ROWS, jax.ShapeDtypeStruct(pool.shape, pool.dtype), pool, rows,
+                       start.astype(jnp.int32), table.astype(jnp.int32), input_output_aliases={0: 0})
+
+
+def _write_rows_xla(pool, rows, start, table):
+    """write_rows as one scatter of the [B * T] (page, offset) pairs, H and w whole: a skipped slot's
+    page is sent to P, past the pool, and dropped."""
+    P, _, page, _ = pool.shape
+    B, H, T, w = rows.shape
+    n = table.shape[1]
+    slot = start.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    pages = jnp.take_along_axis(table.astype(jnp.int32), jnp.clip(slot // page, 0, n - 1), axis=1)
+    pages = jnp.where((slot >= 0) & (slot < n * page) & (pages >= 0) & (pages < P), pages, P)
+    updates = rows.transpose(0, 2, 1, 3).reshape(B * T, H, w)
+    return pool.at[pages.reshape(-1), :, (slot % page).reshape(-1)].set(updates, mode="drop")
 
 
 def write_slots(pool: jax.Array, values: jax.Array, slots: jax.Array, offset: int | None = None,

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from jmoe.layers.attention import (
     AttentionMeta,
+    QuantizedRows,
     attention_scores_nbytes,
     blocked_attention,
     current_importance,
@@ -24,6 +25,43 @@ from jmoe.layers.attention import (
 )
 
 NEG = jnp.finfo(jnp.float32).min
+
+
+def _paged(cache, table, pages, fill):
+    """A contiguous cache [B, K, S, w] as a pool of pages [pages, K, page, w]: row b's page p at
+    table[b, p] (absent where out of range); pages no row holds filled with `fill`."""
+    B, K, S, w = cache.shape
+    page = S // table.shape[1]
+    pool = np.full((pages, K, page, w), fill, cache.dtype)
+    for b, row in enumerate(table):
+        for p, at in enumerate(row):
+            if 0 <= at < pages:
+                pool[at] = cache[b, :, p * page : (p + 1) * page]
+    return pool
+
+
+def paged(cache, page: int, rng, spare: int = 2):
+    """A [B, K, S, w] cache (or QuantizedRows of such) as a pool of pages in shuffled order, with
+    `spare` pages no row uses (zeros), and its page table [B, ceil(S / page)]: what attention reads."""
+    leaves = cache if isinstance(cache, QuantizedRows) else (cache,)
+    B, _, S, _ = leaves[0].shape
+    n = -(-S // page)
+    table = rng.permutation(B * n + spare)[: B * n].reshape(B, n).astype(np.int32)
+
+    def pool(leaf):
+        leaf = np.asarray(leaf)
+        padded = np.zeros((*leaf.shape[:2], n * page, leaf.shape[3]), leaf.dtype)
+        padded[:, :, :S] = leaf
+        return jnp.asarray(_paged(padded, table, B * n + spare, 0))
+
+    pools = [pool(leaf) for leaf in leaves]
+    return (QuantizedRows(*pools) if isinstance(cache, QuantizedRows) else pools[0]), jnp.asarray(table)
+
+
+def meta_of(start, key_start, T, table) -> AttentionMeta:
+    B = len(start)
+    return AttentionMeta(jnp.asarray(start, jnp.int32), jnp.asarray(key_start, jnp.int32), jnp.zeros((B, T, 2)),
+                         jnp.zeros((B, T, 2)), table)
 
 
 def _scores(queries, keys, start, key_start, T, *, groups, scale, window):
@@ -77,7 +115,7 @@ def cases(draw):
     key_start = np.array([draw(st.integers(0, s + T)) for s in start], np.int32)  # rows of padding too
     return dict(B=B, K=K, G=G, T=T, S=S, widths=widths, window=window, block=block, start=start,
                 key_start=key_start, sink=draw(st.booleans()), int8=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**16)))
+                page=draw(st.sampled_from([1, 4, 8, 16, 128])), seed=draw(st.integers(0, 2**16)))
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,11 +128,10 @@ def test_blocked_attention_equals_the_materialised_softmax(case, reachable_only)
     values = rng.normal(size=(B, K, S, 6)).astype(np.float32)
     sink = rng.normal(size=(K, G)).astype(np.float32) if case["sink"] else None
     start, key_start, window, scale = case["start"], case["key_start"], case["window"], 0.5
-    meta = AttentionMeta(jnp.asarray(start), jnp.asarray(key_start), jnp.zeros((B, T, 2)), jnp.zeros((B, T, 2)))
     kw = dict(groups=G, scale=scale, window=window, precision=jax.lax.Precision.HIGHEST)
 
-    @jax.jit
-    def run(queries, keys, values, sink, new_keys):
+    def run(queries, keys, values, sink, new_keys, table):
+        meta = meta_of(start, key_start, T, table)
         out, softmax = blocked_attention(queries, keys, values, meta, sink=sink, block=case["block"],
                                          reachable_only=reachable_only, **kw)
         return out, current_importance(queries, new_keys, meta, softmax, **kw)
@@ -105,7 +142,12 @@ def test_blocked_attention_equals_the_materialised_softmax(case, reachable_only)
         keys = [np.asarray(dequantize_rows(k, jnp.float32)) for k in cached_keys]
         values = np.asarray(dequantize_rows(cached_values, jnp.float32))
     new_keys = [np.stack([k[b, :, s:s + T] for b, s in enumerate(start)]) for k in keys]
-    out, importance = run(queries, cached_keys, cached_values, sink, new_keys)
+    def pages(cache):  # the same shuffled pages for every cached array
+        return paged(cache, case["page"], np.random.default_rng(case["seed"] + 1))
+
+    pools = [pages(c)[0] for c in cached_keys]
+    value_pool, table = pages(cached_values)
+    out, importance = jax.jit(run)(queries, pools, value_pool, sink, new_keys, table)
     want_out, want_importance, valid = materialised(queries, keys, values, start, key_start, T, sink=sink,
                                                     **{k: v for k, v in kw.items() if k != "precision"})
     # queries with a key to attend to: the same output; left-padding queries (none allowed): zeros
@@ -125,10 +167,11 @@ def test_a_decode_step_reads_only_the_blocks_its_rows_reach():
     values = rng.normal(size=(B, K, S, w)).astype(np.float32)
     keys[:, :, 24:], values[:, :, 24:] = np.nan, np.nan  # never written: no row has reached them
     q = rng.normal(size=(B, K, G, w)).astype(np.float32)
-    meta = AttentionMeta(jnp.array([10, 20], jnp.int32), jnp.array([0, 3], jnp.int32), jnp.zeros((B, 1, 2)),
-                         jnp.zeros((B, 1, 2)))
+    (key_pool, table), (value_pool, _) = (paged(c, 8, np.random.default_rng(1)) for c in (keys, values))
+    meta = meta_of([10, 20], [0, 3], 1, table)
     out, _ = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, groups=G, scale=0.5, window=None,
-                                                       precision=None, block=8, reachable_only=True))(q, keys, values)
+                                                       precision=None, block=8, reachable_only=True))(
+        q, key_pool, value_pool)
     assert np.all(np.isfinite(np.asarray(out)))
     want, _, _ = materialised([q], [keys[:, :, :24]], values[:, :, :24], np.array([10, 20]), np.array([0, 3]), 1,
                               groups=G, scale=0.5, window=None, sink=None)
@@ -148,16 +191,16 @@ def test_the_workspace_is_a_block_of_keys_not_the_context():
 def test_a_prefill_chunk_at_a_32k_context_needs_a_block_of_scores_not_the_context():
     """Qwen3-30B-A3B's attention (32 query heads on 4 cache heads of 128) for a 512-token chunk over a
     32,768-slot cache, compiled: its temporary buffers stay within the workspace the budget reserves
-    for it (materialised scores alone would be 2 GiB per row)."""
-    B, K, G, T, S, hd = 1, 4, 8, 512, 32768, 128
-    meta = AttentionMeta(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B, T, 2)),
-                         jnp.zeros((B, T, 2)))
+    for it (materialised scores alone would be 2 GiB per row), read through pages of 64 slots."""
+    B, K, G, T, S, hd, page = 1, 4, 8, 512, 32768, 128, 64
+    meta = meta_of([0], [0], T, jnp.arange(S // page, dtype=jnp.int32)[None])
 
     def attend(q, k, v):
         return blocked_attention((q,), (k,), v, meta, groups=G, scale=hd**-0.5, window=None, precision=None)[0]
 
     shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-    compiled = jax.jit(attend).lower(shape(B, K, G * T, hd), shape(B, K, S, hd), shape(B, K, S, hd)).compile()
+    pool = shape(S // page, K, page, hd)
+    compiled = jax.jit(attend).lower(shape(B, K, G * T, hd), pool, pool).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     accumulator = B * K * G * T * hd * 4  # the float32 output being summed (the plan counts it as activations)
     assert temp <= attention_scores_nbytes(K * G, T, S) + accumulator, (temp, attention_scores_nbytes(K * G, T, S))
@@ -180,23 +223,28 @@ def _softmax_stats(queries, keys, start, key_start, T, *, groups, scale, window,
     return top, norm
 
 
-# (B, K, G, T, S, width, cache, window, sink): Qwen3-30B-A3B's heads at decode and at a speculative
-# verification of 4 tokens; one cache head over 1,100 keys (its range cut into chunks merged at the
-# end); rows of padding, a window and int8; a width that is no multiple of 16.
-NATIVE_CASES = [(1, 4, 8, 1, 700, 128, "float32", None, False), (2, 4, 8, 4, 600, 128, "int8", None, False),
-                (1, 1, 4, 1, 1100, 64, "bfloat16", None, True), (3, 2, 4, 2, 300, 32, "int8", 50, True),
-                (2, 1, 3, 2, 70, 24, "float32", 9, True)]
+# (B, K, G, T, S, width, cache, window, sink, page, absent padding): Qwen3-30B-A3B's heads at decode
+# and at a speculative verification of 4 tokens; one cache head over 1,104 keys (its range cut into
+# chunks merged at the end); rows of padding, a window and int8; a width that is no multiple of 16;
+# pages of 64, 16 and sizes that are no power of two; pages wholly within a row's left padding absent.
+NATIVE_CASES = [(1, 4, 8, 1, 704, 128, "float32", None, False, 64, False),
+                (2, 4, 8, 4, 600, 128, "int8", None, False, 24, False),
+                (1, 1, 4, 1, 1104, 64, "bfloat16", None, True, 16, False),
+                (3, 2, 4, 2, 300, 32, "int8", 50, True, 20, False),
+                (2, 1, 3, 2, 70, 24, "float32", 9, True, 7, False),
+                (3, 2, 4, 1, 320, 32, "int8", None, True, 4, True)]
 
 
-@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}")
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
 def test_native_attention_equals_the_materialised_softmax(case):
     """cpu_kernels.attention (what blocked_attention runs for a few tokens on the CPU) against the
-    materialised softmax in float64 over what each cache holds: outputs, maxima and normalisers."""
+    materialised softmax in float64 over what each cache holds, read from pages in shuffled order
+    among pages no row holds (NaN, so any read of them would show): outputs, maxima and normalisers."""
     import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("native kernels switched off or not built")
-    B, K, G, T, S, w, cache, window, has_sink = case
+    B, K, G, T, S, w, cache, window, has_sink, page, absent_padding = case
     rng = np.random.default_rng(S)
     q = rng.normal(size=(B, K, G * T, w)).astype(np.float32)
     keys = rng.normal(size=(B, K, S, w)).astype(np.float32)
@@ -204,15 +252,24 @@ def test_native_attention_equals_the_materialised_softmax(case):
     sink = rng.normal(size=(K, G)).astype(np.float32) if has_sink else None
     start = np.array([S - T - 7 * b for b in range(B)], np.int32)
     key_start = np.array([0, 5, start[-1] + T][:B], np.int32)  # the third row is all padding
+    n = S // page
+    pages = B * n + 2
+    table = rng.permutation(pages)[: B * n].reshape(B, n).astype(np.int32)
+    if absent_padding:  # pages before each row's first real token: none held
+        table[(np.arange(n)[None] + 1) * page <= key_start[:, None]] = -1
     if cache == "int8":
         cached_keys, cached_values = quantize_rows(keys), quantize_rows(values)
         keys, values = (np.asarray(dequantize_rows(c, jnp.float32)) for c in (cached_keys, cached_values))
+        paged_keys, paged_values = (type(c)(jnp.asarray(_paged(np.asarray(c.values), table, pages, 0)),
+                                            jnp.asarray(_paged(np.asarray(c.scales), table, pages, np.nan)))
+                                    for c in (cached_keys, cached_values))
     else:
-        cached_keys, cached_values = jnp.asarray(keys, cache), jnp.asarray(values, cache)
+        cached_keys, cached_values = (np.asarray(jnp.asarray(c, cache)) for c in (keys, values))
         keys, values = (np.asarray(c, np.float32) for c in (cached_keys, cached_values))
+        paged_keys, paged_values = (jnp.asarray(_paged(c, table, pages, np.nan)) for c in (cached_keys, cached_values))
     kw = dict(groups=G, scale=w**-0.5, window=window)
-    out, top, norm = jax.jit(lambda q, k, v, s: cpu_kernels.attention(q, k, v, start, key_start, sink=s, **kw))(
-        q, cached_keys, cached_values, sink)
+    out, top, norm = jax.jit(lambda q, k, v, s: cpu_kernels.attention(q, k, v, start, key_start, table, sink=s, **kw))(
+        q, paged_keys, paged_values, sink)
     keys64, values64 = keys.astype(np.float64), values.astype(np.float64)
     want, _, valid = materialised([q.astype(np.float64)], [keys64], values64, start, key_start, T, sink=sink, **kw)
     want_top, want_norm = _softmax_stats(q, keys64, start, key_start, T, sink=sink, **kw)
@@ -233,9 +290,9 @@ def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
     B, K, G, S, w = 2, 2, 4, 96, 32
     rng = np.random.default_rng(1)
     q = rng.normal(size=(B, K, G, w)).astype(np.float32)
-    keys, values = (rng.normal(size=(B, K, S, w)).astype(np.float32) for _ in range(2))
-    meta = AttentionMeta(jnp.array([40, 95], jnp.int32), jnp.array([0, 10], jnp.int32), jnp.zeros((B, 1, 2)),
-                         jnp.zeros((B, 1, 2)))
+    (keys, table), (values, _) = (paged(rng.normal(size=(B, K, S, w)).astype(np.float32), 16,
+                                        np.random.default_rng(2)) for _ in range(2))
+    meta = meta_of([40, 95], [0, 10], 1, table)
     kw = dict(groups=G, scale=0.3, window=None, precision=jax.lax.Precision.HIGHEST)
     native = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, **kw))
     hlo = native.lower(q, keys, values).compile().as_text()

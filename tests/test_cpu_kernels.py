@@ -490,19 +490,34 @@ def test_int8_dot_leaves_w8a8_and_smoothing_as_they_are():
     _compare(rows, bs, gu, dn, 1, int8_dot=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_write_rows_writes_in_place_what_dynamic_update_slice_writes(dtype):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_write_rows_writes_in_place_what_a_scatter_into_pages_writes(dtype, monkeypatch):
+    """Rows written into a paged pool at each row's logical slots: pages in any order, slots past the
+    row's pages or in an absent page (-1) skipped; the native kernel in place and the XLA scatter
+    write the same."""
     rng = np.random.default_rng(2)
-    B, H, S, w = 3, 2, 16, 8
-    cache = jnp.asarray(rng.standard_normal((B, H, S, w)), dtype)
-    for T, start in ((1, [0, 7, 15]), (4, [0, 13, 5])):  # 13 + 4 > 16: clamped, as dynamic_update_slice is
-        new = jnp.asarray(rng.standard_normal((B, H, T, w)), dtype)
+    P, H, page, w, B, n = 9, 2, 4, 8, 3, 3
+    pool = np.asarray(jnp.asarray(rng.integers(-60, 60, (P, H, page, w)), dtype))
+    table = rng.permutation(P)[: B * n].reshape(B, n).astype(np.int32)
+    table[1, 2] = -1  # row 1's last page is absent
+    for T, start in ((1, [0, 7, 11]), (5, [0, 6, 9])):  # 9 + 5 > 12 slots a row: the last two skipped
+        new = np.asarray(jnp.asarray(rng.integers(-60, 60, (B, H, T, w)), dtype))
+        want = np.array(pool)
+        for b in range(B):
+            for t in range(T):
+                s = start[b] + t
+                if s < n * page and table[b, s // page] >= 0:
+                    want[table[b, s // page], :, s % page] = new[b, :, t]
         start = jnp.asarray(start, jnp.int32)
-        put = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))
-        want = np.asarray(put(cache, new, start).astype(jnp.float32))
-        got = jax.jit(ops.write_rows, donate_argnums=0)(jnp.array(cache), new, start)
+        got = jax.jit(ops.write_rows, donate_argnums=0)(jnp.array(pool), jnp.asarray(new), start, jnp.asarray(table))
         assert got.dtype == dtype
-        assert (np.asarray(got.astype(jnp.float32)) == want).all()
+        assert np.asarray(got).tobytes() == want.tobytes()
+        with monkeypatch.context() as m:
+            m.setattr(ops, "available", lambda: False)
+            fallback = jax.jit(ops.write_rows)(jnp.asarray(pool), jnp.asarray(new), start, jnp.asarray(table))
+        assert np.asarray(fallback).tobytes() == want.tobytes()
+        assert not (want == pool).all()  # something was written
+        pool = want
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.uint8])

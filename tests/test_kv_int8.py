@@ -14,7 +14,7 @@ import jmoe
 from jmoe.decoding.engine import cache_nbytes, new_cache
 from jmoe.decoding.evaluate import perplexity
 from jmoe.errors import InputError
-from jmoe.layers.attention import QuantizedRows, dequantize_rows, quantize_rows, write_cache
+from jmoe.layers.attention import AttentionMeta, QuantizedRows, dequantize_rows, quantize_rows, write_cache
 from jmoe.serving import BatchEngine, Request
 from tests.conftest import dev_text
 
@@ -36,7 +36,8 @@ def test_a_write_stores_each_rows_tokens_at_its_own_slots_and_returns_what_it_st
     rng = np.random.default_rng(1)
     cache = QuantizedRows(jnp.zeros((2, 1, 8, 4), jnp.int8), jnp.zeros((2, 1, 8, 1), jnp.float32))
     new = jnp.asarray(rng.normal(size=(2, 1, 3, 4)).astype(np.float32))
-    written, stored = write_cache(cache, new, jnp.array([0, 4], jnp.int32))
+    meta = AttentionMeta(jnp.array([0, 4], jnp.int32), None, None, None, jnp.array([[0], [1]], jnp.int32))
+    written, stored = write_cache(cache, new, meta)
     held = np.asarray(dequantize_rows(written, jnp.float32))
     np.testing.assert_array_equal(held[0, :, 0:3], np.asarray(stored)[0])
     np.testing.assert_array_equal(held[1, :, 4:7], np.asarray(stored)[1])
@@ -48,7 +49,7 @@ def test_the_reservation_is_the_bytes_the_cache_holds(short_model):
     cfg = short_model.config
     for dtype in (jnp.float32, jnp.bfloat16, jnp.int8):
         cache = new_cache(cfg, 3, 64, dtype)
-        held = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
+        held = sum(leaf.nbytes for leaf in jax.tree.leaves(cache.layers))
         assert held == cache_nbytes(cfg, 3, 64, dtype)
     # four bytes a number against one and a float32 scale per head's width
     width = cfg.head_dim
@@ -86,7 +87,7 @@ def test_a_bfloat16_cache_under_float32_compute_holds_bfloat16_and_keeps_perplex
     """kv_dtype="bfloat16" beside a float32 compute dtype (llama.cpp's f16 cache's bytes): the cache
     holds bfloat16, and the trained model's perplexity moves by well under a percent."""
     model = jmoe.load(short_converted, compute_dtype="float32", kv_dtype="bfloat16", max_seq_len=256)
-    assert {leaf.dtype for leaf in jax.tree.leaves(new_cache(model.config, 1, 8, model.kv_dtype))} == {
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_cache(model.config, 1, 8, model.kv_dtype).layers)} == {
         jnp.dtype(jnp.bfloat16)}
     ids = short_model.tokenizer.encode(dev_text("prose"))[:256]
     plain, rounded = perplexity(short_model, ids, window=128), perplexity(model, ids, window=128)
@@ -102,5 +103,5 @@ def test_batching_and_speculation_on_an_int8_cache_give_what_plain_decoding_give
     with BatchEngine(int8_model, max_batch=3, context=256) as engine:
         streams = [engine.submit(Request(int8_model.tokenizer.encode(p), max_tokens=16)) for p in prompts]
         assert [s.text() for s in streams] == alone
-        leaves = jax.tree.leaves(engine.cache)
+        leaves = jax.tree.leaves(engine.cache.layers)
         assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)}

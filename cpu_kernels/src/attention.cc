@@ -1,13 +1,15 @@
-// Decode attention over a heads-major KV cache, read where it lies.
+// Decode attention over a paged heads-major KV cache, read where it lies.
 //
 // A few current tokens (decode, speculative verification) attend to the keys each may reach in the
-// cache [B, K, S, w]: float32, bfloat16 or int8 with a scale per slot. XLA:CPU ran the same scores
-// and values as batched dots at 7-15 GB/s and copied each block of keys transposed first; here each
-// task streams one (row, cache head)'s keys and values once, every query head of its group at a
-// time, with an online softmax (no score matrix held beyond 32 keys). Long ranges are cut into
-// chunks whose partial softmaxes are merged at the end (flash-decoding), so one row's few heads
-// still use every thread.
+// cache: a pool of pages [P, K, page, w] (float32, bfloat16 or int8 with a scale per slot) and a
+// page table [B, n], row b's logical slot s at pool[table[b, s / page], :, s % page]. XLA:CPU ran
+// the same scores and values as batched dots at 7-15 GB/s and copied each block of keys transposed
+// first; here each task streams one (row, cache head)'s keys and values once, page by page, every
+// query head of its group at a time, with an online softmax (no score matrix held beyond 32 keys).
+// Long ranges are cut into chunks whose partial softmaxes are merged at the end (flash-decoding), so
+// one row's few heads still use every thread.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,15 +35,17 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
-// What one task reads: the queries of one (row, cache head) and a range of its cache's slots.
+// What one task reads: the queries of one (row, cache head) and a range of its logical slots.
 struct AttentionChunk {
   const float* q;  // [M, w], query m is head m / T's token m % T
   int64_t M, T, w, wv;
-  const void* keys;            // [S, w] of this (row, head)
-  const float* key_scales;     // [S] (int8 keys) or null
-  const void* values;          // [S, wv]
-  const float* value_scales;   // [S] (int8 values) or null
+  const void* keys;            // page 0's [page, w] of this head; page p's page_stride rows further
+  const float* key_scales;     // [page] likewise (int8 keys) or null
+  const void* values;          // [page, wv]
+  const float* value_scales;   // [page] (int8 values) or null
   ffi::DataType type;           // of keys and values alike
+  const int32_t* table;        // [n]: the row's pages, those outside [0, pages) absent
+  int64_t pages, page, page_stride;
   const int64_t* first;        // [T]: token t attends to slots [first[t], last[t])
   const int64_t* last;
   int64_t s0, s1;              // this chunk's slots
@@ -87,30 +91,35 @@ constexpr int64_t kMinChunkKeys = 256;  // a chunk shorter than this costs more 
 
 static bool cache_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16 || t == ffi::S8; }
 
-// q [B, K, M, w] (M = groups x T, head-major) against keys [B, K, S, w] and values [B, K, S, wv]
-// (int8 ones with scales [B, K, S, 1]; float ones with empty scales), token t of row b at slot
-// start[b] + t attending to slots [key_start[b], start[b] + t], within `window` slots when window > 0.
+// q [B, K, M, w] (M = groups x T, head-major) against the pages of keys [P, K, page, w] and values
+// [P, K, page, wv] (int8 ones with scales [P, K, page, 1]; float ones with empty scales) that table
+// [B, n] gives each row, S = n * page logical slots a row (pages outside [0, P): absent slots). Token t
+// of row b at slot start[b] + t attends to slots [key_start[b], start[b] + t], within `window` slots
+// when window > 0.
 // sink [K * groups] or empty: a logit per query head that joins the normaliser without a value.
 // Out: the normalised attention [B, K, M, wv], and per query the softmax's maximum and normaliser
 // [B, K, M] (-inf and 0 where a query has no key and no sink; its output is then 0).
 static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
                                  ffi::Buffer<ffi::F32> key_scales, ffi::AnyBuffer values,
                                  ffi::Buffer<ffi::F32> value_scales, ffi::Buffer<ffi::S32> start,
-                                 ffi::Buffer<ffi::S32> key_start, ffi::Buffer<ffi::F32> sink,
+                                 ffi::Buffer<ffi::S32> key_start, ffi::Buffer<ffi::S32> table,
+                                 ffi::Buffer<ffi::F32> sink,
                                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> top_out,
                                  ffi::ResultBuffer<ffi::F32> norm_out, int64_t groups, float scale, int64_t window) {
-  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || groups < 1 || qd[2] % groups != 0)
-    return ffi::Error::InvalidArgument("attention wants q [B, K, groups * T, w], keys [B, K, S, w], "
-                                       "values [B, K, S, wv]");
-  const int64_t B = qd[0], K = qd[1], M = qd[2], w = qd[3], T = M / groups, S = kd[2], wv = vd[3];
-  if (kd[0] != B || kd[1] != K || kd[3] != w || vd[0] != B || vd[1] != K || vd[2] != S ||
+  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || groups < 1 || qd[2] % groups != 0)
+    return ffi::Error::InvalidArgument("attention wants q [B, K, groups * T, w], keys [P, K, page, w], "
+                                       "values [P, K, page, wv] and table [B, n]");
+  const int64_t B = qd[0], K = qd[1], M = qd[2], w = qd[3], T = M / groups, wv = vd[3];
+  const int64_t P = kd[0], page = kd[2], n = td[1], S = n * page;
+  if (kd[1] != K || kd[3] != w || vd[0] != P || vd[1] != K || vd[2] != page || td[0] != B ||
       start.element_count() != static_cast<size_t>(B) || key_start.element_count() != static_cast<size_t>(B))
-    return ffi::Error::InvalidArgument("attention: queries, keys, values and positions disagree on their shapes");
+    return ffi::Error::InvalidArgument("attention: queries, keys, values, table and positions disagree on their "
+                                       "shapes");
   if (!cache_type(keys.element_type()) || values.element_type() != keys.element_type())
     return ffi::Error::InvalidArgument("attention reads float32, bfloat16 or int8 caches, keys and values alike");
   const bool int8 = keys.element_type() == ffi::S8;
-  const size_t slots = static_cast<size_t>(B * K * S);
+  const size_t slots = static_cast<size_t>(P * K * page);
   if (key_scales.element_count() != (int8 ? slots : 0) || value_scales.element_count() != (int8 ? slots : 0))
     return ffi::Error::InvalidArgument("attention: int8 caches want a scale per slot, float caches none");
   if (sink.element_count() != 0 && sink.element_count() != static_cast<size_t>(K * groups))
@@ -158,10 +167,11 @@ static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
     const int64_t head = task.b * K + task.k;
     AttentionChunk c;
     c.q = qp + head * M * w, c.M = M, c.T = T, c.w = w, c.wv = wv;
-    c.keys = kp + head * S * w * bytes, c.values = vp + head * S * wv * bytes;
-    c.key_scales = int8 ? key_scales.typed_data() + head * S : nullptr;
-    c.value_scales = int8 ? value_scales.typed_data() + head * S : nullptr;
+    c.keys = kp + task.k * page * w * bytes, c.values = vp + task.k * page * wv * bytes;
+    c.key_scales = int8 ? key_scales.typed_data() + task.k * page : nullptr;
+    c.value_scales = int8 ? value_scales.typed_data() + task.k * page : nullptr;
     c.type = keys.element_type();
+    c.table = table.typed_data() + task.b * n, c.pages = P, c.page = page, c.page_stride = K * page;
     c.first = first.data() + task.b * T, c.last = last.data() + task.b * T;
     c.s0 = task.s0, c.s1 = task.s1, c.scale = scale;
     attend(c, tops.data() + i * M, norms.data() + i * M, accs.data() + i * M * wv);
@@ -203,6 +213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuAttention, jmoe::attention_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -925,26 +925,33 @@ static ffi::Error routed_ffn_tiers_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F
   return run_routed(pool, pools, h, token, slot, tier.typed_data(), out->typed_data());
 }
 
-// cache [B, H, S, w] with new [B, H, T, w] written from slot start[b] of each row b (clamped into
-// the cache, as dynamic_update_slice does). The result aliases the cache (input_output_aliases),
-// so only the new rows are written: XLA's own update, read by both the attention and the step's
-// output, was fused into each and copied the whole cache for every copy.
-static ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
-                                  ffi::Result<ffi::AnyBuffer> out) {
-  const auto cd = cache.dimensions(), rd = rows.dimensions();
-  if (cd.size() != 4 || rd.size() != 4 || cd[0] != rd[0] || cd[1] != rd[1] || cd[3] != rd[3] || rd[2] > cd[2] ||
-      cache.element_type() != rows.element_type() || start.element_count() != static_cast<size_t>(cd[0]))
-    return ffi::Error::InvalidArgument("write_rows wants cache [B, H, S, w], rows [B, H, T, w] and start [B]");
-  const int64_t B = cd[0], H = cd[1], S = cd[2], T = rd[2];
-  const size_t row_bytes = cache.size_bytes() / (B * H * S);
+// A paged cache: pool [P, H, page, w] with new [B, H, T, w] written from logical slot start[b] of
+// each row b, row b's slot s at pool[table[b, s / page], :, s % page] (table [B, n], n pages a row).
+// Slots outside [0, n * page) and pages outside [0, P) are skipped. The result aliases the pool
+// (input_output_aliases), so only the new rows are written: XLA's own update, read by both the
+// attention and the step's output, was fused into each and copied the whole cache for every copy.
+static ffi::Error write_rows_impl(ffi::AnyBuffer pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
+                                  ffi::Buffer<ffi::S32> table, ffi::Result<ffi::AnyBuffer> out) {
+  const auto pd = pool.dimensions(), rd = rows.dimensions(), td = table.dimensions();
+  if (pd.size() != 4 || rd.size() != 4 || td.size() != 2 || pd[1] != rd[1] || pd[3] != rd[3] || td[0] != rd[0] ||
+      pool.element_type() != rows.element_type() || start.element_count() != static_cast<size_t>(rd[0]))
+    return ffi::Error::InvalidArgument("write_rows wants pool [P, H, page, w], rows [B, H, T, w] of its type, "
+                                       "start [B] and table [B, n]");
+  const int64_t P = pd[0], H = pd[1], page = pd[2], B = rd[0], T = rd[2], n = td[1];
+  const size_t row_bytes = ffi::ByteWidth(pool.element_type()) * pd[3];
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
-  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  if (dst != pool.untyped_data()) std::memcpy(dst, pool.untyped_data(), pool.size_bytes());
   const auto* src = static_cast<const uint8_t*>(rows.untyped_data());
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t s0 = std::min<int64_t>(std::max<int64_t>(start.typed_data()[b], 0), S - T);
-    for (int64_t h = 0; h < H; ++h)
-      std::memcpy(dst + ((b * H + h) * S + s0) * row_bytes, src + (b * H + h) * T * row_bytes, T * row_bytes);
-  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = static_cast<int64_t>(start.typed_data()[b]) + t;
+      if (s < 0 || s >= n * page) continue;
+      const int64_t p = table.typed_data()[b * n + s / page];
+      if (p < 0 || p >= P) continue;
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(dst + ((p * H + h) * page + s % page) * row_bytes, src + ((b * H + h) * T + t) * row_bytes,
+                    row_bytes);
+    }
   return ffi::Error::Success();
 }
 
@@ -1124,6 +1131,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuWriteRows, jmoe::write_rows_impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 

@@ -40,33 +40,41 @@ def prefill_chunk(rows: int) -> int:
 
 
 def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-    """Zeroed caches in each layer's attention module's own layout (its cache_spec), made by one
-    executable; dtype int8: an int8 cache (QuantizedRows, a float32 scale per slot and head)."""
+    """A zeroed cache of `batch` rows of `length` slots, each row one page of its own (table [B, 1]
+    = arange(B): the layout of a plain [B, heads, length, width] cache), in each layer's attention
+    module's own layout (its cache_spec), made by one executable; dtype int8: an int8 cache
+    (QuantizedRows, a float32 scale per slot and head)."""
     return _zero_cache(cfg, batch, length, jnp.dtype(dtype))
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _zero_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
+    layers = _zero_layers(cfg, batch, length, dtype)
+    return KVCache(layers, jnp.arange(batch, dtype=jnp.int32)[:, None])
+
+
+def _zero_layers(cfg: ModelConfig, pages: int, page: int, dtype) -> tuple:
     def zeros(heads, width):
         if dtype == jnp.int8:
-            return QuantizedRows(jnp.zeros((batch, heads, length, width), dtype),
-                                 jnp.zeros((batch, heads, length, 1), jnp.float32))
-        return jnp.zeros((batch, heads, length, width), dtype)
+            return QuantizedRows(jnp.zeros((pages, heads, page, width), dtype),
+                                 jnp.zeros((pages, heads, page, 1), jnp.float32))
+        return jnp.zeros((pages, heads, page, width), dtype)
 
-    return KVCache(tuple(tuple(zeros(heads, width) for heads, width in cache_spec(cfg, i)) for i in range(cfg.num_layers)))
+    return tuple(tuple(zeros(heads, width) for heads, width in cache_spec(cfg, i)) for i in range(cfg.num_layers))
 
 
 def cache_nbytes(cfg: ModelConfig, batch: int, length: int, dtype) -> int:
     return batch * length * cache_bytes_per_token(cfg, dtype)
 
 
-def attention_meta(cfg: ModelConfig, num_tokens: int, start, key_start) -> AttentionMeta:
-    """Cache placement and RoPE tables of `num_tokens` tokens per row, row b written from slot start[b]."""
+def attention_meta(cfg: ModelConfig, num_tokens: int, start, key_start, table) -> AttentionMeta:
+    """Cache placement and RoPE tables of `num_tokens` tokens per row, row b written from slot start[b]
+    through the page table."""
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), key_start.shape)
     slots = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     positions = jnp.maximum(slots - key_start[:, None], 0)
     cos, sin = rope_tables(positions, cfg)
-    return AttentionMeta(start, key_start, cos, sin)
+    return AttentionMeta(start, key_start, cos, sin, table)
 
 
 attention_meta_jit = jax.jit(attention_meta, static_argnums=(0, 1))
@@ -79,7 +87,7 @@ def _run(graphdef, dense, experts: ExpertState, pools, tokens, cache: KVCache, s
     model = nnx.merge(graphdef, dense if isinstance(dense, nnx.State) else nnx.State(dense))
     one = tokens.ndim == 1
     tokens = tokens[:, None] if one else tokens
-    meta = attention_meta(model.config, tokens.shape[1], start, key_start)
+    meta = attention_meta(model.config, tokens.shape[1], start, key_start, cache.table)
     x, cache, signals, pools = model(tokens, cache, meta, experts, want_importance=want_importance, pools=pools)
     if last_only:
         x = x[:, -1:]

@@ -24,20 +24,27 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+
+import cpu_kernels
+from jmoe.layers.attention import read_slots
 
 PREFIX_BLOCK = 64  # tokens per kept block: the unit prompts share
 
 
 @partial(jax.jit, static_argnums=2)
 def take_block(cache, slot, size: int):
-    """Slots [slot, slot + size) of a one-row cache, every layer's arrays (a new tree of arrays)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, size, axis=2), cache)
+    """Slots [slot, slot + size) of a one-row cache, every layer's arrays [1, heads, size, width] (a
+    new tree of arrays)."""
+    return jax.tree.map(lambda a: read_slots(a, cache.table, slot, size), cache.layers)
 
 
 @partial(jax.jit, donate_argnums=0)
 def put_block(cache, block, slot):
     """The one-row cache with `block` (what take_block took) written from `slot`."""
-    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, slot, axis=2), cache, block)
+    start = jnp.reshape(slot, (1,)).astype(jnp.int32)
+    return cache._replace(layers=jax.tree.map(lambda a, b: cpu_kernels.write_rows(a, b, start, cache.table),
+                                              cache.layers, block))
 
 
 @dataclass(eq=False)  # nodes compare by identity

@@ -2,13 +2,20 @@
 the causal (and sliding-window) mask, and the attention each cached token received.
 
 An attention module (jmoe/layers/gqa.py, jmoe/layers/mla.py) declares its own cache layout with
-`cache_spec(cfg, layer_idx)`: one (heads, width) pair per cached array, each stored heads-major as
-[B, heads, S, width]. The engine, the budget's KV reservation and calibration all size caches
-from that spec (jmoe/layers/modules.py), so a module that caches a compressed latent is charged
-for the latent, not for the keys and values it expands into.
+`cache_spec(cfg, layer_idx)`: one (heads, width) pair per cached array. The engine, the budget's KV
+reservation and calibration all size caches from that spec (jmoe/layers/modules.py), so a module
+that caches a compressed latent is charged for the latent, not for the keys and values it expands
+into.
+
+The cache is paged: each cached array is a pool of pages [P, heads, page, width], and a page table
+[B, n] (int32, one per cache, shared by every layer) says which page holds each row's slots: row
+b's slot s lives at pool[table[b, s // page], :, s % page]. A row therefore sees n * page slots in
+order, wherever its pages lie, and rows can change places by trading table rows. A cache with one
+page per row, table [B, 1] = arange(B), is laid out exactly as a plain [B, heads, S, width] cache. A table entry outside
+[0, P) is no page: writes to it are dropped, and its slots must be ones no token attends to.
 
 A cached array is either an array of the compute dtype or, with an int8 KV cache, `QuantizedRows`:
-int8 values and one float32 scale per (row, head, slot), as llama.cpp's q8_0 keeps one scale per
+int8 values and one float32 scale per (page, head, slot), as llama.cpp's q8_0 keeps one scale per
 block (here a block is one head's width). Attention multiplies the int8 block directly and applies
 the scales to the block's scores and probabilities, so no dequantised copy of the cache is made.
 """
@@ -26,7 +33,7 @@ CacheSpec = tuple[tuple[int, int], ...]  # per cached array: (heads, width)
 
 
 class QuantizedRows(NamedTuple):
-    """One int8 cached array: values int8 [B, heads, S, width], scales float32 [B, heads, S, 1]
+    """One int8 cached array: values int8 [P, heads, page, width], scales float32 [P, heads, page, 1]
     (a slot's width of values times its scale is what was cached)."""
 
     values: jax.Array
@@ -38,14 +45,26 @@ class QuantizedRows(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """Per-layer caches: layers[i] is that layer's tuple of [B, heads, S, width] arrays (compute dtype)
-    or QuantizedRows (an int8 KV cache)."""
+    """Per-layer pools and the page table: layers[i] is that layer's tuple of [P, heads, page, width]
+    arrays (compute dtype) or QuantizedRows (an int8 KV cache); table [B, n] int32 the pages of each
+    row's slots (see the module docstring)."""
 
     layers: tuple[tuple[jax.Array | QuantizedRows, ...], ...]
+    table: jax.Array
+
+    @property
+    def page(self) -> int:
+        return page_size(self.layers[0][0])
 
     @property
     def length(self) -> int:
-        return self.layers[0][0].shape[2]
+        """Slots each row sees: its pages times the page size."""
+        return self.table.shape[1] * self.page
+
+
+def page_size(cached) -> int:
+    """Slots per page of a cached array (a pool [P, heads, page, width] or QuantizedRows)."""
+    return cached.shape[2]
 
 
 def quantize_rows(x: jax.Array) -> QuantizedRows:
@@ -66,12 +85,14 @@ class AttentionMeta(NamedTuple):
     start:     [B] int32, cache slot of each row's first current token (its T tokens follow it).
     key_start: [B] int32, first slot holding a real token of each row (prompts are left-padded).
     cos, sin:  [B, T, rotary_dim] float32 RoPE tables for the current tokens.
+    table:     [B, n] int32, the cache's page table (KVCache.table).
     """
 
     start: jax.Array
     key_start: jax.Array
     cos: jax.Array
     sin: jax.Array
+    table: jax.Array
 
     @property
     def num_tokens(self) -> int:
@@ -84,24 +105,25 @@ class AttentionMeta(NamedTuple):
         return self.query_slots() >= self.key_start[:, None]
 
 
-def write_cache(cache, new, start):
-    """(cache with new [B, H, T, w] written from slot start[b] in each row b, new as the cache holds
-    it: rounded to int8 and back for an int8 cache, else in the cache's dtype)."""
+def write_cache(cache, new, meta: "AttentionMeta"):
+    """(cache with new [B, H, T, w] written from slot meta.start[b] in each row b, through the page
+    table; new as the cache holds it: rounded to int8 and back for an int8 cache, else in the
+    cache's dtype)."""
     if isinstance(cache, QuantizedRows):
         rows = quantize_rows(new)
-        written = QuantizedRows(write_rows(cache.values, rows.values, start), write_rows(cache.scales, rows.scales, start))
+        written = QuantizedRows(write_rows(cache.values, rows.values, meta), write_rows(cache.scales, rows.scales, meta))
         return written, dequantize_rows(rows, new.dtype)
-    return write_rows(cache, new, start), new.astype(cache.dtype)
+    return write_rows(cache, new, meta), new.astype(cache.dtype)
 
 
-def write_rows(cache, new, start):
-    """cache [B, H, S, w] with new [B, H, T, w] written from slot start[b] in each row b.
+def write_rows(pool, new, meta: "AttentionMeta"):
+    """pool [P, H, page, w] with new [B, H, T, w] written at row b's slots meta.start[b] + t.
 
-    On the CPU the native kernel writes the new rows into the donated cache in place. XLA's own
+    On the CPU the native kernel writes the new rows into the donated pool in place. XLA's own
     update (vmapped: a bounds-checked scatter) is fused into each of its readers, the attention
     and the step's output, and every fused copy copies the whole cache first: a decode step at
     1024 slots spent more time copying caches than in its attention."""
-    return cpu_kernels.write_rows(cache, new, start)
+    return cpu_kernels.write_rows(pool, new, meta.start, meta.table)
 
 
 def allowed_keys(meta: AttentionMeta, slots, window: int | None) -> jax.Array:
@@ -137,13 +159,15 @@ def attention_scores_nbytes(num_heads: int, tokens: int, slots: int) -> int:
     return 2 * num_heads * tokens * key_block(num_heads, tokens, slots) * 4
 
 
-def _block_scores(queries, keys, start, size, scale, precision, groups):
-    """Scaled float32 scores [B, K, G, T, size] of queries against keys[:, :, start:start+size]: a
-    query term is [B, K, G*T, w] (head-major) or [B, T, K, G, w] (token-major, as projections give
-    it: XLA:GPU found no tiling for latent attention's rotary term transposed to head-major)."""
+def _block_scores(queries, keys, start, size, scale, precision, groups, table=None):
+    """Scaled float32 scores [B, K, G, T, size] of queries against each row's slots [start,
+    start+size) of keys (cached arrays read through `table`, or [B, K, S, w] arrays when table is
+    None): a query term is [B, K, G*T, w] (head-major) or [B, T, K, G, w] (token-major, as
+    projections give it: XLA:GPU found no tiling for latent attention's rotary term transposed to
+    head-major)."""
     total = None
     for q, k in zip(queries, keys):
-        k, k_scale = _cache_block(k, start, size, q.dtype)
+        k, k_scale = _cache_block(k, start, size, q.dtype, table)
         if q.ndim == 5:
             part = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=precision)
         else:
@@ -156,13 +180,25 @@ def _block_scores(queries, keys, start, size, scale, precision, groups):
     return total * scale
 
 
-def _cache_block(cache, start, size, dtype):
-    """(keys[:, :, start:start+size] in `dtype`, their int8 scales as [B, K, 1, 1, size] or None)."""
+def _cache_block(cache, start, size, dtype, table=None):
+    """(each row's slots [start, start+size) [B, K, size, w] in `dtype`, their int8 scales as
+    [B, K, 1, 1, size] or None): read through the page table, or sliced from [B, K, S, w] arrays
+    when table is None (the current tokens' own keys)."""
+    read = (lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=2)) if table is None else \
+        (lambda a: read_slots(a, table, start, size))
     if not isinstance(cache, QuantizedRows):
-        return jax.lax.dynamic_slice_in_dim(cache, start, size, axis=2), None
-    values = jax.lax.dynamic_slice_in_dim(cache.values, start, size, axis=2).astype(dtype)
-    scales = jax.lax.dynamic_slice_in_dim(cache.scales, start, size, axis=2)
-    return values, scales[..., 0][:, :, None, None, :]
+        return read(cache), None
+    return read(cache.values).astype(dtype), read(cache.scales)[..., 0][:, :, None, None, :]
+
+
+def read_slots(pool, table, start, size: int):
+    """Each row's slots [start, start + size) of a pool [P, H, page, w] through table [B, n]: [B, H,
+    size, w], one gather of whole slots (a slot of no page reads some page's: it must be masked)."""
+    page = pool.shape[2]
+    slots = start + jnp.arange(size, dtype=jnp.int32)  # [size]
+    pages = jnp.take(table, slots // page, axis=1, mode="clip")  # [B, size]
+    rows = pool[jnp.clip(pages, 0, pool.shape[0] - 1), :, (slots % page)[None, :]]  # [B, size, H, w]
+    return rows.transpose(0, 2, 1, 3)
 
 
 # Current tokens per row up to which the CPU runs attention in one native call (decode and speculative
@@ -185,9 +221,9 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     [query, key] scores are never held for more than one block (flash attention's formulation).
 
     queries: per score term a [B, K, G*T, w] array (K cache heads, G query heads per cache head,
-    head-major then token) or the same as [B, T, K, G, w]; keys: the matching cache arrays
-    [B, K, S, w] (the scores are the sum of the terms); values [B, K, S, wv] (each cache array may be
-    QuantizedRows); sink [K, G] or None:
+    head-major then token) or the same as [B, T, K, G, w]; keys: the matching cached arrays
+    [P, K, page, w] (the scores are the sum of the terms); values [P, K, page, wv] (each cached
+    array may be QuantizedRows), all read through meta.table (S = n * page slots a row); sink [K, G] or None:
     a logit per head that joins the normaliser without a value (GPT-OSS). Returns
     (out [B, K, G*T, wv] float32, (top, norm)): the softmax's running maximum and normaliser
     [B, K, G, T], for `current_importance`.
@@ -200,12 +236,13 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     A few current tokens on the CPU (`native_applies`) run in one native call instead, which streams
     each cache head's keys and values once with the same online softmax (cpu_kernels.attention); an
     explicit block or reachable_only asks for this formulation itself."""
-    S, T, G = keys[0].shape[2], meta.num_tokens, groups
+    T, G, table = meta.num_tokens, groups, meta.table
+    S = table.shape[1] * page_size(keys[0])
     if block is None and reachable_only is None and native_applies(queries, keys, values, T):
-        out, top, norm = cpu_kernels.attention(queries[0], keys[0], values, meta.start, meta.key_start,
+        out, top, norm = cpu_kernels.attention(queries[0], keys[0], values, meta.start, meta.key_start, table,
                                                groups=G, scale=scale, window=window, sink=sink)
         return out, (top, norm)
-    B, K, M = keys[0].shape[0], keys[0].shape[1], groups * T
+    B, K, M = table.shape[0], keys[0].shape[1], groups * T
     block = block or key_block(K * G, T, S)
     num_blocks = -(-S // block)
     if sink is None:  # nothing seen yet: a running maximum of -inf and an empty normaliser
@@ -225,13 +262,13 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
         allowed = allowed_keys(meta, slots, window)
         if S % block:
             allowed &= slots[None, None, :] >= first  # keys of the overlap were seen in the block before
-        scores = _block_scores(queries, keys, start, block, scale, precision, G)
+        scores = _block_scores(queries, keys, start, block, scale, precision, G, table)
         scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
         new_top = jnp.maximum(top, scores.max(-1))
         safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no key allowed yet: keep exp() finite
         probs = jnp.exp(scores - safe_top[..., None])
         rescale = jnp.exp(top - safe_top)
-        v, v_scale = _cache_block(values, start, block, value_dtype)
+        v, v_scale = _cache_block(values, start, block, value_dtype, table)
         weights = probs if v_scale is None else probs * v_scale  # an int8 value's scale weights its probability
         weighted = jnp.einsum("bkgts,bksd->bkgtd", weights.astype(value_dtype), v, precision=precision,
                               preferred_element_type=jnp.float32)

@@ -21,7 +21,7 @@ from jmoe.layers.rope import apply_rope
 class GroupedQueryAttention(nnx.Module):
     @staticmethod
     def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
-        """Keys and values, each [B, KV, S, head_dim]."""
+        """Keys and values, each [P, KV, page, head_dim]."""
         return ((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim))
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
@@ -69,9 +69,9 @@ class GroupedQueryAttention(nnx.Module):
         q, k, v = self._project(x)
         q = apply_rope(q, meta.cos, meta.sin, interleaved=self.rope_interleaved)
         k = apply_rope(k, meta.cos, meta.sin, interleaved=self.rope_interleaved)
-        # Heads-major cache [B, KV, S, hd]: attention is a plain batched matmul per (row, kv head).
-        k_cache, new_keys = write_cache(cache[0], k.transpose(0, 2, 1, 3), meta.start)
-        v_cache, _ = write_cache(cache[1], v.transpose(0, 2, 1, 3), meta.start)
+        # Heads-major pages [P, KV, page, hd]: attention is a plain batched matmul per (row, kv head).
+        k_cache, new_keys = write_cache(cache[0], k.transpose(0, 2, 1, 3), meta)
+        v_cache, _ = write_cache(cache[1], v.transpose(0, 2, 1, 3), meta)
         prec = matmul_precision(self.dtype)
         qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
         sink = None if self.sinks is None else self.sinks[...].reshape(KV, G)

@@ -43,7 +43,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
 class LatentAttention(nnx.Module):
     @staticmethod
     def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
-        """The key/value latent [B, 1, S, kv_lora_rank] and the rotary key [B, 1, S, rope_dim]."""
+        """The key/value latent [P, 1, page, kv_lora_rank] and the rotary key [P, 1, page, rope_dim]."""
         return ((1, cfg.kv_lora_rank), (1, cfg.rotary_dim))
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
@@ -86,8 +86,8 @@ class LatentAttention(nnx.Module):
         latent, k_rot = self.kv_a_layernorm(kv[..., :r]), kv[..., r:]
         q_rot = apply_rope(q_rot, meta.cos, meta.sin, interleaved=self.rope_interleaved)
         k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)
-        latent_cache, new_latent = write_cache(cache[0], latent[:, None], meta.start)  # [B, 1, S, r]
-        rot_cache, new_rot = write_cache(cache[1], k_rot.transpose(0, 2, 1, 3), meta.start)  # [B, 1, S, rope]
+        latent_cache, new_latent = write_cache(cache[0], latent[:, None], meta)  # [P, 1, page, r]
+        rot_cache, new_rot = write_cache(cache[1], k_rot.transpose(0, 2, 1, 3), meta)  # [P, 1, page, rope]
         # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
         w = self.kv_b_proj.weight(self.dtype).reshape(r, H, self.nope + self.v_dim)
         w_k, w_v = w[..., : self.nope], w[..., self.nope :]

@@ -89,7 +89,7 @@ def run_layers(runner: LayerRunner, x, cache: KVCache | None, meta: AttentionMet
         if moe:
             signals.append(layer_signals)
             importance.append(imp)
-    return x, (KVCache(tuple(caches)) if cache is not None else None), signals, importance
+    return x, (KVCache(tuple(caches), cache.table) if cache is not None else None), signals, importance
 
 
 def stack_signals(signals: list[LayerSignals], importance: list, batch: int, tokens: int,

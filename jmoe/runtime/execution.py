@@ -408,7 +408,7 @@ class Executor:
         before = res.stats.misses + res.stats.late + res.stats.cpu_runs
         one = tokens.ndim == 1  # one token per row: logits come back [B, V] as from the one-jit step
         tokens = tokens[:, None] if one else tokens
-        meta = attention_meta_jit(self.pieces.cfg, tokens.shape[1], *jax.device_put((start, key_start)))
+        meta = attention_meta_jit(self.pieces.cfg, tokens.shape[1], *jax.device_put((start, key_start)), cache.table)
         res.stats.count_io(executions=1 + 2 * one, transfers=2, nbytes=start.nbytes + key_start.nbytes)
         logits, cache = run_layerwise(self.pieces, res, tokens, cache, meta, valid, last_only=last_only, phase=phase)
         if res.stats.misses + res.stats.late + res.stats.cpu_runs == before:

@@ -1,5 +1,6 @@
 """The batch KV cache's rows: a waiting prompt prefilled into a one-row cache of its own, copied into
-a slot of the batch cache, rows moved between slots, and the first n rows taken out and put back."""
+a slot of the batch cache, rows moved between slots (their pages trade places in the page table),
+and the first n rows taken out and put back (the pools stay whole)."""
 
 from __future__ import annotations
 
@@ -75,24 +76,26 @@ class Prefill:
 
 @partial(jax.jit, donate_argnums=0)
 def insert_row(cache, row_cache, slot):
-    """The batch cache with row `slot` replaced by a one-row cache's row."""
-    return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0], slot, 0), cache, row_cache)
+    """The batch cache with row `slot`'s pages holding a one-row cache's (as many pages a row)."""
+    pages, row_pages = cache.table[slot], row_cache.table[0]
+    layers = jax.tree.map(lambda big, one: big.at[pages].set(one[row_pages]), cache.layers, row_cache.layers)
+    return cache._replace(layers=layers)
 
 
-@partial(jax.jit, donate_argnums=0)
+@jax.jit
 def move_row(cache, src, dst):
-    """The batch cache with row `dst` replaced by row `src` (compacting live rows to the front)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_update_index_in_dim(
-        a, jax.lax.dynamic_index_in_dim(a, src, 0, keepdims=False), dst, 0), cache)
+    """The batch cache with row `dst` seeing row `src`'s slots (compacting live rows to the front):
+    the two rows' pages trade places in the page table; no slot moves."""
+    table = cache.table
+    return cache._replace(table=table.at[dst].set(table[src]).at[src].set(table[dst]))
 
 
-@partial(jax.jit, static_argnums=1)
-def take_rows(cache, n):
-    """The first n rows of the batch cache."""
-    return jax.tree.map(lambda a: a[:n], cache)
+def take_rows(cache, n: int):
+    """The first n rows of the batch cache: its pools whole, the first n rows of its table (a step
+    writes only its rows' pages)."""
+    return cache._replace(table=cache.table[:n])
 
 
-@partial(jax.jit, donate_argnums=0)
 def put_rows(cache, rows):
-    """The batch cache with its first rows replaced by `rows` (what take_rows took, stepped)."""
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, 0, 0), cache, rows)
+    """The batch cache after a step over what take_rows took: that step's pools, the whole table."""
+    return cache._replace(layers=rows.layers)
