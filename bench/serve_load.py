@@ -127,9 +127,12 @@ def serve_and_drive(model, name: str, *, seconds: float, streams: int, max_batch
     try:
         result = drive(base, name, seconds=seconds, streams=streams)
         drained = time.monotonic() + 60
-        while (engine.running or engine.waiting) and time.monotonic() < drained:
+        while (engine.running or engine.queued or engine.prefilling) and time.monotonic() < drained:
             time.sleep(0.05)  # hung-up rows leave at the engine's next step
-        result.update(running_after=engine.running, waiting_after=len(engine.waiting), steps=engine.steps)
+        engine.pool.check([engine.table])  # every page free or held by one row
+        result.update(running_after=engine.running, waiting_after=engine.queued, steps=engine.steps,
+                      kv_pages=engine.pool.pages, kv_pages_free_after=engine.pool.free,
+                      kv_preemptions=engine.preemptions)
         final = httpx.post(f"{base}/v1/completions", json=dict(model=name, prompt="12 + 35 =", max_tokens=12,
                                                               temperature=0), timeout=60)
         result["final_text"] = final.json()["choices"][0]["text"] if final.status_code == 200 else None

@@ -193,6 +193,15 @@ def headline() -> str:
         f"{f(shared, 2)} vs {f(alone, 2)} s ({statistics.median(prefix['ttft_median_ratio_alone_over_shared']):.1f}×)",
         machine(prefix), source("prefix_sharing/prefix_sharing_cpu.json"),
     ])
+    pages = load("kv_pages/kv_pages_cpu.json")
+    whole, paged = pages["pools"]["16 contexts"], pages["pools"]["2 contexts"]
+    rows.append([
+        f"`jmoe serve` engine, {pages['rows']} rows of {pages['context']:,} tokens, tiny model: KV cache reserved and "
+        "tok/s, whole contexts vs a pool of pages holding two",
+        f"{size(whole['kv_bytes'])} vs {size(paged['kv_bytes'])}; {f(whole['tokens_per_s']['median'], 0)} vs "
+        f"{f(paged['tokens_per_s']['median'], 0)} tok/s",
+        machine(pages), source("kv_pages/kv_pages_cpu.json"),
+    ])
     k = next(k for k in gpu["kernels"] if k["model"] == "qwen3-30b-a3b" and k["phase"] == "decode" and k["tier"] == "int4")
     rows.append([
         "Qwen3-30B-A3B int4 expert kernels, one decode token, measured",
@@ -953,6 +962,21 @@ def prefix_sharing() -> str:
                   f"sharing: {'yes' if data['same_tokens'] else 'no'}. Machine: {machine(data)} ({source(name)}).")
 
 
+def kv_pages() -> str:
+    name = "kv_pages/kv_pages_cpu.json"
+    data = load(name)
+    rows = [[label, f"{run['kv_pages']:,} ({size(run['kv_bytes'])})", size(run["budget_before_experts"]),
+             med(run["tokens_per_s"], 0), med(run["ttft_s"], 2), ", ".join(map(str, run["set_aside_per_round"])),
+             "yes" if run["answers_are_generates"] else "no"]
+            for label, run in data["pools"].items()]
+    out = table(["KV pool", "pages (bytes)", "reserved before experts", "tokens/s, median [min–max]",
+                 "mean TTFT s", "set aside per round", "answers = generate's"], rows)
+    return out + (f"\n\n{data['rows']} rows of a {data['context']:,}-token context, {data['rows']} greedy requests at once "
+                  f"({data['prompt_tokens']} prompt tokens, {data['new_tokens']} new), pages of {data['page_tokens']} "
+                  f"tokens, {data['rounds']} alternating rounds, the tiny model; a context is "
+                  f"{-(-data['context'] // data['page_tokens'])} pages. Machine: {machine(data)} ({source(name)}).")
+
+
 TABLES = {
     "headline": headline,
     "real-shapes": real_shapes,
@@ -974,6 +998,7 @@ TABLES = {
     "long-context-depth": long_context_depth,
     "kv-int8": kv_int8,
     "prefix-sharing": prefix_sharing,
+    "kv-pages": kv_pages,
     "depth-vs-llama": depth_vs_llama,
     "depth-vs-llama-native-zen5": depth_vs_llama_native,
     "cpu-attention-zen5": lambda: cpu_attention("kernels/cpu_attention_zen5_cpu.json"),

@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", help="directory written by `jmoe convert`")
     add_model_options(serve)
     add_prefix_option(serve)
+    add_kv_cache_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
@@ -169,6 +170,14 @@ def add_prefix_option(p) -> None:
                         "worth; 0: none")
 
 
+def add_kv_cache_option(p) -> None:
+    p.add_argument("--kv-cache", default="auto", metavar="SIZE",
+                   help="device memory for the KV cache, which the --max-batch rows share page by page (a row "
+                        "holds only the pages its tokens reach; when none are free the newest request waits "
+                        "and is resumed later), within --device-budget; at least one --max-seq-len context; "
+                        "auto (default): --max-batch whole contexts")
+
+
 def add_speculative_options(p, k_default: str) -> None:
     p.add_argument("--speculative", default=None, metavar="TIER",
                    help="speculative decoding with the model's own copy at TIER (int4, int2) as the draft")
@@ -251,7 +260,7 @@ def cmd_serve(args) -> int:
     stops = StopSignals() if process_id() != 0 else None
     speculative = cli_speculative(args)
     model = load_model(args, max_batch=args.max_batch, draft=speculative.draft if speculative else None,
-                       prefix_cache=args.prefix_cache)
+                       prefix_cache=args.prefix_cache, kv_cache=args.kv_cache)
     print("jmoe: compiling the serving steps", file=sys.stderr)
     engine_options = dict(max_batch=args.max_batch, max_waiting=args.max_waiting, reader_timeout=args.reader_timeout,
                           speculative=speculative and dict(draft=speculative.draft, k=speculative.k or "auto"),

@@ -30,6 +30,7 @@ from jmoe.errors import (
 )
 from jmoe.manifest import PARTIAL_MARKER
 from jmoe.policies import DyMoE, DynaExq, StaticPlacement
+from jmoe.serving import BatchEngine
 from tests.conftest import CALIB_FILES
 from tests.hf_models import make_checkpoint
 
@@ -383,6 +384,14 @@ ROWS = [
     Row("load-prefix-cache-negative", lambda c: jmoe.load(c.tiny, prefix_cache=-5), InputError, "prefix_cache"),
     Row("plan-prefix-cache-garbage", lambda c: jmoe.memory_plan(c.tiny, prefix_cache=[1]), InputError,
         "prefix_cache"),
+    Row("load-kv-cache-garbage", lambda c: jmoe.load(c.tiny, kv_cache="lots"), InputError, "kv_cache"),
+    Row("load-kv-cache-negative", lambda c: jmoe.load(c.tiny, kv_cache=-5), InputError, "kv_cache"),
+    Row("load-kv-cache-under-one-context", lambda c: jmoe.load(c.tiny, kv_cache="1KiB", max_seq_len=256), InputError,
+        "fewer than one 256-token context"),
+    Row("plan-kv-cache-garbage", lambda c: jmoe.memory_plan(c.tiny, kv_cache=[1]), InputError, "kv_cache"),
+    Row("engine-kv-pages-zero", lambda c: BatchEngine(c.model, kv_pages=0), InputError, "kv_pages"),
+    Row("engine-kv-pages-under-one-context", lambda c: BatchEngine(c.model, context=256, kv_pages=2), InputError,
+        "do not hold one 256-token context"),
     Row("load-dymoe-on-a-bf16-only-model", lambda c: jmoe.load(c.tiny, policy="dymoe"), FormatError,
         "without tier 'int4'"),
     Row("policy-dymoe-r-out-of-range", lambda c: DyMoE(r=1.5), InputError, "r must be"),
@@ -505,6 +514,7 @@ ROWS = [
     Row("cli-serve-max-batch-zero", lambda c: ["serve", str(c.tiny), "--max-batch", "0"], CLI, "max_batch"),
     Row("cli-serve-prefix-cache-garbage", lambda c: ["serve", str(c.tiny), "--prefix-cache", "lots"], CLI,
         "prefix_cache"),
+    Row("cli-serve-kv-cache-garbage", lambda c: ["serve", str(c.tiny), "--kv-cache", "lots"], CLI, "kv_cache"),
     Row("cli-serve-kv-dtype-unknown", lambda c: ["serve", str(c.tiny), "--kv-dtype", "int4"], CLI, "kv-dtype"),
     Row("cli-generate-threads-zero", lambda c: ["generate", str(c.tiny), "hi", "--threads", "0"], CLI, "threads"),
     Row("cli-serve-port-too-big", lambda c: ["serve", str(c.tiny), "--port", "70000"], CLI, "port"),

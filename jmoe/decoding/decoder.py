@@ -20,7 +20,10 @@ from jmoe.errors import InputError
 
 
 class Decoder:
-    def __init__(self, model, prompts: list[list[int]], prompt_len: int, cache_len: int):
+    """pool, table: run in a shared pool of pages (jmoe/serving/kv_pages.py) through `table`
+    [B, row pages] (numpy; the pages the rows hold), instead of a cache of the decoder's own."""
+
+    def __init__(self, model, prompts: list[list[int]], prompt_len: int, cache_len: int, pool=None, table=None):
         cfg = model.config
         self.model = model
         self.batch = len(prompts)
@@ -31,11 +34,27 @@ class Decoder:
             self.prompt[b, prompt_len - len(p):] = p
         self.key_start = np.asarray([prompt_len - len(p) for p in prompts], np.int32)
         self.pos = np.zeros(self.batch, np.int32)  # cache slot the next token of each row goes to
-        # committed where every later cache is (a jitted step's output), so a cache a shared prefix
-        # was copied into (jmoe/serving/kv_rows.py) runs the executables a fresh one does
-        self.cache = jax.device_put(new_cache(cfg, self.batch, cache_len, model.kv_dtype), model.placement.replicated)
-        model.count(executions=1, phase="prefill")
+        self.pool = pool
+        if pool is None:
+            # committed where every later cache is (a jitted step's output), so a cache a shared prefix
+            # was copied into (jmoe/serving/kv_rows.py) runs the executables a fresh one does
+            self._cache = jax.device_put(new_cache(cfg, self.batch, cache_len, model.kv_dtype),
+                                         model.placement.replicated)
+            model.count(executions=1, phase="prefill")
+        else:
+            self._table = pool.put_table(table)
         self.unsettled: list = []  # deferred steps, oldest first (None: a step that needs no settling)
+
+    @property
+    def cache(self):
+        return self._cache if self.pool is None else self.pool.view(self._table)
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        if self.pool is None:
+            self._cache = cache
+        else:  # a step's output: the pool's arrays and this decoder's table (a step takes both)
+            self.pool.layers, self._table = cache.layers, cache.table
 
     def step(self, tokens, *, last_only: bool = False, phase: str = "decode", residency=None, defer: bool = False):
         """Run tokens [B, T] from each row's position (not advancing): logits [B, T or 1, V]. Tokens [B]

@@ -23,6 +23,7 @@ from jmoe.runtime import step_cache
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 64
+KV_PAGE = 64  # slots a page of a shared KV pool (jmoe/serving/kv_pages.py): the unit rows grow by
 PREFILL_CHUNK = 512  # most prompt tokens one prefill step processes, over all its rows
 
 
@@ -47,10 +48,21 @@ def new_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
     return _zero_cache(cfg, batch, length, jnp.dtype(dtype))
 
 
+def new_pool(cfg: ModelConfig, pages: int, page: int, rows: int, row_pages: int, dtype) -> KVCache:
+    """A zeroed pool of `pages` pages of `page` slots and a table of `rows` rows of `row_pages`
+    pages, none taken (-1): the serving engine's shared cache (jmoe/serving/kv_pages.py)."""
+    return _zero_pool(cfg, pages, page, jnp.dtype(dtype), rows, row_pages)
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _zero_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
     layers = _zero_layers(cfg, batch, length, dtype)
     return KVCache(layers, jnp.arange(batch, dtype=jnp.int32)[:, None])
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _zero_pool(cfg: ModelConfig, pages: int, page: int, dtype, rows: int, row_pages: int) -> KVCache:
+    return KVCache(_zero_layers(cfg, pages, page, dtype), jnp.full((rows, row_pages), -1, jnp.int32))
 
 
 def _zero_layers(cfg: ModelConfig, pages: int, page: int, dtype) -> tuple:

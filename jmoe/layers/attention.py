@@ -10,8 +10,9 @@ into.
 The cache is paged: each cached array is a pool of pages [P, heads, page, width], and a page table
 [B, n] (int32, one per cache, shared by every layer) says which page holds each row's slots: row
 b's slot s lives at pool[table[b, s // page], :, s % page]. A row therefore sees n * page slots in
-order, wherever its pages lie, and rows can change places by trading table rows. A cache with one
-page per row, table [B, 1] = arange(B), is laid out exactly as a plain [B, heads, S, width] cache. A table entry outside
+order, wherever its pages lie; rows may share pages (prompt prefixes) and take pages as they grow
+(the serving engine, jmoe/serving/kv_pages.py). A cache with one page per row, table [B, 1] =
+arange(B), is laid out exactly as a plain [B, heads, S, width] cache. A table entry outside
 [0, P) is no page: writes to it are dropped, and its slots must be ones no token attends to.
 
 A cached array is either an array of the compute dtype or, with an int8 KV cache, `QuantizedRows`:
@@ -111,7 +112,8 @@ def write_cache(cache, new, meta: "AttentionMeta"):
     cache's dtype)."""
     if isinstance(cache, QuantizedRows):
         rows = quantize_rows(new)
-        written = QuantizedRows(write_rows(cache.values, rows.values, meta), write_rows(cache.scales, rows.scales, meta))
+        written = QuantizedRows(write_rows(cache.values, rows.values, meta),
+                                write_rows(cache.scales, rows.scales, meta))
         return written, dequantize_rows(rows, new.dtype)
     return write_rows(cache, new, meta), new.astype(cache.dtype)
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from jmoe import validate
 from jmoe.config import ModelConfig
-from jmoe.decoding.engine import PREFILL_CHUNK, Engine, cache_nbytes, prefill_chunk
+from jmoe.decoding.engine import KV_PAGE, PREFILL_CHUNK, Engine, cache_nbytes, prefill_chunk
 from jmoe.decoding.prefixes import PREFIX_BLOCK, PrefixCache
 from jmoe.decoding.loaded import LoadedModel
 from jmoe.decoding.speculative import DEFAULT_K_MAX
@@ -74,6 +74,8 @@ class JmoeModel(LoadedModel):
     governors: dict = field(default_factory=dict, repr=False, compare=False)
     # Kept prompt blocks that later prompts starting alike reuse (jmoe/decoding/prefixes.py), or None
     prefixes: PrefixCache | None = field(default=None, repr=False, compare=False)
+    # Whether memory["kv_cache"] bounds a serving engine's KV pool (load's kv_cache, or a budget)
+    kv_bounded: bool = field(default=False, repr=False, compare=False)
     # Serialises steps: threads sharing the model interleave step by step, never inside one
     # (the cache, pools and handle table change only under it).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -172,6 +174,14 @@ class JmoeModel(LoadedModel):
         """What each step did (jmoe.load(..., trace=True)), else None."""
         return self.residency.trace
 
+    def kv_pages(self, rows: int, context: int) -> int:
+        """Pages of KV_PAGE slots for a serving engine of `rows` rows of `context` slots: what load()
+        reserved for the KV cache where that bounds it (kv_cache given, or a device budget), else
+        rows whole contexts."""
+        if not self.kv_bounded:
+            return rows * -(-context // KV_PAGE)
+        return self.memory["kv_cache"] // cache_nbytes(self.config, 1, KV_PAGE, self.kv_dtype)
+
     def check_batch_fits(self, batch: int, cache_len: int) -> None:
         """Under a budget, the KV cache of a request must fit what load() reserved for it."""
         if self.device_budget is None:
@@ -231,6 +241,20 @@ def resolve_prefix_cache(prefix_cache, cfg: ModelConfig, max_seq_len: int, kv_dt
     return parse_size(prefix_cache, "prefix_cache") // block * block
 
 
+def resolve_kv_cache(kv_cache, cfg: ModelConfig, max_seq_len: int, kv_dtype) -> int | None:
+    """Bytes of the KV cache: None for the default (max_batch rows of max_seq_len tokens), else a
+    size rounded down to whole pages, at least one max_seq_len row's pages."""
+    if kv_cache in (None, "auto"):
+        return None
+    page = cache_nbytes(cfg, 1, KV_PAGE, kv_dtype)
+    nbytes = parse_size(kv_cache, "kv_cache") // page * page
+    row = -(-max_seq_len // KV_PAGE) * page
+    if nbytes < row:
+        raise InputError(f"kv_cache {kv_cache!r} holds fewer than one {max_seq_len}-token context "
+                         f"({format_size(row)}); give at least that, or lower max_seq_len")
+    return nbytes
+
+
 def resolve_kv_dtype(kv_dtype, compute_dtype) -> jnp.dtype:
     """The KV cache's dtype: the compute dtype (None), int8 (values rounded per slot and head), or
     bfloat16 (half a float32 cache's bytes under a float32 compute dtype)."""
@@ -276,15 +300,18 @@ def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, d
 
 
 def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int,
-                 kv_dtype=None) -> dict[str, int]:
+                 kv_dtype=None, kv_bytes: int | None = None) -> dict[str, int]:
     """Device bytes reserved before any expert: dense weights, KV cache (of kv_dtype, default the
-    compute dtype), workspace (the larger of a batch's prefill step, at most PREFILL_CHUNK prompt
-    tokens in all, and one row's prompt chunk, as the server prefills)."""
+    compute dtype: kv_bytes, else max_batch rows of max_seq_len tokens in whole pages), workspace
+    (the larger of a batch's prefill step, at most PREFILL_CHUNK prompt tokens in all, and one row's
+    prompt chunk, as the server prefills)."""
     batch = workspace_nbytes(cfg, max_batch, min(max_seq_len, prefill_chunk(max_batch)), max_seq_len, dtype)
     one_row = workspace_nbytes(cfg, 1, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype)
+    row_slots = -(-max_seq_len // KV_PAGE) * KV_PAGE
     return {
         "dense": tree_nbytes(abstract_state),
-        "kv_cache": cache_nbytes(cfg, max_batch, max_seq_len, dtype if kv_dtype is None else kv_dtype),
+        "kv_cache": kv_bytes if kv_bytes is not None else cache_nbytes(
+            cfg, max_batch, row_slots, dtype if kv_dtype is None else kv_dtype),
         "workspace": max(batch, one_row),
     }
 
@@ -300,13 +327,14 @@ def make_draft(store: ExpertStore, tier: str, target, backend: str | None = None
 
 
 def reservations(store: ExpertStore, abstract_state, dtype, max_seq_len: int, max_batch: int, draft: str | None,
-                 policy: Policy | None, shards: int = 1, kv_dtype=None, prefix_cache: int = 0) -> dict[str, int]:
+                 policy: Policy | None, shards: int = 1, kv_dtype=None, prefix_cache: int = 0,
+                 kv_bytes: int | None = None) -> dict[str, int]:
     """Every byte load() reserves besides the experts' pools: dense weights, KV cache, workspace, the
     speculative draft's experts ("draft") and, when `policy` offloads, transfer staging ("staging").
     memory_plan reports exactly these, so a budget computed from it holds the pools it planned.
     On a mesh of `shards` ep shards these are per device (a device holds its shard's draft experts)."""
     cfg = store.config
-    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch, kv_dtype)
+    memory = fixed_memory(cfg, abstract_state, dtype, max_seq_len, max_batch, kv_dtype, kv_bytes)
     if prefix_cache:
         memory["prefix_cache"] = prefix_cache
     if draft is not None:
@@ -353,12 +381,12 @@ def apply_miss_mode(policy: Policy, misses: str | None) -> None:
 def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any = None, max_seq_len: int | None = None,
                 max_batch: int = 1, draft: str | None = None, policy: str | Policy | None = None,
                 misses: str | None = None, mesh: str | dict | None = None, kv_dtype: str | None = None,
-                prefix_cache: int | str | None = None) -> dict[str, int]:
+                prefix_cache: int | str | None = None, kv_cache: int | str | None = None) -> dict[str, int]:
     """What load() would reserve besides the expert pools, and the bytes of every expert at `tier`
     (key "all_experts"), without loading anything: for choosing a budget.
 
-    Keys: "dense", "kv_cache", "workspace", "prefix_cache" (with `prefix_cache`: kept prompt
-    blocks), "draft" (with `draft`: the speculative draft's experts),
+    Keys: "dense", "kv_cache" (as load's `kv_cache` sets it), "workspace", "prefix_cache" (with
+    `prefix_cache`: kept prompt blocks), "draft" (with `draft`: the speculative draft's experts),
     "staging" (transfers in flight, reserved whenever load offloads: for `policy`, by default the
     offloading default "lru+prefetch"; absent with policy="resident"), "fetch" (the pool slots of
     experts a step fetches and does not keep) and "all_experts". A budget of
@@ -389,7 +417,8 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
     max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     plan = reservations(store, abstract_state, dtype, max_seq_len, max_batch, draft, chosen, shards, kv,
-                        resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv))
+                        resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv),
+                        resolve_kv_cache(kv_cache, cfg, max_seq_len, kv))
     plan["all_experts"] = all_expert_bytes(cfg, store.record_nbytes(tier))
     return plan
 
@@ -417,6 +446,7 @@ def load(
     misses: str | None = None,
     miss_slots: int | None = None,
     prefix_cache: int | str | None = None,
+    kv_cache: int | str | None = None,
 ) -> JmoeModel:
     """Load a converted model onto the default device, or expert-parallel over a device mesh.
 
@@ -437,7 +467,8 @@ def load(
         or "int8" (each cached head's values rounded to int8 with a float32 scale per token: a quarter
         of a float32 cache, about half of a bfloat16 one; attention reads the int8 directly).
       max_seq_len: longest context (prompt + output) to plan memory for; default min(model max, 4096).
-      max_batch: prompts per generate call to reserve KV cache for (checked only under a budget).
+      max_batch: prompts per generate call to reserve KV cache for (checked only under a budget);
+        a serving engine's rows share the KV cache's pages (see kv_cache).
       execution: how an offloaded step runs: "auto" (decode and verification one executable per
         step that fetches what it lacks itself; prefill layer-wise), "layerwise" (the host between
         layers, fetching as it goes) or "resident" (decode as "auto", prefill in one jit replayed
@@ -475,12 +506,17 @@ def load(
         prompts starting with the same tokens (a system prompt, earlier chat turns) reuse them
         instead of prefilling them again; "auto": max_seq_len tokens' worth. Reserved within the
         budget. Default None: nothing kept.
+      kv_cache: device bytes ("256MiB") of KV cache to reserve, at least one max_seq_len context: a
+        serving engine's rows take pages of it as their tokens grow, so more rows than it holds
+        whole contexts run at once (jmoe serve --kv-cache). Default "auto": max_batch whole contexts.
     """
     root = validate.path("path", path)
     compile_cache.enable()  # before the first compile, so a later process finds the steps compiled
     budget = parse_size(device_budget, "device_budget") if device_budget is not None else None
     if prefix_cache not in (*NO_PREFIX_CACHE, "auto"):
         parse_size(prefix_cache, "prefix_cache")
+    if kv_cache not in (None, "auto"):
+        parse_size(kv_cache, "kv_cache")
     if policy is not None and not isinstance(policy, Policy):
         validate.choice("policy", policy, POLICY_NAMES)
     max_batch = validate.integer("max_batch", max_batch, minimum=1)
@@ -534,9 +570,10 @@ def load(
         graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest), int8_dot,
                                                   tiled)
         prefix_bytes = resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv)
+        kv_bytes = resolve_kv_cache(kv_cache, cfg, max_seq_len, kv)
         memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
                               None if draft is None else check_draft(manifest, draft), None, placement.shards, kv,
-                              prefix_bytes)
+                              prefix_bytes, kv_bytes)
         all_experts = all_expert_bytes(cfg, store.record_nbytes(tier)) // placement.shards  # per device
         fixed = sum(memory.values())
         if policy is None:
@@ -619,6 +656,7 @@ def load(
         placement=placement,
         drafts=drafts,
         prefixes=PrefixCache(prefix_bytes, cache_nbytes(cfg, 1, PREFIX_BLOCK, kv)) if prefix_bytes else None,
+        kv_bounded=kv_bytes is not None or budget is not None,
     )
 
 

@@ -1,12 +1,21 @@
 """Continuous batching: one engine thread runs every request's decode steps together.
 
-The engine owns a KV cache of `max_batch` rows ("slots") and one context length. Requests wait in
-a bounded queue; between steps each free slot takes the oldest waiting request: its prompt is
-prefilled alone (a one-row cache of the same length, in chunks, its length bucketed), and that row
-is copied into the slot without touching the other rows. Every step then decodes one token for
-every slot at once, each row at its own cache position (the Decoder's per-row positions): a
-batched step reads each expert once for all the rows routed to it. A free slot's row is marked as
-padding (its key start past its position), so it attends to nothing and routes to no expert.
+The engine runs up to `max_batch` rows ("slots") of one context length over one pool of KV pages
+(jmoe/serving/kv_pages.py): a row holds only the pages its tokens reach. Requests wait in a bounded
+queue; between steps, while a slot is free and the pool has pages for its prompt, the oldest
+waiting request is admitted: its prompt is prefilled alone (in chunks, its length bucketed) into
+pages that its row then keeps. Every step then decodes one token for every slot at once, each row
+at its own cache position (the Decoder's per-row positions): a batched step reads each expert once
+for all the rows routed to it. A free slot's row is marked as padding (its key start past its
+position, no pages), so it attends to nothing and routes to no expert.
+
+A row takes its next page as it reaches it. When the pool has none free, the newest request
+gives its pages back: a prompt still being prefilled returns to the front of the queue, a running
+row is set aside with its sampler, text and grammar state and later prefilled again from its
+prompt and the tokens it generated (recomputed, so a sampled row's draws continue from its own
+key; a greedy row's tokens can differ from an undisturbed run only where float rounding does). A
+row that could not grow even with the pool to itself ends as "length". No running request fails
+for want of pages.
 
 Each request samples with its own key and history, as `jmoe.generate` of that prompt alone would:
 greedy output is the same whatever else is in the batch, sampled output the same for a seed. A
@@ -39,7 +48,7 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK, new_cache
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK
 from jmoe.decoding.prefixes import PREFIX_BLOCK, put_block, take_block
 from jmoe.decoding.generation import RowText, stop_strings
 from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, Sampler, SamplingOptions, prompt_history
@@ -47,7 +56,8 @@ from jmoe.decoding.speculative import SpeculativeOptions
 from jmoe.errors import InputError
 from jmoe.runtime.stats import RequestClock
 from jmoe.serving.compiles import CompileCounter
-from jmoe.serving.kv_rows import Prefill, insert_row, move_row, put_rows, take_rows
+from jmoe.serving.kv_pages import NO_PAGE, PagePool
+from jmoe.serving.kv_rows import Prefill, prompt_geometry
 from jmoe.serving.logits import MAX_TOP_LOGPROBS, greedy_jit, logprobs_jit, row_jit, token_logprobs
 from jmoe.serving.requests import EngineClosed, QueueFull, Request, Stream, TokenLogprob, _Replayed
 from jmoe.serving.scoring import score_prompt, warm_up_scoring
@@ -69,6 +79,8 @@ class _Row:
     generated: int = 0
     logprobs: list = field(default_factory=list)  # of tokens whose text has not gone out yet
     constraint: Constraint | None = None  # the grammar its tokens must follow, if any
+    order: int = 0  # when it was admitted (the newest gives its pages back first)
+    history: list = field(default_factory=list)  # the tokens it generated (a resumed row prefills them again)
 
     def put(self, piece) -> None:
         """A piece to the stream, with the logprobs of the tokens behind it."""
@@ -100,7 +112,8 @@ class BatchEngine:
     waiting queue's bound (submit raises QueueFull past it). context: tokens per slot (prompt and
     output; default the model's max_seq_len). reader_timeout: seconds a running request's output
     may wait unread before the request is cut off (default: no bound). A request's own `timeout`
-    ends it that long after submit, wherever it is. speculative: as jmoe.generate's (a draft tier or
+    ends it that long after submit, wherever it is. kv_pages: pages of the KV pool (default: what
+    load() reserved for the KV cache, jmoe.JmoeModel.kv_pages). speculative: as jmoe.generate's (a draft tier or
     dict(draft=..., k=...)); the engine drafts a fixed k per cycle (default 3 for "auto").
 
     If the engine cannot go on (see the module docstring), `failure` says why and `on_failure`, when
@@ -110,7 +123,7 @@ class BatchEngine:
     def __init__(self, model, *, max_batch: int = 8, max_waiting: int = 64, context: int | None = None,
                  prefill_per_step: int = PREFILL_CHUNK, reader_timeout: float | None = None, speculative=None,
                  warm_up: bool = False, warm_up_echo: bool = False, observer=None, mirror=None,
-                 follower: bool = False):
+                 follower: bool = False, kv_pages: int | None = None):
         """warm_up_echo: with warm_up, compile echo's prompt scoring (score()) too (else its first
         use at each prompt-length bucket compiles it, holding the engine meanwhile). mirror (jmoe/serving/mirror.py): under jax.distributed, process 0's engine publishes each
         iteration's decisions through it and the other processes' engines (follower=True: no loop
@@ -121,11 +134,19 @@ class BatchEngine:
         self.max_waiting = validate.integer("max_waiting", max_waiting, minimum=0)
         context = model.max_seq_len if context is None else validate.integer("context", context, minimum=2)
         self.context = min(context, model.max_seq_len)
-        model.check_batch_fits(self.max_batch, self.context)
         cfg = model.config
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.eos = set(model.eos_token_ids)
-        self.cache = self._new_cache()
+        self.kv_pages = model.kv_pages(self.max_batch, self.context) if kv_pages is None else validate.integer(
+            "kv_pages", kv_pages, minimum=1)
+        self.pool = self._new_pool()
+        self.table = self.pool.new_table(self.max_batch)  # each slot's pages (host; the device's copies in _tables)
+        self._tables: dict[int, jax.Array] = {}
+        self._admissions = itertools.count()
+        # requests set aside for want of pages, first to return first: (stream, the prompt to prefill
+        # again, the row to resume or None); admitted before the waiting ones, never published again
+        self.set_aside: deque[tuple[Stream, list[int], _Row | None]] = deque()
+        self.preemptions = 0
         self.pos = np.zeros(self.max_batch, np.int32)
         self.key_start = np.full(self.max_batch, self.context, np.int32)  # free: padding throughout
         self.rows: list[_Row | None] = [None] * self.max_batch
@@ -162,28 +183,39 @@ class BatchEngine:
         if not follower:
             self._thread.start()
 
-    def _new_cache(self):
-        """An empty batch cache, committed to the device as every later cache (a jitted step's output)
-        is: the first insert then compiles what every later one runs."""
-        model = self.model
-        return jax.device_put(new_cache(model.config, self.max_batch, self.context, model.kv_dtype),
-                              model.placement.replicated)
+    def _new_pool(self) -> PagePool:
+        pool = PagePool(self.model, self.kv_pages, self.context)
+        if pool.row_pages > pool.pages:
+            raise InputError(f"the KV pool's {pool.pages} pages of {pool.page} slots do not hold one "
+                             f"{self.context}-token context; give the KV cache more bytes or lower the context")
+        return pool
+
+    @property
+    def cache(self):
+        """The pool seen through every slot's pages (what a step over all slots runs on)."""
+        return self.pool.view(self._table(self.max_batch))
+
+    def _table(self, n: int) -> jax.Array:
+        """The first n slots' pages on the device (sent again only after they change)."""
+        if n not in self._tables:
+            self._tables[n] = self.pool.put_table(self.table[:n])
+        return self._tables[n]
 
     def warm_up(self) -> None:
         """Compile, before any request, what requests will run: a step at every batch bucket (all
-        rows padding), a prefill at every prompt-length bucket, the row copies between them, and a
-        kept prompt block's copies out of and into a row."""
+        rows padding), a prefill at every prompt-length bucket, and a kept prompt block's copies out
+        of and into a row."""
         prompt_len = MIN_PROMPT_BUCKET
         while prompt_len < self.context:
-            decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context)
+            table = self.pool.new_table(1)
+            self.pool.take(table[0], 0, max(prompt_len, PREFIX_BLOCK))
+            decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context, self.pool, table)
             greedy_jit(decoder.prefill())
-            self.cache = insert_row(self.cache, decoder.cache, np.int32(0))
+            if prompt_len == MIN_PROMPT_BUCKET and self.model.prefixes is not None and self.context > PREFIX_BLOCK:
+                decoder.cache = put_block(decoder.cache, take_block(decoder.cache, np.int32(0), PREFIX_BLOCK),
+                                          np.int32(0))
+            self.pool.release(table[0])
             prompt_len *= 2
-        if self.model.prefixes is not None and self.context > PREFIX_BLOCK:
-            row = jax.device_put(new_cache(self.model.config, 1, self.context, self.model.kv_dtype),
-                                 self.model.placement.replicated)  # as Decoder makes its rows
-            put_block(row, take_block(row, np.int32(0), PREFIX_BLOCK), np.int32(0))
-        self.cache = move_row(self.cache, np.int32(0), np.int32(0))
         n = 1
         while True:
             logits = self._run_step(np.full(n, self.pad, np.int32), np.zeros(n, np.int32),
@@ -260,6 +292,11 @@ class BatchEngine:
         return sum(r is not None for r in self.rows)
 
     @property
+    def queued(self) -> int:
+        """Requests waiting for a slot, or for pages to go on (set aside)."""
+        return len(self.waiting) + len(self.set_aside)
+
+    @property
     def closed(self) -> bool:
         """Whether the engine has stopped taking requests (closed, or failed)."""
         return self._closed
@@ -312,7 +349,7 @@ class BatchEngine:
         """Wait until there is something to do: False once the engine is closed."""
         with self._wake:
             while (not self._closed and not self.waiting and not self.prefilling and self.running == 0
-                   and not self.scoring):
+                   and not self.scoring and not self.set_aside):
                 self._wake.wait()
             return not self._closed
 
@@ -324,7 +361,7 @@ class BatchEngine:
         if self.mirror is not None:  # the followers learn what happens before it does
             self._compact()
             with self._wake:
-                admitting = list(self.waiting)[:max(0, self.max_batch - self.running - len(self.prefilling))]
+                admitting = list(self.waiting)[:self._admissible()]
             self.mirror.publish(ended, [(s.id, s.request) for s in admitting], [job[:2] for job in scoring])
         self._admit(None if admitting is None else len(admitting))
         self._score(scoring)
@@ -375,7 +412,8 @@ class BatchEngine:
             raise error
         message = _describe(error)
         log.warning("request %d failed: %s", stream.id, message, exc_info=error)
-        self.prefilling = deque(p for p in self.prefilling if p.stream is not stream)
+        for p in [p for p in self.prefilling if p.stream is stream]:
+            self._drop_prefill(p)
         slot = next((b for b, row in enumerate(self.rows) if row is not None and row.stream is stream), None)
         if slot is not None:
             self._free(slot, "error", message)
@@ -384,15 +422,23 @@ class BatchEngine:
         self._restore_cache()
 
     def _restore_cache(self) -> None:
-        """After a failed call: if it took the batch cache with it (a donated buffer), the running rows
-        have lost their keys and values, so they end too, and the engine starts a new cache."""
-        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+        """After a failed call: if it took the pool with it (a donated buffer), the running rows and
+        prompts have lost their keys and values, so they end too, and the engine starts a new pool."""
+        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.pool.layers)):
             return
+        lost = "the KV cache was lost with a failed request"
         for b, row in enumerate(self.rows):
             if row is not None:
-                self._free(b, "error", "the batch cache was lost with a failed request")
+                self._free(b, "error", lost)
+        while self.prefilling:
+            p = self.prefilling.popleft()
+            self._end(p.stream, "error", lost)
+        while self.set_aside:
+            self._end(self.set_aside.popleft()[0], "error", lost)
         self._inflight = None
-        self.cache = self._new_cache()
+        self.pool = self._new_pool()
+        self.table = self.pool.new_table(self.max_batch)
+        self._tables.clear()
 
     def _stop_failed(self, error: Exception) -> None:
         """The engine cannot go on: every request ends with the error, and `on_failure` is told."""
@@ -408,7 +454,11 @@ class BatchEngine:
             if row is not None:
                 self._free(b, reason, error)
         while self.prefilling:
-            self._end(self.prefilling.popleft().stream, reason, error)
+            p = self.prefilling.popleft()
+            self.pool.release(p.table[0])
+            self._end(p.stream, reason, error)
+        while self.set_aside:
+            self._end(self.set_aside.popleft()[0], reason, error)
         with self._wake:
             self._closed = True
             while self.waiting:
@@ -444,9 +494,19 @@ class BatchEngine:
         for p in list(self.prefilling):
             if reason := reason_of(p.stream, False):
                 ended.append((p.stream.id, reason))
-                self.prefilling.remove(p)
+                self._drop_prefill(p)
                 self._end(p.stream, reason)
+        for entry in list(self.set_aside):
+            if reason := reason_of(entry[0], entry[2] is not None):
+                ended.append((entry[0].id, reason))
+                self.set_aside.remove(entry)
+                self._end(entry[0], reason)
         return ended
+
+    def _drop_prefill(self, p: Prefill) -> None:
+        """A prompt leaves the prefill queue unfinished: its pages go back."""
+        self.prefilling.remove(p)
+        self.pool.release(p.table[0])
 
     def _ending(self, stream: Stream, now: float, running: bool = False) -> str | None:
         """Why `stream` should end now, if it should."""
@@ -461,28 +521,58 @@ class BatchEngine:
         return None
 
     def _compact(self) -> None:
-        """Move the live rows to the front slots (in order), so a step runs only the first ones."""
+        """Move the live rows to the front slots (in order), so a step runs only the first ones (their
+        pages move with them in the table; no slot moves)."""
         live = [b for b, row in enumerate(self.rows) if row is not None]
         for dst, src in enumerate(live):
             if src != dst:
-                self.cache = move_row(self.cache, np.int32(src), np.int32(dst))
+                self.table[[dst, src]] = self.table[[src, dst]]
+                self._tables.clear()
                 self.rows[dst], self.rows[src] = self.rows[src], None
                 self.pos[dst], self.key_start[dst] = self.pos[src], self.key_start[src]
                 self.pos[src], self.key_start[src] = 0, self.context
 
+    def _prompt_pages(self, prompt_tokens: int) -> int:
+        """Pages a prompt of this many tokens takes when admitted (its real tokens' slots)."""
+        prompt_len, key_start = prompt_geometry(prompt_tokens, self.context)
+        return len(self.pool.pages_for(key_start, prompt_len))
+
+    def _admissible(self) -> int:
+        """How many waiting requests (after the rows set aside) the next admission starts: oldest
+        first, while a slot is free and the pool has pages for the prompt."""
+        free_rows = self.max_batch - self.running - len(self.prefilling)
+        free_pages = self.pool.free
+        for _, prompt, _ in self.set_aside:
+            free_rows -= 1
+            free_pages -= self._prompt_pages(len(prompt))
+        count = 0
+        for stream in self.waiting:
+            free_pages -= self._prompt_pages(len(stream.request.prompt))
+            if free_rows <= count or free_pages < 0:
+                break
+            count += 1
+        return count
+
     def _admit(self, limit: int | None = None) -> None:
-        """Oldest first, while rows are free: waiting requests (at most `limit`) start prefilling;
-        then up to prefill_per_step prompt tokens are prefilled, and each prompt that is all in
-        takes a row."""
+        """Oldest first, while rows are free and the pool has their prompts' pages: rows set aside
+        and then waiting requests (at most `limit` of these) start prefilling; then up to
+        prefill_per_step prompt tokens are prefilled, and each prompt that is all in takes a row."""
         self._compact()
-        while self.running + len(self.prefilling) < self.max_batch and limit != 0:
-            limit = None if limit is None else limit - 1
+        while self.set_aside and self.running + len(self.prefilling) < self.max_batch:
+            if not self._start_prefill(*self.set_aside[0]):
+                break
+            self.set_aside.popleft()
+        count = self._admissible() if limit is None else min(limit, self._admissible())
+        for _ in range(count):
             with self._wake:
                 if not self.waiting:
                     break
                 stream = self.waiting.popleft()
             try:
-                self.prefilling.append(Prefill(self.model, stream, self.context))
+                if not self._start_prefill(stream, stream.request.prompt):  # (_admissible counted its pages)
+                    with self._wake:
+                        self.waiting.appendleft(stream)
+                    break
             except Exception as error:  # noqa: BLE001 - this request fails, not the engine
                 self._request_failed(stream, error)
         budget = self.prefill_per_step
@@ -494,21 +584,44 @@ class BatchEngine:
                     self.prefilling.popleft()
                     self._start(self.running, p)
             except Exception as error:  # noqa: BLE001 - this request fails, not the engine
+                self.pool.release(p.table[0])  # none left once its row holds them
                 self._request_failed(p.stream, error)
 
+    def _start_prefill(self, stream: Stream, prompt: list[int], resumed: "_Row | None" = None) -> bool:
+        """Take the pages of `prompt`'s real tokens and queue its prefill: False (nothing done) if
+        the pool has too few free."""
+        prompt_len, key_start = prompt_geometry(len(prompt), self.context)
+        table = self.pool.new_table(1)
+        if not self.pool.take(table[0], key_start, prompt_len):
+            return False
+        try:
+            self.prefilling.append(Prefill(self.model, stream, self.context, self.pool, table, prompt, resumed))
+        except BaseException:
+            self.pool.release(table[0])
+            raise
+        return True
+
     def _start(self, b: int, prefill: Prefill) -> None:
-        """A prefilled request takes row b (the first free one): its cache row copied in, its first token."""
+        """A prefilled request takes row b (the first free one) with its pages, and draws its first
+        token (a resumed row goes on from the token it had drawn)."""
         stream, decoder, model = prefill.stream, prefill.decoder, self.model
         request = stream.request
-        sampler = Sampler(model.engine, request.sampling,
-                          prompt_history([request.prompt], model.config.vocab_size, request.sampling))
-        self.cache = insert_row(self.cache, decoder.cache, np.int32(b))
+        if prefill.resumed is None:
+            sampler = Sampler(model.engine, request.sampling,
+                              prompt_history([request.prompt], model.config.vocab_size, request.sampling))
+            text = RowText(model.tokenizer, request.stop, request.special_tokens) if request.as_text else None
+            constraint = None if request.grammar is None else Constraint(
+                request.grammar, model.tokenizer, model.config.vocab_size, self.eos)
+            row = _Row(stream, sampler, text, prefill.clock, constraint=constraint, order=next(self._admissions))
+        else:
+            row = prefill.resumed
+        self.table[b], prefill.table[0] = prefill.table[0], NO_PAGE  # the row's pages now
+        self._tables.clear()
+        self.rows[b] = row
         self.pos[b], self.key_start[b] = decoder.pos[0], decoder.key_start[0]
-        text = RowText(model.tokenizer, request.stop, request.special_tokens) if request.as_text else None
-        constraint = None if request.grammar is None else Constraint(
-            request.grammar, model.tokenizer, model.config.vocab_size, self.eos)
-        self.rows[b] = _Row(stream, sampler, text, prefill.clock, constraint=constraint)
-        token = self._draw(self.rows[b], prefill.logits, 0)
+        if prefill.resumed is not None:
+            return
+        token = self._draw(row, prefill.logits, 0)
         logprob = token_logprobs(prefill.logits, {0: token}, self._wanted([self.rows[b]]))
         self._emit(b, token, logprob.get(0))
 
@@ -525,6 +638,10 @@ class BatchEngine:
         self._compact()
         step, self._inflight = self._inflight, None
         if step is None:
+            self._grow(1)
+            self._compact()
+            if self.running == 0:
+                return
             n = self.bucket(self.running)
             rows = self.rows[:n]
             tokens = np.asarray([r.token if r is not None else self.pad for r in rows], np.int32)
@@ -569,7 +686,9 @@ class BatchEngine:
         live = [r for r in step.rows if r is not None]
         return (self.speculation is None and all(r.plain_greedy for r in live) and len(live) == self.running
                 and all(a is b for a, b in zip(self.rows, step.rows))
-                and bool((step.pos[[r is not None for r in step.rows]] + 1 < self.context).all()))
+                and bool((step.pos[[r is not None for r in step.rows]] + 1 < self.context).all())
+                and all(self._take(b, int(step.pos[b]) + 1, int(step.pos[b]) + 2)  # its next slot's page
+                        for b, r in enumerate(step.rows) if r is not None))
 
     @staticmethod
     def _wanted(rows) -> dict[int, int]:
@@ -582,14 +701,57 @@ class BatchEngine:
         back when they are not all of it), settled: logits [n, V] (a decode step: tokens [n]), or
         [n, T, V] with last_only=False (tokens [n, T]). `residency`: the draft's experts."""
         n = len(tokens)
-        cache = self.cache if n == self.max_batch else take_rows(self.cache, n)
+        cache = self.pool.view(self._table(n))
         logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, key_start, last_only=last_only,
                                                  phase=phase, residency=residency, defer=True)
         if pending is not None:
             corrected, cache = self.model.settle(pending, cache)
             logits = logits if corrected is None else corrected
-        self.cache = cache if n == self.max_batch else put_rows(self.cache, cache)
+        self.pool.layers, self._tables[n] = cache.layers, cache.table  # (the step took the cache, table and all)
         return logits
+
+    def _grow(self, tokens: int) -> None:
+        """Give every running row the pages for its next `tokens` slots (to the context's end),
+        setting the newest requests aside while the pool is short (see the module docstring)."""
+        while True:
+            short = [b for b, row in enumerate(self.rows) if row is not None
+                     and not self._take(b, int(self.pos[b]), min(int(self.pos[b]) + tokens, self.context))]
+            if not short:
+                return
+            if not self._set_aside_newest(keep=short[0]):  # none left to set aside: it has the pool to itself
+                self._flush(self.rows[short[0]])
+                self._free(short[0], "length")
+
+    def _take(self, b: int, first: int, end: int) -> bool:
+        """Slot b's pages for slots [first, end), as PagePool.take (the device's tables sent again if
+        it took any)."""
+        free = self.pool.free
+        taken = self.pool.take(self.table[b], first, end)
+        if self.pool.free != free:
+            self._tables.clear()
+        return taken
+
+    def _set_aside_newest(self, keep: int) -> bool:
+        """Free the pages of the newest request other than row `keep`'s: a prompt being prefilled
+        back to the front of the queue, else a running row set aside to be resumed. False if there is
+        none."""
+        if self.prefilling:
+            p = self.prefilling[-1]
+            self._drop_prefill(p)
+            self.set_aside.appendleft((p.stream, p.prompt, p.resumed))
+        else:
+            others = [b for b, row in enumerate(self.rows) if row is not None and b != keep]
+            if not others:
+                return False
+            b = max(others, key=lambda b: self.rows[b].order)
+            row, self.rows[b] = self.rows[b], None
+            self.pool.release(self.table[b])
+            self._tables.clear()
+            self.pos[b], self.key_start[b] = 0, self.context
+            # the cache held its prompt and every token it drew but the last, which its next step takes
+            self.set_aside.appendleft((row.stream, row.stream.request.prompt + row.history[:-1], row))
+        self.preemptions += 1
+        return True
 
     @staticmethod
     def _draw(row: _Row, logits, i: int) -> int:
@@ -624,6 +786,7 @@ class BatchEngine:
             self._free(b, "stop")
             return
         row.token = token
+        row.history.append(token)
         row.generated += 1
         row.stream.usage["completion_tokens"] = row.generated
         if logprob is not None:
@@ -652,6 +815,8 @@ class BatchEngine:
     def _free(self, b: int, reason: str, error: str | None = None) -> None:
         row, self.rows[b] = self.rows[b], None
         self.pos[b], self.key_start[b] = 0, self.context
+        self.pool.release(self.table[b])
+        self._tables.clear()
         self._end(row.stream, reason, error)
 
     def _end(self, stream: Stream, reason: str, error: str | None = None) -> None:

@@ -1,12 +1,8 @@
-"""The batch KV cache's rows: a waiting prompt prefilled into a one-row cache of its own, copied into
-a slot of the batch cache, rows moved between slots (their pages trade places in the page table),
-and the first n rows taken out and put back (the pools stay whole)."""
+"""A waiting prompt on its way into the batch: prefilled alone, in chunks, into pages of the
+engine's pool (jmoe/serving/kv_pages.py) that its row then keeps."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import numpy as np
 
 from jmoe.decoding.decoder import Decoder
@@ -16,22 +12,33 @@ from jmoe.runtime.stats import RequestClock
 from jmoe.serving.requests import Stream
 
 
+def prompt_geometry(prompt_tokens: int, context: int) -> tuple[int, int]:
+    """(slots a prompt of this many tokens is prefilled into, its first real slot): its length
+    bucketed (left padding) so that few prefill shapes compile, unbucketed where that leaves no room."""
+    prompt_len = bucket(prompt_tokens, MIN_PROMPT_BUCKET, context)
+    if prompt_len + 1 > context:  # no room after bucket padding: no padding then
+        prompt_len = prompt_tokens
+    return prompt_len, prompt_len - prompt_tokens
+
+
 class Prefill:
     """A waiting request's prompt on its way in: prefilled alone, a chunk per advance() (the chunks
-    Decoder.prefill takes), so a long prompt shares the engine's time with the running rows.
+    Decoder.prefill takes), so a long prompt shares the engine's time with the running rows. Its
+    keys and values go straight into pages of the engine's pool (`table`, taken by the caller for
+    the prompt's real tokens), which the row keeps when it starts.
 
     With the model's prefix store (jmoe/decoding/prefixes.py), the first advance() copies in the
     kept blocks the prompt starts with and prefills only the rest; once all in, the prompt's blocks
-    are kept for later prompts."""
+    are kept for later prompts. `resumed`: a row taken off its slot to free pages, whose prompt is
+    its request's and the tokens it had generated (all but the last, which its next step takes)."""
 
-    def __init__(self, model, stream: Stream, context: int):
-        prompt = stream.request.prompt
-        prompt_len = bucket(len(prompt), MIN_PROMPT_BUCKET, context)
-        if prompt_len + 1 > context:  # no room after bucket padding: no padding then
-            prompt_len = len(prompt)
-        self.stream = stream
-        self.clock = RequestClock()  # time to first token counts the prefill
-        self.decoder = Decoder(model, [prompt], prompt_len, context)
+    def __init__(self, model, stream: Stream, context: int, pool, table: np.ndarray, prompt: list[int],
+                 resumed=None):
+        prompt_len, _ = prompt_geometry(len(prompt), context)
+        self.stream, self.table, self.resumed = stream, table, resumed
+        self.prompt = prompt
+        self.clock = RequestClock() if resumed is None else resumed.clock  # time to first token counts the prefill
+        self.decoder = Decoder(model, [prompt], prompt_len, context, pool, table)
         self.prefixes = model.prefixes
         self._chunks = None  # started by the first advance(): a prefix kept meanwhile is found
         self.logits = None
@@ -53,7 +60,7 @@ class Prefill:
         """Copy in the kept blocks the prompt starts with: the slot prefilling starts from. The
         rest is prefilled in the chunk shapes a prompt of its length gets (a few of the copied
         slots before it may be computed again)."""
-        prompt, decoder, store = self.stream.request.prompt, self.decoder, self.prefixes
+        prompt, decoder, store = self.prompt, self.decoder, self.prefixes
         blocks = store.lookup(prompt)
         pad, total = int(decoder.key_start[0]), decoder.prompt_len
         chunk = min(total, prefill_chunk(1))
@@ -70,32 +77,4 @@ class Prefill:
     def _keep_prefix(self) -> None:
         decoder, store = self.decoder, self.prefixes
         pad = int(decoder.key_start[0])
-        store.keep(self.stream.request.prompt,
-                   lambda j: take_block(decoder.cache, np.int32(pad + j * store.block), store.block))
-
-
-@partial(jax.jit, donate_argnums=0)
-def insert_row(cache, row_cache, slot):
-    """The batch cache with row `slot`'s pages holding a one-row cache's (as many pages a row)."""
-    pages, row_pages = cache.table[slot], row_cache.table[0]
-    layers = jax.tree.map(lambda big, one: big.at[pages].set(one[row_pages]), cache.layers, row_cache.layers)
-    return cache._replace(layers=layers)
-
-
-@jax.jit
-def move_row(cache, src, dst):
-    """The batch cache with row `dst` seeing row `src`'s slots (compacting live rows to the front):
-    the two rows' pages trade places in the page table; no slot moves."""
-    table = cache.table
-    return cache._replace(table=table.at[dst].set(table[src]).at[src].set(table[dst]))
-
-
-def take_rows(cache, n: int):
-    """The first n rows of the batch cache: its pools whole, the first n rows of its table (a step
-    writes only its rows' pages)."""
-    return cache._replace(table=cache.table[:n])
-
-
-def put_rows(cache, rows):
-    """The batch cache after a step over what take_rows took: that step's pools, the whole table."""
-    return cache._replace(layers=rows.layers)
+        store.keep(self.prompt, lambda j: take_block(decoder.cache, np.int32(pad + j * store.block), store.block))

@@ -34,8 +34,13 @@ class EngineMetrics:
                                    registry=registry)
         Gauge("jmoe_requests_running", "Requests in the batch", registry=registry).set_function(
             lambda: engine.running)
-        Gauge("jmoe_requests_waiting", "Requests in the queue", registry=registry).set_function(
-            lambda: len(engine.waiting))
+        Gauge("jmoe_requests_waiting", "Requests in the queue (or set aside for want of KV pages)",
+              registry=registry).set_function(lambda: engine.queued)
+        Gauge("jmoe_kv_pages", "Pages of the KV pool", registry=registry).set_function(lambda: engine.pool.pages)
+        Gauge("jmoe_kv_pages_free", "Pages of the KV pool no row holds", registry=registry).set_function(
+            lambda: engine.pool.free)
+        Gauge("jmoe_kv_preemptions", "Requests that gave their KV pages back to be resumed later",
+              registry=registry).set_function(lambda: engine.preemptions)
         Gauge("jmoe_compiles", "XLA compilations in this process", registry=registry).set_function(CompileCounter.count)
         Gauge("jmoe_expert_hit_rate", "Expert uses found resident (offloaded models; NaN: not counted)",
               registry=registry).set_function(lambda: _or_nan(stats(engine.model).get("hit_rate")))

@@ -385,7 +385,7 @@ def create_app(engine: BatchEngine, model_name: str, *, request_timeout: float |
         if engine.closed:  # failed (a supervisor should restart the server), or stopping
             status = "failed" if engine.failure else "stopping"
             return JSONResponse({"status": status, "error": engine.failure}, status_code=503)
-        return {"status": "ok", "running": engine.running, "waiting": len(engine.waiting)}
+        return {"status": "ok", "running": engine.running, "waiting": engine.queued}
 
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "jmoe"}
 

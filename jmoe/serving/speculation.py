@@ -59,7 +59,10 @@ class Speculation:
         """One speculative cycle over the engine's first bucket(live) slots: the draft decodes k tokens
         per row, the target verifies them with each row's last token in one pass, and each row emits
         what it keeps (a plain step when no row is plain greedy or there is no room to draft)."""
+        engine._grow(1 << self.k.bit_length())  # pages for the verification block (k + 1 tokens padded)
         engine._compact()
+        if engine.running == 0:
+            return
         n = engine.bucket(engine.running)
         rows = engine.rows[:n]
         live = np.asarray([r is not None for r in rows])
