@@ -235,15 +235,11 @@ NATIVE_CASES = [(1, 4, 8, 1, 704, 128, "float32", None, False, 64, False),
                 (3, 2, 4, 1, 320, 32, "int8", None, True, 4, True)]
 
 
-@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
-def test_native_attention_equals_the_materialised_softmax(case):
-    """cpu_kernels.attention (what blocked_attention runs for a few tokens on the CPU) against the
-    materialised softmax in float64 over what each cache holds, read from pages in shuffled order
-    among pages no row holds (NaN, so any read of them would show): outputs, maxima and normalisers."""
-    import cpu_kernels
-
-    if not cpu_kernels.available():
-        pytest.skip("native kernels switched off or not built")
+def attention_case(case):
+    """One NATIVE_CASES case: ((q, keys, values, sink) as the kernels take them, (start, key_start, table),
+    the keyword arguments, and the float64 materialised softmax over what each cache holds: (out, top,
+    norm, which queries have a key)). The caches are pages in shuffled order among pages no row holds
+    (NaN, so any read of them would show)."""
     B, K, G, T, S, w, cache, window, has_sink, page, absent_padding = case
     rng = np.random.default_rng(S)
     q = rng.normal(size=(B, K, G * T, w)).astype(np.float32)
@@ -268,16 +264,67 @@ def test_native_attention_equals_the_materialised_softmax(case):
         keys, values = (np.asarray(c, np.float32) for c in (cached_keys, cached_values))
         paged_keys, paged_values = (jnp.asarray(_paged(c, table, pages, np.nan)) for c in (cached_keys, cached_values))
     kw = dict(groups=G, scale=w**-0.5, window=window)
-    out, top, norm = jax.jit(lambda q, k, v, s: cpu_kernels.attention(q, k, v, start, key_start, table, sink=s, **kw))(
-        q, paged_keys, paged_values, sink)
     keys64, values64 = keys.astype(np.float64), values.astype(np.float64)
     want, _, valid = materialised([q.astype(np.float64)], [keys64], values64, start, key_start, T, sink=sink, **kw)
     want_top, want_norm = _softmax_stats(q, keys64, start, key_start, T, sink=sink, **kw)
     has_key = np.broadcast_to(valid[:, None, None], (B, K, G, T)).reshape(B, K, G * T)
-    np.testing.assert_allclose(np.asarray(out)[has_key], want[has_key], rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(out)[~has_key] == 0)
-    np.testing.assert_allclose(np.asarray(top), want_top, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(norm), want_norm, rtol=1e-5, atol=1e-6)
+    return (q, paged_keys, paged_values, sink), (start, key_start, table), kw, (want, want_top, want_norm, has_key)
+
+
+def check_attention(got, want, rtol=1e-5, atol=1e-5):
+    """(out, top, norm) against attention_case's float64 softmax: queries without a key get zeros."""
+    (out, top, norm), (want, want_top, want_norm, has_key) = [np.asarray(a) for a in got], want
+    np.testing.assert_allclose(out[has_key], want[has_key], rtol=rtol, atol=atol)
+    assert np.all(out[~has_key] == 0)
+    np.testing.assert_allclose(top, want_top, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(norm, want_norm, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
+def test_native_attention_equals_the_materialised_softmax(case):
+    """cpu_kernels.attention (what blocked_attention runs for a few tokens on the CPU) against the
+    materialised softmax in float64 over what each cache holds, read from pages in shuffled order
+    among pages no row holds (NaN, so any read of them would show): outputs, maxima and normalisers."""
+    import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("native kernels switched off or not built")
+    (q, keys, values, sink), (start, key_start, table), kw, want = attention_case(case)
+    got = jax.jit(lambda q, k, v, s: cpu_kernels.attention(q, k, v, start, key_start, table, sink=s, **kw))(
+        q, keys, values, sink)
+    check_attention(got, want)
+
+
+# The Pallas kernel takes widths that are powers of two (>= 16): NATIVE_CASES' others, and float32 with
+# a window over pages of 7 slots, absent pages in the padding, 3 query heads of 2 tokens (6 query rows
+# padded to 16).
+PALLAS_CASES = [c for c in NATIVE_CASES if c[5] % 16 == 0] + [(3, 1, 3, 2, 70, 16, "float32", 9, False, 7, True)]
+
+
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
+def test_pallas_decode_attention_equals_the_materialised_softmax(case):
+    """pallas_kernels.decode_attention (what blocked_attention runs for a few tokens on a GPU), in
+    interpret mode, against the same float64 softmax as the native kernel: each row's reach split over
+    3 programs (a short reach leaves some with no block) and merged after the kernel. A bfloat16
+    cache's probabilities are rounded to bfloat16 before they multiply its values, as in the XLA
+    formulation."""
+    from pallas_kernels.decode_attention import decode_attention
+
+    (q, keys, values, sink), (start, key_start, table), kw, want = attention_case(case)
+    got = jax.jit(lambda q, k, v, s: decode_attention(q, k, v, start, key_start, table, sink=s, splits=3,
+                                                      interpret=True, **kw))(q, keys, values, sink)
+    check_attention(got, want, **(dict(rtol=1e-2, atol=2e-3) if case[6] == "bfloat16" else {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
+def test_compiled_pallas_decode_attention_equals_the_materialised_softmax_on_gpu(case):
+    from pallas_kernels.decode_attention import decode_attention
+
+    (q, keys, values, sink), (start, key_start, table), kw, want = attention_case(case)
+    got = jax.jit(lambda q, k, v, s: decode_attention(q, k, v, start, key_start, table, sink=s, splits=3, **kw))(
+        q, keys, values, sink)
+    check_attention(got, want, **(dict(rtol=1e-2, atol=2e-3) if case[6] == "bfloat16" else dict(rtol=1e-4, atol=1e-4)))
 
 
 def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
@@ -302,3 +349,4 @@ def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(top), np.asarray(want_top), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(norm), np.asarray(want_norm), rtol=1e-5, atol=1e-6)
+
