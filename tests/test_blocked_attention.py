@@ -350,3 +350,41 @@ def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
     np.testing.assert_allclose(np.asarray(top), np.asarray(want_top), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(norm), np.asarray(want_norm), rtol=1e-5, atol=1e-6)
 
+
+def test_a_decode_step_lowered_for_a_gpu_runs_the_pallas_kernel_and_gathers_no_keys(monkeypatch):
+    """Lowered for CUDA (the choice between the kernel and the XLA loop is made when lowered), a decode
+    token over a bfloat16 or int8 cache is one Pallas kernel and no gather of the cache; latent
+    attention's two score terms keep the XLA loop. The same function on the CPU without its native
+    kernels runs the XLA loop, with the explicit formulation's result."""
+    import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # the native kernels run only on the CPU
+    B, K, G, S, w, page = 2, 2, 8, 256, 64, 16
+    shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+    meta = meta_of([40, 200], [0, 10], 1, shape(B, S // page, dtype=jnp.int32))
+    kw = dict(groups=G, scale=w**-0.5, window=None, precision=None)
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+    def lowered(queries, keys, values):
+        attend = jax.jit(lambda q, k, v, table: blocked_attention(q, k, v, meta._replace(table=table), **kw)[0])
+        # from jax 0.11 the Pallas Triton lowering asks for the GPU it targets: an abstract mesh names one
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+            text = attend.trace(queries, keys, values, meta.table).lower(lowering_platforms=("cuda",)).as_text()
+        return text.count("__gpu$xla.gpu.triton"), "gather" in text
+
+    q, pool = shape(B, K, G, w), shape(B * S // page, K, page, w)
+    int8 = QuantizedRows(shape(*pool.shape, dtype=jnp.int8), shape(*pool.shape[:3], 1, dtype=jnp.float32))
+    assert lowered((q,), (pool,), pool) == (1, False)
+    assert lowered((q,), (int8,), int8) == (1, False)
+    assert lowered((q, q), (pool, pool), pool) == (0, True)
+
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(B, K, G, w)).astype(np.float32)
+    (keys, table), (values, _) = (paged(rng.normal(size=(B, K, S, w)).astype(np.float32), page,
+                                        np.random.default_rng(4)) for _ in range(2))
+    meta = meta_of([40, 200], [0, 10], 1, table)
+    on_cpu = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, **kw))
+    assert "triton" not in on_cpu.lower(q, keys, values).compile().as_text()
+    explicit = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, reachable_only=True, **kw))
+    for got, want in zip(jax.tree.leaves(on_cpu(q, keys, values)), jax.tree.leaves(explicit(q, keys, values))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

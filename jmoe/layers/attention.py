@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+import pallas_kernels.decode_attention as pallas_attention
 
 CacheSpec = tuple[tuple[int, int], ...]  # per cached array: (heads, width)
 
@@ -216,6 +217,13 @@ def native_applies(queries, keys, values, num_tokens: int) -> bool:
             and cpu_kernels.available() and cpu_kernels.attention_reads(keys[0], values))
 
 
+def gpu_kernel_applies(queries, keys, values, num_tokens: int) -> bool:
+    """Whether a GPU runs this attention in the Pallas decode-attention kernel: one score term, a few
+    current tokens, and caches and widths the kernel takes (pallas_kernels.decode_attention.supports)."""
+    return (len(queries) == 1 and queries[0].ndim == 4 and num_tokens <= NATIVE_MAX_TOKENS
+            and pallas_attention.supports(queries[0], keys[0], values))
+
+
 def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float,
                       window: int | None, precision, sink=None, block: int | None = None,
                       reachable_only: bool | None = None):
@@ -236,14 +244,37 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     iteration). reachable_only forces one of the two (None: by the platform the step is lowered for).
 
     A few current tokens on the CPU (`native_applies`) run in one native call instead, which streams
-    each cache head's keys and values once with the same online softmax (cpu_kernels.attention); an
-    explicit block or reachable_only asks for this formulation itself."""
+    each cache head's keys and values once with the same online softmax (cpu_kernels.attention); on
+    a GPU (`gpu_kernel_applies`), in the Pallas kernel that does the same there, reading the pages
+    where they lie (pallas_kernels/decode_attention.py). An explicit block or reachable_only asks
+    for this formulation itself."""
+    T, table = meta.num_tokens, meta.table
+    kw = dict(groups=groups, scale=scale, window=window, sink=sink)
+    if block is None and reachable_only is None:
+        if native_applies(queries, keys, values, T):
+            out, top, norm = cpu_kernels.attention(queries[0], keys[0], values, meta.start, meta.key_start, table,
+                                                   **kw)
+            return out, (top, norm)
+        if gpu_kernel_applies(queries, keys, values, T):
+            def kernel():
+                out, top, norm = pallas_attention.decode_attention(queries[0], keys[0], values, meta.start,
+                                                                   meta.key_start, table, **kw)
+                return out, (top, norm)
+
+            def xla():
+                return _online_softmax(queries, keys, values, meta, precision=precision, block=None,
+                                       reachable_only=None, **kw)
+
+            return jax.lax.platform_dependent(cuda=kernel, default=xla)  # chosen when lowered
+    return _online_softmax(queries, keys, values, meta, precision=precision, block=block,
+                           reachable_only=reachable_only, **kw)
+
+
+def _online_softmax(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float, window: int | None,
+                    precision, sink, block: int | None, reachable_only: bool | None):
+    """blocked_attention's XLA formulation: a loop over blocks of keys, each read through the page table."""
     T, G, table = meta.num_tokens, groups, meta.table
     S = table.shape[1] * page_size(keys[0])
-    if block is None and reachable_only is None and native_applies(queries, keys, values, T):
-        out, top, norm = cpu_kernels.attention(queries[0], keys[0], values, meta.start, meta.key_start, table,
-                                               groups=G, scale=scale, window=window, sink=sink)
-        return out, (top, norm)
     B, K, M = table.shape[0], keys[0].shape[1], groups * T
     block = block or key_block(K * G, T, S)
     num_blocks = -(-S // block)
