@@ -21,12 +21,20 @@ vector loads are issued before its first multiply-add); or why compilation faile
 spilling, shared memory over the limit, anything else). A decode kernel with a barrier inside its
 K loop fails its case too.
 
+The decode-attention kernel over the paged KV cache (pallas_kernels/decode_attention.py, with the
+merge of its shares after it) at a 32K context in pages of 64 slots, for Qwen3-30B-A3B's heads (32
+query heads on 4 cache heads of 128: bfloat16 and int8 caches, decode and 8 tokens verified) and
+GPT-OSS-20B's (64 on 8 of 64, sinks, a 128-slot window): registers and spills as for the expert
+kernels (a spill fails the case; its loop holds tl.dot's barriers, so it has no decode loop check).
+
 Whole steps, too: the jitted forward step (engine._forward: every layer, attention, router, the
 expert kernels and the LM head) of a 2-layer slice of each model, with abstract weights on the
 compile-only H100: decode with every expert resident at int4 (Triton kernels, and the Mosaic GPU
 ones), and decode, 512-token prefill and the speculative verify step (4 drafts) with a DyMoE
 plan's two pools (bf16 and int4, a quarter of the experts each, as an offloaded ExpertState holds
-them; decode runs both in one launch per stage).
+them; decode runs both in one launch per stage). Decode and verify steps run attention in the
+decode-attention kernel (DeepSeek-V2-Lite's latent attention, two score terms, in XLA's loop); a
+spill in any of this project's kernels fails a step, one in XLA's own fusions is only listed.
 
 The offloaded decode step (engine._decode as Engine.decode jits it, sampling, with the experts
 fetched inside the step from pinned-host stores: jmoe/layers/fetch.py) of each 2-layer slice, with
@@ -51,6 +59,7 @@ check itself is broken and the run fails.
     python -m bench.gpu_compile --out bench/results/gpu_compile/gpu_compile_h100.json
 
     python -m bench.gpu_compile --only-offload --models qwen3-30b-a3b --out /tmp/offload.json
+    python -m bench.gpu_compile --only-attention --out /tmp/attention.json
 
 Exits 1 when any case fails to compile or has a barrier in a decode K loop, an offloaded decode step
 fails one of its checks, or the canary compiles.
@@ -364,6 +373,50 @@ def compile_case(name: str, model: dict, tier: str, block_rows: int, device, row
     return dict(record, **compile_and_read(jax.jit(f), (rows, block_tier, block_slot, tiers), decode=block_rows == 1))
 
 
+# Decode attention over the paged KV cache (pallas_kernels/decode_attention.py) at each model's heads
+# (cache heads, query heads per cache head, head width, sliding window, sinks), for each case of
+# (current tokens, cache dtype): one row at a 32K context in pages of 64 slots.
+ATTENTION_MODELS = {
+    "qwen3-30b-a3b": dict(heads=4, groups=8, width=128, window=None, sink=False),
+    "gpt-oss-20b": dict(heads=8, groups=8, width=64, window=128, sink=True),
+}
+ATTENTION_CASES = ((1, "bfloat16"), (1, "int8"), (8, "bfloat16"))  # decode, and verifying 7 drafts
+ATTENTION_CONTEXT, ATTENTION_PAGE = 32768, 64
+
+
+def compile_attention_case(name: str, tokens: int, cache: str, device) -> dict:
+    """The decode-attention kernel (and the merge of its shares) at a model's heads over a 32K context."""
+    import jax
+    import jax.numpy as jnp
+
+    from jmoe.layers.attention import QuantizedRows
+    from pallas_kernels.decode_attention import decode_attention, supports
+
+    m = ATTENTION_MODELS[name]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    K, G, w, n = m["heads"], m["groups"], m["width"], ATTENTION_CONTEXT // ATTENTION_PAGE
+    pool_shape = (n, K, ATTENTION_PAGE, w)
+    if cache == "int8":
+        pool = QuantizedRows(on(pool_shape, jnp.int8), on((*pool_shape[:3], 1), jnp.float32))
+    else:
+        pool = on(pool_shape, jnp.dtype(cache))
+    q = on((1, K, G * tokens, w), jnp.bfloat16)
+    row, table = on((1,), jnp.int32), on((1, n), jnp.int32)
+    sink = on((K, G), jnp.float32) if m["sink"] else None
+    record = dict(model=name, tier=f"{cache} KV", plan=f"attention, {tokens} token{'s' * (tokens > 1)}", rows=1,
+                  rows_dtype="bfloat16", context=ATTENTION_CONTEXT, page=ATTENTION_PAGE, window=m["window"],
+                  sink=m["sink"])
+    if not supports(q, pool, pool):
+        return dict(record, status="unsupported")
+
+    def attend(q, keys, values, start, key_start, table, sink):
+        return decode_attention(q, keys, values, start, key_start, table, groups=G, scale=w**-0.5, window=m["window"],
+                                sink=sink)
+
+    return dict(record, **compile_and_read(jax.jit(attend), (q, pool, pool, row, row, table, sink), decode=False))
+
+
 def compile_mosaic_case(name: str, model: dict, device) -> dict:
     """The int4 decode kernels on Pallas' Mosaic GPU backend (kernel_backend="mosaic"): TMA copies
     into shared memory, every K step of a program in flight at once. Modelled bandwidth from those bytes."""
@@ -423,12 +476,16 @@ def temp_bytes(compiled) -> int | None:
         return None
 
 
+OUR_KERNELS = ("expert_", "decode_attention")  # this project's kernels, by the names their launches carry
+
+
 def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, build=None,
                      read_dump=None) -> dict:
     """Compile for the H100; what ptxas, the thunk sequence and (decode) the PTX's K loop say.
 
     A whole step also holds XLA's own fusions; a spill there fails the step's compile only when
-    it is in an expert kernel (XLA's are listed as xla_fusion_spills: not this project's code).
+    it is in one of this project's kernels (XLA's are listed as xla_fusion_spills: not this
+    project's code).
     `build(options)` compiles in place of lower_and_compile; `read_dump(dumped_step's texts, log)`
     reads what else the record holds (as "dump") from XLA's dump and log."""
     start = time.perf_counter()
@@ -453,9 +510,9 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
         record["temp_bytes"] = temp
     if read_dump is not None and not error:
         record["dump"] = read_dump(step_texts, log[0])
-    # the expert kernels, and any other kernel of the step that spills
+    # this project's kernels, and any other kernel of the step that spills
     record["kernels"] = kernels = {k: v for k, v in parse_ptxas(log[0]).items()
-                                   if k.startswith("expert_") or v.get("spill_store_bytes")}
+                                   if k.startswith(OUR_KERNELS) or v.get("spill_store_bytes")}
     for name, info in kernels.items():
         info.update(launches.get(name, {}))
         if decode and name in ptx:
@@ -463,14 +520,14 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
             info["modelled"] = modelled_decode_bandwidth(info)
     if error:
         return dict(record, status=failure_kind(error), error=error.splitlines()[0][:300])
-    if any(v.get("spill_store_bytes") for k, v in kernels.items() if k.startswith("expert_") and not whole_step):
+    if any(v.get("spill_store_bytes") for k, v in kernels.items() if k.startswith(OUR_KERNELS) and not whole_step):
         return dict(record, status="register spilling")  # Mosaic GPU runs its own ptxas, without XLA's flag
     if loop_barriers := decode_loop_barriers(kernels):
         return dict(record, status="barrier in the decode loop", error=f"bar.sync per K loop iteration: {loop_barriers}")
     if whole_step:
         record["xla_fusion_spills"] = {k: v["spill_store_bytes"] for k, v in kernels.items()
-                                       if not k.startswith("expert_")}
-        if any(v.get("spill_store_bytes") for k, v in kernels.items() if k.startswith("expert_")):
+                                       if not k.startswith(OUR_KERNELS)}
+        if any(v.get("spill_store_bytes") for k, v in kernels.items() if k.startswith(OUR_KERNELS)):
             return dict(record, status="register spilling")
     return dict(record, status="ok")
 
@@ -893,9 +950,15 @@ def kernel_and_step_runs(args, models: list[str], device) -> list:
                   for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
     runs = [functools.partial(compile_case, *case[:4], device, case[4]) for case in cases]
     runs += [functools.partial(compile_mosaic_case, name, MODELS[name], device) for name in models]
+    runs += attention_runs(models, device)
     if args.steps:
         runs += [functools.partial(compile_step, name, *case, device) for name in models for case in STEP_CASES]
     return runs
+
+
+def attention_runs(models: list[str], device) -> list:
+    return [functools.partial(compile_attention_case, name, tokens, cache, device) for name in models
+            if name in ATTENTION_MODELS for tokens, cache in ATTENTION_CASES]
 
 
 def main(argv=None) -> int:
@@ -910,13 +973,18 @@ def main(argv=None) -> int:
                         help="leave out the offloaded decode steps (experts fetched from pinned-host stores)")
     parser.add_argument("--only-offload", action="store_true",
                         help="only the offloaded decode steps (no kernel cases, other steps or spill canary)")
+    parser.add_argument("--only-attention", action="store_true",
+                        help="only the decode-attention kernel cases (no expert kernels, steps or canaries)")
     parser.add_argument("--out", default=str(HERE / "results" / "gpu_compile" / "gpu_compile_h100.json"))
     args = parser.parse_args(argv)
     _setup_environment()
     device, jax = compile_only_device()
     models = args.models.split(",")
-    runs = [] if args.only_offload else kernel_and_step_runs(args, models, device)
-    if args.offload or args.only_offload:
+    if args.only_attention:
+        runs = attention_runs(models, device)
+    else:
+        runs = [] if args.only_offload else kernel_and_step_runs(args, models, device)
+    if (args.offload or args.only_offload) and not args.only_attention:
         runs += [functools.partial(compile_offloaded_step, name, *case, device) for name in models
                  for case in OFFLOAD_CASES]
     results = []
@@ -926,13 +994,13 @@ def main(argv=None) -> int:
         print(offload_line(r) if "expected_fetches" in r else kernel_line(r), flush=True)
     failed = [r for r in results if r["status"] not in ("ok", "unsupported")]
     canary, canary_ok = None, True
-    if not args.only_offload:
+    if not (args.only_offload or args.only_attention):
         canary = spill_canary(device)
         canary_ok = canary["status"] == canary["expected"]
         print(f"canary (a block known to spill): {canary['status']}"
               + ("" if canary_ok else " -- the spill check is broken"))
     offload_canary_record, offload_canary_ok = None, True
-    if args.offload or args.only_offload:
+    if (args.offload or args.only_offload) and not args.only_attention:
         offload_canary_record = offload_canary(device)
         offload_canary_ok = offload_canary_caught(offload_canary_record)
         print(f"offload canary (guarded fetches): {offload_line(offload_canary_record)}"
