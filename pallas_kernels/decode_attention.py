@@ -203,7 +203,7 @@ def _merge(acc, top, norm, sink, plan: _Plan, groups: int):
         sink = jnp.repeat(sink.astype(jnp.float32).reshape(-1, groups), plan.tokens, axis=1)[None]  # [1, K, M]
         best = jnp.maximum(best, sink)
     safe = jnp.where(best == -jnp.inf, 0.0, best)
-    weight = jnp.where(top == -jnp.inf, 0.0, jnp.exp(top - safe))  # a share with no key adds nothing
+    weight = jnp.exp(top - safe)  # a share with no key (top -inf) adds nothing
     total = (norm * weight).sum(axis=0)
     if sink is not None:
         total = total + jnp.exp(sink - safe)
