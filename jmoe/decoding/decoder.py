@@ -134,12 +134,14 @@ class Decoder:
         taken in, logits of each row's last token so far [B, V]); a caller may interleave other work.
         first: the slot to start from (the slots before it already hold the prompts' keys and values:
         a shared prefix copied in, jmoe/decoding/prefixes.py)."""
-        self.pos[:] = first
+        self.pos = np.full_like(self.pos, first)
         chunk = min(self.prompt_len - first, prefill_chunk(self.prompt.shape[0]))
         for start in range(first, self.prompt_len, chunk):
             logits = self.step(self.model.put(self.prompt[:, start:start + chunk], "prefill"), last_only=True, phase="prefill")
             taken = min(chunk, self.prompt_len - start)
-            self.advance(taken)
+            # a new array, not advance(): a short row's prompt may start past this chunk; never in place:
+            # the CPU's device_put may alias a numpy array that a dispatched step has yet to read
+            self.pos = np.full_like(self.pos, start + taken)
             self.model.count(executions=1)
             yield taken, logits[:, -1]
 
