@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import harmony, validate
+from jmoe.decoding import prefixes
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_CACHE_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jmoe.decoding.loaded import check_model
@@ -88,7 +89,7 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
     sample = Sampler(model.engine, sampling, seen)
     model.count(**Sampler.cost(sampling, seen), phase="prefill")
     clock = RequestClock()
-    current = sample(decoder.prefill())  # token 1, on the device
+    current = sample(prefixes.prefill(decoder, model.prefixes, prompts))  # token 1, on the device
     model.count(executions=1, phase="prefill")
     for i in range(1, lengths.new_tokens + 1):
         last = i == lengths.new_tokens

@@ -25,26 +25,76 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import cpu_kernels
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, prefill_chunk
 from jmoe.layers.attention import read_slots
 
 PREFIX_BLOCK = 64  # tokens per kept block: the unit prompts share
 
 
 @partial(jax.jit, static_argnums=2)
-def take_block(cache, slot, size: int):
-    """Slots [slot, slot + size) of a one-row cache, every layer's arrays [1, heads, size, width] (a
-    new tree of arrays)."""
-    return jax.tree.map(lambda a: read_slots(a, cache.table, slot, size), cache.layers)
+def take_block(cache, slot, size: int, row):
+    """Slots [slot, slot + size) of row `row` of a cache, every layer's arrays [1, heads, size,
+    width] (a new tree of arrays)."""
+    table = jax.lax.dynamic_slice_in_dim(cache.table, row, 1, axis=0)
+    return jax.tree.map(lambda a: read_slots(a, table, slot, size), cache.layers)
 
 
 @partial(jax.jit, donate_argnums=0)
-def put_block(cache, block, slot):
-    """The one-row cache with `block` (what take_block took) written from `slot`."""
+def put_block(cache, block, slot, row):
+    """The cache with `block` (what take_block took) written into row `row` from `slot`."""
     start = jnp.reshape(slot, (1,)).astype(jnp.int32)
-    return cache._replace(layers=jax.tree.map(lambda a, b: cpu_kernels.write_rows(a, b, start, cache.table),
+    table = jax.lax.dynamic_slice_in_dim(cache.table, row, 1, axis=0)
+    return cache._replace(layers=jax.tree.map(lambda a, b: cpu_kernels.write_rows(a, b, start, table),
                                               cache.layers, block))
+
+
+def first_slot_to_prefill(covered: int, prompt_len: int, chunk: int) -> int:
+    """The slot prefilling starts from when every row's slots before `covered` hold its prompt (a
+    kept prefix copied in, or padding): the rest is prefilled in the chunk shapes a prompt of its
+    length gets (a bucket, or whole chunks), so a few covered slots may be computed again; 0 when
+    those shapes would not fit."""
+    rest = prompt_len - covered
+    span = bucket(rest, MIN_PROMPT_BUCKET, chunk) if rest <= chunk else -(-rest // chunk) * chunk
+    return 0 if covered <= 0 or span > prompt_len else prompt_len - span
+
+
+def copy_in(decoder, store: PrefixCache, prompts: list[list[int]]) -> int:
+    """Copy into each row of `decoder` the kept blocks its prompt starts with: the slot its prefill
+    starts from (0: nothing kept, or too little to skip a chunk). Every row's slots before it hold
+    that row's prompt, so the start is bounded by the row that found the least."""
+    found = [store.lookup(p) for p in prompts]
+    pads = [int(pad) for pad in decoder.key_start]
+    covered = min(pad + len(blocks) * store.block for pad, blocks in zip(pads, found))
+    chunk = min(decoder.prompt_len, prefill_chunk(len(prompts)))
+    first = first_slot_to_prefill(covered if any(found) else 0, decoder.prompt_len, chunk)
+    for row, (prompt, pad, blocks) in enumerate(zip(prompts, pads, found)):
+        used = blocks[:max(0, -(-(first - pad) // store.block))]
+        for j, block in enumerate(used):
+            decoder.cache = put_block(decoder.cache, block, np.int32(pad + j * store.block), np.int32(row))
+        store.count(len(prompt), len(used))
+    return first
+
+
+def keep_prompts(decoder, store: PrefixCache, prompts: list[list[int]]) -> None:
+    """Keep the full blocks of each row's prompt (prefilled in `decoder`) for later prompts."""
+    for row, prompt in enumerate(prompts):
+        pad = int(decoder.key_start[row])
+        store.keep(prompt, lambda j, pad=pad, row=row: take_block(decoder.cache, np.int32(pad + j * store.block),
+                                                                  store.block, np.int32(row)))
+
+
+def prefill(decoder, store: PrefixCache | None, prompts: list[list[int]]):
+    """Decoder.prefill with the kept prefixes the prompts start with copied in (when there is a
+    store), and their blocks kept after: logits of each row's last token [B, V]."""
+    first = copy_in(decoder, store, prompts) if store is not None else 0
+    for _, logits in decoder.prefill_chunks(first):
+        pass
+    if store is not None:
+        keep_prompts(decoder, store, prompts)
+    return logits
 
 
 @dataclass(eq=False)  # nodes compare by identity

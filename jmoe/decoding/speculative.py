@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe import validate
-from jmoe.decoding import acceptance
+from jmoe.decoding import acceptance, prefixes
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.sampling import ALL_FILTERS, Sampler, SamplingOptions, prompt_history
 from jmoe.distributed.processes import agree
@@ -212,7 +212,7 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
     sample = Sampler(model.engine, sampling, seen)
     model.count(**Sampler.cost(sampling, seen), phase="prefill")
     clock = RequestClock()
-    last = sample(decoder.prefill())  # on the device
+    last = sample(prefixes.prefill(decoder, model.prefixes, prompts))  # on the device
     model.count(executions=1, phase="prefill")
     produced = np.ones(B, int)
     queue: list[list[int]] = [[int(t)] for t in model.read_tokens(last, phase="prefill")]

@@ -502,10 +502,10 @@ def load(
         shards owns a contiguous range of every layer's experts, with its own pools, residency and
         host-store part, on its M devices; dense weights are replicated. `device_budget` is then per
         device. Under jax.distributed the mesh spans every process's devices.
-      prefix_cache: device bytes ("64MiB") for the prompt blocks a serving engine keeps so that later
-        prompts starting with the same tokens (a system prompt, earlier chat turns) reuse them
-        instead of prefilling them again; "auto": max_seq_len tokens' worth. Reserved within the
-        budget. Default None: nothing kept.
+      prefix_cache: device bytes ("64MiB") for the prompt blocks generate and a serving engine keep
+        so that later prompts starting with the same tokens (a system prompt, earlier chat turns)
+        reuse them instead of prefilling them again; "auto": max_seq_len tokens' worth. Reserved
+        within the budget. Default None: nothing kept.
       kv_cache: device bytes ("256MiB") of KV cache to reserve, at least one max_seq_len context: a
         serving engine's rows take pages of it as their tokens grow, so more rows than it holds
         whole contexts run at once (jmoe serve --kv-cache). Default "auto": max_batch whole contexts.

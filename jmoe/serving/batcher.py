@@ -212,8 +212,8 @@ class BatchEngine:
             decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context, self.pool, table)
             greedy_jit(decoder.prefill())
             if prompt_len == MIN_PROMPT_BUCKET and self.model.prefixes is not None and self.context > PREFIX_BLOCK:
-                decoder.cache = put_block(decoder.cache, take_block(decoder.cache, np.int32(0), PREFIX_BLOCK),
-                                          np.int32(0))
+                zero = np.int32(0)
+                decoder.cache = put_block(decoder.cache, take_block(decoder.cache, zero, PREFIX_BLOCK, zero), zero, zero)
             self.pool.release(table[0])
             prompt_len *= 2
         n = 1

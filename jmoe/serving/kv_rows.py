@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from jmoe.decoding.decoder import Decoder
-from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket, prefill_chunk
-from jmoe.decoding.prefixes import put_block, take_block
+from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket
+from jmoe.decoding.prefixes import copy_in, keep_prompts
 from jmoe.runtime.stats import RequestClock
 from jmoe.serving.requests import Stream
 
@@ -50,31 +50,9 @@ class Prefill:
     def advance(self) -> int:
         """Prefill the next chunk: its tokens."""
         if self._chunks is None:
-            self._chunks = self.decoder.prefill_chunks(self._reuse_prefix() if self.prefixes else 0)
+            first = copy_in(self.decoder, self.prefixes, [self.prompt]) if self.prefixes else 0
+            self._chunks = self.decoder.prefill_chunks(first)
         taken, self.logits = next(self._chunks)
         if self.done and self.prefixes:
-            self._keep_prefix()
+            keep_prompts(self.decoder, self.prefixes, [self.prompt])
         return taken
-
-    def _reuse_prefix(self) -> int:
-        """Copy in the kept blocks the prompt starts with: the slot prefilling starts from. The
-        rest is prefilled in the chunk shapes a prompt of its length gets (a few of the copied
-        slots before it may be computed again)."""
-        prompt, decoder, store = self.prompt, self.decoder, self.prefixes
-        blocks = store.lookup(prompt)
-        pad, total = int(decoder.key_start[0]), decoder.prompt_len
-        chunk = min(total, prefill_chunk(1))
-        rest = total - (pad + len(blocks) * store.block)
-        span = bucket(rest, MIN_PROMPT_BUCKET, chunk) if rest <= chunk else -(-rest // chunk) * chunk
-        if not blocks or span > total:  # nothing kept, or the rest's chunks would not fit: no reuse
-            store.count(len(prompt), 0)
-            return 0
-        for j, block in enumerate(blocks):
-            decoder.cache = put_block(decoder.cache, block, np.int32(pad + j * store.block))
-        store.count(len(prompt), len(blocks))
-        return total - span
-
-    def _keep_prefix(self) -> None:
-        decoder, store = self.decoder, self.prefixes
-        pad = int(decoder.key_start[0])
-        store.keep(self.prompt, lambda j: take_block(decoder.cache, np.int32(pad + j * store.block), store.block))
