@@ -2,6 +2,9 @@
 
     python tests/rss_probe.py '{"path": ..., "tier": ..., "policy": ..., "share": 0.25, "tokens": [8, 200]}'
 
+("prompt_tokens": the prompt's length, default 8; "reset_peak": each call's peak from the RSS before
+it, call_peak: /proc/self/clear_refs resets VmHWM.)
+
 Prints one JSON line: the bytes load reserved (model.memory), RSS growth from load (peak and after),
 and after each generate call of `tokens` the RSS and peak, all relative to the process before
 load (jax, jmoe, orbax and transformers imported, one function compiled and a tokenizer loaded, so the
@@ -42,10 +45,15 @@ def main() -> None:
     loaded = process_memory()
     out = {"reserved": model.memory, "load_peak": loaded["VmHWM"] - base["VmRSS"],
            "load_rss": loaded["VmRSS"] - base["VmRSS"], "after": []}
+    prompt = [3 + i % 64 for i in range(args.get("prompt_tokens", 8))]
     for n in args.get("tokens", []):
-        jmoe.generate(model, list(range(3, 11)), max_new_tokens=n)
+        before = process_memory()
+        if args.get("reset_peak"):  # the peak of this call alone, not the compiles of one before it
+            Path("/proc/self/clear_refs").write_text("5")
+        jmoe.generate(model, prompt, max_new_tokens=n)
         now = process_memory()
         out["after"].append({"tokens": n, "rss": now["VmRSS"] - base["VmRSS"], "peak": now["VmHWM"] - base["VmRSS"],
+                             "call_peak": now["VmHWM"] - before["VmRSS"],
                              "anon": now["RssAnon"] - base["RssAnon"], "stats": {
                                  k: v for k, v in jmoe.stats(model).items() if isinstance(v, (int, float))}})
     print(json.dumps(out))

@@ -164,6 +164,37 @@ def test_offloading_with_cpu_execution_stays_within_bounded_memory(medium):
     assert long["peak"] - warm["rss"] <= 32 * MiB, ((long["peak"] - warm["rss"]) / MiB, out)
 
 
+# Qwen3-30B-A3B's attention (32 query heads on 4 cache heads of 128, hidden 2048), one layer, few experts.
+QWEN3_ATTENTION = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                       num_hidden_layers=1, mlp_only_layers=[], moe_intermediate_size=768, num_experts=8,
+                       num_experts_per_tok=2, intermediate_size=6144, max_position_embeddings=32768)
+
+
+@needs_proc
+@pytest.mark.skipif(not ON_CPU, reason="on an accelerator the cache and workspace are device memory")
+def test_a_32k_context_of_qwen3s_attention_stays_within_the_plan(tmp_path):
+    """Loaded for a 32,768-token context, the plan reserves the whole context's KV cache and a
+    prefill chunk's workspace over blocks of keys, not its scores over the context. A 4,096-token
+    prompt (eight 512-token chunks, each over the keys before it) and its decode steps, once
+    compiled, take no more than the workspace and the KV cache generate holds for it (8,192 slots).
+    What the plan does not count on a CPU: XLA's compiled code and compiler heap, taken by the
+    first call (measured: about 110 MiB at these widths) and kept by the process."""
+    make_checkpoint("qwen3_moe", tmp_path / "hf", overrides=QWEN3_ATTENTION)
+    path = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="bf16", progress=False)
+    out = probe(path=path, tier="bf16", policy="resident", max_seq_len=32768, prompt_tokens=4096, tokens=[4, 4],
+                reset_peak=True)
+    reserved = out["reserved"]
+    slot_bytes = 2 * 4 * 128 * 4  # keys and values of one slot of the one layer, float32
+    assert reserved["kv_cache"] == 32768 * slot_bytes
+    materialised_scores = 32 * 512 * 32768 * 4  # a 512-token chunk's scores over the context: 2 GiB
+    assert 16 * reserved["workspace"] < materialised_scores
+    compiled, again = out["after"]
+    held = reserved["workspace"] + 8192 * slot_bytes
+    assert again["call_peak"] <= 1.1 * held, (again["call_peak"] / MiB, held / MiB)
+    assert again["call_peak"] >= 0.5 * held  # the prompt's cache and chunks were really there
+    assert compiled["peak"] <= sum(reserved.values()) + 160 * MiB, (compiled["peak"] / MiB, reserved)
+
+
 # ---------------------------------------------------------------- the persistent compilation cache
 
 
