@@ -898,6 +898,23 @@ def kv_int8() -> str:
             f"tokens, max_seq_len {d['max_seq_len']:,}. Machine: {machine(depth)} ({source(quality_name, depth_name)}).")
 
 
+def kv_dtypes() -> str:
+    """Every KV cache dtype's perplexity and greedy agreement on the tiny model, beside its compute dtype's."""
+    name = "long_context/kv_fp8_quality_cpu.json"
+    q = load(name)["quality"]
+    kinds = [k for k in q["prose"]["perplexity"] if k != "compute"]
+    rows = []
+    for domain in ("prose", "code", "math"):
+        ppl, same = q[domain]["perplexity"], q[domain]["greedy_tokens_equal_before_first_difference"]
+        rows.append([domain, f(ppl["compute"], 3)] + [f"{f(ppl[k], 3)} ({100 * (ppl[k] / ppl['compute'] - 1):+.2f}%), "
+                                                      f"{same[k]} of {q['new_tokens']}" for k in kinds])
+    out = table(["dev text", "float32 KV"] + [f"{k} KV: perplexity, greedy tokens equal" for k in kinds], rows)
+    return out + (f"\n\nThe tiny model, float32 compute: perplexity over {q['tokens_per_domain']:,} tokens of each dev "
+                  f"text in windows of {q['window']:,}; greedy continuation of a {q['prompt_tokens']:,}-token prompt, "
+                  f"tokens equal to the float32 cache's before the first difference. Machine: {machine(load(name))} "
+                  f"({source(name)}).")
+
+
 DEPTH_HEADER = ["KV cache, jmoe / llama.cpp", "depth (tokens)", "jmoe decode tok/s", "llama.cpp decode tok/s",
                 "jmoe / llama.cpp"]
 
@@ -997,6 +1014,7 @@ TABLES = {
     "long-context-plan": long_context_plan,
     "long-context-depth": long_context_depth,
     "kv-int8": kv_int8,
+    "kv-dtypes": kv_dtypes,
     "prefix-sharing": prefix_sharing,
     "kv-pages": kv_pages,
     "depth-vs-llama": depth_vs_llama,

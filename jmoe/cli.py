@@ -144,9 +144,9 @@ def add_model_options(p) -> None:
     p.add_argument("--tier", default=None, help="expert precision tier")
     p.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context to plan memory for")
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "bfloat16"],
-                   help="KV cache dtype: int8 (a scale per token and head; a quarter of a float32 cache) "
-                        "or bfloat16 (half of one) instead of the compute dtype")
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "bfloat16", "fp8"],
+                   help="KV cache dtype: int8 (a scale per token and head; a quarter of a float32 cache), "
+                        "bfloat16 (half of one) or fp8 (float8_e4m3fn, no scale) instead of the compute dtype")
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (multiplied in integers, faster, on AVX-512 VNNI, and on "

@@ -379,7 +379,7 @@ ROWS = [
     Row("plan-misses-unknown", lambda c: jmoe.memory_plan(c.tiny, misses="skip"), InputError, "misses"),
     Row("plan-mesh-garbage", lambda c: jmoe.memory_plan(c.tiny, mesh="ep=x"), InputError, "mesh"),
     Row("load-kv-dtype-unknown", lambda c: jmoe.load(c.tiny, kv_dtype="int4"), InputError, "kv_dtype"),
-    Row("plan-kv-dtype-unknown", lambda c: jmoe.memory_plan(c.tiny, kv_dtype="fp8"), InputError, "kv_dtype"),
+    Row("plan-kv-dtype-unknown", lambda c: jmoe.memory_plan(c.tiny, kv_dtype="fp4"), InputError, "kv_dtype"),
     Row("load-prefix-cache-garbage", lambda c: jmoe.load(c.tiny, prefix_cache="lots"), InputError, "prefix_cache"),
     Row("load-prefix-cache-negative", lambda c: jmoe.load(c.tiny, prefix_cache=-5), InputError, "prefix_cache"),
     Row("plan-prefix-cache-garbage", lambda c: jmoe.memory_plan(c.tiny, prefix_cache=[1]), InputError,

@@ -81,6 +81,18 @@ def dequantize_rows(rows: QuantizedRows, dtype) -> jax.Array:
     return (rows.values.astype(jnp.float32) * rows.scales).astype(dtype)
 
 
+FLOAT8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x as a cache of `dtype` holds it; float8_e4m3fn has no infinity (a value past its largest,
+    448, would become NaN), so values are clipped to its range first, as fp8 caches saturate."""
+    if jnp.dtype(dtype) == FLOAT8:
+        limit = float(jnp.finfo(FLOAT8).max)
+        return jnp.clip(x.astype(jnp.float32), -limit, limit).astype(FLOAT8)
+    return x.astype(dtype)
+
+
 class AttentionMeta(NamedTuple):
     """Where the current tokens sit in the cache; rows may sit at different positions.
 
@@ -109,14 +121,15 @@ class AttentionMeta(NamedTuple):
 
 def write_cache(cache, new, meta: "AttentionMeta"):
     """(cache with new [B, H, T, w] written from slot meta.start[b] in each row b, through the page
-    table; new as the cache holds it: rounded to int8 and back for an int8 cache, else in the
-    cache's dtype)."""
+    table; new as the cache holds it: rounded to int8 and back for an int8 cache, to float8 and back
+    for a float8 one, else in the cache's dtype)."""
     if isinstance(cache, QuantizedRows):
         rows = quantize_rows(new)
         written = QuantizedRows(write_rows(cache.values, rows.values, meta),
                                 write_rows(cache.scales, rows.scales, meta))
         return written, dequantize_rows(rows, new.dtype)
-    return write_rows(cache, new, meta), new.astype(cache.dtype)
+    held = to_cache_dtype(new, cache.dtype)
+    return write_rows(cache, held, meta), held.astype(new.dtype) if held.dtype == FLOAT8 else held
 
 
 def write_rows(pool, new, meta: "AttentionMeta"):
@@ -190,7 +203,8 @@ def _cache_block(cache, start, size, dtype, table=None):
     read = (lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=2)) if table is None else \
         (lambda a: read_slots(a, table, start, size))
     if not isinstance(cache, QuantizedRows):
-        return read(cache), None
+        block = read(cache)  # float8 takes no part in implicit promotion: widened here
+        return (block.astype(dtype) if block.dtype == FLOAT8 else block), None
     return read(cache.values).astype(dtype), read(cache.scales)[..., 0][:, :, None, None, :]
 
 
@@ -285,7 +299,8 @@ def _online_softmax(queries, keys, values, meta: AttentionMeta, *, groups: int, 
         top = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, :, None], (B, K, G, T))
         norm = jnp.ones((B, K, G, T), jnp.float32)
     out = jnp.zeros((B, K, M, values.shape[-1]), jnp.float32)
-    value_dtype = queries[0].dtype if isinstance(values, QuantizedRows) else values.dtype
+    widened = isinstance(values, QuantizedRows) or values.dtype == FLOAT8  # read in the queries' dtype
+    value_dtype = queries[0].dtype if widened else values.dtype
 
     def step(j, carry):
         top, norm, out = carry

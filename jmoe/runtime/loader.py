@@ -224,7 +224,8 @@ def resolve_compute_dtype(compute_dtype) -> jnp.dtype:
     return dtype
 
 
-KV_DTYPES = ("int8", "bfloat16")
+KV_DTYPES = ("int8", "bfloat16", "float8_e4m3fn")
+KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
 
 
 NO_PREFIX_CACHE = (None, 0, "0", "none")
@@ -256,10 +257,12 @@ def resolve_kv_cache(kv_cache, cfg: ModelConfig, max_seq_len: int, kv_dtype) -> 
 
 
 def resolve_kv_dtype(kv_dtype, compute_dtype) -> jnp.dtype:
-    """The KV cache's dtype: the compute dtype (None), int8 (values rounded per slot and head), or
-    bfloat16 (half a float32 cache's bytes under a float32 compute dtype)."""
+    """The KV cache's dtype: the compute dtype (None), int8 (values rounded per slot and head),
+    bfloat16 (half a float32 cache's bytes under a float32 compute dtype) or float8_e4m3fn ("fp8":
+    a byte per number, no scale, as GPUs with fp8 convert it natively)."""
     if kv_dtype is None:
         return compute_dtype
+    kv_dtype = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
     validate.choice("kv_dtype", kv_dtype, KV_DTYPES)
     return jnp.dtype(kv_dtype)
 
