@@ -547,6 +547,8 @@ STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its po
     # the int8 KV cache (int8 values, a scale per slot and head) read by the same blocked attention
     ("prefill 512 at a 32K context, int8 KV, resident int4", "prefill", {"int4": 1.0}, "pallas", 32768, "int8"),
     ("decode at a 32K context, int8 KV, resident int4", "decode", {"int4": 1.0}, "pallas", 32768, "int8"),
+    # the fp8 KV cache (float8_e4m3fn, no scale): widened as its blocks are read, natively on an H100
+    ("decode at a 32K context, fp8 KV, resident int4", "decode", {"int4": 1.0}, "pallas", 32768, "float8_e4m3fn"),
 )
 
 
