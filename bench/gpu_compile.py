@@ -380,7 +380,7 @@ ATTENTION_MODELS = {
     "qwen3-30b-a3b": dict(heads=4, groups=8, width=128, window=None, sink=False),
     "gpt-oss-20b": dict(heads=8, groups=8, width=64, window=128, sink=True),
 }
-ATTENTION_CASES = ((1, "bfloat16"), (1, "int8"), (8, "bfloat16"))  # decode, and verifying 7 drafts
+ATTENTION_CASES = ((1, "bfloat16"), (1, "int8"), (1, "float8_e4m3fn"), (8, "bfloat16"))  # decode; verifying 7 drafts
 ATTENTION_CONTEXT, ATTENTION_PAGE = 32768, 64
 
 

@@ -6,7 +6,7 @@ comes back normalised with the softmax's maximum and normaliser.
 
 Layout: q [B, K, groups * T, w] (the query heads of each cache head, then tokens: row m of a cache
 head is head m // T's token m % T); keys [P, K, page, w] and values [P, K, page, wv], pools of pages,
-each float32, bfloat16, or int8 with float32 scales [P, K, page, 1] (`.values`, `.scales`); table
+each float32, bfloat16, float8_e4m3fn, or int8 with float32 scales [P, K, page, 1] (`.values`, `.scales`); table
 [B, n] int32: row b's logical slot s lies at pool[table[b, s // page], :, s % page] (a table entry
 outside [0, P) is no page). Token t of row b sits at slot start[b] + t and attends to slots
 [key_start[b], start[b] + t], the last `window` of them if set; sink [K, groups] or None: a logit per
@@ -66,7 +66,8 @@ ACC_PER_THREAD = 32
 NUM_STAGES = 2  # each step's key and value loads issued while the step before computes
 
 _QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_CACHE_DTYPES = _QUERY_DTYPES + (jnp.dtype(jnp.int8),)
+FLOAT8 = jnp.dtype(jnp.float8_e4m3fn)
+_CACHE_DTYPES = _QUERY_DTYPES + (jnp.dtype(jnp.int8), FLOAT8)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def _pow2(n: int) -> bool:
 
 def supports(q, keys, values) -> bool:
     """Whether `decode_attention` takes these inputs: q [B, K, M, w] float32 or bfloat16 with M at
-    most MAX_QUERY_ROWS; keys and values of one kind (float32, bfloat16, or int8 with scales);
+    most MAX_QUERY_ROWS; keys and values of one kind (float32, bfloat16, float8_e4m3fn widened as
+    loaded, or int8 with scales);
     widths w and wv powers of two >= 16 (the Triton lowering loads power-of-two tiles, tl.dot
     needs 16); every pool indexed without 32-bit offset overflow (expert_ffn_pallas.offsets_fit)."""
     if q.ndim != 4 or jnp.dtype(q.dtype) not in _QUERY_DTYPES or q.shape[2] > MAX_QUERY_ROWS:
@@ -165,7 +167,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
         pages = table_ref[jnp.minimum(slots // plan.page, n - 1)]
         held = (pages >= 0) & (pages < plan.pages) & (slots >= lo) & (slots < hi)
         pages, offsets = jnp.where(held, pages, 0), slots % plan.page
-        keys = jnp.where(held[:, None], k_ref[pages, offsets, :], 0).astype(q.dtype)
+        keys = jnp.where(held[:, None], k_ref[pages, offsets, :].astype(q.dtype), 0)  # fp8 widened as loaded
         scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         scores = scores * plan.scale
         if plan.quantized:  # an int8 key's scale multiplies its score
@@ -176,7 +178,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
         safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no key allowed yet: keep exp() finite
         probs = jnp.exp(scores - safe_top[:, None])
         rescale = jnp.exp(top - safe_top)
-        values = jnp.where(held[:, None], v_ref[pages, offsets, :], 0)
+        values = jnp.where(held[:, None], v_ref[pages, offsets, :].astype(plan.value_dtype), 0)
         weights = probs
         if plan.quantized:  # an int8 value's scale weights its probability
             weights = probs * jnp.where(held, vs_ref[pages, offsets], 0.0)[None, :]
@@ -239,7 +241,7 @@ def decode_attention(q, keys, values, start, key_start, table, *, groups: int, s
     wv = v_pool.shape[-1]
     S = table.shape[1] * page
     quantized = _kind(keys)[1]
-    if quantized:  # int8 values multiply queries of the compute dtype (exact in bfloat16)
+    if quantized or k_pool.dtype == FLOAT8:  # int8 and fp8 multiply the compute dtype's queries, widened
         compute_dtype = value_dtype = q.dtype
     else:
         compute_dtype = jnp.promote_types(q.dtype, k_pool.dtype)

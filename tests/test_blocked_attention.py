@@ -297,8 +297,11 @@ def test_native_attention_equals_the_materialised_softmax(case):
 
 # The Pallas kernel takes widths that are powers of two (>= 16): NATIVE_CASES' others, and float32 with
 # a window over pages of 7 slots, absent pages in the padding, 3 query heads of 2 tokens (6 query rows
-# padded to 16).
-PALLAS_CASES = [c for c in NATIVE_CASES if c[5] % 16 == 0] + [(3, 1, 3, 2, 70, 16, "float32", 9, False, 7, True)]
+# padded to 16); and fp8 caches (float8_e4m3fn, which the native kernel does not take).
+PALLAS_CASES = [c for c in NATIVE_CASES if c[5] % 16 == 0] + [
+    (3, 1, 3, 2, 70, 16, "float32", 9, False, 7, True),
+    (2, 4, 8, 4, 600, 128, "float8_e4m3fn", None, False, 24, False),
+    (3, 2, 4, 1, 320, 32, "float8_e4m3fn", 50, True, 4, True)]
 
 
 @pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
