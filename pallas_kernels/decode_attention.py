@@ -84,12 +84,14 @@ class _Plan:
     scale: float
     window: int | None
     quantized: bool  # int8 keys and values with scales
+    fp8: bool  # float8_e4m3fn keys and values, widened as loaded
     value_dtype: str  # what the probabilities are cast to before @ values
     value_width: int  # wv
 
     @property
     def num_warps(self) -> int:
-        return 4 if self.rows * self.value_width <= 4 * 32 * ACC_PER_THREAD else 8
+        # fp8's widening takes registers of its own: at Mixtral-8x7B's heads 4 warps spilled 8 bytes
+        return 4 if self.rows * self.value_width <= 4 * 32 * ACC_PER_THREAD and not self.fp8 else 8
 
 
 def _array(cache):
@@ -248,6 +250,7 @@ def decode_attention(q, keys, values, start, key_start, table, *, groups: int, s
         value_dtype = v_pool.dtype
     plan = _Plan(rows=_query_rows(M), queries=M, tokens=M // groups, page=page, pages=P, slots=S,
                  splits=splits or _splits(B, K, S), scale=float(scale), window=window, quantized=quantized,
+                 fp8=k_pool.dtype == FLOAT8,
                  value_dtype=jnp.dtype(value_dtype).name, value_width=wv)
     q = jnp.pad(q.astype(compute_dtype), ((0, 0), (0, 0), (0, plan.rows - M), (0, 0)))
 
