@@ -145,9 +145,9 @@ class Decoder:
             self.model.count(executions=1)
             yield taken, logits[:, -1]
 
-    def prefill(self) -> jnp.ndarray:
-        """The whole prompts: logits of each row's last token [B, V]."""
-        for _, logits in self.prefill_chunks():
+    def prefill(self, first: int = 0) -> jnp.ndarray:
+        """The whole prompts (from slot `first`, as prefill_chunks): logits of each row's last token [B, V]."""
+        for _, logits in self.prefill_chunks(first):
             pass
         return logits
 

@@ -89,9 +89,7 @@ def keep_prompts(decoder, store: PrefixCache, prompts: list[list[int]]) -> None:
 def prefill(decoder, store: PrefixCache | None, prompts: list[list[int]]):
     """Decoder.prefill with the kept prefixes the prompts start with copied in (when there is a
     store), and their blocks kept after: logits of each row's last token [B, V]."""
-    first = copy_in(decoder, store, prompts) if store is not None else 0
-    for _, logits in decoder.prefill_chunks(first):
-        pass
+    logits = decoder.prefill(copy_in(decoder, store, prompts) if store is not None else 0)
     if store is not None:
         keep_prompts(decoder, store, prompts)
     return logits

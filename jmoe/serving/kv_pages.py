@@ -55,7 +55,7 @@ class PagePool:
     def release(self, table_row: np.ndarray) -> None:
         """Every page of table_row back to the pool; the row holds none after."""
         held = table_row[table_row != NO_PAGE]
-        self._free.extend(sorted(held.tolist(), reverse=True))
+        self._free.extend(held.tolist())
         self._free.sort(reverse=True)
         table_row[:] = NO_PAGE
 
