@@ -21,11 +21,11 @@ from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.layers.attention import AttentionMeta
 from jmoe.layers.experts import ExpertState, Selection
-from jmoe.layers.linear import use_tiled_kernels
+from jmoe.layers.linear import INPUT_HESSIAN, capture_inputs, use_tiled_kernels
 from jmoe.layers.rope import rope_tables
 from jmoe.layers.transformer import AS_DENSE, abstract_model, run_layers
 from jmoe.quant import ExpertWeights
-from pallas_kernels.qarray import QuantFormat
+from pallas_kernels.qarray import QArray, QuantFormat
 
 
 def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: int, seq_len: int,
@@ -84,16 +84,26 @@ class LayerwiseCalibration:
     time over every sequence (hidden states stay on the host between layers). At each MoE layer
     `on_moe_layer(moe_index, inputs)` gets the layer's inputs and routing and returns the layer's
     full-precision experts, which then compute the layer's output; it is where the converter
-    quantizes and writes that layer, so only one layer's experts are ever held."""
+    quantizes and writes that layer, so only one layer's experts are ever held.
+
+    With `quantize_dense(path, stored, hessian) -> QArray`, each layer's quantized Linears (attention
+    projections, dense MLP, shared expert) are quantized again before the layer computes its
+    output: a first pass records X^T X of each one's inputs (as the layers before, already done, and
+    this layer's round-to-nearest weights give them), `quantize_dense` returns the weight for the dense tree's leaf at `path` (stored
+    there as `stored`), and the layer then runs on it (convert/dense_gptq.py)."""
 
     def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16, *,
                  quant: QuantFormat | None = None, head_quant: QuantFormat | None | str = AS_DENSE,
-                 progress: bool = False, tiled_kernels: bool = False):
+                 progress: bool = False, tiled_kernels: bool = False,
+                 quantize_dense: Callable[[tuple, QArray, np.ndarray], QArray] | None = None):
         """dense: the stored dense tree (at the dense tier `quant` and head tier `head_quant`, as the
-        converter wrote it; tiled_kernels: its plain projections in the CPU layout)."""
+        converter wrote it; tiled_kernels: its plain projections in the CPU layout); with
+        quantize_dense, its layers' quantized leaves are replaced as calibration reaches them."""
         self.cfg = cfg
         self.batch = batch
         self.progress = progress
+        self.dense = dense
+        self.quantize_dense = quantize_dense
         model = use_tiled_kernels(abstract_model(cfg, jnp.float32, quant, head_quant), tiled_kernels)
         self.layers = []
         for i, layer in enumerate(model.layers):
@@ -103,6 +113,9 @@ class LayerwiseCalibration:
         graphdef, state = nnx.split(model.embed_tokens)
         nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dense["embed_tokens"]))
         self.hidden = np.array(nnx.merge(graphdef, state)(jnp.asarray(tokens)))  # [n_seq, L, D], writable
+        graphdef, state = nnx.split(model.norm)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dense["norm"]))
+        self._final_norm = nnx.merge(graphdef, state)
         L = tokens.shape[1]
         self._rope = rope_tables(jnp.arange(L, dtype=jnp.int32)[None], cfg)
 
@@ -111,6 +124,42 @@ class LayerwiseCalibration:
         with tqdm(total=len(self.layers), desc="calibration", unit="layer", disable=not self.progress) as bar:
             runner.done = bar.update
             self.hidden, *_ = run_layers(runner, self.hidden, None, None, want_importance=False)
+
+    def head_inputs(self) -> np.ndarray:
+        """After run(): what the LM head multiplies, the final norm of the last layer's outputs [n, D] float32."""
+        x = self.hidden.reshape(-1, self.hidden.shape[-1])
+        step = 8192
+        return np.concatenate([np.asarray(self._final_norm(jnp.asarray(x[i : i + step])), np.float32)
+                               for i in range(0, len(x), step)])
+
+    def requantize(self, i: int, part: str, capture_pass) -> None:
+        """Layer i's quantized Linears under `part` ("self_attn" or "mlp") quantized again from the
+        X^T X their inputs gave in `capture_pass(graphdef, state)` (a jitted layer piece returning the
+        captured intermediates), written into the dense tree and the layer's state."""
+        if self.quantize_dense is None:
+            return
+        graphdef, state = self.layers[i]
+        layer = nnx.merge(graphdef, state)
+        paths = capture_inputs(getattr(layer, part))
+        if not paths:
+            return
+        capturing, _ = nnx.split(layer)
+        hessians = {}
+        for captured in capture_pass(capturing, state):
+            for path in paths:
+                node = captured.get(part, {})
+                for key in path:
+                    node = node.get(key, {})
+                if INPUT_HESSIAN in node:  # a weight read outside a product (MLA's absorbed kv_b) records nothing
+                    hessians[path] = hessians.get(path, 0.0) + np.asarray(node[INPUT_HESSIAN], np.float64)
+        stored = self.dense["layers"][i][part]
+        for path in hessians:
+            node = stored
+            for key in path[:-1]:
+                node = node[key]
+            leaf = node[path[-1]]
+            leaf["kernel"] = self.quantize_dense(("layers", i, part, *path, "kernel"), leaf["kernel"], hessians[path])
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, self.dense["layers"][i]))
 
     def meta(self, batch: int) -> AttentionMeta:
         cos, sin = self._rope
@@ -137,6 +186,10 @@ class _CalibrationRunner:
         return i in self.moe_index
 
     def attend(self, i, x, cache, meta, want_importance):
+        calib = self.calib
+        calib.requantize(i, "self_attn", lambda graphdef, state: (
+            _layer_fn("attention_inputs", graphdef)(state, jnp.asarray(x[sl]), calib.meta(x[sl].shape[0]))
+            for sl in calib.batches()))
         graphdef, state = self.calib.layers[i]
         normed = np.empty_like(x)
         for sl in self.calib.batches():
@@ -145,6 +198,8 @@ class _CalibrationRunner:
         return x, normed, None, None
 
     def feed_forward(self, i, x, h, meta, importance):
+        self.calib.requantize(i, "mlp", lambda graphdef, state: (
+            _layer_fn("mlp_inputs", graphdef)(state, jnp.asarray(h[sl])) for sl in self.calib.batches()))
         graphdef, state = self.calib.layers[i]
         experts = None
         if self.is_moe(i):
@@ -188,6 +243,24 @@ def _layer_fn(kind: str, graphdef):
         x, h, *_ = layer.attend(x, cache, meta)
         return x, h
 
+    def captured(layer):
+        return nnx.to_pure_dict(nnx.state(layer, nnx.Intermediate))
+
+    def attention_inputs(state, x, meta):
+        """What the capturing Linears of the attention saw (requantize)."""
+        layer = nnx.merge(graphdef, state)
+        B, L, _ = x.shape
+        cache = tuple(jnp.zeros((B, heads, L, width), x.dtype) for heads, width in layer.self_attn.cache_layout)
+        layer.attend(x, cache, meta)
+        return captured(layer)
+
+    def mlp_inputs(state, h):
+        """What the capturing Linears of the dense MLP or the shared expert saw (requantize)."""
+        layer = nnx.merge(graphdef, state)
+        flat = h.reshape(-1, h.shape[-1])
+        layer.mlp.shared_out(flat) if layer.is_moe else layer.mlp(flat)
+        return captured(layer)
+
     def route(state, h):
         routing = nnx.merge(graphdef, state).mlp.route(h)
         return routing.ids, routing.weights
@@ -197,5 +270,6 @@ def _layer_fn(kind: str, graphdef):
         valid = jnp.ones((h.shape[0] * h.shape[1],), bool)
         return layer.feed_forward(x, h, valid, None, None if experts is None else experts.layer(0))[0]
 
-    _JITTED[key] = jax.jit({"attention": attention, "route": route, "mlp": mlp}[kind])
+    _JITTED[key] = jax.jit({"attention": attention, "route": route, "mlp": mlp, "attention_inputs": attention_inputs,
+                            "mlp_inputs": mlp_inputs}[kind])
     return _JITTED[key]

@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from convert import dense_gptq
 from convert.calibration import LayerwiseCalibration, calibration_tokens
 from convert.dense import default_head_tier, dense_format, dense_structure, read_dense, source_elements
 from convert.hf_source import (
@@ -103,7 +104,8 @@ def convert_checkpoint(
         routers and biases stay bf16.
       head_tier: the LM head and embedding table's tier, "bf16", "int8" or "int4" (default: int8
         beside an int4 dense tier, else the dense tier).
-      method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate).
+      method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate, and
+        then integer dense weights and LM head are quantized by GPTQ too: convert/dense_gptq.py).
       calib: calibration text file(s) (comma-separated string or list); needed by gptq and haq.
       calib_sequences, calib_seq_len: how many token windows of what length to calibrate on.
       group_size: group size along K for every integer tier (default: 128 for int8, 32 for int4 dense
@@ -158,16 +160,31 @@ def convert_checkpoint(
     tmp = partial.path
     try:
         used: set[str] = set()
-        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, head_fmt, tmp, progress, cpu_layout)
+        # Calibration quantizes integer dense weights and head again by GPTQ (convert/dense_gptq.py): saved after
+        gptq_dense, gptq_head = calibrating and dense_fmt is not None, calibrating and head_fmt is not None
+        dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, head_fmt, tmp, progress, cpu_layout,
+                                           save=not (gptq_dense or gptq_head))
         if calibrating:  # the experts' inputs as the model will compute them: through the dense tier
+            requantize = lambda path, stored, h: dense_gptq.calibrated_weight(source, cfg, path, stored, h)  # noqa: E731
             calibration = LayerwiseCalibration(cfg, dense, tokens, quant=dense_fmt, head_quant=head_fmt,
                                                progress=progress,
-                                               tiled_kernels=dense_entry.get("tiled_kernels", False))
-        del dense
+                                               tiled_kernels=dense_entry.get("tiled_kernels", False),
+                                               quantize_dense=requantize if gptq_dense else None)
+        if not (gptq_dense or gptq_head):
+            del dense
         reader = expert_reader(source, cfg, used)
         source.release()
         layouts, checksums, alphas = write_experts(reader, cfg, tmp, formats, method, progress, calibration,
                                                    release=source.release, stored=stored)
+        if gptq_head:
+            dense_gptq.calibrated_head(source, cfg, dense, calibration.head_inputs(), progress)
+            dense_entry["head_method"] = "gptq"
+        if gptq_dense:
+            dense_entry["method"] = "gptq"
+        if gptq_dense or gptq_head:
+            source.release()
+            save_dense(dense, tmp / DENSE_DIR)
+            del dense
         copy_tokenizer(root, tmp)
         warn_unused(source, used)
         for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != PARTIAL_MARKER):
@@ -231,17 +248,19 @@ def load_source_tokenizer(root: Path):
 
 
 def convert_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt, head_fmt, tmp: Path, progress: bool,
-                  tile_kernels: bool = False):
-    """Read the dense weights at their tiers (a progress bar over the numbers read) and save them;
-    returns (the stored tree, the manifest's dense entry). The checkpoint's pages are released after.
-    tile_kernels: plain projections in the CPU layout (read_dense)."""
+                  tile_kernels: bool = False, save: bool = True):
+    """Read the dense weights at their tiers (a progress bar over the numbers read) and save them
+    (unless `save` is false: the caller saves them later); returns (the stored tree, the manifest's
+    dense entry). The checkpoint's pages are released after. tile_kernels: plain projections in the
+    CPU layout (read_dense)."""
     total = source_elements(cfg, dense_structure(cfg, fmt, head_fmt))
     with tqdm(total=total, desc="dense weights", unit="", unit_scale=True, disable=not progress) as bar:
         dense, entry = read_dense(source, cfg, used, fmt, bar.update, head_fmt=head_fmt, tile_kernels=tile_kernels)
         source.release()
-        bar.set_postfix_str("saving")
-        save_dense(dense, tmp / DENSE_DIR)
-        bar.set_postfix_str("")
+        if save:
+            bar.set_postfix_str("saving")
+            save_dense(dense, tmp / DENSE_DIR)
+            bar.set_postfix_str("")
     return dense, entry
 
 

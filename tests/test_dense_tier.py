@@ -245,18 +245,46 @@ def test_manifest_whose_dense_format_contradicts_its_tier_is_refused(qwen2_dirs,
         jmoe.load(path)
 
 
-def test_calibrated_conversion_with_a_quantized_dense_tier(tmp_path):
-    """GPTQ calibrates through the quantized dense weights (the inputs the experts will see)."""
+def test_calibrated_conversion_with_a_quantized_dense_tier(tmp_path, monkeypatch):
+    """GPTQ calibrates through the quantized dense weights (the inputs the experts will see) and
+    quantizes those weights again against the inputs each one saw (convert/dense_gptq.py): every
+    quantized projection of every layer, layer 0's q_proj against X^T X of its normed embeddings,
+    then the integer LM head against the last hidden states."""
     import shutil
 
+    from convert import dense_gptq
+    from convert.calibration import calibration_tokens
+    from jmoe.tokenizer import load_tokenizer
     from tests.conftest import CALIB_FILES, TINY_HF
 
     src = tmp_path / "hf"
     make_checkpoint("qwen2_moe", src, overrides=dict(vocab_size=4096))  # the bundled tokenizer's vocabulary
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(TINY_HF / name, src / name)
+    seen, requantized = {}, dense_gptq.calibrated_weight
+
+    def recording(source, cfg, path, spec, hessian, progress=False):
+        seen[path] = hessian
+        return requantized(source, cfg, path, spec, hessian, progress)
+
+    monkeypatch.setattr(dense_gptq, "calibrated_weight", recording)
     path = convert_checkpoint(src, tmp_path / "gptq", tiers="int4", dense_tier="int4", method="gptq",
                               calib=CALIB_FILES, calib_sequences=4, calib_seq_len=32, progress=False)
     model = jmoe.load(path)
-    assert isinstance(leaf(model, "layers", 0, "self_attn", "q_proj", "kernel"), QArray)
+    cfg = model.config
+    q_proj = leaf(model, "layers", 0, "self_attn", "q_proj", "kernel")
+    assert isinstance(q_proj, QArray)
+    dense = read_manifest(path)["dense"]
+    assert dense["method"] == "gptq" and dense["head_method"] == "gptq"
+    projections = [p for p in seen if p[0] == "layers"]
+    assert len(projections) == cfg.num_layers * 7  # q, k, v, o and the shared expert's gate, up, down
+    assert ("lm_head", "kernel") in seen
+
+    tokens = calibration_tokens(load_tokenizer(src), CALIB_FILES, 4, 32).reshape(-1)
+    table = np.asarray(dequantize(leaf(model, "embed_tokens", "embedding")), np.float64).T  # untied: RTN rows
+    x = table[tokens]
+    x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    x = x * np.asarray(leaf(model, "layers", 0, "input_layernorm", "weight"), np.float64)
+    np.testing.assert_allclose(seen[("layers", 0, "self_attn", "q_proj", "kernel")], x.T @ x, rtol=1e-3,
+                               atol=1e-3 * np.abs(x.T @ x).max())
     assert len(jmoe.generate(model, [5, 6, 7, 8], max_new_tokens=4)) == 4

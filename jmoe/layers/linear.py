@@ -83,9 +83,14 @@ class Linear(nnx.Module):
         self.dtype = dtype
         self.int8_dot = False  # static: set by load(cpu_dot="int8")
         self.tiled = False  # static: a plain kernel stored in the CPU layout (set by load, see use_tiled_kernels)
+        self.capture = False  # static: record X^T X of the inputs (calibration for GPTQ, capture_inputs)
 
     def project(self, x):
         """x [..., in] -> float32 [..., out] (bias added in float32)."""
+        if self.capture:
+            flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+            self.sow(nnx.Intermediate, INPUT_HESSIAN, jnp.dot(flat.T, flat, precision=jax.lax.Precision.HIGHEST),
+                     reduce_fn=lambda total, h: total + h, init_fn=lambda: 0.0)
         y = matmul(x.astype(self.dtype), self.kernel.get_value(), int8_dot=self.int8_dot, tiled=self.tiled)
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
@@ -146,6 +151,21 @@ def tiled_kernel_paths(model: nnx.Module) -> list[tuple]:
     projections, dense MLPs, shared experts and an untied LM head at a plain dense tier.
     Conversion tiles these leaves; load marks their modules (use_tiled_kernels)."""
     return [(*path, "kernel") for path, _ in _tileable(model)]
+
+
+INPUT_HESSIAN = "input_hessian"  # the nnx.Intermediate a capturing Linear sows
+
+
+def capture_inputs(module: nnx.Module) -> list[tuple]:
+    """Make every Linear with a quantized kernel in `module` record X^T X [K, K] of its inputs as the
+    nnx.Intermediate INPUT_HESSIAN (summed over its calls) and return their paths; a static
+    attribute, so split the module after this for a graphdef that captures."""
+    paths = []
+    for path, linear in nnx.iter_graph(module):
+        if isinstance(linear, Linear) and isinstance(linear.kernel.get_value(), QArray):
+            linear.capture = True
+            paths.append(path)
+    return paths
 
 
 def use_tiled_kernels(model: nnx.Module, on: bool) -> nnx.Module:

@@ -1,0 +1,85 @@
+"""GPTQ for the dense weights: the attention projections, dense MLPs, shared experts and LM head.
+
+Round-to-nearest at int4 costs the bundled model about half a percent of perplexity in the
+attention and MLP weights and about 1% in the LM head, which every token's choice reads. When a
+conversion calibrates (gptq, haq) and the dense tier or the head is an integer tier, each such
+weight is quantized again by GPTQ against what it multiplies during calibration
+(convert/calibration.py): layer by layer, each projection's inputs as the layers before it (done
+already) and its own layer's round-to-nearest weights give them (captured as X^T X,
+jmoe.layers.linear.capture_inputs), and for the head the final norm of the calibration sequences'
+last hidden states. For a tied model the head is the
+embedding table (stored E^T, one column per token), so the lookups read the same codes. GPTQ
+quantizes each column on its own, so a weight is read and quantized in blocks of columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from convert.hf_source import TensorSource
+from convert.quantizers.gptq import gptq_quantize
+from jmoe.config import ModelConfig
+from jmoe.models.checkpoint import dense_tensor
+from pallas_kernels.qarray import QArray, template, tile
+
+COLUMNS = 8192  # output columns quantized at once (bounds GPTQ's float32 working copies)
+
+
+def head_path(cfg: ModelConfig) -> tuple[str, str]:
+    """Where the head lives in the dense tree: the embedding table when tied, else the LM head."""
+    return ("embed_tokens", "embedding") if cfg.tie_word_embeddings else ("lm_head", "kernel")
+
+
+def hessian_of(inputs: np.ndarray) -> np.ndarray:
+    """X^T X [K, K] in float64 of a weight's inputs X [n, K]."""
+    x = np.asarray(inputs, np.float64)
+    return x.T @ x
+
+
+def gptq_columns(read_rows, n: int, hessian: np.ndarray, spec: QArray, progress: bool = False,
+                 desc: str = "GPTQ") -> QArray:
+    """A weight [K, n] in spec's format by GPTQ, COLUMNS columns at a time.
+
+    read_rows(rows: slice) -> the source's rows [rows, K] (its output units, float32)."""
+    plain = dataclasses.replace(spec.fmt, tiled=False)  # quantized in [K, N] order, tiled at the end
+    if plain.scale_bits != 16:
+        raise ValueError("dense tiers keep float16 scales")
+    shapes = template(plain, spec.k, n)  # the [K, N] arrays (a tiled spec's are regrouped)
+    values = np.empty(shapes.values.shape, np.uint8)
+    scales = np.empty(shapes.scales.shape, np.float16)
+    offsets = None if shapes.offsets is None else np.empty(shapes.offsets.shape, np.float16)
+    with tqdm(total=n, desc=desc, unit="col", unit_scale=True, disable=not progress) as bar:
+        for start in range(0, n, COLUMNS):
+            cols = slice(start, min(n, start + COLUMNS))
+            q = gptq_quantize(np.asarray(read_rows(cols), np.float32).T, hessian, plain)
+            values[:, cols], scales[:, cols] = q.values, q.scales
+            if offsets is not None:
+                offsets[:, cols] = q.offsets
+            bar.update(cols.stop - cols.start)
+    weight = QArray(values=values, scales=scales, offsets=offsets, act_scale=None, fmt=plain, k=spec.k)
+    if spec.fmt.tiles(spec.n):  # the CPU layout (convert's cpu_layout)
+        weight = tile(weight)
+    return dataclasses.replace(weight, fmt=spec.fmt)
+
+
+def calibrated_weight(source: TensorSource, cfg: ModelConfig, path: tuple, spec: QArray, hessian: np.ndarray,
+                      progress: bool = False) -> QArray:
+    """The quantized dense leaf at `path` (a kernel, or a quantized embedding table: E^T), shaped
+    like `spec`, quantized by GPTQ from the checkpoint's float weight against `hessian` [K, K]."""
+    tensor = dense_tensor(cfg, path)
+    name = next((n for n in tensor.hf_names if n in source), tensor.hf_names[0])
+    shape = (spec.n, spec.k)  # the source's [out, in]
+    return gptq_columns(lambda rows: source.get(name, shape, rows), spec.n, hessian, spec, progress,
+                        desc=f"{'.'.join(map(str, path[:-1]))} (GPTQ)")
+
+
+def calibrated_head(source: TensorSource, cfg: ModelConfig, dense: dict, inputs: np.ndarray,
+                    progress: bool = False) -> None:
+    """Replace the quantized head in `dense` by GPTQ's against `inputs` [n, D], the final-norm
+    outputs of the calibration tokens (LayerwiseCalibration.head_inputs)."""
+    module, leaf = head_path(cfg)
+    dense[module][leaf] = calibrated_weight(source, cfg, (module, leaf), dense[module][leaf], hessian_of(inputs),
+                                            progress)
