@@ -12,7 +12,8 @@ With --llama-cpp, it scores the same model beside llama.cpp: the tiny model conv
 Q8_0, Q4_0, Q4_K_M and Q3_K_M by llama-quantize (and Q4_0 for the routed experts alone, the rest
 BF16, as jmoe's expert tiers leave it), each scored by llama-perplexity, and jmoe's
 tiers (RTN), int4 with dense int4 under the int8 dot, and the per-token mixed mode (DyMoE int4/int2,
-both tiers whole, scored token by token as it decodes) scored by jmoe on the same windows with the
+both tiers whole, scored token by token as it decodes), RTN and GPTQ (experts and LM head, calibrated
+on the train splits), scored by jmoe on the same windows with the
 same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexity(..., context=ctx // 2)).
 Each side's figures are relative to its own bf16. Needs a llama.cpp build with llama-perplexity and
 llama-tokenize (bench/lib/llama_cpp.py says how; build those two targets beside llama-bench).
@@ -124,11 +125,21 @@ BESIDE_LLAMA = {
                                                                                          cpu_dot="int8"), "decode"),
     "int4 experts + dense int4 (int4 head), int8 dot": ("dense-int4-head-int4", dict(tier="int4", cpu_dot="int8"),
                                                         "prefill"),
+    "GPTQ: int4 experts + dense int4 (int8 head), int8 dot": ("gptq-dense-int4", dict(tier="int4", cpu_dot="int8"),
+                                                             "prefill"),
+    "GPTQ: DyMoE int4/int2 + dense int4 (int8 head), int8 dot, per token": ("gptq-dense-int4",
+                                                                           dict(policy="mixed", cpu_dot="int8"),
+                                                                           "decode"),
+    "GPTQ: int4 experts + dense int4 (int4 head), int8 dot": ("gptq-dense-int4-head-int4",
+                                                             dict(tier="int4", cpu_dot="int8"), "prefill"),
 }
-CONVERSIONS = {  # RTN, each with the converter's defaults otherwise
+CALIBRATED = dict(method="gptq", calib=[str(p) for p in CALIB_FILES])  # the experts and the LM head (convert/head.py)
+CONVERSIONS = {  # each with the converter's defaults otherwise
     "rtn": dict(tiers="bf16,int8,int4,int2"),
     "dense-int4": dict(tiers="int4,int2", dense_tier="int4"),
     "dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4"),
+    "gptq-dense-int4": dict(tiers="int4,int2", dense_tier="int4", **CALIBRATED),
+    "gptq-dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4", **CALIBRATED),
 }
 # K-quants need rows of 256: on the tiny model (rows of 96 and 128) llama-quantize falls back to
 # other types for those tensors (Q2_K becomes Q4_0 throughout), so their bits are read from the GGUF.
@@ -155,7 +166,7 @@ def mixed_bits(cfg, policy) -> float:
 
 
 def reuse_or_convert(out: Path, **options) -> Path:
-    """The tiny model converted (RTN) to out, or what a run with the same --work left there."""
+    """The tiny model converted to out, or what a run with the same --work left there."""
     if (out / "manifest.json").is_file():
         return out
     return convert_checkpoint(TINY_HF, out, progress=False, **options)
@@ -207,7 +218,8 @@ def beside_llama_main(args) -> None:
             cfg = model.config
             row = {"runtime": "jmoe", "label": label, "mode": mode,
                    "expert_bits": mixed_bits(cfg, kwargs["policy"]) if mixed else expert_bits(cfg, kwargs["tier"]),
-                   "dense": CONVERSIONS[conversion].get("dense_tier", "bf16")}
+                   "dense": CONVERSIONS[conversion].get("dense_tier", "bf16"),
+                   "method": CONVERSIONS[conversion].get("method", "rtn")}
             t = time.perf_counter()
             for domain in DOMAINS:
                 row[domain] = jmoe.perplexity(model, tokens[domain], window=args.ctx, mode=mode, context=half)

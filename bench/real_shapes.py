@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
     p.add_argument("--mixed", action="store_true",
                    help="also the per-token mixed mode: DyMoE int4/int2 without a budget, dense int4 (its own conversion)")
+    p.add_argument("--head-tier", choices=("bf16", "int8", "int4"), default=None,
+                   help="LM head tier of the dense-int4 and mixed conversions (default: the converter's, int8 beside "
+                        "dense int4; directories named ...-head-<tier>)")
     p.add_argument("--cpu-layout", action="store_true",
                    help="convert jmoe's models with --cpu-layout (their directories named ...-cpu)")
     p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")
@@ -291,15 +294,16 @@ def main(argv=None) -> None:
     src = checkpoint(args)
     name = f"{args.model}-{args.layers}L"
     layout, suffix = (["--cpu-layout"], "-cpu") if args.cpu_layout else ([], "")
+    head, head_suffix = (["--head-tier", args.head_tier], f"-head-{args.head_tier}") if args.head_tier else ([], "")
     conversions = {"jmoe": convert_jmoe(src, args.data / f"jmoe-{name}{suffix}", args.tiers, layout, args.reuse,
                                         logs / "convert-jmoe.log")}
     if "int4" in args.tiers and dense_tier_supported():
-        conversions["jmoe dense int4"] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4{suffix}", ["int4"],
-                                                      ["--dense-tier", "int4", *layout], args.reuse,
+        conversions["jmoe dense int4"] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4{head_suffix}{suffix}",
+                                                      ["int4"], ["--dense-tier", "int4", *head, *layout], args.reuse,
                                                       logs / "convert-jmoe-dense-int4.log")
     if args.mixed and dense_tier_supported():
-        conversions[MIXED] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4-int2{suffix}", ["int4", "int2"],
-                                          ["--dense-tier", "int4", *layout], args.reuse,
+        conversions[MIXED] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4-int2{head_suffix}{suffix}",
+                                          ["int4", "int2"], ["--dense-tier", "int4", *head, *layout], args.reuse,
                                           logs / "convert-jmoe-mixed.log")
     ggufs = {}
     if llama is not None:
@@ -335,7 +339,7 @@ def main(argv=None) -> None:
         "settings": {"tiers": args.tiers, "placements": args.placements, "offload_policy": OFFLOAD_POLICY,
                      "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens,
                      "llama_threads": args.llama_threads,
-                     "quick": args.quick, "method": "rtn", "cpu_layout": args.cpu_layout,
+                     "quick": args.quick, "method": "rtn", "cpu_layout": args.cpu_layout, "head_tier": args.head_tier,
                      "llama_cpp": llama.version() if llama else None},
         "conversions": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in conversions.items()},
         "summary": summarize(ok),

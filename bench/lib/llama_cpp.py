@@ -333,13 +333,18 @@ def perplexity(llama: LlamaCpp, gguf: Path, text_file: Path, *, ctx: int, chunks
     (its figures are read from the log it writes to stderr)."""
     cmd = [str(llama.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx),
            "-t", str(threads), *TEXT_AS_IS, *NO_BOS] + (["--chunks", str(chunks)] if chunks else [])
-    _, seconds, _ = run_measured(cmd, log=log)
+    out, seconds, _ = run_measured(cmd, log=log)
     text = log.read_text()
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
-    used = re.search(r"calculating perplexity over (\d+) chunks", text)
-    if not final or not used:
-        raise RuntimeError(f"llama-perplexity printed no final estimate (see {log})")
-    return {"ppl": float(final.group(1)), "plus_minus": float(final.group(2)), "chunks": int(used.group(1)),
+    # The running estimate after each window goes to stdout; the last one is the final estimate. Its
+    # stderr log is written by a logging thread that can lose its last lines at exit on a busy machine.
+    running = re.findall(r"\[(\d+)\]([0-9.]+),", out)
+    if not final and not running:
+        raise RuntimeError(f"llama-perplexity printed no estimate (see {log})")
+    ppl = float(final.group(1)) if final else float(running[-1][1])
+    chunks = int(running[-1][0]) if running else int(re.search(r"calculating perplexity over (\d+) chunks",
+                                                                 text).group(1))
+    return {"ppl": ppl, "plus_minus": float(final.group(2)) if final else None, "chunks": chunks,
             "seconds": seconds}
 
 
