@@ -100,8 +100,9 @@ def headline() -> str:
     ])
     beside = load("quality/quality_vs_llama_cpp_cpu.json")
     by_label = {(r["runtime"], r["label"]): r["over_bf16"] for r in beside["rows"]}
-    ours = next(label for runtime, label in by_label
-                if runtime == "jmoe" and label.startswith("int4 experts + dense int4"))
+    mine = [label for runtime, label in by_label if runtime == "jmoe"]
+    ours = next((label for label in mine if label.startswith("GPTQ: int4 experts + dense int4 (int8 head)")),
+                next(label for label in mine if label.startswith("int4 experts + dense int4")))
     pct = lambda over: " / ".join(f"{100 * over[d]:+.2f}%" for d in ("prose", "code", "math"))  # noqa: E731
     rows.append([
         f"Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe {ours}; "
@@ -120,20 +121,22 @@ def headline() -> str:
             f"{f(s[ours]['decode_tok_s@0']['median'])} vs {f(s[theirs]['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
             machine(shapes), source("real_shapes/real_shapes_cpu.json"),
         ])
-    xeon = load("real_shapes/real_shapes_xeon_cpu.json")
-    for ours, label in [
-        ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(xeon)} LM head"),
-        ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot",
-         f"DyMoE int4/int2, both tiers whole (per-token mixed), {head_tier(xeon)} LM head"),
-    ]:
-        ratio = xeon["ratios"][f"{ours} / llama.cpp Q4_0"]["decode_tok_s@0"]["median"]
-        mine, theirs = xeon["summary"][ours], xeon["summary"]["llama.cpp Q4_0"]
-        rows.append([
-            f"Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 Xeon, {label}, `cpu_dot=\"int8\"`, "
-            "vs llama.cpp Q4_0",
-            f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
-            machine(xeon), source("real_shapes/real_shapes_xeon_cpu.json"),
-        ])
+    for name, where in [("real_shapes/real_shapes_xeon_cpu.json", "on an AVX-512 Xeon"),
+                        ("real_shapes/real_shapes_mixed_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5), `--cpu-layout`")]:
+        run = load(name)
+        for ours, label in [
+            ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(run)} LM head"),
+            ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot",
+             f"DyMoE int4/int2, both tiers whole (per-token mixed), {head_tier(run)} LM head"),
+        ]:
+            ratio = run["ratios"][f"{ours} / llama.cpp Q4_0"]["decode_tok_s@0"]["median"]
+            mine, theirs = run["summary"][ours], run["summary"]["llama.cpp Q4_0"]
+            rows.append([
+                f"Qwen3-30B-A3B shapes (8 layers), decode tok/s {where}, {label}, `cpu_dot=\"int8\"`, "
+                "vs llama.cpp Q4_0",
+                f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
+                machine(run), source(name),
+            ])
     for what, name in [
         ("on an AVX-512 EPYC (Zen 5), int4 experts, dense weights and LM head in the CPU layout (`--cpu-layout`)",
          ZEN5_LAYOUTS["experts, dense weights and LM head tiled (`--cpu-layout` and kernels now)"]),
@@ -308,7 +311,7 @@ def head_tier(d: dict) -> str:
 
 
 def shapes_on_avx512(name: str) -> str:
-    """A real-shapes run on the AVX-512 Xeon: every configuration it has, then its ratios to llama.cpp."""
+    """A real-shapes run on an AVX-512 machine: every configuration it has, then its ratios to llama.cpp."""
     d = load(name)
     gib = 2 ** 30
     rows = []
@@ -1004,6 +1007,7 @@ TABLES = {
     "real-shapes-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_bf16_zen5_cpu.json"),
     "gpt-oss-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_xeon_cpu.json"),
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
+    "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
     "thread-scaling": thread_scaling,
     "head-tiers-avx2": head_tiers_avx2,
     "cpu-layout-zen5": cpu_layout_zen5,
