@@ -1008,6 +1008,7 @@ TABLES = {
     "gpt-oss-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_xeon_cpu.json"),
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
+    "real-shapes-mixed-head-int4-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_head_int4_zen5_cpu.json"),
     "thread-scaling": thread_scaling,
     "head-tiers-avx2": head_tiers_avx2,
     "cpu-layout-zen5": cpu_layout_zen5,
