@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--tier", default=None)
     parser.add_argument("--cpu-dot", default="int8", choices=("float", "int8"))
+    parser.add_argument("--policy", default=None,
+                        help="load's policy (dymoe: the per-token mixed mode of a conversion holding int4 and int2)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--top", type=int, default=25)
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     import jmoe
     from jmoe.bench import decode_seconds, random_prompt
 
-    model = jmoe.load(args.model, tier=args.tier, cpu_dot=args.cpu_dot, max_seq_len=256)
+    model = jmoe.load(args.model, tier=args.tier, cpu_dot=args.cpu_dot, max_seq_len=256, policy=args.policy)
     prompts = [random_prompt(model, args.prompt, 0)]
 
     def decode() -> tuple[float, int]:
