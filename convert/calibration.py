@@ -89,8 +89,9 @@ class LayerwiseCalibration:
     With `quantize_dense(path, stored, hessian) -> QArray`, each layer's quantized Linears (attention
     projections, dense MLP, shared expert) are quantized again before the layer computes its
     output: a first pass records X^T X of each one's inputs (as the layers before, already done, and
-    this layer's round-to-nearest weights give them), `quantize_dense` returns the weight for the dense tree's leaf at `path` (stored
-    there as `stored`), and the layer then runs on it (convert/dense_gptq.py)."""
+    this layer's round-to-nearest weights give them), `quantize_dense` returns the weight for the
+    dense tree's leaf at `path` (stored there as `stored`), and the layer then runs on it
+    (convert/dense_gptq.py)."""
 
     def __init__(self, cfg: ModelConfig, dense: dict, tokens: np.ndarray, batch: int = 16, *,
                  quant: QuantFormat | None = None, head_quant: QuantFormat | None | str = AS_DENSE,
@@ -152,13 +153,11 @@ class LayerwiseCalibration:
                     node = node.get(key, {})
                 if INPUT_HESSIAN in node:  # a weight read outside a product (MLA's absorbed kv_b) records nothing
                     hessians[path] = hessians.get(path, 0.0) + np.asarray(node[INPUT_HESSIAN], np.float64)
-        stored = self.dense["layers"][i][part]
-        for path in hessians:
-            node = stored
-            for key in path[:-1]:
-                node = node[key]
-            leaf = node[path[-1]]
-            leaf["kernel"] = self.quantize_dense(("layers", i, part, *path, "kernel"), leaf["kernel"], hessians[path])
+        for path, hessian in hessians.items():
+            linear = self.dense["layers"][i][part]
+            for key in path:
+                linear = linear[key]
+            linear["kernel"] = self.quantize_dense(("layers", i, part, *path, "kernel"), linear["kernel"], hessian)
         nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, self.dense["layers"][i]))
 
     def meta(self, batch: int) -> AttentionMeta:

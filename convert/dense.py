@@ -92,20 +92,31 @@ def read_plain(source: TensorSource, name: str, hf_shape: tuple, transpose: bool
 
 
 def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArray, advance) -> QArray:
-    """A QArray leaf encoding the K-major transpose of the source tensor [N, K]: each block of source
-    rows is a block of columns, quantized on its own (groups run along K, so columns are independent)."""
+    """A QArray leaf encoding the K-major transpose of the source tensor [N, K] by RTN."""
+    def read_rows(rows):
+        block = source.get(name, hf_shape, rows)  # [n, K]
+        advance(block.size)
+        return block
+
+    return quantize_columns(read_rows, spec, rtn_block)
+
+
+def quantize_columns(read_rows, spec: QArray, quantize, blocks=None) -> QArray:
+    """A weight [K, N] in spec's format from the source's rows [N, K] (`read_rows(rows)` -> [n, K]):
+    each block of source rows is a block of columns, quantized on its own by
+    `quantize(w [K, n], fmt) -> (packed codes, scales, offsets)` (groups run along K, so columns are
+    independent); `blocks`: the row slices (default: row_blocks of BLOCK_BYTES of float32)."""
+    k, n = spec.k, spec.n
     values, scales = np.empty(spec.values.shape, np.uint8), np.empty(spec.scales.shape, np.float32)
     offsets = None if spec.offsets is None else np.empty(spec.offsets.shape, np.float32)
     plain = dataclasses.replace(spec.fmt, tiled=False)  # blocks of columns are quantized in [K, N] order
-    for rows in row_blocks(hf_shape[0], hf_shape[1] * 4):
-        block = source.get(name, hf_shape, rows)  # [n, K]
-        codes, scale, offset = rtn_block(block.T, plain)
+    for rows in row_blocks(n, k * 4) if blocks is None else blocks:
+        codes, scale, offset = quantize(np.asarray(read_rows(rows), np.float32).T, plain)
         values[:, rows], scales[:, rows] = np.asarray(codes), np.asarray(scale)
         if offsets is not None:
             offsets[:, rows] = np.asarray(offset)
-        advance(block.size)
-    q = host_qarray(values, scales, offsets, plain, spec.k)
-    if spec.fmt.tiles(spec.n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
+    q = host_qarray(values, scales, offsets, plain, k)
+    if spec.fmt.tiles(n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
         q = tile(q)
     return dataclasses.replace(q, fmt=spec.fmt)
 

@@ -14,16 +14,15 @@ quantizes each column on its own, so a weight is read and quantized in blocks of
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from tqdm.auto import tqdm
 
+from convert.dense import quantize_columns
 from convert.hf_source import TensorSource
 from convert.quantizers.gptq import gptq_quantize
 from jmoe.config import ModelConfig
 from jmoe.models.checkpoint import dense_tensor
-from pallas_kernels.qarray import QArray, template, tile
+from pallas_kernels.qarray import QArray
 
 COLUMNS = 8192  # output columns quantized at once (bounds GPTQ's float32 working copies)
 
@@ -39,30 +38,25 @@ def hessian_of(inputs: np.ndarray) -> np.ndarray:
     return x.T @ x
 
 
-def gptq_columns(read_rows, n: int, hessian: np.ndarray, spec: QArray, progress: bool = False,
-                 desc: str = "GPTQ") -> QArray:
-    """A weight [K, n] in spec's format by GPTQ, COLUMNS columns at a time.
+def gptq_columns(read_rows, hessian: np.ndarray, spec: QArray, progress: bool = False, desc: str = "GPTQ") -> QArray:
+    """A weight [K, N] in spec's format by GPTQ, COLUMNS columns at a time (convert.dense.quantize_columns).
 
     read_rows(rows: slice) -> the source's rows [rows, K] (its output units, float32)."""
-    plain = dataclasses.replace(spec.fmt, tiled=False)  # quantized in [K, N] order, tiled at the end
-    if plain.scale_bits != 16:
+    if spec.fmt.scale_bits != 16:
         raise ValueError("dense tiers keep float16 scales")
-    shapes = template(plain, spec.k, n)  # the [K, N] arrays (a tiled spec's are regrouped)
-    values = np.empty(shapes.values.shape, np.uint8)
-    scales = np.empty(shapes.scales.shape, np.float16)
-    offsets = None if shapes.offsets is None else np.empty(shapes.offsets.shape, np.float16)
+
+    def quantize(w, fmt):
+        q = gptq_quantize(w, hessian, fmt)
+        return q.values, q.scales, q.offsets
+
+    n = spec.n
+    blocks = [slice(start, min(n, start + COLUMNS)) for start in range(0, n, COLUMNS)]
     with tqdm(total=n, desc=desc, unit="col", unit_scale=True, disable=not progress) as bar:
-        for start in range(0, n, COLUMNS):
-            cols = slice(start, min(n, start + COLUMNS))
-            q = gptq_quantize(np.asarray(read_rows(cols), np.float32).T, hessian, plain)
-            values[:, cols], scales[:, cols] = q.values, q.scales
-            if offsets is not None:
-                offsets[:, cols] = q.offsets
-            bar.update(cols.stop - cols.start)
-    weight = QArray(values=values, scales=scales, offsets=offsets, act_scale=None, fmt=plain, k=spec.k)
-    if spec.fmt.tiles(spec.n):  # the CPU layout (convert's cpu_layout)
-        weight = tile(weight)
-    return dataclasses.replace(weight, fmt=spec.fmt)
+        def read(rows):
+            bar.update(rows.stop - rows.start)
+            return read_rows(rows)
+
+        return quantize_columns(read, spec, quantize, blocks)
 
 
 def calibrated_weight(source: TensorSource, cfg: ModelConfig, path: tuple, spec: QArray, hessian: np.ndarray,
@@ -72,7 +66,7 @@ def calibrated_weight(source: TensorSource, cfg: ModelConfig, path: tuple, spec:
     tensor = dense_tensor(cfg, path)
     name = next((n for n in tensor.hf_names if n in source), tensor.hf_names[0])
     shape = (spec.n, spec.k)  # the source's [out, in]
-    return gptq_columns(lambda rows: source.get(name, shape, rows), spec.n, hessian, spec, progress,
+    return gptq_columns(lambda rows: source.get(name, shape, rows), hessian, spec, progress,
                         desc=f"{'.'.join(map(str, path[:-1]))} (GPTQ)")
 
 

@@ -162,15 +162,16 @@ def convert_checkpoint(
         used: set[str] = set()
         # Calibration quantizes integer dense weights and head again by GPTQ (convert/dense_gptq.py): saved after
         gptq_dense, gptq_head = calibrating and dense_fmt is not None, calibrating and head_fmt is not None
+        save_later = gptq_dense or gptq_head
         dense, dense_entry = convert_dense(source, cfg, used, dense_fmt, head_fmt, tmp, progress, cpu_layout,
-                                           save=not (gptq_dense or gptq_head))
+                                           save=not save_later)
         if calibrating:  # the experts' inputs as the model will compute them: through the dense tier
             requantize = lambda path, stored, h: dense_gptq.calibrated_weight(source, cfg, path, stored, h)  # noqa: E731
             calibration = LayerwiseCalibration(cfg, dense, tokens, quant=dense_fmt, head_quant=head_fmt,
                                                progress=progress,
                                                tiled_kernels=dense_entry.get("tiled_kernels", False),
                                                quantize_dense=requantize if gptq_dense else None)
-        if not (gptq_dense or gptq_head):
+        if not save_later:
             del dense
         reader = expert_reader(source, cfg, used)
         source.release()
@@ -181,7 +182,7 @@ def convert_checkpoint(
             dense_entry["head_method"] = "gptq"
         if gptq_dense:
             dense_entry["method"] = "gptq"
-        if gptq_dense or gptq_head:
+        if save_later:
             source.release()
             save_dense(dense, tmp / DENSE_DIR)
             del dense

@@ -454,13 +454,13 @@ def test_dense_gptq_runs_column_blocks_and_beats_rtn_on_its_inputs(monkeypatch):
     fmt = dense_format("int4")
     spec = template(fmt, k, vocab)
     rows = lambda cols: w.T[cols]  # noqa: E731 - the source's [vocab, K] rows
-    whole = dense_gptq.gptq_columns(rows, vocab, dense_gptq.hessian_of(x), spec)
+    whole = dense_gptq.gptq_columns(rows, dense_gptq.hessian_of(x), spec)
     monkeypatch.setattr(dense_gptq, "COLUMNS", 128)  # three blocks, the last of 64 columns
-    blocks = dense_gptq.gptq_columns(rows, vocab, dense_gptq.hessian_of(x), spec)
+    blocks = dense_gptq.gptq_columns(rows, dense_gptq.hessian_of(x), spec)
     for a, b in ((whole.values, blocks.values), (whole.scales, blocks.scales), (whole.offsets, blocks.offsets)):
         np.testing.assert_array_equal(a, b)
     assert output_error(x, w, dequantize(whole)) < 0.8 * output_error(x, w, rtn_dequantized(w, fmt))
     tiled_fmt = dataclasses.replace(fmt, tiled=True)
-    tiled = dense_gptq.gptq_columns(rows, vocab, dense_gptq.hessian_of(x), template(tiled_fmt, k, vocab))
+    tiled = dense_gptq.gptq_columns(rows, dense_gptq.hessian_of(x), template(tiled_fmt, k, vocab))
     assert tiled.fmt == tiled_fmt
     np.testing.assert_array_equal(np.asarray(untile(tiled).values), whole.values)
