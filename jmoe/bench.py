@@ -5,8 +5,9 @@ tokens, generating one). For each generation length n and batch size b a "tg n" 
 per second of the decode steps alone, b prompts decoded together, timed within each run from the
 first streamed step (the prefill's token) to the last, over the b * (n - 1) tokens decoded in
 between (EOS is banned, as llama-bench ignores it, so every row decodes all n). Each row is the
-mean and standard deviation of `repetitions` timed runs after one untimed run (it compiles),
-with the expert hit rate and the bytes moved host-to-device per token of those runs.
+mean and standard deviation of `repetitions` timed runs after one untimed run (it compiles; a
+compile in the timed runs fails the bench: jmoe.serving.compiles.no_compiles), with the expert
+hit rate and the bytes moved host-to-device per token of those runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jmoe import validate
+from jmoe.serving.compiles import no_compiles
 
 
 @dataclass
@@ -42,13 +44,14 @@ def random_prompt(model, length: int, seed: int) -> list[int]:
     return rng.integers(10, min(model.config.vocab_size, 32000), size=length).tolist()
 
 
-def _timed(fn, repetitions: int) -> list[float]:
+def _timed(fn, repetitions: int, what: str) -> list[float]:
     fn()  # compiles
     times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    with no_compiles(what):
+        for _ in range(repetitions):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
     return times
 
 
@@ -105,7 +108,7 @@ def run(model, *, prompt_lengths=(512,), gen_lengths=(128,), batches=(1,), repet
     for p in prompt_lengths:
         ids = random_prompt(model, p, p)
         model.residency.reset_stats()
-        times = _timed(lambda: jmoe.generate(model, ids, max_new_tokens=1), repetitions)
+        times = _timed(lambda: jmoe.generate(model, ids, max_new_tokens=1), repetitions, f"pp{p}")
         rates = [p / t for t in times]
         rows.append(Row(name, backend, f"pp{p}", 1, p, statistics.mean(rates), statistics.pstdev(rates),
                         *_offload_figures(model, p * (repetitions + 1))))
@@ -114,7 +117,8 @@ def run(model, *, prompt_lengths=(512,), gen_lengths=(128,), batches=(1,), repet
             prompts = [random_prompt(model, TG_PROMPT, 1000 + i) for i in range(b)]
             decode_seconds(model, prompts, n)  # compiles
             model.residency.reset_stats()
-            runs = [decode_seconds(model, prompts, n) for _ in range(repetitions)]
+            with no_compiles(f"tg{n}, batch {b}"):
+                runs = [decode_seconds(model, prompts, n) for _ in range(repetitions)]
             rates = [tokens / seconds for seconds, tokens in runs]
             rows.append(Row(name, backend, f"tg{n}", b, runs[0][1], statistics.mean(rates), statistics.pstdev(rates),
                             *_offload_figures(model, b * n * repetitions)))

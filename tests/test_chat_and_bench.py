@@ -81,3 +81,40 @@ def test_bench_refuses_bad_lengths(tiny_converted, capsys):
     assert "--prompt-lengths" in capsys.readouterr().err
     assert main(["bench", str(tiny_converted), "-n", "1", "-r", "1"]) == 2
     assert "generation length" in capsys.readouterr().err
+
+
+def test_a_compile_in_a_timed_window_fails_the_bench(short_converted, monkeypatch, capsys):
+    """`jmoe bench` and the benchmarks' timing helper time only warmed shapes: a call that compiles
+    something new each time (here a product of a new length per call) fails the run, named, rather
+    than slowing its figure; the same call without the new compile passes."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from bench.lib.common import timed
+    from jmoe.serving.compiles import CompiledInTimedWindow, no_compiles
+
+    calls = []
+
+    def compiling():
+        calls.append(None)
+        jax.jit(lambda v: v * 2)(jnp.zeros(len(calls))).block_until_ready()
+
+    with pytest.raises(CompiledInTimedWindow, match="timed window of compiling"):
+        timed(compiling, repeat=2)
+    same = jax.jit(lambda v: v + 1)
+    assert timed(lambda: same(jnp.zeros(3)).block_until_ready(), repeat=2) > 0
+    with no_compiles("nothing new"):
+        same(jnp.zeros(3)).block_until_ready()
+
+    generate = jmoe.generate
+
+    def generate_and_compile(*args, **kwargs):
+        compiling()
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(jmoe, "generate", generate_and_compile)
+    code = main(["bench", str(short_converted), "-p", "16", "-n", "4", "-r", "1", "--dtype", "float32",
+                 "--max-seq-len", "128"])
+    assert code == 2
+    assert "compilation(s) in the timed window of pp16: warm every shape" in capsys.readouterr().err

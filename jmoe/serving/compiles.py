@@ -1,10 +1,14 @@
-"""Counting XLA compilations in this process (what /metrics and the no-recompile checks read)."""
+"""Counting XLA compilations in this process (what /metrics, the no-recompile checks and the
+benchmarks' timed windows read)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
+
+from jmoe.errors import JmoeError
 
 
 class CompileCounter:
@@ -37,3 +41,23 @@ class CompileCounter:
         cls.start()
         with cls._lock:
             return cls._count
+
+
+class CompiledInTimedWindow(JmoeError):
+    """Something compiled while a benchmark timed: its figure would hold the compile."""
+
+
+@contextlib.contextmanager
+def no_compiles(what: str):
+    """A benchmark's timed window: raises CompiledInTimedWindow at its end if anything compiled (or
+    was read from the persistent cache) inside it, so a shape left unwarmed fails the run instead of
+    slowing its figure."""
+    before = CompileCounter.count()
+    yield
+    compiled = CompileCounter.count() - before
+    if compiled:
+        raise CompiledInTimedWindow(f"{compiled} compilation(s) in the timed window of {what}: warm every shape "
+                                    "it times first")
+
+
+__all__ = ["CompileCounter", "CompiledInTimedWindow", "no_compiles"]
