@@ -3,8 +3,9 @@ model shared by threads that each call `jmoe.generate`, at 1, 4 and 16 concurren
 
 Per mode and stream count: aggregate generated tokens/s (all streams' tokens over the wall time
 from the first submit to the last token), mean per-stream decode tokens/s (after each stream's
-first token) and mean time to first token. Each mode runs once untimed first (compiles). Prompts
-are windows of tests/data's dev text, `--tokens` new tokens each, greedy.
+first token) and mean time to first token. Each mode runs once untimed first (compiles; a compile
+while timing fails the run). Prompts are windows of tests/data's dev text, `--tokens` new tokens
+each, greedy.
 
     python -m bench.serve                                 # the bundled tiny model, resident and offloaded
     python -m bench.serve --model DIR --tier int4 --label qwen3-30b-a3b-2L   # e.g. a bench/real_shapes slice
@@ -23,6 +24,7 @@ from pathlib import Path
 import jmoe
 from bench.lib.common import ROOT, write_result
 from jmoe.serving import BatchEngine, Request
+from jmoe.serving.compiles import no_compiles
 
 DEV = ROOT / "tests" / "data"
 
@@ -73,9 +75,11 @@ def measure(model, streams: list[int], new_tokens: int) -> list[dict]:
     with BatchEngine(model, max_batch=max(streams), context=256) as engine:
         for n in streams:
             items = prompts(model, n)
-            batched(engine, items, 4)  # compile
-            threaded(model, items[:1], 4)
-            b, t = batched(engine, items, new_tokens), threaded(model, items, new_tokens)
+            # compile, at the timed lengths (a generate's cache is a power of two above prompt + new tokens)
+            batched(engine, items, new_tokens)
+            threaded(model, items[:1], new_tokens)
+            with no_compiles(f"{n} streams"):
+                b, t = batched(engine, items, new_tokens), threaded(model, items, new_tokens)
             row = dict(streams=n, batched=b, threaded=t,
                        aggregate_speedup=b["aggregate_tokens_per_s"] / t["aggregate_tokens_per_s"])
             print(f"{n:3d} streams: batched {b['aggregate_tokens_per_s']:8.1f} tok/s, threads "
