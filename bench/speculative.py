@@ -32,6 +32,7 @@ import jmoe
 from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, RESULTS, TINY_HF, dev_prompts, staging_bytes, write_result
 from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from convert import convert_checkpoint
+from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.serving.compiles import no_compiles
 
 PROMPT_TOKENS = 32
@@ -43,10 +44,22 @@ def domain_prompts(tokenizer, domain: str, n: int) -> list[list[int]]:
     return [ids[s : s + PROMPT_TOKENS] for s in starts]
 
 
+def warm_up(model, prompt, new_tokens: int, speculative) -> None:
+    """Compile every shape the timed generations can take: a prompt of theirs at their length, and
+    with a draft each draft length a cycle may run (the governor's choice, or fewer at a
+    generation's end), from 1 to k (or k_max)."""
+    jmoe.generate(model, prompt, max_new_tokens=new_tokens, speculative=speculative)
+    if speculative is None:
+        return
+    k = speculative.get("k", "auto")
+    top = k if isinstance(k, int) else speculative.get("k_max", DEFAULT_K_MAX)
+    for j in range(1, top + 1):
+        jmoe.generate(model, prompt, max_new_tokens=j + 2, speculative={**speculative, "k": j})
+
+
 def run(model, prompts, new_tokens: int, speculative=None) -> dict:
     """Greedy generation of every prompt (after one warm-up call): stats, measured and modelled time."""
-    # every timed prompt has PROMPT_TOKENS tokens: one of them at the timed length compiles each shape
-    jmoe.generate(model, prompts[0], max_new_tokens=new_tokens, speculative=speculative)
+    warm_up(model, prompts[0], new_tokens, speculative)
     model.residency.reset_stats()
     for draft in model.drafts.values():
         draft.reset_stats()
