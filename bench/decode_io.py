@@ -68,7 +68,7 @@ import jmoe
 from bench.lib import host_io
 from bench.lib.common import CORPUS, DOMAINS, ROOT, TINY_HF, machine, result_path
 from jmoe.policies import DyMoE, DynaExq
-from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.compiles import no_compiles
 
 STATS_COUNTERS = ("host_syncs", "replays", "transfers", "bytes_h2d", "tokens", "steps", "expert_uses", "evictions",
                   "stalls", "degraded", "skipped")
@@ -391,18 +391,15 @@ def time_case(args) -> dict:
     model = jmoe.load(args.model, **case.load_kw(args.child_budget, load_kw))
     ids = prompts(baseline.tokenizer, Path(args.corpus), args.prompt_tokens)
     base_kw, case_kw = generate_kw(args, CASES["resident"]), generate_kw(args, case)
-    CompileCounter.count()  # listens from here on
     warm_up(baseline, ids, base_kw)
     warm_up(model, ids, case_kw)
     rounds = []
     for _ in range(args.rounds):
         waited = wait_for_quiet(args.max_wait)
         before, start = busy_seconds(), time.perf_counter()
-        compiles = CompileCounter.count()
-        resident_ms, _ = decode_ms(baseline, ids, base_kw)
-        case_ms, tokens = decode_ms(model, ids, case_kw)
-        if CompileCounter.count() != compiles:  # the round timed a compilation, not decoding
-            sys.exit(f"{args.child_case}: {CompileCounter.count() - compiles} compilation(s) in a timed round")
+        with no_compiles(args.child_case):  # a round that compiles would time the compile, not decoding
+            resident_ms, _ = decode_ms(baseline, ids, base_kw)
+            case_ms, tokens = decode_ms(model, ids, case_kw)
         rounds.append({"resident_ms": resident_ms, "case_ms": case_ms, "ratio": case_ms / resident_ms,
                        "decode_tokens": tokens, "waited_for_quiet_s": waited,
                        "other_processes_cores": other_cores(before, busy_seconds(), time.perf_counter() - start)})

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from bench.lib.common import ROOT, result_name, write_result
@@ -124,7 +123,7 @@ def quality_rows(args) -> dict:
 def depth_rows(args) -> dict:
     import jmoe
     from bench.offload_decode import spread, streamed
-    from jmoe.serving.compiles import CompileCounter
+    from jmoe.serving.compiles import no_compiles
 
     converted = tiny_converted(Path(args.work))
     kv_dtypes = args.kv_dtypes.split(",")
@@ -147,10 +146,8 @@ def depth_rows(args) -> dict:
     ttft, decode = {c: [] for c in cases}, {c: [] for c in cases}
     for _ in range(args.rounds):
         for kv, d in cases:
-            compiles = CompileCounter.count()
-            first, per_token = timed(models[kv], prompts[d])
-            if CompileCounter.count() != compiles:
-                sys.exit(f"depth {d}, {kv} KV: {CompileCounter.count() - compiles} compilation(s) in the timed window")
+            with no_compiles(f"depth {d}, {kv} KV"):
+                first, per_token = timed(models[kv], prompts[d])
             ttft[kv, d].append(first)
             decode[kv, d].append(per_token)
     out = {}

@@ -51,7 +51,7 @@ from bench.lib.common import machine, planned_budget, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from jmoe.policies import DyMoE
-from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.compiles import no_compiles
 
 MAX_SEQ_LEN = 512
 PCIE_GB_PER_S = 46.0  # the host-to-device rate measured on the one H100 lent so far
@@ -141,10 +141,6 @@ def agreement(case: list[list[int]], resident: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
-class CompiledWhileTimed(RuntimeError):
-    pass
-
-
 def host_counts(model) -> dict:
     """Counters to difference over a window: host work of every phase but prefill (plain decode, or a
     speculative run's draft and verify), per decode token."""
@@ -193,14 +189,12 @@ def time_case(name: str, model, resident, prompts, args, temperature: float) -> 
     for r in range(args.rounds):
         waited = wait_for_quiet(args.max_wait)
         busy, start = busy_seconds(), time.perf_counter()
-        compiles = CompileCounter.count()
-        for which in (("resident", "case") if r % 2 == 0 else ("case", "resident")):
-            if which == "case":
-                case_ms.append(decode_ms(model, prompts, kw))
-            else:
-                resident_ms.append(decode_ms(resident, prompts, base_kw))
-        if CompileCounter.count() != compiles:
-            raise CompiledWhileTimed(f"{name}: {CompileCounter.count() - compiles} compilation(s) in the timed window")
+        with no_compiles(name):
+            for which in (("resident", "case") if r % 2 == 0 else ("case", "resident")):
+                if which == "case":
+                    case_ms.append(decode_ms(model, prompts, kw))
+                else:
+                    resident_ms.append(decode_ms(resident, prompts, base_kw))
         rounds.append({"resident_ms": resident_ms[-1], "case_ms": case_ms[-1], "waited_for_quiet_s": waited,
                        "other_processes_cores": other_cores(busy, busy_seconds(), time.perf_counter() - start)})
     entry = {"decode_ms": spread(case_ms), "resident_decode_ms": spread(resident_ms),
@@ -296,7 +290,6 @@ def main() -> None:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
-    CompileCounter.count()  # starts listening before anything compiles
     path = converted(args)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(10, 4000, args.prompt_tokens).tolist() for _ in range(3)]

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from bench.offload_decode import host_counts, per_token, spread, streamed
 from jmoe import trace_routing
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.policies.placement import routed_counts
-from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.compiles import no_compiles
 
 MAX_SEQ_LEN = 512
 
@@ -207,13 +206,11 @@ def time_pair(name: str, models: dict, gen: dict, prompts, args, temperature: fl
     for r in range(args.rounds):
         waited = wait_for_quiet(args.max_wait)
         busy, start = busy_seconds(), time.perf_counter()
-        compiles = CompileCounter.count()
-        for side in (sides if r % 2 == 0 else sides[::-1]):
-            ttft, tpot = timed_workload(models[side], prompts, kw[side])
-            times[side]["ttft_ms"].append(ttft)
-            times[side]["tpot_ms"].append(tpot)
-        if CompileCounter.count() != compiles:
-            sys.exit(f"{name}: {CompileCounter.count() - compiles} compilation(s) in the timed window")
+        with no_compiles(name):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
+                ttft, tpot = timed_workload(models[side], prompts, kw[side])
+                times[side]["ttft_ms"].append(ttft)
+                times[side]["tpot_ms"].append(tpot)
         rounds.append({side: {k: v[-1] for k, v in times[side].items()} for side in sides}
                       | {"waited_for_quiet_s": waited,
                          "other_processes_cores": other_cores(busy, busy_seconds(), time.perf_counter() - start)})
@@ -369,7 +366,6 @@ def main() -> None:
     if unknown := [p for p in papers if p not in COMPARISONS]:
         parser.error(f"unknown papers {unknown}; choose from {list(COMPARISONS)}")
     out_name = args.out or ("paper_headlines_qwen3" if args.qwen_layers else "paper_headlines_tiny")
-    CompileCounter.count()  # listening before anything compiles
     with tempfile.TemporaryDirectory() as tmp:
         setup = qwen_setup(args) if args.qwen_layers else tiny_setup(Path(tmp), args)
         references = {} if setup.quality and not args.skip_quality else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -45,18 +44,16 @@ class FirstTokens:
 def run_round(engine, model, prompts, new_tokens: int) -> dict:
     from jmoe.decoding.prefixes import PrefixCache
     from jmoe.serving import Request
-    from jmoe.serving.compiles import CompileCounter
+    from jmoe.serving.compiles import no_compiles
 
     if model.prefixes is not None:  # an empty store: the first request prefills the system prompt
         model.prefixes = PrefixCache(model.prefixes.capacity, model.prefixes.block_nbytes)
     observer = engine.observer = FirstTokens()
-    compiles = CompileCounter.count()
-    start = time.perf_counter()
-    streams = [engine.submit(Request(p, max_tokens=new_tokens, as_text=False)) for p in prompts]
-    outputs = [list(s) for s in streams]
-    wall = time.perf_counter() - start
-    if CompileCounter.count() != compiles:
-        sys.exit(f"{CompileCounter.count() - compiles} compilation(s) in the timed window")
+    with no_compiles(f"{len(prompts)} requests"):
+        start = time.perf_counter()
+        streams = [engine.submit(Request(p, max_tokens=new_tokens, as_text=False)) for p in prompts]
+        outputs = [list(s) for s in streams]
+        wall = time.perf_counter() - start
     ttft = sorted(observer.ttft[id(s)] for s in streams)
     reused = model.prefixes.stats.reused_tokens if model.prefixes is not None else 0
     return {"ttft_median_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
