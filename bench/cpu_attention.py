@@ -87,7 +87,7 @@ def main() -> None:
                 q = jnp.asarray(rng.normal(size=(1, CACHE_HEADS, groups * tokens, WIDTH)).astype(np.float32))
                 start = jnp.array([depth - tokens], jnp.int32)
                 meta = AttentionMeta(start, jnp.zeros((1,), jnp.int32), jnp.zeros((1, tokens, 2)),
-                                     jnp.zeros((1, tokens, 2)))
+                                     jnp.zeros((1, tokens, 2)), jnp.zeros((1, 1), jnp.int32))  # one page a row
                 kw = dict(groups=groups, scale=WIDTH**-0.5, window=None, precision=None)
                 forms = {
                     "native": lambda q, k, v: cpu_kernels.attention(q, k, v, meta.start, meta.key_start, table,
