@@ -25,6 +25,7 @@ from jmoe.layers.linear import INPUT_HESSIAN, capture_inputs, use_tiled_kernels
 from jmoe.layers.rope import rope_tables
 from jmoe.layers.transformer import AS_DENSE, abstract_model, run_layers
 from jmoe.quant import ExpertWeights
+from pallas_kernels.optimised import optimised_jit
 from pallas_kernels.qarray import QArray, QuantFormat
 
 
@@ -269,6 +270,6 @@ def _layer_fn(kind: str, graphdef):
         valid = jnp.ones((h.shape[0] * h.shape[1],), bool)
         return layer.feed_forward(x, h, valid, None, None if experts is None else experts.layer(0))[0]
 
-    _JITTED[key] = jax.jit({"attention": attention, "route": route, "mlp": mlp, "attention_inputs": attention_inputs,
+    _JITTED[key] = optimised_jit({"attention": attention, "route": route, "mlp": mlp, "attention_inputs": attention_inputs,
                             "mlp_inputs": mlp_inputs}[kind])
     return _JITTED[key]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.optimised import optimised_jit
 
 TILE = 64  # columns per tile of the CPU layout (the CPU kernels' tile)
 
@@ -209,7 +210,7 @@ def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
 
 # Jitted, as dequantize and quantize_groups: called eagerly (conversion, tests, checks) each compiles
 # once per shape rather than op by op; inside a jitted function it is inlined like any nested jit.
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(optimised_jit, static_argnums=1)
 def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
     """Integer codes [..., Kp, N] in [0, qmax] -> planar-packed uint8 [..., Kp / pack, N]."""
     *lead, kp, n = codes.shape
@@ -220,7 +221,7 @@ def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
     return packed.astype(jnp.uint8).reshape(*lead, kp // fmt.pack, n)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # as pack_codes
+@functools.partial(optimised_jit, static_argnums=1)  # as pack_codes
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     """Reference dequantization to the logical weight [..., K, N] (smoothing not applied)."""
     q = untile(q)
@@ -260,7 +261,7 @@ def quantize_activations(x: jax.Array) -> jax.Array:
     return (codes.astype(jnp.float32) * step).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # as pack_codes
+@functools.partial(optimised_jit, static_argnums=1)  # as pack_codes
 def quantize_groups(x: jax.Array, group: int) -> jax.Array:
     """x [..., K] onto an int8 grid per group of `group` along K (the CPU kernels' int8 dot, like
     llama.cpp's Q8 blocks): step = max |x| / 127 (1 for a zero group), codes rounded half to

@@ -464,3 +464,22 @@ def test_dense_gptq_runs_column_blocks_and_beats_rtn_on_its_inputs(monkeypatch):
     tiled = dense_gptq.gptq_columns(rows, dense_gptq.hessian_of(x), template(tiled_fmt, k, vocab))
     assert tiled.fmt == tiled_fmt
     np.testing.assert_array_equal(np.asarray(untile(tiled).values), whole.values)
+
+
+def test_optimised_jit_runs_alone_and_nested_in_another_jit():
+    """Compile options are refused on a nested jit: inside another jit it is the plain one."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from pallas_kernels.optimised import optimised_jit
+
+    @functools.partial(optimised_jit, static_argnums=1)
+    def scaled_sum(x, factor: int):
+        return jnp.sum(x * factor, axis=0)
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    expected = (x * 3).sum(axis=0)
+    np.testing.assert_array_equal(scaled_sum(x, 3), expected)
+    np.testing.assert_array_equal(jax.jit(lambda x: scaled_sum(x, 3) + 1)(x), expected + 1)
+    np.testing.assert_array_equal(jax.vmap(lambda row: scaled_sum(row[None], 3))(x), x * 3)

@@ -26,6 +26,7 @@ import scipy.linalg
 from jax import lax
 
 from convert.quantizers.grid import decode, encode, fitted_group_params, searches, to_qarray
+from pallas_kernels.optimised import optimised_jit
 from pallas_kernels.qarray import QArray, QuantFormat
 
 _HIGHEST = lax.Precision.HIGHEST  # no TF32/bf16 passes on GPU: errors feed back into later rows
@@ -166,7 +167,7 @@ def refit_groups(w, hessian, codes, scales, offsets, fmt: QuantFormat, dead):
     return new_scales, new_offsets
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block"))
+@functools.partial(optimised_jit, static_argnames=("fmt", "block"))
 def _gptq_blocks(w, u, fmt: QuantFormat, block: int, grid=None):
     """w [Kb, N], u [Kb, Kb] (Kb a multiple of block) -> codes [Kb, N], scales/offsets [Kb / G, N]."""
     kb, n = w.shape

@@ -24,6 +24,7 @@ from jax import lax
 
 from convert.quantizers.gptq import gptq_quantize
 from convert.quantizers.rtn import rtn_dequantized
+from pallas_kernels.optimised import optimised_jit
 from pallas_kernels.qarray import QArray, QuantFormat, prepare_input
 
 # act_scale = 1 / s is stored as float16 (max 65504, smallest normal 6.1e-5): keep both inside.
@@ -91,7 +92,7 @@ def search_alpha(cases, fmt: QuantFormat, alphas=tuple(np.linspace(0, 1, 11))) -
     return float(alphas[int(np.argmin(errors))])
 
 
-@functools.partial(jax.jit, static_argnames=("fmt",))
+@functools.partial(optimised_jit, static_argnames=("fmt",))
 def _smoothed_rtn_errors(x, act_absmax, w, alphas, fmt: QuantFormat):
     """x [E, n, K], act_absmax [E, K], w [E, K, N], alphas [A] -> squared output error [E, A]."""
     return jax.vmap(lambda x, a, w: _expert_errors(x, a, w, alphas, fmt))(x, act_absmax, w)

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from convert.quantizers.grid import decode, encode, fitted_group_params, host_qarray, pad_k, searches
+from pallas_kernels.optimised import optimised_jit
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
-
 
 # A searched grid (int2) tries some 25 candidates per group, each a few passes over the group. Over
 # a whole matrix every pass streams it from memory; in tiles of one group by TILE_COLUMNS columns
@@ -33,7 +33,7 @@ def group_grid(groups, fmt: QuantFormat):
     return untile(scale), untile(offset)
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(optimised_jit, static_argnums=1)
 def rtn_block(w, fmt: QuantFormat):
     """RTN of a K-major block [K, n] (compiled once per block shape, unlike op-by-op eager jnp):
     (packed codes [Kp / pack, n], float16 scales and offsets [Kp / G, n])."""
@@ -50,7 +50,7 @@ def quantize_rtn(w, fmt: QuantFormat, act_scale=None) -> QArray:
     return host_qarray(values, scales, offsets, fmt, w.shape[0], act_scale)
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(optimised_jit, static_argnums=1)
 def rtn_dequantized(w, fmt: QuantFormat):
     """What RTN makes of w, as float32 [K, N] (used by searches that compare candidates)."""
     k, n = w.shape
