@@ -22,12 +22,35 @@ import pytest  # noqa: E402
 TEST_CPU_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", TEST_CPU_DEVICES)
 
-# Most of the suite's time is XLA:CPU compiling. LLVM at -O1 rather than XLA's -O2 compiles its
-# fused loops faster and, at the suite's small shapes, runs them about as fast (matrix products are
-# library calls either way). Set before the backend starts; the processes tests start inherit it.
-# A level the caller gave is kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1").strip()
+# Most of the suite's time is XLA:CPU compiling its many small steps, which at the suite's shapes
+# run in microseconds. LLVM at -O0 (XLA's default is -O2) with XLA:CPU's elemental emitters rather
+# than its MLIR fusion emitters compiles a 2-layer model's step about 3x faster (1.5 -> 0.5 s here)
+# and runs it within 2x. Numeric work that runs long by itself (conversion's quantizers and
+# calibration, the reference dequantization) asks for full optimisation per jit
+# (pallas_kernels/optimised.py). Set before the backend starts; the processes tests start inherit
+# it. Flags the caller gave are kept; these are added only where the suite runs on XLA:CPU (a GPU
+# machine's run keeps XLA's defaults) and this jaxlib knows them (XLA aborts on an unknown flag).
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _cpu_backend_takes(flags: list[str]) -> bool:
+    """Whether jax, given these XLA_FLAGS, starts and runs on the CPU (asked in a process of its own:
+    this one's backend must not start yet)."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import jax, sys; sys.exit(jax.default_backend() != 'cpu')"],
+                           env=dict(os.environ, XLA_FLAGS=" ".join(flags)), capture_output=True)
+    return probe.returncode == 0
+
+
+if "JMOE_TEST_XLA_FLAGS" not in os.environ:  # decided once, by the controller; its workers inherit it
+    given = os.environ.get("XLA_FLAGS", "").split()
+    added = [f for f in SUITE_XLA_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+    if added and not _cpu_backend_takes(given + added):
+        added = []
+    os.environ["XLA_FLAGS"] = " ".join(given + added)
+    os.environ["JMOE_TEST_XLA_FLAGS"] = " ".join(added) or "none"
 
 # The suite neither reads nor fills the user's persistent compilation cache (jmoe/runtime/compile_cache.py):
 # it starts one of its own, empty, shared by this run's workers and the processes tests start, so a
