@@ -22,6 +22,7 @@ from jmoe.kernels import default_backend, expert_ffn
 from jmoe.tiers import tier_format
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
+from pallas_kernels.optimised import optimised_jit
 from pallas_kernels.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
                                    untile_plain)
 
@@ -227,7 +228,7 @@ def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     both = jax.jit(lambda h, s, r, p: ops.routed_expert_ffn_tiers(h, jnp.arange(8, dtype=jnp.int32), s, r, p))
     mixed = [(tgu, tdn, None, None), (gu, dn, None, None)]
     assert same(both(rows, bs, tier_of, mixed), both(rows, bs, tier_of, [(gu, dn, None, None)] * 2))
-    ref = jax.jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1))
+    ref = optimised_jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1))
     np.testing.assert_allclose(np.asarray(ref(rows, bs, tgu, tdn)), np.asarray(ref(rows, bs, gu, dn)), rtol=0, atol=0)
 
 
@@ -277,7 +278,7 @@ def _compare(rows, bs, gu, dn, block_rows, gu_bias=None, dn_bias=None, activatio
     kw = dict(block_rows=block_rows, gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation,
               int8_dot=int8_dot)
     native_y = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, backend="cpu", **kw))(rows, bs, gu, dn)
-    ref = jax.jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, **kw))(rows, bs, gu, dn)
+    ref = optimised_jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, **kw))(rows, bs, gu, dn)
     native_y, ref = np.asarray(native_y), np.asarray(ref)
     _close(native_y, ref, int8_dot)
     empty = np.repeat(np.asarray(bs) < 0, block_rows)
@@ -292,7 +293,7 @@ def _compare_routed(h, row_slot, gu, dn, gu_bias=None, dn_bias=None, activation=
     token, slot = jnp.asarray(order.astype(np.int32)), row_slot[order]
     kw = dict(gate_up_bias=gu_bias, down_bias=dn_bias, activation=activation, int8_dot=int8_dot)
     y = np.asarray(jax.jit(lambda h, t, s, g, d: ops.routed_expert_ffn(h, t, s, g, d, **kw))(h, token, slot, gu, dn))
-    ref = np.asarray(jax.jit(lambda h, t, s, g, d: expert_ffn_reference(h[t], s, g, d, block_rows=1, **kw))(
+    ref = np.asarray(optimised_jit(lambda h, t, s, g, d: expert_ffn_reference(h[t], s, g, d, block_rows=1, **kw))(
         h, token, slot, gu, dn))
     _close(y, ref, int8_dot)
     assert (y[np.asarray(slot) < 0] == 0).all()
@@ -351,7 +352,7 @@ def _compare_tiers(h, token, slot, tier, pools, activation=SILU, int8_dot=False)
     kw = dict(activation=activation, int8_dot=int8_dot)
     y = np.asarray(jax.jit(lambda h, t, s, r, p: ops.routed_expert_ffn_tiers(h, t, s, r, p, **kw))(
         h, token, slot, tier, pools))
-    ref = np.asarray(jax.jit(lambda h, t, s, r, p: _tiers_reference(h, t, s, r, p, **kw))(h, token, slot, tier, pools))
+    ref = np.asarray(optimised_jit(lambda h, t, s, r, p: _tiers_reference(h, t, s, r, p, **kw))(h, token, slot, tier, pools))
     _close(y, ref, int8_dot)
     assert (y[np.asarray(slot) < 0] == 0).all()
     return y
