@@ -270,6 +270,6 @@ def _layer_fn(kind: str, graphdef):
         valid = jnp.ones((h.shape[0] * h.shape[1],), bool)
         return layer.feed_forward(x, h, valid, None, None if experts is None else experts.layer(0))[0]
 
-    _JITTED[key] = optimised_jit({"attention": attention, "route": route, "mlp": mlp, "attention_inputs": attention_inputs,
-                            "mlp_inputs": mlp_inputs}[kind])
+    _JITTED[key] = optimised_jit({"attention": attention, "route": route, "mlp": mlp,
+                                  "attention_inputs": attention_inputs, "mlp_inputs": mlp_inputs}[kind])
     return _JITTED[key]

@@ -46,7 +46,7 @@ def _cpu_backend_takes(flags: list[str]) -> bool:
 
 if "JMOE_TEST_XLA_FLAGS" not in os.environ:  # decided once, by the controller; its workers inherit it
     given = os.environ.get("XLA_FLAGS", "").split()
-    added = [f for f in SUITE_XLA_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+    added = [f for f in SUITE_XLA_FLAGS if f.split("=")[0] not in " ".join(given)]
     if added and not _cpu_backend_takes(given + added):
         added = []
     os.environ["XLA_FLAGS"] = " ".join(given + added)

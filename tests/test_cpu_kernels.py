@@ -352,7 +352,8 @@ def _compare_tiers(h, token, slot, tier, pools, activation=SILU, int8_dot=False)
     kw = dict(activation=activation, int8_dot=int8_dot)
     y = np.asarray(jax.jit(lambda h, t, s, r, p: ops.routed_expert_ffn_tiers(h, t, s, r, p, **kw))(
         h, token, slot, tier, pools))
-    ref = np.asarray(optimised_jit(lambda h, t, s, r, p: _tiers_reference(h, t, s, r, p, **kw))(h, token, slot, tier, pools))
+    ref = np.asarray(optimised_jit(lambda h, t, s, r, p: _tiers_reference(h, t, s, r, p, **kw))(
+        h, token, slot, tier, pools))
     _close(y, ref, int8_dot)
     assert (y[np.asarray(slot) < 0] == 0).all()
     return y
