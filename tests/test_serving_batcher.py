@@ -166,6 +166,7 @@ def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(short_model):
 
 
 def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(short_model):
+    import concurrent.futures
     import time
 
     with BatchEngine(short_model, max_batch=2, context=1024, reader_timeout=0.5) as engine:
@@ -173,7 +174,12 @@ def test_a_stalled_reader_is_cut_off_and_a_timeout_ends_a_request(short_model):
         next(iter(stalled))  # one piece read, then no more
         read = engine.submit(Request(encode(short_model, PROMPTS[1]), max_tokens=30, as_text=False, logprobs=2))
         short = engine.submit(Request(encode(short_model, PROMPTS[3]), max_tokens=3, logprobs=0))
-        pairs = list(read.with_logprobs())  # a reader that keeps reading is not cut
+        # readers that keep reading are not cut; `short` waits for a row, which the stalled request
+        # gives up or `read` leaves, whichever comes first, so it is read on a thread of its own
+        with concurrent.futures.ThreadPoolExecutor(1) as reader:
+            short_read = reader.submit(lambda: list(short.with_logprobs()))
+            pairs = list(read.with_logprobs())
+            short_read.result(timeout=60)
         assert read.finish_reason == "length" and len(pairs) == 30
         assert short.finish_reason == "length" and short.usage["completion_tokens"] == 3
         assert all(len(lp) == 1 and lp[0].token == piece and len(lp[0].top) == 2 for piece, lp in pairs)
