@@ -289,7 +289,7 @@ def serve_options(args) -> dict:
 def app_options(args) -> dict:
     """serve's options for the API itself (create_app's), checked: they are checked before the model
     loads too. The key comes from --api-key, else from $JMOE_API_KEY."""
-    from jmoe.serving.openai_api import check_api_key, parse_origins
+    from jmoe.serving.middleware import check_api_key, parse_origins
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     origins = None if args.allowed_origins is None else parse_origins(args.allowed_origins)

@@ -21,7 +21,8 @@ import pytest
 import jmoe
 from jmoe.serving import BatchEngine, requests, scoring
 from jmoe.serving.compiles import CompileCounter
-from jmoe.serving.openai_api import FINISH_REASONS, create_app
+from jmoe.serving.openai_api import create_app
+from jmoe.serving.responses import FINISH_REASONS
 from jmoe.serving.validation import MAX_BODY_BYTES
 from jmoe.serving.server import Server
 from tests.serving_helpers import serving, start
@@ -1022,11 +1023,11 @@ def test_required_calls_in_the_mistral_and_llama_formats(served, monkeypatch, te
     """The template's format is recognised, a required call is written in it (the raw answer, read
     without tools, shows it) and comes back as tool_calls whose arguments fit the schema."""
     base, _, model = served
-    from jmoe.serving import openai_api
+    from jmoe.serving import responses
 
     monkeypatch.setattr(model.tokenizer, "chat_template", template)
-    answers, read = [], openai_api.tool_calls
-    monkeypatch.setattr(openai_api, "tool_calls", lambda text, tools: answers.append(text) or read(text, tools))
+    answers, read = [], responses.tool_calls
+    monkeypatch.setattr(responses, "tool_calls", lambda text, tools: answers.append(text) or read(text, tools))
     ask = [{"role": "user", "content": "What is 12 + 35?"}]
     named = {"type": "function", "function": {"name": "add"}}
     answer = chat_post(base, {"messages": ask, "tools": [WEATHER, ADD], "tool_choice": named, "max_tokens": 160,

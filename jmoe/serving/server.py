@@ -20,7 +20,7 @@ import threading
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from jmoe.serving.openai_api import send_error
+from jmoe.serving.middleware import send_error
 from jmoe.serving.validation import ApiError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
