@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import native
-from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import (TILE, QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups,
                                    untile_plain)
@@ -78,11 +77,14 @@ def _pool_format(prefix: str, w, int8_dot: bool) -> tuple[tuple, dict]:
     return operands, {f"{prefix}_{name}": value for name, value in fmt.items()}
 
 
-def _native_pools(gate_up, down, gate_up_bias, down_bias, activation: GatedActivation, int8_dot: bool):
-    """The pool operands and attributes both native FFN targets take, or None where the kernel
-    does not apply (a smoothed down projection, which no converter writes)."""
+def _native_operands(gate_up, down, gate_up_bias, down_bias, activation: GatedActivation, int8_dot: bool):
+    """The pool operands and attributes both native FFN targets take. NotImplementedError where the
+    kernel does not run: not loaded, or not on the CPU backend, or a smoothed down projection (which
+    no converter writes)."""
+    if not available():
+        raise NotImplementedError("the native CPU kernels are not loaded, or the default backend is not the CPU")
     if isinstance(down, QArray) and down.act_scale is not None:
-        return None
+        raise NotImplementedError("the native expert kernel does not take a smoothed down projection")
     slots = (gate_up.values if isinstance(gate_up, QArray) else gate_up).shape[0]
     inner = down.k if isinstance(down, QArray) else down.shape[-2]
     hidden = down.n if isinstance(down, QArray) else down.shape[-1]
@@ -110,12 +112,9 @@ def _expert_inputs(x, gate_up, row_slot):
 def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias=None, down_bias=None,
                activation: GatedActivation = SILU, int8_dot: bool = False):
     """The grouped gated expert FFN (expert_ffn_reference's contract) on the native kernel:
-    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype. int8_dot as in `matmul`."""
-    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation, int8_dot) if available() else None
-    if pools is None:
-        return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, gate_up_bias=gate_up_bias,
-                                    down_bias=down_bias, activation=activation, int8_dot=int8_dot)
-    operands, attrs = pools
+    rows [R, D], block_slot [R / block_rows] -> [R, D] in rows.dtype. int8_dot as in `matmul`.
+    NotImplementedError where the native kernel does not run them (see _native_operands)."""
+    operands, attrs = _native_operands(gate_up, down, gate_up_bias, down_bias, activation, int8_dot)
     x = _expert_inputs(rows, gate_up, jnp.repeat(block_slot, block_rows))
     y = native.call(native.EXPERT_FFN, jax.ShapeDtypeStruct(rows.shape, jnp.float32), *operands, x,
                     block_slot.astype(jnp.int32), block_rows=np.int64(block_rows), **attrs)
@@ -126,12 +125,9 @@ def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_
                       activation: GatedActivation = SILU, int8_dot: bool = False):
     """Routed assignments, each expert run once over exactly its rows: h [N, D], token/slot [A]
     (slot -1: inactive) -> [A, D] in h.dtype, row a = expert `slot[a]` applied to h[token[a]].
-    The grouping happens inside the kernel (no padding to blocks, no weight gathered per block)."""
-    pools = _native_pools(gate_up, down, gate_up_bias, down_bias, activation, int8_dot) if available() else None
-    if pools is None:  # the reference, one row per block
-        return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, gate_up_bias=gate_up_bias,
-                                    down_bias=down_bias, activation=activation, int8_dot=int8_dot)
-    operands, attrs = pools
+    The grouping happens inside the kernel (no padding to blocks, no weight gathered per block).
+    NotImplementedError where the native kernel does not run them (see _native_operands)."""
+    operands, attrs = _native_operands(gate_up, down, gate_up_bias, down_bias, activation, int8_dot)
     if isinstance(gate_up, QArray) and gate_up.act_scale is not None:
         x, token = _expert_inputs(h[token], gate_up, slot), jnp.arange(token.shape[0], dtype=jnp.int32)
     else:
@@ -155,10 +151,11 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
     """routed_expert_ffn over several pools at once: assignment a runs expert slot[a] of
     pools[tier[a]] (each pool a (gate_up, down, gate_up_bias, down_bias) of one layer) on h[token[a]]
     -> [A, D] in h.dtype. One native call runs every pool's experts in the same passes where each
-    pool multiplies h as it is; otherwise (smoothed or W8A8 inputs, no native kernels) each pool
-    runs on its own assignments and the results are added (each row is zero in all pools but its own)."""
-    native_pools = [_native_pools(*pool, activation, int8_dot) for pool in pools] if available() else []
-    if not native_pools or any(p is None for p in native_pools) or not all(_multiplies_h_as_is(p[0]) for p in pools):
+    pool multiplies h as it is; otherwise (smoothed or W8A8 inputs) each pool runs natively on its
+    own assignments and the results are added (each row is zero in all pools but its own).
+    NotImplementedError where the native kernel does not run every pool (see _native_operands)."""
+    native_pools = [_native_operands(*pool, activation, int8_dot) for pool in pools]
+    if not all(_multiplies_h_as_is(p[0]) for p in pools):
         out = None
         for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(pools):
             y = routed_expert_ffn(h, token, jnp.where(tier == t, slot, -1), gate_up, down, gate_up_bias=gate_up_bias,

@@ -233,11 +233,14 @@ def _matmul_partials(x, block_slot, w: QArray, *, interpret: bool, name: str):
 
 
 def expert_ffn_mosaic(rows, block_slot, gate_up: QArray, down: QArray, *, block_rows: int = 1, interpret: bool = False,
-                      gate_up_bias=None, down_bias=None, activation: GatedActivation = SILU):
+                      gate_up_bias=None, down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
     """Decode int4 expert FFN on Mosaic GPU: [R, D] in rows.dtype, equal to `expert_ffn_reference`
-    within rounding (see supports_mosaic). interpret: run the kernels' steps in Pallas' interpreter."""
+    within rounding. interpret: run the kernels' steps in Pallas' interpreter. Inputs it does not
+    take (see supports_mosaic; an int8_dot) raise NotImplementedError before anything is traced."""
+    if int8_dot:
+        raise NotImplementedError("the Mosaic expert kernel multiplies float inputs, not int8_dot's int8 grid")
     if not supports_mosaic(rows, gate_up, down, block_rows, gate_up_bias, down_bias):
-        raise ValueError("expert_ffn_mosaic does not support these shapes/formats; see supports_mosaic()")
+        raise NotImplementedError("expert_ffn_mosaic does not support these shapes/formats; see supports_mosaic()")
     F = down.k
     block_slot = block_slot.astype(jnp.int32)
     safe = jnp.maximum(block_slot, 0)

@@ -639,7 +639,7 @@ def _splits(plans, blocks: int, n_out: int) -> int:
 
 
 def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, interpret: bool = False,
-                      gate_up_bias=None, down_bias=None, activation: GatedActivation = SILU):
+                      gate_up_bias=None, down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
     """Grouped gated expert FFN, weights (and biases) read from the pools by slot inside the kernels.
 
     Args:
@@ -651,12 +651,14 @@ def expert_ffn_pallas(rows, block_slot, gate_up, down, *, block_rows: int, inter
       interpret: run the kernels in Pallas interpret mode (CPU).
       gate_up_bias, down_bias: optional float32 pools [S, 2F] and [S, D] added after each matmul.
       activation: how gate and up combine (SwiGLU by default).
+      int8_dot: refused (NotImplementedError): these kernels multiply float inputs.
 
     Returns:
       [R, D] in rows.dtype, equal to `expert_ffn_reference` within rounding.
     """
     return expert_ffn_pallas_tiers(rows, None, block_slot, [(gate_up, down, gate_up_bias, down_bias)],
-                                   block_rows=block_rows, interpret=interpret, activation=activation)
+                                   block_rows=block_rows, interpret=interpret, activation=activation,
+                                   int8_dot=int8_dot)
 
 
 def supports_tiers(rows, tiers, block_rows: int, *, interpret: bool = False) -> bool:
@@ -668,16 +670,19 @@ def supports_tiers(rows, tiers, block_rows: int, *, interpret: bool = False) -> 
 
 
 def expert_ffn_pallas_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, interpret: bool = False,
-                            activation: GatedActivation = SILU):
+                            activation: GatedActivation = SILU, int8_dot: bool = False):
     """`expert_ffn_pallas` over several pools (tiers) at once: block b reads slot block_slot[b] of
     tiers[block_tier[b]], each tier in its own format, one launch per stage for all of them.
 
     tiers: sequence of (gate_up, down, gate_up_bias, down_bias) pools (jmoe's ExpertWeights is one);
     block_tier: [R / block_rows] int32 index into tiers (None with a single tier). Several tiers
-    need block_rows 1 (decode), see supports_tiers.
+    need block_rows 1 (decode), see supports_tiers. Inputs it does not take (see supports_tiers; an
+    int8_dot) raise NotImplementedError before anything is traced.
     """
+    if int8_dot:
+        raise NotImplementedError("the Pallas expert kernels multiply float inputs, not int8_dot's int8 grid")
     if not supports_tiers(rows, tiers, block_rows, interpret=interpret):
-        raise ValueError("expert_ffn_pallas does not support these shapes/formats; see supports()")
+        raise NotImplementedError("expert_ffn_pallas does not support these shapes/formats; see supports()")
     if len(tiers) > 1 and block_tier is None:
         raise ValueError("several tiers need block_tier")
     D = rows.shape[1]

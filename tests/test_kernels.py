@@ -182,6 +182,44 @@ def test_dispatch_routes_to_the_kernel_or_falls_back():
         expert_ffn(rows, slots, gate_up, down, block_rows=16, backend="cuda")
 
 
+def test_each_kernel_refuses_what_it_cannot_run_and_the_next_in_order_runs_it(monkeypatch):
+    """A backend's kernels refuse inputs they do not take with NotImplementedError, before tracing
+    anything; the entry points then run the next kernel in the backend's order (the reference last).
+    Routed assignments go to the backends whose kernel takes them, else to the reference."""
+    import cpu_kernels.ops
+    from jmoe.kernels import routed_expert_ffn, takes_assignments
+    from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic
+
+    rows, block_slot, gate_up, down, block_rows = case_inputs("int4-g64-asym-decode-bf16-k_pad")
+    call = dict(block_rows=block_rows)
+    with pytest.raises(NotImplementedError, match="int8"):
+        expert_ffn_pallas(rows, block_slot, gate_up, down, interpret=True, int8_dot=True, **call)
+    with pytest.raises(NotImplementedError, match="int8"):
+        expert_ffn_mosaic(rows, block_slot, gate_up, down, int8_dot=True, **call)
+    with pytest.raises(NotImplementedError, match="shapes"):  # tl.dot needs M >= 16
+        expert_ffn_pallas(jnp.zeros((16, rows.shape[1])), jnp.zeros((2,), jnp.int32), gate_up, down, block_rows=8,
+                          interpret=True)
+    int8_reference = expert_ffn_reference(rows, block_slot, gate_up, down, int8_dot=True, **call)
+    for backend in ("interpret", "mosaic", "xla"):
+        jaxpr = str(jax.make_jaxpr(functools.partial(expert_ffn, backend=backend, int8_dot=True, **call))(
+            rows, block_slot, gate_up, down))
+        assert "pallas_call" not in jaxpr  # a refusal leaves nothing of the kernel behind
+        np.testing.assert_array_equal(expert_ffn(rows, block_slot, gate_up, down, backend=backend, int8_dot=True,
+                                                 **call), int8_reference)
+    assert takes_assignments("cpu") and not any(takes_assignments(b) for b in ("xla", "pallas", "interpret"))
+    token = jnp.asarray([0, 2, 1, 2], jnp.int32)
+    slot = jnp.asarray([3, 0, -1, 6], jnp.int32)
+    routed_reference = expert_ffn_reference(rows[token], slot, gate_up, down, block_rows=1)
+    monkeypatch.setattr(cpu_kernels.ops, "available", lambda: False)  # the native kernels refuse
+    with pytest.raises(NotImplementedError, match="not loaded"):
+        cpu_kernels.ops.expert_ffn(rows, block_slot, gate_up, down, **call)
+    for backend in ("cpu", "xla", "interpret"):
+        np.testing.assert_array_equal(routed_expert_ffn(rows, token, slot, gate_up, down, backend=backend),
+                                      routed_reference)
+    np.testing.assert_array_equal(expert_ffn(rows, block_slot, gate_up, down, backend="cpu", **call),
+                                  expert_ffn_reference(rows, block_slot, gate_up, down, **call))
+
+
 # ----------------------------------------------------------------------------- model path
 
 

@@ -1,14 +1,22 @@
-"""The grouped gated expert FFN's entry point: which kernel runs it (pallas_kernels/expert_ffn.py
-describes the operation and holds its XLA reference).
+"""The gated expert FFN's entry points: which kernel runs it (pallas_kernels/expert_ffn.py describes
+the operation and holds its XLA reference).
 
 Backends: "pallas" (the Triton-lowered Pallas kernel, GPUs), "mosaic" (int4 decode on the Pallas
 Mosaic GPU kernel), "interpret" (the Pallas kernel interpreted), "cpu" (the native kernels of
-cpu_kernels) and "xla" (the reference). A kernel that does not take some inputs leaves them to the
-reference. Neither backend package imports the other: the choice lives here.
+cpu_kernels) and "xla" (the reference). Each backend tries its kernels in a fixed order (KERNELS):
+a kernel that cannot take the inputs refuses with NotImplementedError before it traces anything,
+and the next one runs them; the reference, last, takes everything. Neither backend package imports
+the other, and no other module asks which backend it runs on: the choice lives here.
+
+Two layouts of the same operation: rows grouped in blocks of one expert each (`expert_ffn`, what
+the device kernels take), and routed assignments, each expert run over exactly its rows
+(`routed_expert_ffn`, what the native CPU kernel takes, grouping by expert itself, unpadded);
+`takes_assignments(backend)` says which a backend wants.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -16,76 +24,12 @@ import jax.numpy as jnp
 
 import cpu_kernels
 from pallas_kernels.expert_ffn import expert_ffn_reference
-from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, supports_mosaic
-from pallas_kernels.expert_ffn_pallas import (expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays,
-                                             supports, supports_tiers)
+from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic
+from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays
 from pallas_kernels.glu import SILU, GatedActivation
 
-BACKENDS = ("xla", "pallas", "mosaic", "interpret", "cpu")
 log = logging.getLogger("jmoe.kernels")
 _warned: set = set()
-
-
-def default_backend() -> str:
-    """Pallas on a GPU; on the CPU the native kernels (cpu_kernels) when they are built, else XLA."""
-    if jax.default_backend() == "gpu":
-        return "pallas"
-    return "cpu" if cpu_kernels.available() else "xla"
-
-
-def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None, gate_up_bias=None,
-               down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
-    """Entry point the model calls; dispatches to a kernel where one supports the inputs.
-
-    "pallas" runs the compiled Pallas kernel, "interpret" the same kernel in interpret mode; either
-    falls back to the XLA reference for inputs the kernel does not support. "mosaic" runs int4
-    decode on the Pallas Mosaic GPU kernel (expert_ffn_mosaic) and everything else as "pallas". "cpu" runs the native
-    CPU kernel (cpu_kernels; the XLA reference where it is not built). int8_dot (the CPU kernels'
-    per-group int8 inputs) is honoured by the CPU kernel and the reference, which the Pallas
-    kernels then leave to.
-    """
-    backend = backend or default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
-    extra = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
-    if backend == "cpu":
-        return cpu_kernels.expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
-    if backend == "mosaic" and not int8_dot and supports_mosaic(rows, gate_up, down, block_rows, gate_up_bias,
-                                                                 down_bias):
-        return expert_ffn_mosaic(rows, block_slot, gate_up, down, block_rows=block_rows, **extra)
-    interpret = backend == "interpret"
-    if backend != "xla" and not int8_dot and supports(rows, gate_up, down, block_rows, gate_up_bias, down_bias,
-                                                      interpret=interpret):
-        return expert_ffn_pallas(
-            rows, block_slot, gate_up, down, block_rows=block_rows, interpret=interpret, **extra
-        )
-    if backend != "xla":
-        _warn_offsets(gate_up, down)
-    return expert_ffn_reference(rows, block_slot, gate_up, down, block_rows=block_rows, int8_dot=int8_dot, **extra)
-
-
-def expert_ffn_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, backend: str | None = None,
-                     activation: GatedActivation = SILU, int8_dot: bool = False):
-    """`expert_ffn` over several pools at once: block b reads slot block_slot[b] (-1: none) of
-    tiers[block_tier[b]], tiers a sequence of (gate_up, down, gate_up_bias, down_bias) pools.
-
-    Where the Pallas kernels take every tier (decode), each stage is one launch for all of them (a
-    tier index per block); otherwise each tier runs on its own blocks and the results are added
-    (every block is zero in all tiers but its own).
-    """
-    backend = backend or default_backend()
-    interpret = backend == "interpret"
-    if (backend in ("pallas", "interpret") and not int8_dot and len(tiers) > 1
-            and supports_tiers(rows, tiers, block_rows, interpret=interpret)):
-        return expert_ffn_pallas_tiers(rows, block_tier, block_slot, tiers, block_rows=block_rows,
-                                       interpret=interpret, activation=activation)
-    out = None
-    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(tiers):
-        slots = jnp.where(block_tier == t, block_slot, -1)
-        y = expert_ffn(rows, slots, gate_up, down, block_rows=block_rows, backend=backend, gate_up_bias=gate_up_bias,
-                       down_bias=down_bias, activation=activation, int8_dot=int8_dot)
-        out = y if out is None else out + y
-    return out
 
 
 def _warn_offsets(gate_up, down) -> None:
@@ -95,3 +39,130 @@ def _warn_offsets(gate_up, down) -> None:
         log.warning("expert pool arrays %s have 2**31 or more 1-byte elements but no more than 2**32 bytes, "
                     "which the Pallas Triton lowering would index with overflowing 32-bit offsets: these "
                     "experts run on the XLA path (slower); a pool with fewer or more slots avoids it", unsafe)
+
+
+def _reference_after_pallas(rows, block_slot, gate_up, down, **kwargs):
+    """The reference where the Pallas kernels refused (warned once when 32-bit offsets were why)."""
+    _warn_offsets(gate_up, down)
+    return expert_ffn_reference(rows, block_slot, gate_up, down, **kwargs)
+
+
+# Per backend, the kernels of the block layout in the order they are tried; each takes
+# (rows, block_slot, gate_up, down, *, block_rows, gate_up_bias, down_bias, activation, int8_dot).
+KERNELS = {
+    "xla": (expert_ffn_reference,),
+    "pallas": (expert_ffn_pallas, _reference_after_pallas),
+    "mosaic": (expert_ffn_mosaic, expert_ffn_pallas, _reference_after_pallas),
+    "interpret": (functools.partial(expert_ffn_pallas, interpret=True), _reference_after_pallas),
+    "cpu": (cpu_kernels.expert_ffn, expert_ffn_reference),
+}
+BACKENDS = tuple(KERNELS)
+# The backends whose kernel takes routed assignments (the rest get rows grouped in blocks).
+ROUTED_KERNELS = {"cpu": cpu_kernels.routed_expert_ffn}
+ROUTED_TIERS_KERNELS = {"cpu": cpu_kernels.routed_expert_ffn_tiers}
+# The backends whose kernel takes several tiers' pools in one launch (block layout, decode).
+TIERS_KERNELS = {"pallas": expert_ffn_pallas_tiers,
+                 "interpret": functools.partial(expert_ffn_pallas_tiers, interpret=True)}
+
+
+def default_backend() -> str:
+    """Pallas on a GPU; on the CPU the native kernels (cpu_kernels) when they are built, else XLA."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "cpu" if cpu_kernels.available() else "xla"
+
+
+def _backend(backend: str | None) -> str:
+    backend = backend or default_backend()
+    if backend not in KERNELS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
+    return backend
+
+
+def _first_that_runs(kernels, *args, **kwargs):
+    """The first of `kernels` that does not refuse the inputs (the last one never does)."""
+    for kernel in kernels[:-1]:
+        try:
+            return kernel(*args, **kwargs)
+        except NotImplementedError:
+            continue
+    return kernels[-1](*args, **kwargs)
+
+
+def takes_assignments(backend: str | None) -> bool:
+    """Whether `backend`'s kernel takes routed assignments (routed_expert_ffn) rather than rows
+    grouped in blocks (expert_ffn)."""
+    return _backend(backend) in ROUTED_KERNELS
+
+
+def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, backend: str | None = None, gate_up_bias=None,
+               down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
+    """rows [R, D] in blocks of block_rows, block b through the expert in pool slot block_slot[b]
+    (-1: none, zeros) -> [R, D], on the first of the backend's kernels that takes the inputs.
+
+    int8_dot (the CPU kernels' per-group int8 inputs) is honoured by the CPU kernel and the
+    reference; the Pallas kernels refuse it, leaving it to the reference."""
+    return _first_that_runs(KERNELS[_backend(backend)], rows, block_slot, gate_up, down, block_rows=block_rows,
+                            gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+
+
+def expert_ffn_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, backend: str | None = None,
+                     activation: GatedActivation = SILU, int8_dot: bool = False):
+    """`expert_ffn` over several pools at once: block b reads slot block_slot[b] (-1: none) of
+    tiers[block_tier[b]], tiers a sequence of (gate_up, down, gate_up_bias, down_bias) pools.
+
+    Where the backend's kernel takes every tier (Pallas, decode), each stage is one launch for all
+    of them (a tier index per block); otherwise each tier runs on its own blocks and the results are
+    added (every block is zero in all tiers but its own).
+    """
+    backend = _backend(backend)
+    if backend in TIERS_KERNELS and len(tiers) > 1:
+        try:
+            return TIERS_KERNELS[backend](rows, block_tier, block_slot, tiers, block_rows=block_rows,
+                                          activation=activation, int8_dot=int8_dot)
+        except NotImplementedError:
+            pass
+    out = None
+    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(tiers):
+        slots = jnp.where(block_tier == t, block_slot, -1)
+        y = expert_ffn(rows, slots, gate_up, down, block_rows=block_rows, backend=backend, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+        out = y if out is None else out + y
+    return out
+
+
+def routed_expert_ffn(h, token, slot, gate_up, down, *, backend: str | None = None, gate_up_bias=None,
+                      down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
+    """Routed assignments: h [N, D], token/slot [A] (slot -1: inactive) -> [A, D] in h.dtype, row a
+    = expert slot[a] applied to h[token[a]]; the backend's routed kernel where it takes the inputs,
+    else the reference, one row per block."""
+    extra = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+    kernel = ROUTED_KERNELS.get(_backend(backend))
+    if kernel is not None:
+        try:
+            return kernel(h, token, slot, gate_up, down, **extra)
+        except NotImplementedError:
+            pass
+    return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, **extra)
+
+
+def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, backend: str | None = None,
+                            activation: GatedActivation = SILU, int8_dot: bool = False):
+    """routed_expert_ffn over several pools at once: assignment a runs expert slot[a] of
+    pools[tier[a]] (each pool a (gate_up, down, gate_up_bias, down_bias) of one layer) on h[token[a]]
+    -> [A, D] in h.dtype; where the backend's kernel does not take them all, each pool runs on its
+    own assignments and the results are added (each row is zero in all pools but its own)."""
+    kernel = ROUTED_TIERS_KERNELS.get(_backend(backend))
+    if kernel is not None:
+        try:
+            return kernel(h, token, slot, tier, pools, activation=activation, int8_dot=int8_dot)
+        except NotImplementedError:
+            pass
+    out = None
+    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(pools):
+        y = routed_expert_ffn(h, token, jnp.where(tier == t, slot, -1), gate_up, down, backend=backend,
+                              gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+                              int8_dot=int8_dot)
+        out = y if out is None else out + y
+    return out
+

@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import routed_expert_ffn, routed_expert_ffn_tiers
 from jmoe.config import ModelConfig
 from jmoe.distributed.expert_parallel import expert_parallel_sum
 from jmoe.distributed.mesh import ExpertParallel
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
-from jmoe.kernels import default_backend, expert_ffn, expert_ffn_tiers
+from jmoe.kernels import expert_ffn, expert_ffn_tiers, routed_expert_ffn, routed_expert_ffn_tiers, takes_assignments
 from pallas_kernels.glu import SILU, GatedActivation
 
 if TYPE_CHECKING:  # fetch.py builds on this module
@@ -202,8 +201,8 @@ def grouped_expert_ffn(
     A = N * k
     token = jnp.arange(A, dtype=jnp.int32) // k
     slots, active = slots.reshape(A), active.reshape(A)
-    if (backend or default_backend()) == "cpu":  # the native kernel groups by expert itself, unpadded
-        y = routed_expert_ffn(h, token, jnp.where(active, slots, NO_SLOT), pool.gate_up, pool.down,
+    if takes_assignments(backend):  # the kernel groups by expert itself, unpadded
+        y = routed_expert_ffn(h, token, jnp.where(active, slots, NO_SLOT), pool.gate_up, pool.down, backend=backend,
                               gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
                               int8_dot=int8_dot)
         return y.reshape(N, k, -1)
@@ -312,10 +311,10 @@ def routed_experts(h: jax.Array, routing: Routing, chosen: jax.Array, token_vali
 def _routed_sum(h, routing: Routing, chosen, token_valid, layer: LayerExperts, activation: GatedActivation,
                 num_experts: int) -> jax.Array:
     """routed_experts on one device, as float32 [N, D]."""
-    on_device = (layer.backend or default_backend()) != "cpu"
-    if len(layer.pools) > 1 and on_device and gathers(*chosen.shape, layer.group_rows):
+    routed = takes_assignments(layer.backend)
+    if len(layer.pools) > 1 and not routed and gathers(*chosen.shape, layer.group_rows):
         return _gathered_across_tiers(h, routing, chosen, token_valid, layer, activation)
-    if len(layer.pools) > 1 and not on_device:
+    if len(layer.pools) > 1 and routed:
         return _routed_across_tiers(h, routing, chosen, token_valid, layer, activation)
     out = jnp.zeros(h.shape, jnp.float32)
     for name, pool in layer.pools.items():
@@ -358,14 +357,15 @@ def _tiers_and_slots(routing: Routing, chosen, token_valid, layer: LayerExperts)
 
 def _routed_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,
                          activation: GatedActivation) -> jax.Array:
-    """routed_experts on the CPU kernels with several pools: every tier's experts in one native call
-    (one set of thread-pool passes per layer, not one per tier)."""
+    """routed_experts with several pools on a backend that takes routed assignments: every tier's
+    experts in one call where its kernel takes them all (the CPU's: one set of thread-pool passes
+    per layer, not one per tier)."""
     N, k = chosen.shape
     tier, slot = _tiers_and_slots(routing, chosen, token_valid, layer)
     token = jnp.arange(N * k, dtype=jnp.int32) // k
     pools = [(p.gate_up, p.down, p.gate_up_bias, p.down_bias) for p in layer.pools.values()]
-    y = routed_expert_ffn_tiers(h, token, slot.reshape(-1), tier.reshape(-1), pools, activation=activation,
-                                int8_dot=layer.int8_dot)  # [N * k, D]
+    y = routed_expert_ffn_tiers(h, token, slot.reshape(-1), tier.reshape(-1), pools, backend=layer.backend,
+                                activation=activation, int8_dot=layer.int8_dot)  # [N * k, D]
     return weighted_sum(jnp.where(slot != NO_SLOT, routing.weights, 0.0), y.reshape(N, k, -1))
 
 

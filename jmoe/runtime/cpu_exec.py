@@ -15,7 +15,7 @@ one: both are measured at load, and every cold expert runs in place when the cal
 
 An expert runs as it is stored: its record's arrays, viewed in the memory-mapped expert file, are
 handed to jax without a copy (a pool of one slot) and multiplied by the CPU kernels' expert entry
-point (cpu_kernels.expert_ffn: HAQ smoothing, W8A8, biases and the clamped SwiGLU as on the
+point (jmoe.kernels.expert_ffn on its "cpu" backend: HAQ smoothing, W8A8, biases and the clamped SwiGLU as on the
 device). No dequantized copy is made or kept; after the call the record's pages are unmapped again
 (they stay in the page cache), so what the CPU has run never accumulates in the process.
 """
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cpu_kernels
+from jmoe.kernels import expert_ffn
 from jmoe.layers.experts import expert_activation
 from jmoe.quant import ExpertWeights
 from jmoe.runtime.host_memory import device_is_host
@@ -70,9 +70,9 @@ def _bucket(n: int) -> int:
 def _one_expert(rows, pool: ExpertWeights, activation: GatedActivation, int8_dot: bool):
     """rows [n, D] through the expert of a one-slot pool (with its biases, if any) -> [n, D]."""
     slot = jnp.zeros((1,), jnp.int32)
-    return cpu_kernels.expert_ffn(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0],
-                                  gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
-                                  int8_dot=int8_dot)
+    return expert_ffn(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0], backend="cpu",
+                      gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
+                      int8_dot=int8_dot)
 
 
 class CpuExecutor:
