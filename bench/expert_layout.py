@@ -23,8 +23,10 @@ import sys
 import time
 
 from bench.lib.common import machine, write_result
+from jmoe.kernels.shapes import EXPERT_SHAPES
 
-SLOTS, TOP_K, D, F, GROUP = 128, 8, 2048, 768, 64
+QWEN3 = EXPERT_SHAPES["qwen3-30b-a3b"]
+SLOTS, TOP_K, D, F, GROUP = QWEN3.experts, QWEN3.top_k, QWEN3.hidden, QWEN3.inner, 64
 
 
 def pools(fmt=None):

@@ -86,13 +86,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TARGET_CONFIG = HERE / "lib" / "gpu_aot" / "h100_target_config.pbtxt"
 
-# hidden D, expert width F, top_k, and whether the family adds biases and the clamped SwiGLU
-MODELS = {
-    "qwen3-30b-a3b": dict(D=2048, F=768, top_k=8, gpt_oss=False),
-    "mixtral-8x7b": dict(D=4096, F=14336, top_k=2, gpt_oss=False),
-    "gpt-oss-20b": dict(D=2880, F=2880, top_k=4, gpt_oss=True),
-    "deepseek-v2-lite": dict(D=2048, F=1408, top_k=6, gpt_oss=False),
-}
+# the models whose expert shapes (jmoe/kernels/shapes.py) the kernel cases compile at
+MODEL_NAMES = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "deepseek-v2-lite")
+
+
+def kernel_shapes() -> dict:
+    """Hidden D, expert width F, top_k, and whether the family adds biases and the clamped SwiGLU,
+    per model of MODEL_NAMES (imported once the environment is set: importing jmoe imports jax)."""
+    from jmoe.kernels.shapes import EXPERT_SHAPES
+
+    return {name: dict(D=s.hidden, F=s.inner, top_k=s.top_k, gpt_oss=s.biased)
+            for name, s in ((name, EXPERT_SHAPES[name]) for name in MODEL_NAMES)}
 # The test suite's lowering matrix (tests/test_kernels.py): every format the converter can write,
 # float32 and bf16 rows, at toy widths (K = 192 pads to a group of 128).
 MATRIX_SHAPE = dict(D=128, F=192, top_k=4, gpt_oss=False)
@@ -944,14 +948,15 @@ def offload_line(r: dict) -> str:
 
 
 def kernel_and_step_runs(args, models: list[str], device) -> list:
-    cases = [(name, MODELS[name], tier, block_rows, "bfloat16") for name in models
+    shapes = kernel_shapes()
+    cases = [(name, shapes[name], tier, block_rows, "bfloat16") for name in models
              for tier in args.tiers.split(",") for block_rows in (1, 32)]
-    cases += [(name, MODELS[name], mix, 1, "bfloat16") for name in models for mix in TIER_MIXES]
+    cases += [(name, shapes[name], mix, 1, "bfloat16") for name in models for mix in TIER_MIXES]
     if args.matrix:
         cases += [("test-matrix", MATRIX_SHAPE, tier, block_rows, dtype) for tier in MATRIX_FORMATS
                   for block_rows in (1, 32) for dtype in ("float32", "bfloat16")]
     runs = [functools.partial(compile_case, *case[:4], device, case[4]) for case in cases]
-    runs += [functools.partial(compile_mosaic_case, name, MODELS[name], device) for name in models]
+    runs += [functools.partial(compile_mosaic_case, name, shapes[name], device) for name in models]
     runs += attention_runs(models, device)
     if args.steps:
         runs += [functools.partial(compile_step, name, *case, device) for name in models for case in STEP_CASES]
@@ -965,7 +970,7 @@ def attention_runs(models: list[str], device) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODEL_NAMES))
     parser.add_argument("--tiers", default="bf16,int8,int4,int2")
     parser.add_argument("--no-matrix", dest="matrix", action="store_false",
                         help="leave out the test suite's lowering matrix (toy widths, float32 and bf16 rows)")

@@ -25,25 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.lib.common import in_graph_seconds, timed, write_result
+from jmoe.kernels.shapes import EXPERT_SHAPES, ExpertShape
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, PREFILL_BLOCK_ROWS, block_layout
 from jmoe.tiers import tier_format
 from pallas_kernels import expert_ffn_pallas, expert_ffn_reference, supports
 from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, supports_mosaic
 from pallas_kernels.qarray import QArray, QuantFormat
 
-
-class MoeShape(NamedTuple):
-    d: int  # hidden size
-    f: int  # expert intermediate size
-    experts: int
-    top_k: int
-
-
-MODELS = {
-    "qwen3-30b-a3b": MoeShape(d=2048, f=768, experts=128, top_k=8),
-    "mixtral-8x7b": MoeShape(d=4096, f=14336, experts=8, top_k=2),
-    "qwen1.5-moe-a2.7b": MoeShape(d=2048, f=1408, experts=60, top_k=4),
-}
+MODELS = {name: EXPERT_SHAPES[name] for name in ("qwen3-30b-a3b", "mixtral-8x7b", "qwen1.5-moe-a2.7b")}
 TIERS = {
     "bf16": None,
     "int8": tier_format("int8"),
@@ -93,21 +82,21 @@ class Case(NamedTuple):
     assignments: int
 
 
-def routed_case(shape: MoeShape, tokens: int, compact_pool: bool, seed: int = 0) -> Case:
+def routed_case(shape: ExpertShape, tokens: int, compact_pool: bool, seed: int = 0) -> Case:
     """Random top-k routing of `tokens` tokens, laid out as the model lays it out (decode: one row per
     assignment; prefill: slot-sorted blocks). With compact_pool, slots are renumbered 0..used-1."""
     rng = np.random.default_rng(seed)
     experts = np.stack([rng.choice(shape.experts, size=shape.top_k, replace=False) for _ in range(tokens)])  # [T, k]
     used = np.unique(experts)
     slots = np.searchsorted(used, experts) if compact_pool else experts
-    h = jnp.asarray(rng.normal(size=(tokens, shape.d)), DTYPE)
+    h = jnp.asarray(rng.normal(size=(tokens, shape.hidden)), DTYPE)
     token = np.repeat(np.arange(tokens), shape.top_k)
     flat = jnp.asarray(slots.reshape(-1), jnp.int32)
     if tokens * shape.top_k <= GATHER_MAX_ASSIGNMENTS:  # decode: every assignment reads its own expert
         return Case(h[token], flat, 1, len(used), flat.shape[0])
     layout = block_layout(flat, jnp.ones(flat.shape, bool), PREFILL_BLOCK_ROWS, shape.experts)
     token_of_row = jnp.concatenate([jnp.asarray(token, jnp.int32), jnp.array([tokens], jnp.int32)])[layout.row_source]
-    rows = jnp.concatenate([h, jnp.zeros((1, shape.d), DTYPE)])[token_of_row]
+    rows = jnp.concatenate([h, jnp.zeros((1, shape.hidden), DTYPE)])[token_of_row]
     return Case(rows, layout.block_slot, PREFILL_BLOCK_ROWS, len(used), flat.shape[0])
 
 
@@ -124,8 +113,9 @@ def run_case(model: str, phase: str, tier: str, tokens: int, on_gpu: bool, repea
     case = routed_case(shape, tokens, compact_pool=not on_gpu)
     slots = shape.experts if on_gpu else case.used_experts
     keys = jax.random.split(jax.random.key(1), 2)
-    gate_up = random_pool(keys[0], slots, shape.d, 2 * shape.f, fmt)
-    down = random_pool(keys[1], slots, shape.f, shape.d, None if fmt is None else dataclasses.replace(fmt, smooth=False))
+    gate_up = random_pool(keys[0], slots, shape.hidden, 2 * shape.inner, fmt)
+    down_fmt = None if fmt is None else dataclasses.replace(fmt, smooth=False)
+    down = random_pool(keys[1], slots, shape.inner, shape.hidden, down_fmt)
     args = (case.rows, case.block_slot, gate_up, down)
     result = dict(model=model, phase=phase, tier=tier, tokens=tokens, assignments=case.assignments,
                   block_rows=case.block_rows, blocks=int(case.block_slot.shape[0]), pool_slots=slots,

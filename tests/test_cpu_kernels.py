@@ -19,12 +19,15 @@ from convert import convert_checkpoint
 from convert.quantizers.rtn import quantize_rtn
 from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
+from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.tiers import tier_format
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.optimised import optimised_jit
 from pallas_kernels.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
                                    untile_plain)
+
+QWEN3, GPT_OSS = EXPERT_SHAPES["qwen3-30b-a3b"], EXPERT_SHAPES["gpt-oss-20b"]  # real models' widths
 
 FORMATS = {
     "bf16": None,
@@ -212,7 +215,7 @@ def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
         return np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
 
     rng = np.random.default_rng(21)
-    D, F, S = 2048, 768, 3
+    D, F, S = QWEN3.hidden, QWEN3.inner, 3
     gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
     tgu, tdn = tile(gu), tile(dn)
     rows = jnp.asarray(rng.standard_normal((8, D)).astype(np.float32))
@@ -304,7 +307,7 @@ def _compare_routed(h, row_slot, gu, dn, gu_bias=None, dn_bias=None, activation=
 def test_expert_ffn_qwen3_widths(tier, block_rows, blocks):
     """Qwen3-30B-A3B's expert: D = 2048, F = 768, SwiGLU, no biases."""
     rng = np.random.default_rng(7)
-    D, F, S = 2048, 768, 3
+    D, F, S = QWEN3.hidden, QWEN3.inner, 3
     gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
     rows = jnp.asarray(rng.standard_normal((blocks * block_rows, D)).astype(np.float32))
     _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
@@ -314,7 +317,7 @@ def test_expert_ffn_qwen3_widths(tier, block_rows, blocks):
 def test_expert_ffn_gpt_oss_widths_with_biases_and_clamped_swiglu(tier):
     """GPT-OSS-20B's expert: D = F = 2880, float32 biases, clamped SwiGLU; decode and prefill blocks."""
     rng = np.random.default_rng(11)
-    D, F, S = 2880, 2880, 2
+    D, F, S = GPT_OSS.hidden, GPT_OSS.inner, 2
     gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
     gu_bias = jnp.asarray(rng.standard_normal((S, 2 * F)).astype(np.float32))
     dn_bias = jnp.asarray(rng.standard_normal((S, D)).astype(np.float32))
@@ -365,7 +368,7 @@ def test_routed_ffn_over_several_pools_runs_each_assignment_at_its_own(int8_dot)
     and bf16 pools at Qwen3-30B-A3B's widths, decode and prefill-sized assignment lists, each row as
     its own pool's expert computes it; with the calls counted, one native call for all of them."""
     rng = np.random.default_rng(13)
-    D, F, S = 2048, 768, 3
+    D, F, S = QWEN3.hidden, QWEN3.inner, 3
     pools = [(_pool(rng, S, D, 2 * F, FORMATS[t]), _pool(rng, S, F, D, FORMATS[t]), None, None)
              for t in ("int4", "int2", "bf16")]
     for A, N in ((8, 1), (48, 12)):
@@ -463,7 +466,7 @@ def test_int8_dot_expert_ffn_at_real_widths(tier):
     """Qwen3-30B-A3B's expert (D 2048, F 768) and GPT-OSS-20B's (D = F = 2880, biases, clamped
     SwiGLU) under the int8 dot against the reference with the same per-group int8 inputs."""
     rng = np.random.default_rng(21)
-    D, F, S = 2048, 768, 3
+    D, F, S = QWEN3.hidden, QWEN3.inner, 3
     gu, dn = _pool(rng, S, D, 2 * F, FORMATS[tier]), _pool(rng, S, F, D, FORMATS[tier])
     for block_rows, blocks in ((1, 8), (16, 3)):
         rows = jnp.asarray(rng.standard_normal((blocks * block_rows, D)).astype(np.float32))

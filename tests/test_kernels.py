@@ -13,14 +13,20 @@ import numpy as np
 import pytest
 
 from convert.quantizers.rtn import quantize_rtn
+from jmoe.kernels import expert_ffn, expert_ffn_tiers
+from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
-from jmoe.kernels import expert_ffn, expert_ffn_tiers
 from pallas_kernels import expert_ffn_pallas, expert_ffn_pallas_tiers, expert_ffn_reference, supports, supports_tiers
 from pallas_kernels.expert_ffn_pallas import offsets_fit
 from pallas_kernels.glu import SILU, GatedActivation
 from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template
+
+# real models' widths (jmoe/kernels/shapes.py)
+QWEN3_30B = dict(D=EXPERT_SHAPES["qwen3-30b-a3b"].hidden, F=EXPERT_SHAPES["qwen3-30b-a3b"].inner)
+MIXTRAL = dict(D=EXPERT_SHAPES["mixtral-8x7b"].hidden, F=EXPERT_SHAPES["mixtral-8x7b"].inner)
+GPT_OSS = dict(D=EXPERT_SHAPES["gpt-oss-20b"].hidden, F=EXPERT_SHAPES["gpt-oss-20b"].inner)
 
 SLOTS = 7  # odd on purpose: nothing may assume a power-of-two pool
 DECODE_SLOTS = (3, -1, 6, 0, 3, 5)  # one row per block; repeats, an empty block, the last slot
@@ -130,11 +136,29 @@ def case_inputs(name: str, seed: int = 0):
     return rows, block_slot, gate_up, down, block_rows
 
 
+def native_cpu_kernel(block_rows: int):
+    import cpu_kernels
+
+    assert cpu_kernels.available()  # built by the package's install: the suite needs them
+    return functools.partial(cpu_kernels.expert_ffn, block_rows=block_rows)
+
+
+# Every implementation the shared cases run against without a GPU (the Mosaic kernel takes int4 decode only:
+# MOSAIC_CASES, on a GPU).
+IMPLEMENTATIONS = {
+    "pallas-interpret": lambda block_rows: functools.partial(expert_ffn_pallas, block_rows=block_rows, interpret=True),
+    "cpu-native": native_cpu_kernel,
+}
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("name", list(PARITY_CASES))
-def test_interpret_matches_reference(name):
+def test_every_kernel_matches_the_reference_on_the_shared_cases(name, implementation):
+    """PARITY_CASES, one list, against every implementation of the expert FFN on this machine (each
+    runs every case: none refuses)."""
     rows, block_slot, gate_up, down, block_rows = case_inputs(name)
     assert supports(rows, gate_up, down, block_rows, interpret=True)
-    kernel = jax.jit(functools.partial(expert_ffn_pallas, block_rows=block_rows, interpret=True))
+    kernel = jax.jit(IMPLEMENTATIONS[implementation](block_rows))
     reference = jax.jit(functools.partial(expert_ffn_reference, block_rows=block_rows))
     ours = kernel(rows, block_slot, gate_up, down)
     ref = reference(rows, block_slot, gate_up, down)
@@ -428,7 +452,7 @@ GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32"
 @pytest.mark.parametrize("name", GPU_FORMATS)
 def test_compiled_matches_reference_on_gpu(name, block_rows):
     rng = np.random.default_rng(4)
-    D, F = 2048, 768
+    D, F = QWEN3_30B["D"], QWEN3_30B["F"]
     gate_up, down = make_pools(rng, LOWERING_FORMATS[name], D, F, "random")
     block_slot = jnp.asarray((5, -1, 0, 6, 5, 2, 3, 1), jnp.int32)
     rows = jnp.asarray(rng.normal(size=(block_slot.shape[0] * block_rows, D)), jnp.bfloat16)
@@ -445,7 +469,7 @@ def test_compiled_matches_reference_on_gpu(name, block_rows):
 @pytest.mark.parametrize("name", ["bf16", "int4-g64-asym", "w8a8-smooth"])
 def test_compiled_biased_clamped_experts_match_reference_on_gpu(name, block_rows):
     rng = np.random.default_rng(10)
-    D, F = 2880, 2880  # GPT-OSS's widths
+    D, F = GPT_OSS["D"], GPT_OSS["F"]
     gate_up, down = make_pools(rng, LOWERING_FORMATS[name], D, F, "random")
     gate_up_bias, down_bias = bias_pools(rng, gate_up, down)
     block_slot = jnp.asarray((5, -1, 0, 6, 5, 2, 3, 1), jnp.int32)
@@ -511,8 +535,6 @@ def offset_widths(ttir: str) -> dict[int, set[str]]:
     return widths
 
 
-QWEN3_30B = dict(D=2048, F=768)
-MIXTRAL = dict(D=4096, F=14336)
 
 
 @pytest.mark.parametrize("shape, quant, slots", [
@@ -700,7 +722,8 @@ def test_several_tiers_lower_as_one_launch_for_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(TIER_MIXES))
 def test_compiled_tiers_in_one_launch_match_the_reference_on_gpu(name):
-    D, F = (2880, 2880) if TIER_MIXES[name][2] else (2048, 768)  # GPT-OSS's widths with biases, else Qwen3's
+    widths = GPT_OSS if TIER_MIXES[name][2] else QWEN3_30B  # GPT-OSS's with biases, else Qwen3's
+    D, F = widths["D"], widths["F"]
     rows, block_tier, block_slot, tiers, activation = tier_mix_inputs(name, D, F, "random", 12, jnp.bfloat16)
     ours = jax.jit(functools.partial(expert_ffn_pallas_tiers, block_rows=1, activation=activation))(
         rows, block_tier, block_slot, tiers)
