@@ -194,7 +194,12 @@ def attention(q, keys, values, start, key_start, table, *, groups: int, scale: f
     [key_start[b], start[b] + t], the last `window` of them if set; sink [K, groups] or None. Returns
     (out [B, K, groups * T, wv] float32, top, norm [B, K, groups, T]): the normalised attention, and the
     softmax's maximum and normaliser (-inf and 0 for a query with no key and no sink, whose output is
-    0). Native kernels only."""
+    0). NotImplementedError (before anything is traced) where the native kernels are not in use or
+    do not read these caches as they lie (attention_reads)."""
+    if not available():
+        raise NotImplementedError("the native CPU kernels are not loaded, or the default backend is not the CPU")
+    if not attention_reads(keys, values):
+        raise NotImplementedError("the native attention does not read these caches as they lie")
     B, K, M, _ = q.shape
     wv = getattr(values, "values", values).shape[-1]
 

@@ -235,8 +235,8 @@ def decode_attention(q, keys, values, start, key_start, table, *, groups: int, s
       and the softmax's maximum and normaliser (-inf and 0 for a query with no key and no sink,
       whose output is 0).
     """
-    if not supports(q, keys, values):
-        raise ValueError("decode_attention does not take these shapes or dtypes; see supports()")
+    if not supports(q, keys, values):  # (refused before anything is traced)
+        raise NotImplementedError("decode_attention does not take these shapes or dtypes; see supports()")
     B, K, M, w = q.shape
     k_pool, v_pool = _array(keys), _array(values)
     P, _, page, _ = k_pool.shape

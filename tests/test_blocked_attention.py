@@ -354,14 +354,46 @@ def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
     np.testing.assert_allclose(np.asarray(norm), np.asarray(want_norm), rtol=1e-5, atol=1e-6)
 
 
+def test_the_attention_entry_point_tries_the_kernels_in_order_and_falls_back_to_the_formulation(monkeypatch):
+    """jmoe/kernels/attention.py: two score terms (MLA) or more than MAX_KERNEL_TOKENS current tokens
+    go to the formulation; otherwise the native CPU kernel runs them; where it refuses (the native
+    kernels not in use), the Pallas kernel is chosen only when lowered for CUDA, so on the CPU the
+    formulation runs."""
+    import cpu_kernels.ops
+    from jmoe.kernels.attention import MAX_KERNEL_TOKENS, decode_attention
+
+    B, K, G, S, w = 2, 2, 4, 64, 32
+    rng = np.random.default_rng(4)
+    (keys, table), (values, _) = (paged(rng.normal(size=(B, K, S, w)).astype(np.float32), 16,
+                                        np.random.default_rng(5)) for _ in range(2))
+    formulation = object()  # what reference() returns: which path ran is told by identity
+    kw = dict(groups=G, scale=0.3, window=None, reference=lambda: formulation)
+    start, key_start = jnp.asarray([20, 40], jnp.int32), jnp.zeros(B, jnp.int32)
+
+    def attend(tokens, terms=1):
+        q = jnp.asarray(rng.normal(size=(B, K, G * tokens, w)).astype(np.float32))
+        return decode_attention((q,) * terms, (keys,) * terms, values, start, key_start, table, num_tokens=tokens,
+                                **kw)
+
+    assert attend(1, terms=2) is formulation
+    assert attend(MAX_KERNEL_TOKENS + 1) is formulation
+    out, (top, norm) = attend(MAX_KERNEL_TOKENS)  # the native kernel
+    assert out.shape == (B, K, G * MAX_KERNEL_TOKENS, w) and top.shape == norm.shape == (B, K, G, MAX_KERNEL_TOKENS)
+    monkeypatch.setattr(cpu_kernels.ops, "available", lambda: False)
+    with pytest.raises(NotImplementedError):
+        cpu_kernels.ops.attention(jnp.zeros((B, K, G, w)), keys, values, start, key_start, table, groups=G,
+                                  scale=0.3, window=None)
+    assert attend(1) is formulation
+
+
 def test_a_decode_step_lowered_for_a_gpu_runs_the_pallas_kernel_and_gathers_no_keys(monkeypatch):
     """Lowered for CUDA (the choice between the kernel and the XLA loop is made when lowered), a decode
     token over a bfloat16 or int8 cache is one Pallas kernel and no gather of the cache; latent
     attention's two score terms keep the XLA loop. The same function on the CPU without its native
     kernels runs the XLA loop, with the explicit formulation's result."""
-    import cpu_kernels
+    import cpu_kernels.ops
 
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # the native kernels run only on the CPU
+    monkeypatch.setattr(cpu_kernels.ops, "available", lambda: False)  # the native kernels run only on the CPU
     B, K, G, S, w, page = 2, 2, 8, 256, 64, 16
     shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
     meta = meta_of([40, 200], [0, 10], 1, shape(B, S // page, dtype=jnp.int32))

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
-import pallas_kernels.decode_attention as pallas_attention
+from jmoe.kernels.attention import decode_attention
 
 CacheSpec = tuple[tuple[int, int], ...]  # per cached array: (heads, width)
 
@@ -218,26 +218,6 @@ def read_slots(pool, table, start, size: int):
     return rows.transpose(0, 2, 1, 3)
 
 
-# Current tokens per row up to which the CPU runs attention in one native call (decode and speculative
-# verification); longer prompt chunks multiply enough queries per key for XLA's batched dots
-# (measured at Qwen3-30B-A3B's heads over 4,096 keys: native 1.7-2.8x faster at 8 tokens, 0.6-1.1x at 16).
-NATIVE_MAX_TOKENS = 8
-
-
-def native_applies(queries, keys, values, num_tokens: int) -> bool:
-    """Whether the CPU's native kernel runs this attention: one score term (not MLA's two), a few
-    current tokens, caches of one type it reads as they lie, and the native kernels in use."""
-    return (len(queries) == 1 and queries[0].ndim == 4 and num_tokens <= NATIVE_MAX_TOKENS
-            and cpu_kernels.available() and cpu_kernels.attention_reads(keys[0], values))
-
-
-def gpu_kernel_applies(queries, keys, values, num_tokens: int) -> bool:
-    """Whether a GPU runs this attention in the Pallas decode-attention kernel: one score term, a few
-    current tokens, and caches and widths the kernel takes (pallas_kernels.decode_attention.supports)."""
-    return (len(queries) == 1 and queries[0].ndim == 4 and num_tokens <= NATIVE_MAX_TOKENS
-            and pallas_attention.supports(queries[0], keys[0], values))
-
-
 def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float,
                       window: int | None, precision, sink=None, block: int | None = None,
                       reachable_only: bool | None = None):
@@ -257,31 +237,21 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     blocks, known when compiled (a loop bound read back from the device would stall a GPU step per
     iteration). reachable_only forces one of the two (None: by the platform the step is lowered for).
 
-    A few current tokens on the CPU (`native_applies`) run in one native call instead, which streams
-    each cache head's keys and values once with the same online softmax (cpu_kernels.attention); on
-    a GPU (`gpu_kernel_applies`), in the Pallas kernel that does the same there, reading the pages
-    where they lie (pallas_kernels/decode_attention.py). An explicit block or reachable_only asks
-    for this formulation itself."""
-    T, table = meta.num_tokens, meta.table
+    A few current tokens (decode, verification) go to a kernel where one takes them
+    (jmoe/kernels/attention.py): on the CPU one native call, which streams each cache head's keys and
+    values once with the same online softmax; on a GPU the Pallas kernel that does the same there,
+    reading the pages where they lie. An explicit block or reachable_only asks for this
+    formulation itself."""
     kw = dict(groups=groups, scale=scale, window=window, sink=sink)
-    if block is None and reachable_only is None:
-        if native_applies(queries, keys, values, T):
-            out, top, norm = cpu_kernels.attention(queries[0], keys[0], values, meta.start, meta.key_start, table,
-                                                   **kw)
-            return out, (top, norm)
-        if gpu_kernel_applies(queries, keys, values, T):
-            def kernel():
-                out, top, norm = pallas_attention.decode_attention(queries[0], keys[0], values, meta.start,
-                                                                   meta.key_start, table, **kw)
-                return out, (top, norm)
 
-            def xla():
-                return _online_softmax(queries, keys, values, meta, precision=precision, block=None,
-                                       reachable_only=None, **kw)
+    def formulation():
+        return _online_softmax(queries, keys, values, meta, precision=precision, block=block,
+                               reachable_only=reachable_only, **kw)
 
-            return jax.lax.platform_dependent(cuda=kernel, default=xla)  # chosen when lowered
-    return _online_softmax(queries, keys, values, meta, precision=precision, block=block,
-                           reachable_only=reachable_only, **kw)
+    if block is not None or reachable_only is not None:
+        return formulation()
+    return decode_attention(queries, keys, values, meta.start, meta.key_start, meta.table,
+                            num_tokens=meta.num_tokens, reference=formulation, **kw)
 
 
 def _online_softmax(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float, window: int | None,
