@@ -590,20 +590,28 @@ def test_kernels_that_fail_to_compile_fall_back_to_xla_with_one_warning(short_co
     assert len(warnings) == 1 and model.residency.backend == "xla"
 
 
-def test_other_errors_are_not_taken_for_kernel_failures():
+def test_a_failure_is_taken_for_the_kernels_only_when_they_do_not_build_alone(short_converted):
+    """What decides is compiling the kernels on the model's pools, not an error's text: an error
+    naming Pallas and Triton from a step whose kernels build (interpret mode here) is raised as it
+    is and the kernels stay; the compiled Pallas kernels, which cannot be built on a CPU, are found
+    at fault."""
+    import jmoe
+    from jmoe.kernels import compile_error
     from jmoe.runtime.kernel_fallback import with_kernel_fallback
 
-    class Residency:
-        backend = "pallas"
-
-        def use_backend(self, backend):
-            raise AssertionError("must not fall back")
+    if jax.default_backend() == "gpu":
+        pytest.skip("the compiled kernels build on a GPU")
+    model = jmoe.load(short_converted, compute_dtype="float32", kernel_backend="interpret")
+    pools = model.residency.pool_arrays().values()
+    assert compile_error("interpret", pools) is None
+    assert compile_error("pallas", pools) is not None
 
     def fail():
-        raise ValueError("shapes do not match")
+        raise ValueError("a pallas_call in triton failed (ptx)")
 
-    with pytest.raises(ValueError, match="shapes"):
-        with_kernel_fallback([Residency()], fail)
+    with pytest.raises(ValueError, match="pallas_call"):
+        with_kernel_fallback([model.residency], fail)
+    assert model.residency.backend == "interpret"
 
 
 # ----------------------------------------------------------------------------- split-K in decode

@@ -65,6 +65,11 @@ TIERS_KERNELS = {"pallas": expert_ffn_pallas_tiers,
                  "interpret": functools.partial(expert_ffn_pallas_tiers, interpret=True)}
 
 
+# Block sizes a compile check builds the kernels at: decode's one row, and the dot path's smallest block.
+CHECK_BLOCK_ROWS = (1, 16)
+_compiled: set = set()  # what compile_error found compiling, so a later check of the same is free
+
+
 def default_backend() -> str:
     """Pallas on a GPU; on the CPU the native kernels (cpu_kernels) when they are built, else XLA."""
     if jax.default_backend() == "gpu":
@@ -166,3 +171,46 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, backend: str | None 
         out = y if out is None else out + y
     return out
 
+
+
+def compile_error(backend: str | None, pools, int8_dot: bool = False) -> Exception | None:
+    """What compiling `backend`'s expert kernels alone raises, for each of `pools` (ExpertWeights of
+    one tier each, and all of them together in decode) at bfloat16 and float32 rows in decode and
+    prefill blocks; None when they all compile. How a kernel that cannot be built on this machine (a
+    GPU, driver or Triton version it was never built for) is told from any other failure of a step
+    (jmoe/runtime/kernel_fallback.py): by building the kernel, not by reading an error's text."""
+    backend = _backend(backend)
+    pools = list(pools)
+    hidden = _columns(pools[0].down) if pools else 0
+    checks = [(name, (pool,), block_rows, dtype) for name, pool in enumerate(pools)
+              for block_rows in CHECK_BLOCK_ROWS for dtype in (jnp.bfloat16, jnp.float32)]
+    if len(pools) > 1:
+        checks += [("tiers", tuple(pools), 1, dtype) for dtype in (jnp.bfloat16, jnp.float32)]
+    for _, group, block_rows, dtype in checks:
+        rows = jax.ShapeDtypeStruct((2 * block_rows, hidden), dtype)
+        blocks = jax.ShapeDtypeStruct((2,), jnp.int32)
+        key = (backend, block_rows, jnp.dtype(dtype).name, int8_dot,
+               jax.tree.structure(group), tuple((a.shape, a.dtype) for a in jax.tree.leaves(group)))
+        if key in _compiled:
+            continue
+
+        def call(rows, block_slot, group, block_rows=block_rows):
+            if len(group) == 1:
+                (gate_up, down, gate_up_bias, down_bias), = group
+                return expert_ffn(rows, block_slot, gate_up, down, block_rows=block_rows, backend=backend,
+                                  gate_up_bias=gate_up_bias, down_bias=down_bias, int8_dot=int8_dot)
+            tier = jnp.arange(block_slot.shape[0], dtype=jnp.int32) % len(group)
+            return expert_ffn_tiers(rows, tier, block_slot, [tuple(p) for p in group], block_rows=block_rows,
+                                    backend=backend, int8_dot=int8_dot)
+
+        try:
+            jax.jit(call).lower(rows, blocks, group).compile()
+        except Exception as error:  # noqa: BLE001 - whatever stops the kernel from being built is the answer
+            return error
+        _compiled.add(key)
+    return None
+
+
+def _columns(w) -> int:
+    """A weight's (or pool's) output width: a QArray's n, else its last dimension."""
+    return w.n if hasattr(w, "n") and hasattr(w, "fmt") else w.shape[-1]

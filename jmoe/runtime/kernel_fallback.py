@@ -1,37 +1,43 @@
-"""If the Pallas expert kernels fail to compile (a GPU, driver or Triton version they were never
-built for), warn once and run the XLA reference path instead of failing the request."""
+"""If the Pallas expert kernels cannot be built on this machine (a GPU, driver or Triton version they
+were never built for), warn once and run the XLA reference path instead of failing the request.
+
+A step that runs Pallas kernels and fails is not taken for a kernel failure by its error's text:
+the kernels are compiled alone on the step's pools (jmoe.kernels.compile_error). Only when they fail
+there too does the model switch to the XLA path and run the step again; any other failure (a bad
+request, memory) is raised as it is, and the kernels stay. A successful check is remembered, so a
+failure that is not the kernels' costs its compiles once.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable, TypeVar
 
-from jmoe.kernels import default_backend
+from jmoe.kernels import compile_error, default_backend
 
 log = logging.getLogger("jmoe.runtime")
 T = TypeVar("T")
-KERNEL_MARKERS = ("pallas", "triton", "mosaic", "interpret mode", "ptx", "nvptx")
+BUILT_PER_MACHINE = ("pallas", "mosaic", "interpret")  # backends whose kernels are built for the machine they run on
 
 
-def runs_kernels(backend: str | None) -> bool:
-    return (backend or default_backend()) != "xla"
-
-
-def is_kernel_failure(error: Exception) -> bool:
-    text = f"{type(error).__name__}: {error}".lower()
-    return any(marker in text for marker in KERNEL_MARKERS)
+def builds_kernels(backend: str | None) -> bool:
+    return (backend or default_backend()) in BUILT_PER_MACHINE
 
 
 def with_kernel_fallback(residencies, run: Callable[[], T]) -> T:
-    """run(); if it fails in the expert kernels, switch `residencies` to the XLA path and run again.
-    `run` must read the expert state afresh (residency.expert_state()) on each call."""
+    """run(); if it fails and the expert kernels of `residencies` do not compile on their own, switch
+    them to the XLA path and run again. `run` must read the expert state afresh
+    (residency.expert_state()) on each call."""
     try:
         return run()
-    except Exception as error:
-        if not any(runs_kernels(r.backend) for r in residencies) or not is_kernel_failure(error):
+    except Exception:
+        failed = next((e for r in residencies if builds_kernels(r.backend)
+                       for e in [compile_error(r.backend, r.pool_arrays().values(), r.int8_dot)] if e is not None),
+                      None)
+        if failed is None:
             raise
         log.warning("the Pallas expert kernels failed to compile (%s); running the XLA reference path instead "
-                    "(slower; kernel_backend='xla' avoids this message)", str(error).splitlines()[0][:300])
+                    "(slower; kernel_backend='xla' avoids this message)", str(failed).splitlines()[0][:300])
         for r in residencies:
             r.use_backend("xla")
         return run()

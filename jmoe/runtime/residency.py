@@ -114,6 +114,10 @@ class AllResident:
     def expert_state(self) -> ExpertState:
         return self.state
 
+    def pool_arrays(self) -> dict:
+        """tier -> its pool's ExpertWeights (what the expert kernels multiply)."""
+        return self.state.pools
+
     def observe(self, signals: StepSignals, valid=None) -> None:
         self.signals = signals
         if self.trace is not None:  # the trace needs the routing on the host: a sync per step
