@@ -253,7 +253,8 @@ def cmd_serve(args) -> int:
     try:
         from jmoe.serving.server import Server  # noqa: F401 - uvicorn and FastAPI are there
     except ImportError as e:
-        raise InputError(f"jmoe serve needs the serve extra: pip install 'jmoe[serve]' ({e})") from None
+        raise InputError(f"jmoe serve needs the serve extra: pip install -e '.[serve]' in the jmoe checkout "
+                         f"({e})") from None
     server_options = serve_options(args)
     app_options(args)  # a bad key or origin is refused before the model loads
     # a follower notes a stop signal from the start, and stops when process 0 does, never mid-step

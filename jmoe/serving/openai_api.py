@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over a BatchEngine (FastAPI; `pip install 'jmoe[serve]'`).
+"""An OpenAI-compatible HTTP API over a BatchEngine (FastAPI; the serve extra: `pip install -e '.[serve]'`).
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events in the OpenAI chunk
 format, ending with `data: [DONE]`, or answered whole), GET /v1/models and /v1/models/{id}, POST

@@ -1,4 +1,4 @@
-"""Running the HTTP API (uvicorn; `pip install 'jmoe[serve]'`) so that it holds up and stops when told.
+"""Running the HTTP API (uvicorn; the serve extra: `pip install -e '.[serve]'`) so that it holds up and stops when told.
 
 - Connections: one that stays silent for `idle_timeout` seconds (before its first request, or
   between requests) is closed; past `max_connections` open at once, a new connection's requests are

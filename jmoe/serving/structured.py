@@ -1,6 +1,6 @@
 """Structured output: answers held to a JSON schema by constrained decoding (OpenAI's `response_format`).
 
-The grammar engine is llguidance (the one vLLM and SGLang use; `pip install 'jmoe[serve]'`). A
+The grammar engine is llguidance (the one vLLM and SGLang use; the serve extra: `pip install -e '.[serve]'`). A
 request's `response_format` becomes a grammar (llguidance's JSON form) that travels with the
 request (so the processes of a multi-process server build the same constraint); each running row
 keeps a matcher of it. Before each of the row's draws the matcher gives the tokens the grammar
@@ -36,7 +36,8 @@ def _llguidance():
         import llguidance.hf  # noqa: F401
         import llguidance.numpy  # noqa: F401
     except ImportError:
-        raise InputError("'response_format' needs the llguidance package: pip install 'jmoe[serve]'") from None
+        raise InputError("'response_format' needs the llguidance package: pip install -e '.[serve]' in the jmoe "
+                         "checkout") from None
     return llguidance
 
 
