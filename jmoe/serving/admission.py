@@ -152,7 +152,7 @@ class Admission:
 
     def _grow(self, tokens: int) -> None:
         """Give every running row the pages for its next `tokens` slots (to the context's end),
-        setting the newest requests aside while the pool is short (see the module docstring)."""
+        setting the newest requests aside while the pool is short (see batcher.py's module docstring)."""
         while True:
             short = [b for b, row in enumerate(self.rows) if row is not None
                      and not self._take(b, int(self.pos[b]), min(int(self.pos[b]) + tokens, self.context))]
