@@ -27,6 +27,7 @@ from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic
 from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays
 from pallas_kernels.glu import SILU, GatedActivation
+from pallas_kernels.qarray import QArray
 
 log = logging.getLogger("jmoe.kernels")
 _warned: set = set()
@@ -57,7 +58,8 @@ KERNELS = {
     "cpu": (cpu_kernels.expert_ffn, expert_ffn_reference),
 }
 BACKENDS = tuple(KERNELS)
-# The backends whose kernel takes routed assignments (the rest get rows grouped in blocks).
+# The backends whose kernel takes routed assignments (the rest get rows grouped in blocks), tried
+# before the reference in routed_expert_ffn and routed_expert_ffn_tiers.
 ROUTED_KERNELS = {"cpu": cpu_kernels.routed_expert_ffn}
 ROUTED_TIERS_KERNELS = {"cpu": cpu_kernels.routed_expert_ffn_tiers}
 # The backends whose kernel takes several tiers' pools in one launch (block layout, decode).
@@ -121,19 +123,19 @@ def expert_ffn_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, ba
     added (every block is zero in all tiers but its own).
     """
     backend = _backend(backend)
-    if backend in TIERS_KERNELS and len(tiers) > 1:
-        try:
-            return TIERS_KERNELS[backend](rows, block_tier, block_slot, tiers, block_rows=block_rows,
-                                          activation=activation, int8_dot=int8_dot)
-        except NotImplementedError:
-            pass
-    out = None
-    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(tiers):
-        slots = jnp.where(block_tier == t, block_slot, -1)
-        y = expert_ffn(rows, slots, gate_up, down, block_rows=block_rows, backend=backend, gate_up_bias=gate_up_bias,
-                       down_bias=down_bias, activation=activation, int8_dot=int8_dot)
-        out = y if out is None else out + y
-    return out
+
+    def each_tier(rows, block_tier, block_slot, tiers, **kwargs):
+        out = None
+        for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(tiers):
+            slots = jnp.where(block_tier == t, block_slot, -1)
+            y = expert_ffn(rows, slots, gate_up, down, backend=backend, gate_up_bias=gate_up_bias,
+                           down_bias=down_bias, **kwargs)
+            out = y if out is None else out + y
+        return out
+
+    kernels = (TIERS_KERNELS[backend],) if backend in TIERS_KERNELS and len(tiers) > 1 else ()
+    return _first_that_runs((*kernels, each_tier), rows, block_tier, block_slot, tiers, block_rows=block_rows,
+                            activation=activation, int8_dot=int8_dot)
 
 
 def routed_expert_ffn(h, token, slot, gate_up, down, *, backend: str | None = None, gate_up_bias=None,
@@ -141,14 +143,14 @@ def routed_expert_ffn(h, token, slot, gate_up, down, *, backend: str | None = No
     """Routed assignments: h [N, D], token/slot [A] (slot -1: inactive) -> [A, D] in h.dtype, row a
     = expert slot[a] applied to h[token[a]]; the backend's routed kernel where it takes the inputs,
     else the reference, one row per block."""
-    extra = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation, int8_dot=int8_dot)
-    kernel = ROUTED_KERNELS.get(_backend(backend))
-    if kernel is not None:
-        try:
-            return kernel(h, token, slot, gate_up, down, **extra)
-        except NotImplementedError:
-            pass
-    return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, **extra)
+    backend = _backend(backend)
+
+    def reference(h, token, slot, gate_up, down, **kwargs):
+        return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, **kwargs)
+
+    kernels = (ROUTED_KERNELS[backend],) if backend in ROUTED_KERNELS else ()
+    return _first_that_runs((*kernels, reference), h, token, slot, gate_up, down, gate_up_bias=gate_up_bias,
+                            down_bias=down_bias, activation=activation, int8_dot=int8_dot)
 
 
 def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, backend: str | None = None,
@@ -157,20 +159,19 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, backend: str | None 
     pools[tier[a]] (each pool a (gate_up, down, gate_up_bias, down_bias) of one layer) on h[token[a]]
     -> [A, D] in h.dtype; where the backend's kernel does not take them all, each pool runs on its
     own assignments and the results are added (each row is zero in all pools but its own)."""
-    kernel = ROUTED_TIERS_KERNELS.get(_backend(backend))
-    if kernel is not None:
-        try:
-            return kernel(h, token, slot, tier, pools, activation=activation, int8_dot=int8_dot)
-        except NotImplementedError:
-            pass
-    out = None
-    for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(pools):
-        y = routed_expert_ffn(h, token, jnp.where(tier == t, slot, -1), gate_up, down, backend=backend,
-                              gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
-                              int8_dot=int8_dot)
-        out = y if out is None else out + y
-    return out
+    backend = _backend(backend)
 
+    def each_pool(h, token, slot, tier, pools, **kwargs):
+        out = None
+        for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(pools):
+            y = routed_expert_ffn(h, token, jnp.where(tier == t, slot, -1), gate_up, down, backend=backend,
+                                  gate_up_bias=gate_up_bias, down_bias=down_bias, **kwargs)
+            out = y if out is None else out + y
+        return out
+
+    kernels = (ROUTED_TIERS_KERNELS[backend],) if backend in ROUTED_TIERS_KERNELS else ()
+    return _first_that_runs((*kernels, each_pool), h, token, slot, tier, pools, activation=activation,
+                            int8_dot=int8_dot)
 
 
 def compile_error(backend: str | None, pools, int8_dot: bool = False) -> Exception | None:
@@ -181,12 +182,15 @@ def compile_error(backend: str | None, pools, int8_dot: bool = False) -> Excepti
     (jmoe/runtime/kernel_fallback.py): by building the kernel, not by reading an error's text."""
     backend = _backend(backend)
     pools = list(pools)
-    hidden = _columns(pools[0].down) if pools else 0
-    checks = [(name, (pool,), block_rows, dtype) for name, pool in enumerate(pools)
+    if not pools:
+        return None
+    down = pools[0].down
+    hidden = down.n if isinstance(down, QArray) else down.shape[-1]
+    checks = [((pool,), block_rows, dtype) for pool in pools
               for block_rows in CHECK_BLOCK_ROWS for dtype in (jnp.bfloat16, jnp.float32)]
     if len(pools) > 1:
-        checks += [("tiers", tuple(pools), 1, dtype) for dtype in (jnp.bfloat16, jnp.float32)]
-    for _, group, block_rows, dtype in checks:
+        checks += [(tuple(pools), 1, dtype) for dtype in (jnp.bfloat16, jnp.float32)]
+    for group, block_rows, dtype in checks:
         rows = jax.ShapeDtypeStruct((2 * block_rows, hidden), dtype)
         blocks = jax.ShapeDtypeStruct((2,), jnp.int32)
         key = (backend, block_rows, jnp.dtype(dtype).name, int8_dot,
@@ -209,8 +213,3 @@ def compile_error(backend: str | None, pools, int8_dot: bool = False) -> Excepti
             return error
         _compiled.add(key)
     return None
-
-
-def _columns(w) -> int:
-    """A weight's (or pool's) output width: a QArray's n, else its last dimension."""
-    return w.n if hasattr(w, "n") and hasattr(w, "fmt") else w.shape[-1]

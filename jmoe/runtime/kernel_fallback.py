@@ -31,9 +31,10 @@ def with_kernel_fallback(residencies, run: Callable[[], T]) -> T:
     try:
         return run()
     except Exception:
-        failed = next((e for r in residencies if builds_kernels(r.backend)
-                       for e in [compile_error(r.backend, r.pool_arrays().values(), r.int8_dot)] if e is not None),
-                      None)
+        failed = None
+        for r in residencies:
+            if failed is None and builds_kernels(r.backend):
+                failed = compile_error(r.backend, r.pool_arrays().values(), r.int8_dot)
         if failed is None:
             raise
         log.warning("the Pallas expert kernels failed to compile (%s); running the XLA reference path instead "
