@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
     p.add_argument("--mixed", action="store_true",
                    help="also the per-token mixed mode: DyMoE int4/int2 without a budget, dense int4 (its own conversion)")
-    p.add_argument("--head-tier", choices=("bf16", "int8", "int4"), default=None,
+    p.add_argument("--head-tier", choices=("bf16", "int8", "int6", "int4"), default=None,
                    help="LM head tier of the dense-int4 and mixed conversions (default: the converter's, int8 beside "
                         "dense int4; directories named ...-head-<tier>)")
     p.add_argument("--cpu-layout", action="store_true",

@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--head-tier", choices=("bf16", "int8", "int4"), default=None,
+    parser.add_argument("--head-tier", choices=("bf16", "int8", "int6", "int4"), default=None,
                         help="jmoe's LM head tier (default: the converter's, int8 beside dense int4)")
     parser.add_argument("--cpu-layout", action="store_true", help="convert the experts with --cpu-layout")
     parser.add_argument("--tag", default="", help="appended to the result's name (another machine's run beside the "

@@ -22,6 +22,7 @@ from convert.hf_source import TensorSource
 from convert.quantizers.grid import host_qarray
 from convert.quantizers.rtn import rtn_block
 from jmoe.config import ModelConfig
+from jmoe.errors import InputError
 from jmoe.format import DENSE_DIR
 from jmoe.layers.linear import tiled_kernel_paths
 from jmoe.layers.transformer import AS_DENSE, abstract_model
@@ -29,7 +30,7 @@ from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from pallas_kernels.qarray import QArray, QuantFormat, tile, tile_plain
+from pallas_kernels.qarray import QArray, QPlanes, QuantFormat, code_template, is_quantized, planes, tile, tile_plain
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
 
@@ -38,6 +39,11 @@ BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a
 # few bytes beside the experts and feel every token, and on the bundled model groups of 64 cost
 # about 1.1% of math perplexity over bf16 where groups of 32 cost 0.25% (int8 head, int4 experts).
 DENSE_INT4_GROUP = 32
+# int6 (the head's tier between int8 and int4, as llama.cpp's Q6_K output matrix beside Q4_0) in
+# groups of 64: 6.75 bits per weight (Q6_K: 6.56) against int8's 8.125, for about a tenth of a Qwen3-30B-A3B
+# 8-layer slice's decode time (bench/results/real_shapes). Groups of 128 (6.375 bits) cost the bundled
+# model as much perplexity in a scratch run, but a real head's columns are 16 times longer.
+DENSE_INT6_GROUP = 64
 
 
 def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None) -> QuantFormat | None:
@@ -48,11 +54,14 @@ def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | 
         raise ValueError(f"unknown dense tier {tier!r}")
     if group_size is None and tier == "int4":
         group_size = DENSE_INT4_GROUP
+    if tier == "int6":  # a dense tier only (two planes, pallas_kernels.qarray): asymmetric, float16 scales
+        if symmetric:
+            raise InputError("the int6 tier is asymmetric: leave --symmetric off")
+        try:
+            return QuantFormat(6, group_size or DENSE_INT6_GROUP, symmetric=False)
+        except ValueError as e:
+            raise InputError(str(e)) from None
     return tier_format(tier, group_size=group_size, symmetric=symmetric)
-
-
-def is_quantized(leaf) -> bool:
-    return isinstance(leaf, QArray)
 
 
 def default_head_tier(dense_tier: str) -> str:
@@ -101,21 +110,25 @@ def read_quantized(source: TensorSource, name: str, hf_shape: tuple, spec: QArra
     return quantize_columns(read_rows, spec, rtn_block)
 
 
-def quantize_columns(read_rows, spec: QArray, quantize, blocks=None) -> QArray:
+def quantize_columns(read_rows, spec: QArray | QPlanes, quantize, blocks=None) -> QArray | QPlanes:
     """A weight [K, N] in spec's format from the source's rows [N, K] (`read_rows(rows)` -> [n, K]):
     each block of source rows is a block of columns, quantized on its own by
     `quantize(w [K, n], fmt) -> (packed codes, scales, offsets)` (groups run along K, so columns are
-    independent); `blocks`: the row slices (default: row_blocks of BLOCK_BYTES of float32)."""
+    independent); `blocks`: the row slices (default: row_blocks of BLOCK_BYTES of float32). A 6-bit
+    spec's codes (one per byte) are split into their planes at the end."""
     k, n = spec.k, spec.n
-    values, scales = np.empty(spec.values.shape, np.uint8), np.empty(spec.scales.shape, np.float32)
-    offsets = None if spec.offsets is None else np.empty(spec.offsets.shape, np.float32)
     plain = dataclasses.replace(spec.fmt, tiled=False)  # blocks of columns are quantized in [K, N] order
+    codes = code_template(plain, k, n)
+    values, scales = np.empty(codes.values.shape, np.uint8), np.empty(codes.scales.shape, np.float32)
+    offsets = None if codes.offsets is None else np.empty(codes.offsets.shape, np.float32)
     for rows in row_blocks(n, k * 4) if blocks is None else blocks:
         codes, scale, offset = quantize(np.asarray(read_rows(rows), np.float32).T, plain)
         values[:, rows], scales[:, rows] = np.asarray(codes), np.asarray(scale)
         if offsets is not None:
             offsets[:, rows] = np.asarray(offset)
     q = host_qarray(values, scales, offsets, plain, k)
+    if plain.bits == 6:
+        q = planes(q)
     if spec.fmt.tiles(n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
         q = tile(q)
     return dataclasses.replace(q, fmt=spec.fmt)

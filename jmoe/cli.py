@@ -41,11 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
     conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int2 (default: bf16)")
     conv.add_argument("--dense-tier", default="bf16",
-                      help="attention, dense MLP and shared expert weights: bf16 (default), int8, int4 (norms and "
-                           "routers stay bf16)")
+                      help="attention, dense MLP and shared expert weights: bf16 (default), int8, int6, int4 (norms "
+                           "and routers stay bf16)")
     conv.add_argument("--head-tier", default=None,
-                      help="LM head and embedding table: bf16, int8, int4 (default: int8 beside --dense-tier int4, "
-                           "else the dense tier)")
+                      help="LM head and embedding table: bf16, int8, int6, int4 (default: int8 beside --dense-tier "
+                           "int4, else the dense tier)")
     conv.add_argument("--method", default="rtn", help="quantizer for integer tiers: rtn (default), gptq, haq")
     conv.add_argument("--calib", action="append", default=[], help="calibration text file for gptq/haq (repeatable)")
     conv.add_argument("--calib-sequences", type=int, default=64, help="calibration windows (default 64)")

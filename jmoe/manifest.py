@@ -31,7 +31,8 @@ PARTIAL_MARKER = ".jmoe-convert.json"
 PARTIAL_SUFFIX = ".partial"
 # Dense tiers (`jmoe convert --dense-tier`): the dense projections, LM head and embedding table at
 # bf16 or as QArrays; norms, routers and biases stay float. A manifest without "tier" is bf16.
-DENSE_TIERS = ("bf16", "int8", "int4")
+DENSE_TIERS = ("bf16", "int8", "int6", "int4")
+DENSE_TIER_BITS = {"bf16": 16, "int8": 8, "int6": 6, "int4": 4}
 
 
 # ---------------------------------------------------------------- a small schema language
@@ -259,13 +260,14 @@ def _check_consistency(root: Path, manifest: dict[str, Any]) -> None:
         if (fmt is None) != (tier == "bf16") or (fmt is not None and fmt["bits"] != TIER_BITS[tier]):
             raise FormatError(f"{MANIFEST}: tiers.{tier}.format does not describe a {tier} tier")
     dense_tier, dense_fmt = manifest["dense"].get("tier", "bf16"), manifest["dense"].get("format")
-    if (dense_fmt is None) != (dense_tier == "bf16") or (dense_fmt and dense_fmt["bits"] != TIER_BITS[dense_tier]):
+    if (dense_fmt is None) != (dense_tier == "bf16") or (dense_fmt
+                                                        and dense_fmt["bits"] != DENSE_TIER_BITS[dense_tier]):
         raise FormatError(f"{MANIFEST}: dense.format does not describe dense tier {dense_tier}")
     if ("head_tier" in manifest["dense"]) != ("head_format" in manifest["dense"]):
         raise FormatError(f"{MANIFEST}: dense.head_tier and dense.head_format come together")
     head_tier = manifest["dense"].get("head_tier", dense_tier)
     head_fmt = manifest["dense"].get("head_format", dense_fmt)
-    if (head_fmt is None) != (head_tier == "bf16") or (head_fmt and head_fmt["bits"] != TIER_BITS[head_tier]):
+    if (head_fmt is None) != (head_tier == "bf16") or (head_fmt and head_fmt["bits"] != DENSE_TIER_BITS[head_tier]):
         raise FormatError(f"{MANIFEST}: dense.head_format does not describe head tier {head_tier}")
     for rel in [*manifest["files"], manifest["dense"]["dir"], manifest["tokenizer"]]:
         if rel is not None:

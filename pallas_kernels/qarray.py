@@ -22,6 +22,19 @@ a kernel unpacks bit field j into a contiguous K slice without any interleaving.
 
 With act_bits = 8 (W8A8) the activations are quantized per token to int8 before the matmul.
 
+Six bits (bits = 6, asymmetric only: a tier for the dense weights and the LM head, the place of
+llama.cpp's Q6_K beside Q4_0) are stored as two ordinary QArrays of the same group size, a QPlanes:
+the code's low four bits as an asymmetric int4 QArray and its high two bits as a symmetric int2 one
+whose scales are 16 times the low plane's, so that
+
+  w = q * scale + offset,  q = low + 16 * high in [0, 63]
+    = (low * scale + (offset + 32 * scale)) + (high - 2) * (16 * scale)
+
+and y = x @ low + x @ high runs on the int4 and int2 kernels as they are (Q6_K, too, keeps the low
+four and high two bits of its codes in separate arrays). G = 64: 4.5 + 2.25 = 6.75 bits per weight,
+G = 128: 6.375. The quantizers work on the 6-bit grid itself, a QArray of one code per byte (pack
+1), which `planes` splits for storage.
+
 The CPU layout (fmt.tiled, written by `jmoe convert --cpu-layout`): the same arrays, same shapes,
 with every row's columns regrouped into tiles of TILE: tile t (columns [TILE t, TILE t + TILE)) of
 all rows is stored as one K-major [rows, TILE] block, the blocks in column order. The CPU kernels
@@ -38,6 +51,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.optimised import optimised_jit
 
@@ -46,7 +60,7 @@ TILE = 64  # columns per tile of the CPU layout (the CPU kernels' tile)
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 8, 4 or 2
+    bits: int  # 8, 6, 4 or 2 (6: stored as a QPlanes, see the module docstring)
     group_size: int  # 32, 64 or 128, along K
     symmetric: bool
     act_bits: int | None = None  # 8: W8A8 (per-token int8 activations)
@@ -55,8 +69,10 @@ class QuantFormat:
     scale_bits: int = 16  # 16: float16 scales and offsets; 8: uint8 codes on per-column bases (module docstring)
 
     def __post_init__(self):
-        if self.bits not in (2, 4, 8):
-            raise ValueError(f"bits must be 2, 4 or 8, not {self.bits}")
+        if self.bits not in (2, 4, 6, 8):
+            raise ValueError(f"bits must be 2, 4, 6 or 8, not {self.bits}")
+        if self.bits == 6 and (self.symmetric or self.act_bits or self.smooth or self.scale_bits != 16):
+            raise ValueError("6 bits are asymmetric, with float16 scales, without W8A8 or smoothing")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, not {self.group_size}")
         if self.act_bits not in (None, 8):
@@ -74,7 +90,7 @@ class QuantFormat:
 
     @property
     def pack(self) -> int:
-        return 8 // self.bits
+        return 8 // self.bits  # 6 bits: 1, the quantizers' one code per byte (module docstring)
 
     @property
     def qmax(self) -> int:
@@ -121,8 +137,65 @@ class QArray:
         return (*self.values.shape[:-2], self.k, self.n)
 
 
-def template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = ()) -> QArray:
-    """A QArray of ShapeDtypeStructs: the arrays a (K, N) weight takes in this format."""
+def plane_formats(fmt: QuantFormat) -> tuple[QuantFormat, QuantFormat]:
+    """A 6-bit format's low plane (asymmetric int4) and high plane (symmetric int2) formats."""
+    return (QuantFormat(4, fmt.group_size, False, tiled=fmt.tiled),
+            QuantFormat(2, fmt.group_size, True, tiled=fmt.tiled))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QPlanes:
+    """A 6-bit weight [K, N] as its low four bits' and high two bits' QArrays: w = low + high
+    (module docstring). Every product is the sum of the two planes' products."""
+    low: QArray
+    high: QArray
+    fmt: QuantFormat = dataclasses.field(metadata=dict(static=True))  # the 6-bit grid's
+
+    @property
+    def k(self) -> int:
+        return self.low.k
+
+    @property
+    def n(self) -> int:
+        return self.low.n
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.low.shape
+
+
+def is_quantized(w) -> bool:
+    """Whether a weight is stored as codes (a QArray, or a 6-bit QPlanes), not a plain array."""
+    return isinstance(w, (QArray, QPlanes))
+
+
+def planes(q: QArray) -> QPlanes:
+    """A 6-bit QArray as the quantizers write it (one code per byte, [K, N] layout; numpy) -> the
+    QPlanes it is stored as (module docstring)."""
+    if q.fmt.bits != 6 or q.fmt.tiled:
+        raise ValueError("planes splits a 6-bit QArray in [K, N] layout")
+    codes = np.asarray(q.values, np.uint8)
+    scale, offset = np.asarray(q.scales, np.float32), np.asarray(q.offsets, np.float32)
+    low_fmt, high_fmt = plane_formats(q.fmt)
+    low = QArray(values=np.asarray(pack_codes(codes & 15, low_fmt)), scales=scale.astype(np.float16),
+                 offsets=(offset + 32 * scale).astype(np.float16), act_scale=None, fmt=low_fmt, k=q.k)
+    high = QArray(values=np.asarray(pack_codes(codes >> 4, high_fmt)), scales=(16 * scale).astype(np.float16),
+                  offsets=None, act_scale=None, fmt=high_fmt, k=q.k)
+    return QPlanes(low, high, q.fmt)
+
+
+def template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = ()) -> "QArray | QPlanes":
+    """A QArray (a QPlanes at 6 bits) of ShapeDtypeStructs: the arrays a (K, N) weight takes in this format."""
+    if fmt.bits == 6:
+        low, high = plane_formats(fmt)
+        return QPlanes(template(low, k, n, leading), template(high, k, n, leading), fmt)
+    return code_template(fmt, k, n, leading)
+
+
+def code_template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = ()) -> QArray:
+    """The QArray of ShapeDtypeStructs of a format's codes as the quantizers write them (at 6 bits
+    one code per byte, before `planes` splits them)."""
     kp = fmt.padded_k(k)
     sds = lambda *shape, dtype: jax.ShapeDtypeStruct((*leading, *shape), dtype)  # noqa: E731
     coded = fmt.scale_bits == 8
@@ -149,6 +222,8 @@ def _regroup(a, to_tiles: bool):
 def tile(q: QArray) -> QArray:
     """A QArray in [K, N] layout -> the same weight in the CPU layout (fmt.tiled), where N allows;
     numpy or jax arrays. Anything else is returned as it is."""
+    if isinstance(q, QPlanes):
+        return QPlanes(tile(q.low), tile(q.high), dataclasses.replace(q.fmt, tiled=True))
     if q.fmt.tiled or q.n % TILE:
         return q
     regroup = lambda a: None if a is None else _regroup(a, True)  # noqa: E731
@@ -159,6 +234,8 @@ def tile(q: QArray) -> QArray:
 def untile(q: QArray) -> QArray:
     """A QArray in the CPU layout -> the same weight in [K, N] layout (a tiled format's weight
     whose N is not a multiple of TILE was never tiled)."""
+    if isinstance(q, QPlanes):
+        return QPlanes(untile(q.low), untile(q.high), dataclasses.replace(q.fmt, tiled=False))
     if not q.fmt.tiled:
         return q
     fmt = dataclasses.replace(q.fmt, tiled=False)
@@ -183,6 +260,8 @@ def untile_plain(a):
 def take_columns(q: QArray, cols: jax.Array) -> QArray:
     """Columns `cols` [A] of the weight, as a [K, N]-layout QArray of A columns (a gather of a few
     columns, as an embedding lookup makes: in the CPU layout each column is read from its tile)."""
+    if isinstance(q, QPlanes):
+        return QPlanes(take_columns(q.low, cols), take_columns(q.high, cols), dataclasses.replace(q.fmt, tiled=False))
     tiled = q.fmt.tiles(q.n)
 
     def take(a):
@@ -224,6 +303,8 @@ def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
 @functools.partial(optimised_jit, static_argnums=1)  # as pack_codes
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     """Reference dequantization to the logical weight [..., K, N] (smoothing not applied)."""
+    if isinstance(q, QPlanes):
+        return (dequantize(q.low, jnp.float32) + dequantize(q.high, jnp.float32)).astype(dtype)
     q = untile(q)
     fmt = q.fmt
     codes = unpack_codes(q.values, fmt).astype(jnp.float32)

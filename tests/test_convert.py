@@ -207,7 +207,8 @@ def test_cpu_layout_stores_integer_experts_in_tiles_that_compute_the_same(tmp_pa
     assert "not multiples of 64" in caplog.text
 
 
-def test_cpu_layout_stores_integer_dense_weights_and_head_in_tiles_that_compute_the_same(tmp_path):
+@pytest.mark.parametrize("head_tier", ["int4", "int6"])
+def test_cpu_layout_stores_integer_dense_weights_and_head_in_tiles_that_compute_the_same(tmp_path, head_tier):
     """--cpu-layout also tiles integer dense weights, LM head and embedding table (the lookup reads
     each token's column from its tile, the tied head multiplies the tiles; the 32-column k and v
     projections stay [K, N]): logits and greedy tokens are those of the [K, N] conversion under the
@@ -215,7 +216,7 @@ def test_cpu_layout_stores_integer_dense_weights_and_head_in_tiles_that_compute_
     tiles are the kernel tests'.)"""
     hf = tmp_path / "hf"
     make_checkpoint("qwen3_moe", hf, overrides=dict(tie_word_embeddings=True))
-    kw = dict(tiers="int4", dense_tier="int4", head_tier="int4", progress=False)
+    kw = dict(tiers="int4", dense_tier="int4", head_tier=head_tier, progress=False)
     plain = convert_checkpoint(hf, tmp_path / "plain", **kw)
     tiled = convert_checkpoint(hf, tmp_path / "tiled", cpu_layout=True, **kw)
     dense = read_manifest(tiled)["dense"]

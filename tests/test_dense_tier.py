@@ -19,11 +19,11 @@ from jmoe.layers.linear import Embed, Linear
 from jmoe.manifest import read_manifest
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.runtime.loader import memory_plan
-from pallas_kernels.qarray import QArray, QuantFormat, dequantize
+from pallas_kernels.qarray import QArray, QPlanes, QuantFormat, code_template, dequantize, planes, template
 from tests.conftest import dev_text
 from tests.hf_models import make_checkpoint
 
-DENSE_TIERS = ("bf16", "int8", "int4")
+DENSE_TIERS = ("bf16", "int8", "int6", "int4")
 
 
 def hf_tensor(path, name):
@@ -70,6 +70,7 @@ def test_manifest_records_the_tier_and_the_budget_counts_its_bytes(qwen2_dirs):
         assert kernel["dtype"] == ("bfloat16" if tier == "bf16" else tier)
         assert dense["tensors"]["layers.1.mlp.router.kernel"]["dtype"] == "bfloat16"
     assert stored["bf16"] > 1.5 * stored["int8"] and stored["int8"] > 1.2 * stored["int4"]  # int4: an int8 head
+    assert stored["int8"] > stored["int6"] > stored["int4"]
 
 
 def test_projections_are_quantized_norms_routers_and_biases_are_not(qwen2_dirs):
@@ -142,11 +143,12 @@ def test_blocks_of_rows_give_the_whole_tensors_result(qwen2_hf, tmp_path, monkey
             np.testing.assert_array_equal(np.asarray(ours.scales), ref.scales)
 
 
-def test_quantized_linear_and_embedding_compute_with_the_dequantized_weight():
-    fmt = QuantFormat(4, 32, False)
+@pytest.mark.parametrize("fmt", [QuantFormat(4, 32, False), QuantFormat(6, 32, False)], ids=["int4", "int6"])
+def test_quantized_linear_and_embedding_compute_with_the_dequantized_weight(fmt):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(64, 48)).astype(np.float32)
-    q = jax.tree.map(jnp.asarray, quantize_rtn(w, fmt))
+    q = quantize_rtn(w, fmt)
+    q = jax.tree.map(jnp.asarray, planes(q) if fmt.bits == 6 else q)
     lin = Linear(64, 48, bias=False, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quant=fmt)
     lin.kernel.set_value(q)
     x = jnp.asarray(rng.normal(size=(3, 64)), jnp.float32)
@@ -187,6 +189,7 @@ def tiny_logits(tiny_hf_dir, tiny_tokenizer, tmp_path_factory):
     out = {}
     variants = {tier: dict(dense_tier=tier) for tier in DENSE_TIERS}
     variants["int4, head int4"] = dict(dense_tier="int4", head_tier="int4")
+    variants["int4, head int6"] = dict(dense_tier="int4", head_tier="int6")
     for name, options in variants.items():
         model = jmoe.load(convert_checkpoint(tiny_hf_dir, root / name.replace(", ", "-"), progress=False, **options),
                           compute_dtype="float32")
@@ -220,14 +223,74 @@ def test_an_int8_head_beside_int4_dense_weights_loses_less_than_an_int4_head(tin
     assert loss["int4"] - loss["bf16"] < 0.5 * (loss["int4, head int4"] - loss["bf16"])
 
 
+def test_an_int6_head_loses_about_what_an_int8_head_does(tiny_logits):
+    """Beside int4 dense weights, the int6 head (two planes, 6.75 bits) adds less than half of what
+    the int4 head adds to the int8 head's loss."""
+    logits, ids = tiny_logits
+    loss = {t: nll(logits[t], ids) for t in logits}
+    assert loss["int4, head int6"] - loss["int4"] < 0.5 * (loss["int4, head int4"] - loss["int4"])
+
+
+def test_int6_is_stored_as_an_int4_and_an_int2_plane_that_add_up_to_its_grid():
+    """A 6-bit weight's planes (pallas_kernels.qarray.planes) hold its codes' low four and high two
+    bits, and their sum is the 6-bit grid's weight up to the float16 rounding of one offset; 6.75
+    bits per weight in groups of 64."""
+    from convert.quantizers.grid import decode, group_params
+    from pallas_kernels.qarray import unpack_codes
+
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(200, 96)) * rng.uniform(0.01, 1.0, size=(1, 96))).astype(np.float32)
+    fmt = QuantFormat(6, 64, False)
+    q = quantize_rtn(w, fmt)  # one code per byte, as the quantizers write it
+    codes = np.asarray(q.values)
+    assert codes.shape == (256, 96) and codes.max() <= 63
+    p = planes(q)
+    assert isinstance(p, QPlanes) and (p.low.fmt.bits, p.high.fmt.bits) == (4, 2) and p.high.fmt.symmetric
+    np.testing.assert_array_equal(np.asarray(unpack_codes(p.low.values, p.low.fmt)), codes & 15)
+    np.testing.assert_array_equal(np.asarray(unpack_codes(p.high.values, p.high.fmt)), codes >> 4)
+    groups = np.pad(w, ((0, 56), (0, 0))).reshape(4, 64, 96)
+    scale, offset = (np.asarray(a) for a in group_params(groups, fmt))
+    grid = np.asarray(decode(codes.reshape(4, 64, 96), scale, offset, fmt)).reshape(256, 96)[:200]
+    step = np.repeat(scale[:, 0], 64, axis=0)[:200]
+    got = np.asarray(dequantize(p))
+    low_offset = np.repeat(np.abs(offset + 32 * scale)[:, 0], 64, axis=0)[:200]
+    assert np.all(np.abs(got - grid) <= 2.0 ** -11 * low_offset + 1e-6)  # that offset rounded to float16
+    assert np.all(np.abs(got - w) <= 0.51 * step + 1e-6)  # every weight within half a step of its own
+    bits = 8 * sum(a.nbytes for a in jax.tree.leaves(p)) / w.size * (200 / 256)
+    assert bits == pytest.approx(6.75)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), template(fmt, 200, 96)) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), p)
+    assert code_template(fmt, 200, 96).values.shape == (256, 96)
+    with pytest.raises(ValueError, match="6 bits are asymmetric"):
+        QuantFormat(6, 64, True)
+    with pytest.raises(InputError, match="int6 tier is asymmetric"):
+        dense_mod.dense_format("int6", symmetric=True)
+
+
+def test_gptq_writes_an_int6_weight_as_its_planes():
+    """GPTQ on the 6-bit grid in blocks of columns (convert/dense_gptq.py) gives the planes of the
+    whole weight's 6-bit GPTQ."""
+    from convert.dense_gptq import gptq_columns
+    from convert.quantizers.gptq import gptq_quantize
+
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(64, 40)).astype(np.float32)  # [K, N]
+    x = rng.normal(size=(300, 64))
+    fmt = QuantFormat(6, 32, False)
+    got = gptq_columns(lambda rows: w.T[rows], x.T @ x, template(fmt, 64, 40))
+    assert isinstance(got, QPlanes)
+    whole = planes(jax.tree.map(np.asarray, gptq_quantize(w, x.T @ x, fmt)))
+    np.testing.assert_array_equal(np.asarray(dequantize(got)), np.asarray(dequantize(whole)))
+
+
 def test_bad_dense_tier_is_refused(qwen2_hf, tmp_path, capsys):
     for bad in ("int2", "fp8", 4, None, ["int4"]):
-        with pytest.raises(InputError, match="dense_tier must be one of bf16, int8, int4"):
+        with pytest.raises(InputError, match="dense_tier must be one of bf16, int8, int6, int4"):
             convert_checkpoint(qwen2_hf, tmp_path / "out", dense_tier=bad, progress=False)
     assert not (tmp_path / "out").exists()
     assert cli_main(["convert", str(qwen2_hf), "-o", str(tmp_path / "out"), "--dense-tier", "int2"]) == 2
     assert "dense_tier must be one of" in capsys.readouterr().err
-    with pytest.raises(InputError, match="head_tier must be one of bf16, int8, int4"):
+    with pytest.raises(InputError, match="head_tier must be one of bf16, int8, int6, int4"):
         convert_checkpoint(qwen2_hf, tmp_path / "out", dense_tier="int4", head_tier="int2", progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -1,9 +1,9 @@
 """Dense weights: the one matmul entry point, the linear layer and the embedding table.
 
 A dense weight is stored K-major [K, N] (y = x @ W) either as a plain array (bf16, the dense tier
-"bf16") or as a QArray (pallas_kernels/qarray.py, dense tiers "int8" / "int4"); model code never
-branches on which. Every dense projection, the LM head (tied or not) and the routers multiply
-through `matmul`:
+"bf16") or as a QArray (pallas_kernels/qarray.py, dense tiers "int8" / "int4"; "int6" a QPlanes of
+two, multiplied plane by plane); model code never branches on which. Every dense projection, the
+LM head (tied or not) and the routers multiply through `matmul`:
 
 - on the CPU, `cpu_kernels.matmul` (the native kernel reading the stored bytes, or its XLA
   reference, which is exact float32);
@@ -26,8 +26,8 @@ from flax import nnx
 
 import cpu_kernels
 from jmoe.layers.norms import matmul_precision
-from pallas_kernels.qarray import (TILE, QArray, QuantFormat, dequantize, prepare_input, take_columns, template,
-                                   untile_plain)
+from pallas_kernels.qarray import (TILE, QArray, QPlanes, QuantFormat, dequantize, is_quantized, prepare_input,
+                                   take_columns, template, untile_plain)
 
 
 def on_cpu() -> bool:
@@ -39,6 +39,8 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray. int8_dot (CPU only):
     a quantized w multiplies x on its per-group int8 grid (load's cpu_dot="int8"). tiled: a plain w
     stored in the CPU layout."""
+    if isinstance(w, QPlanes):  # 6 bits: the low and high planes' products (pallas_kernels.qarray)
+        return matmul(x, w.low, int8_dot=int8_dot) + matmul(x, w.high, int8_dot=int8_dot)
     if on_cpu():
         return cpu_kernels.matmul(x, w, int8_dot=int8_dot, tiled=tiled)
     if tiled:
@@ -52,12 +54,12 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
 def dense_weight(w, dtype, tiled: bool = False) -> jax.Array:
     """The logical weight [K, N] in `dtype` (for the few small weights used outside a matmul); tiled:
     a plain w stored in the CPU layout."""
-    if isinstance(w, QArray):
+    if is_quantized(w):
         return dequantize(w, dtype)
     return (untile_plain(w) if tiled else w).astype(dtype)
 
 
-def zeros_qarray(fmt: QuantFormat, k: int, n: int) -> QArray:
+def zeros_qarray(fmt: QuantFormat, k: int, n: int) -> QArray | QPlanes:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template(fmt, k, n))
 
 
@@ -104,7 +106,7 @@ class Linear(nnx.Module):
     def tileable(self) -> bool:
         """Whether the CPU layout stores this kernel tiled: a plain kernel of whole 64-column tiles."""
         kernel = self.kernel.get_value()
-        return not isinstance(kernel, QArray) and kernel.shape[-1] % TILE == 0
+        return not is_quantized(kernel) and kernel.shape[-1] % TILE == 0
 
 
 class Embed(nnx.Module):
@@ -128,7 +130,7 @@ class Embed(nnx.Module):
     def __call__(self, ids):
         """ids [...] int -> [..., D] in the compute dtype."""
         table = self.embedding.get_value()
-        if not isinstance(table, QArray):
+        if not is_quantized(table):
             return jnp.take(table, ids, axis=0).astype(self.dtype)
         cols = take_columns(table, ids.reshape(-1))
         return dequantize(cols, jnp.float32).T.reshape(*ids.shape, self.features).astype(self.dtype)
@@ -137,7 +139,7 @@ class Embed(nnx.Module):
         """The tied LM head's weight [D, V]: the QArray as stored, or the plain table transposed
         (folded into the dot by XLA)."""
         table = self.embedding.get_value()
-        return table if isinstance(table, QArray) else table.T
+        return table if is_quantized(table) else table.T
 
 
 def _tileable(model: nnx.Module):
@@ -162,7 +164,7 @@ def capture_inputs(module: nnx.Module) -> list[tuple]:
     attribute, so split the module after this for a graphdef that captures."""
     paths = []
     for path, linear in nnx.iter_graph(module):
-        if isinstance(linear, Linear) and isinstance(linear.kernel.get_value(), QArray):
+        if isinstance(linear, Linear) and is_quantized(linear.kernel.get_value()):
             linear.capture = True
             paths.append(path)
     return paths
