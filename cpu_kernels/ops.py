@@ -9,6 +9,9 @@ activation quantization, exactly as the XLA reference does them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +22,26 @@ from pallas_kernels.qarray import (TILE, QArray, dequantize, int8_dot_applies, p
                                    untile_plain)
 
 
+# Set while tracing a computation placed on the host CPU device beside an accelerator (the CPU
+# executor's own jit on a GPU machine): the native kernels apply there too.
+_HOST_TRACE = contextvars.ContextVar("jmoe_host_trace", default=False)
+
+
+@contextlib.contextmanager
+def host_computation():
+    """Trace the enclosed ops for a computation that runs on the host CPU device, whatever the
+    default backend (its inputs committed to jax.devices("cpu"))."""
+    token = _HOST_TRACE.set(True)
+    try:
+        yield
+    finally:
+        _HOST_TRACE.reset(token)
+
+
 def available() -> bool:
-    """Whether the native library is loaded and the default backend is the CPU."""
-    return native.loaded() and jax.default_backend() == "cpu"
+    """Whether the native library is loaded and the computation being traced runs on the CPU: the
+    default backend is the CPU, or it is traced inside `host_computation`."""
+    return native.loaded() and (jax.default_backend() == "cpu" or _HOST_TRACE.get())
 
 
 def _weight_operands(w, tiled: bool = False):
@@ -82,7 +102,7 @@ def _native_operands(gate_up, down, gate_up_bias, down_bias, activation: GatedAc
     kernel does not run: not loaded, or not on the CPU backend, or a smoothed down projection (which
     no converter writes)."""
     if not available():
-        raise NotImplementedError("the native CPU kernels are not loaded, or the default backend is not the CPU")
+        raise NotImplementedError("the native CPU kernels are not loaded, or the computation does not run on the CPU")
     if isinstance(down, QArray) and down.act_scale is not None:
         raise NotImplementedError("the native expert kernel does not take a smoothed down projection")
     slots = (gate_up.values if isinstance(gate_up, QArray) else gate_up).shape[0]
@@ -197,7 +217,7 @@ def attention(q, keys, values, start, key_start, table, *, groups: int, scale: f
     0). NotImplementedError (before anything is traced) where the native kernels are not in use or
     do not read these caches as they lie (attention_reads)."""
     if not available():
-        raise NotImplementedError("the native CPU kernels are not loaded, or the default backend is not the CPU")
+        raise NotImplementedError("the native CPU kernels are not loaded, or the computation does not run on the CPU")
     if not attention_reads(keys, values):
         raise NotImplementedError("the native attention does not read these caches as they lie")
     B, K, M, _ = q.shape

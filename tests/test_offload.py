@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -164,6 +165,39 @@ def test_cpu_cost_model_is_calibrated(short_converted, resident_reference):
         assert cost.critical_tokens == (MAX_CRITICAL_TOKENS if cost.cpu_call_s < cost.transfer_s else 0)
     else:
         assert cost.transfer_s > 0 and cost.cpu_per_token_s >= 0 and not cost.same_memory
+
+
+def test_cold_experts_run_on_the_native_kernels_beside_an_accelerator(short_converted, resident_reference,
+                                                                      monkeypatch):
+    """Where the default backend is an accelerator, the CPU executor's own jit still runs on the
+    host CPU device, so it multiplies with the native kernels (not the XLA reference), and gets what
+    the device's expert computes."""
+    import cpu_kernels
+    from cpu_kernels import native
+    from jmoe.kernels import expert_ffn
+    from jmoe.runtime import cpu_exec
+
+    if not native.loaded():
+        pytest.skip("the native CPU kernels are not built")
+    reference_model, _ = resident_reference
+    model = jmoe.load(short_converted, compute_dtype="float32", device_budget=budget_for(reference_model, 0.3),
+                      policy="lru+cpu")
+    executor, tier = model.residency.cpu, model.residency.tier
+    rows = jax.random.normal(jax.random.key(0), (3, model.config.hidden_size), jnp.float32)
+    pool = executor.one_slot_pool(tier, 1, 2)
+    expected = np.asarray(expert_ffn(rows, jnp.zeros((1,), jnp.int32), pool.gate_up, pool.down, block_rows=3,
+                                     backend="xla", gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias,
+                                     activation=executor.activation))
+    executor.store.release(tier, 1, 2)
+    calls = []
+    real_call = native.call
+    monkeypatch.setattr(native, "call", lambda *a, **k: calls.append(a[0]) or real_call(*a, **k))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not cpu_kernels.available()
+    cpu_exec._one_expert.clear_cache()  # traced again, under the accelerator's default backend
+    got = np.asarray(executor.run(rows, tier, 1, 2))
+    assert native.EXPERT_FFN in calls
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_cpu_cost_model_compares_a_transfer_with_the_cpu_slowdown():

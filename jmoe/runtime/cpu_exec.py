@@ -22,6 +22,7 @@ device). No dequantized copy is made or kept; after the call the record's pages 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
 from jmoe.kernels import expert_ffn
 from jmoe.layers.experts import expert_activation
 from jmoe.quant import ExpertWeights
@@ -66,13 +68,16 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@partial(jax.jit, static_argnames=("activation", "int8_dot"))
-def _one_expert(rows, pool: ExpertWeights, activation: GatedActivation, int8_dot: bool):
-    """rows [n, D] through the expert of a one-slot pool (with its biases, if any) -> [n, D]."""
+@partial(jax.jit, static_argnames=("activation", "int8_dot", "on_host"))
+def _one_expert(rows, pool: ExpertWeights, activation: GatedActivation, int8_dot: bool, on_host: bool = True):
+    """rows [n, D] through the expert of a one-slot pool (with its biases, if any) -> [n, D].
+    on_host: the arguments are on the host CPU device, so the native kernels run it even where the
+    default backend is an accelerator (False: the device's own time, calibrate's comparison)."""
     slot = jnp.zeros((1,), jnp.int32)
-    return expert_ffn(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0], backend="cpu",
-                      gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
-                      int8_dot=int8_dot)
+    with cpu_kernels.host_computation() if on_host else contextlib.nullcontext():
+        return expert_ffn(rows, slot, pool.gate_up, pool.down, block_rows=rows.shape[0], backend="cpu",
+                          gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
+                          int8_dot=int8_dot)
 
 
 class CpuExecutor:
@@ -135,7 +140,8 @@ class CpuExecutor:
 
         cpu = per_token(lambda n: self.run(jax.device_put(jnp.ones((n, D), self.dtype), self.device), tier, 0, 0))
         device = per_token(lambda n: _one_expert(jax.device_put(jnp.ones((n, D), self.dtype), self.device), on_device,
-                                                 self.activation, self.int8_dot and self.same_memory))
+                                                 self.activation, self.int8_dot and self.same_memory,
+                                                 on_host=self.same_memory))
         self.cost = CostModel(float(np.median(transfers)), cpu, device)
         return self.cost
 
