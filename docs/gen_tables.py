@@ -122,7 +122,9 @@ def headline() -> str:
             machine(shapes), source("real_shapes/real_shapes_cpu.json"),
         ])
     for name, where in [("real_shapes/real_shapes_xeon_cpu.json", "on an AVX-512 Xeon"),
-                        ("real_shapes/real_shapes_mixed_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5), `--cpu-layout`")]:
+                        ("real_shapes/real_shapes_mixed_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5), `--cpu-layout`"),
+                        ("real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json",
+                         "on an AVX-512 EPYC (Zen 5), `--cpu-layout`, Q4_0's head bytes")]:
         run = load(name)
         for ours, label in [
             ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(run)} LM head"),
@@ -395,6 +397,18 @@ def cpu_layout_ab_zen5() -> str:
     first = next(iter(d["cases"]))
     rows = [[case, f(s["decode_tok_s"]), med(s[f"over {first}"], 2)] for case, s in d["summary"].items()]
     out = table(["Qwen3-30B-A3B slice (8 layers), int4 + dense int4, int4 LM head", "decode tok/s",
+                 f"over {first}, within a round"], rows)
+    return out + (f"\n\njmoe bench {d['jmoe_bench']}; {d['rounds']} alternating rounds, medians [min–max]. "
+                  f"Machine: {machine(d)}, AVX-512 with VNNI (Zen 5) ({source(name)}).")
+
+
+def head_tiers_ab_zen5() -> str:
+    """The slice's LM head at int8, int6 and int4 timed against each other (python -m bench.decode_ab)."""
+    name = "kernels/decode_ab_qwen3_8L_head_tiers_zen5_cpu.json"
+    d = load(name)
+    first = next(iter(d["cases"]))
+    rows = [[case, f(s["decode_tok_s"]), med(s[f"over {first}"], 2)] for case, s in d["summary"].items()]
+    out = table(["Qwen3-30B-A3B slice (8 layers), int4 experts + dense int4, `--cpu-layout`", "decode tok/s",
                  f"over {first}, within a round"], rows)
     return out + (f"\n\njmoe bench {d['jmoe_bench']}; {d['rounds']} alternating rounds, medians [min–max]. "
                   f"Machine: {machine(d)}, AVX-512 with VNNI (Zen 5) ({source(name)}).")
@@ -1011,6 +1025,9 @@ TABLES = {
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
     "real-shapes-mixed-head-int4-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_head_int4_zen5_cpu.json"),
+    "real-shapes-mixed-head-int6-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"),
+    "head-tiers-ab-zen5": lambda: head_tiers_ab_zen5(),
     "thread-scaling": thread_scaling,
     "head-tiers-avx2": head_tiers_avx2,
     "cpu-layout-zen5": cpu_layout_zen5,
