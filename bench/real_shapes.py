@@ -141,11 +141,15 @@ def checkpoint(args) -> Path:
 
 def convert_jmoe(src: Path, out: Path, tiers: list[str], extra: list[str], reuse: bool, log: Path) -> dict:
     """`jmoe convert` in its own process: seconds and peak RSS (None when an earlier output holding
-    every tier asked for is reused), and the dense and head tiers it holds."""
+    every tier asked for, with the dense formats this converter writes, is reused), and the dense and
+    head tiers and formats it holds."""
     manifest = out / "manifest.json"
     if reuse and manifest.is_file() and set(tiers) <= set(json.loads(manifest.read_text())["tiers"]):
-        return {"path": str(out), "seconds": None, "peak_rss_bytes": None, "bytes": tree_bytes(out),
-                **dense_tiers(out)}
+        stale = stale_dense_formats(out, extra)
+        if not stale:
+            return {"path": str(out), "seconds": None, "peak_rss_bytes": None, "bytes": tree_bytes(out),
+                    **dense_tiers(out)}
+        print(f"not reusing {out}: {stale}", flush=True)
     print(f"jmoe convert -> {out} ...", flush=True)
     cmd = jmoe_cli("convert", str(src), "-o", str(out), "--tiers", ",".join(tiers), "--method", "rtn",
                    "--force", "--no-progress", *extra)
@@ -154,10 +158,32 @@ def convert_jmoe(src: Path, out: Path, tiers: list[str], extra: list[str], reuse
 
 
 def dense_tiers(path: Path) -> dict:
-    """The conversion's dense tier and its LM head's (a manifest without a head tier: the dense tier)."""
+    """The conversion's dense tier and its LM head's (a manifest without a head tier: the dense tier),
+    with their formats (None: bf16)."""
     dense = json.loads((path / "manifest.json").read_text())["dense"]
     tier = dense.get("tier", "bf16")
-    return {"dense_tier": tier, "head_tier": dense.get("head_tier", tier)}
+    return {"dense_tier": tier, "head_tier": dense.get("head_tier", tier), "dense_format": dense.get("format"),
+            "head_format": dense.get("head_format", dense.get("format"))}
+
+
+def stale_dense_formats(path: Path, extra: list[str]) -> str | None:
+    """Why a conversion made with the `extra` convert options is not what this converter writes for
+    them (a dense or head format from an earlier default, say another group size), or None."""
+    from convert.dense import default_head_tier, dense_format
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dense-tier", default="bf16")
+    parser.add_argument("--head-tier", default=None)
+    known, _ = parser.parse_known_args(extra)
+    head_tier = known.head_tier or default_head_tier(known.dense_tier)
+    held = dense_tiers(path)
+    strip = lambda fmt: None if fmt is None else {k: v for k, v in fmt.items() if k != "tiled"}  # noqa: E731
+    for what, tier, fmt in (("dense", known.dense_tier, held["dense_format"]),
+                            ("head", head_tier, held["head_format"])):
+        want = dense_format(tier)
+        if strip(fmt) != strip(None if want is None else want.to_json()):
+            return f"its {what} format is {fmt}, this converter writes {tier} as {want}"
+    return None
 
 
 def tree_bytes(path: Path) -> int:

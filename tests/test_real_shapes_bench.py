@@ -113,3 +113,26 @@ def test_the_mixed_mode_is_planned_against_llama_cpp_and_a_conversion_lacking_a_
     assert again["seconds"] is not None  # converted again, not reused
     assert set(json.loads((main / "manifest.json").read_text())["tiers"]) == {"int4", "int2"}
     assert real_shapes.convert_jmoe(src, main, ["int2"], [], True, tmp_path / "convert.log")["seconds"] is None
+
+
+def test_a_conversion_whose_dense_formats_are_not_the_converters_is_not_reused(tmp_path):
+    """--reuse keeps a conversion only where its dense and head formats are what this converter
+    writes for the same options (an int6 head from a run with another group size is converted
+    again), and the result records the formats it measured."""
+    from bench import real_shapes
+    from convert import convert_checkpoint
+
+    src = write_checkpoint(small("qwen3-30b-a3b"), tmp_path / "hf", layers=1)
+    out = convert_checkpoint(src, tmp_path / "m", tiers="int4", dense_tier="int4", head_tier="int6",
+                             progress=False)
+    options = ["--dense-tier", "int4", "--head-tier", "int6"]
+    assert real_shapes.stale_dense_formats(out, options) is None
+    assert "head format" in real_shapes.stale_dense_formats(out, ["--dense-tier", "int4"])  # int8 by default
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["dense"]["head_format"]["group_size"] = 128  # as written before the default was 64
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert "group_size': 128" in real_shapes.stale_dense_formats(out, options)
+    again = real_shapes.convert_jmoe(src, out, ["int4"], options, True, tmp_path / "convert.log")
+    assert again["seconds"] is not None and again["head_format"]["group_size"] == 64
+    kept = real_shapes.convert_jmoe(src, out, ["int4"], options, True, tmp_path / "convert.log")
+    assert kept["seconds"] is None and kept["head_tier"] == "int6"
