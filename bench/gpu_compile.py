@@ -32,7 +32,9 @@ expert kernels and the LM head) of a 2-layer slice of each model, with abstract 
 compile-only H100: decode with every expert resident at int4 (Triton kernels, and the Mosaic GPU
 ones), and decode, 512-token prefill and the speculative verify step (4 drafts) with a DyMoE
 plan's two pools (bf16 and int4, a quarter of the experts each, as an offloaded ExpertState holds
-them; decode runs both in one launch per stage). Decode and verify steps run attention in the
+them; decode runs both in one launch per stage), and decode at resident int4 with the dense weights
+at int4 and the LM head at int6 (its two planes' dequantize-and-dot, which must hold no more
+temporaries than the bf16 dense step's). Decode and verify steps run attention in the
 decode-attention kernel (DeepSeek-V2-Lite's latent attention, two score terms, in XLA's loop); a
 spill in any of this project's kernels fails a step, one in XLA's own fusions is only listed.
 
@@ -553,18 +555,23 @@ STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its po
     ("decode at a 32K context, int8 KV, resident int4", "decode", {"int4": 1.0}, "pallas", 32768, "int8"),
     # the fp8 KV cache (float8_e4m3fn, no scale): widened as its blocks are read, natively on an H100
     ("decode at a 32K context, fp8 KV, resident int4", "decode", {"int4": 1.0}, "pallas", 32768, "float8_e4m3fn"),
+    # integer dense weights (jmoe/layers/linear.py): dense int4 and the int6 head's two planes
+    ("decode, resident int4, dense int4, int6 head", "decode", {"int4": 1.0}, "pallas", STEP_CACHE, "bfloat16",
+     ("int4", "int6")),
 )
 
 
 def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backend: str, cache_len: int,
-                 kv_dtype: str, device) -> dict:
+                 kv_dtype: str, dense_tiers: tuple[str, str] | None = None, *, device) -> dict:
     """The model's jitted forward step for a 2-layer slice and a `cache_len`-slot cache of `kv_dtype`,
-    abstract weights on `device`."""
+    abstract weights on `device`; dense_tiers: (dense tier, head tier) as the converter stores them
+    (default bf16 throughout)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from bench.lib.random_checkpoint import model_named
+    from convert.dense import dense_format
     from jmoe.decoding.engine import _forward, new_cache
     from jmoe.layers.experts import ExpertState, Selection
     from jmoe.layers.transformer import abstract_model
@@ -574,7 +581,8 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
     sharding = jax.sharding.SingleDeviceSharding(device)
     on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     cfg = config_from_hf(model_named(model).config_for(STEP_LAYERS))
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    formats = (None, None) if dense_tiers is None else tuple(dense_format(t) for t in dense_tiers)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16, *formats))
     dense = jax.tree.map(lambda s: on(s.shape, s.dtype), nnx.to_pure_dict(state))
     layers, experts = cfg.num_moe_layers, cfg.num_experts
     pools = {tier: jax.tree.map(lambda s, n=max(1, round(f * experts)): on((n, *s.shape), s.dtype),
@@ -959,7 +967,7 @@ def kernel_and_step_runs(args, models: list[str], device) -> list:
     runs += [functools.partial(compile_mosaic_case, name, shapes[name], device) for name in models]
     runs += attention_runs(models, device)
     if args.steps:
-        runs += [functools.partial(compile_step, name, *case, device) for name in models for case in STEP_CASES]
+        runs += [functools.partial(compile_step, name, *case, device=device) for name in models for case in STEP_CASES]
     return runs
 
 
