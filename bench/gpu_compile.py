@@ -33,8 +33,8 @@ compile-only H100: decode with every expert resident at int4 (Triton kernels, an
 ones), and decode, 512-token prefill and the speculative verify step (4 drafts) with a DyMoE
 plan's two pools (bf16 and int4, a quarter of the experts each, as an offloaded ExpertState holds
 them; decode runs both in one launch per stage), and decode at resident int4 with the dense weights
-at int4 and the LM head at int6 (its two planes' dequantize-and-dot, which must hold no more
-temporaries than the bf16 dense step's). Decode and verify steps run attention in the
+at int4 and the LM head at int6 (its two planes' dequantize-and-dot; the record's temporaries show
+whether a dequantized copy was materialised). Decode and verify steps run attention in the
 decode-attention kernel (DeepSeek-V2-Lite's latent attention, two score terms, in XLA's loop); a
 spill in any of this project's kernels fails a step, one in XLA's own fusions is only listed.
 
