@@ -390,28 +390,26 @@ def cpu_layout_zen5() -> str:
                                 machine_note=", AVX-512 with VNNI (Zen 5)", rounds_column=True)
 
 
-def cpu_layout_ab_zen5() -> str:
-    """The three conversions of ZEN5_LAYOUTS timed against each other (python -m bench.decode_ab)."""
-    name = "kernels/decode_ab_qwen3_8L_cpu_layout_zen5_cpu.json"
+def decode_ab_zen5(name: str, first_header: str) -> str:
+    """A bench.decode_ab run on the AVX-512 EPYC: each case's decode rate and its ratio to the first."""
     d = load(name)
     first = next(iter(d["cases"]))
     rows = [[case, f(s["decode_tok_s"]), med(s[f"over {first}"], 2)] for case, s in d["summary"].items()]
-    out = table(["Qwen3-30B-A3B slice (8 layers), int4 + dense int4, int4 LM head", "decode tok/s",
-                 f"over {first}, within a round"], rows)
+    out = table([first_header, "decode tok/s", f"over {first}, within a round"], rows)
     return out + (f"\n\njmoe bench {d['jmoe_bench']}; {d['rounds']} alternating rounds, medians [min–max]. "
                   f"Machine: {machine(d)}, AVX-512 with VNNI (Zen 5) ({source(name)}).")
+
+
+def cpu_layout_ab_zen5() -> str:
+    """The three conversions of ZEN5_LAYOUTS timed against each other (python -m bench.decode_ab)."""
+    return decode_ab_zen5("kernels/decode_ab_qwen3_8L_cpu_layout_zen5_cpu.json",
+                          "Qwen3-30B-A3B slice (8 layers), int4 + dense int4, int4 LM head")
 
 
 def head_tiers_ab_zen5() -> str:
     """The slice's LM head at int8, int6 and int4 timed against each other (python -m bench.decode_ab)."""
-    name = "kernels/decode_ab_qwen3_8L_head_tiers_zen5_cpu.json"
-    d = load(name)
-    first = next(iter(d["cases"]))
-    rows = [[case, f(s["decode_tok_s"]), med(s[f"over {first}"], 2)] for case, s in d["summary"].items()]
-    out = table(["Qwen3-30B-A3B slice (8 layers), int4 experts + dense int4, `--cpu-layout`", "decode tok/s",
-                 f"over {first}, within a round"], rows)
-    return out + (f"\n\njmoe bench {d['jmoe_bench']}; {d['rounds']} alternating rounds, medians [min–max]. "
-                  f"Machine: {machine(d)}, AVX-512 with VNNI (Zen 5) ({source(name)}).")
+    return decode_ab_zen5("kernels/decode_ab_qwen3_8L_head_tiers_zen5_cpu.json",
+                          "Qwen3-30B-A3B slice (8 layers), int4 experts + dense int4, `--cpu-layout`")
 
 
 def head_tiers_avx2() -> str:
