@@ -47,7 +47,9 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
         w = untile_plain(w)
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
-        w = dequantize(w, x.dtype)  # fused into the dot's operand by XLA, never a stored copy
+        # XLA may fuse this into the dot's operand; compiled for an H100, Mixtral-, GPT-OSS- and
+        # DeepSeek-shaped steps hold a dequantized projection in their temporaries (bench/results/gpu_compile)
+        w = dequantize(w, x.dtype)
     return jnp.dot(x, w.astype(x.dtype), precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32)
 
 
