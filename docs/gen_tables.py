@@ -1023,6 +1023,8 @@ TABLES = {
     "mixtral-shapes-xeon": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_xeon_cpu.json"),
     "gpt-oss-shapes-head-int6-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
+    "mixtral-shapes-head-int6-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
     "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
     "real-shapes-mixed-head-int4-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_head_int4_zen5_cpu.json"),
     "real-shapes-mixed-head-int6-zen5": lambda: shapes_on_avx512(
