@@ -30,7 +30,7 @@ from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from pallas_kernels.qarray import QArray, QPlanes, QuantFormat, code_template, is_quantized, planes, tile, tile_plain
+from pallas_kernels.qarray import QArray, QPlanes, QuantFormat, is_quantized, planes, template, tile, tile_plain
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
 
@@ -114,24 +114,20 @@ def quantize_columns(read_rows, spec: QArray | QPlanes, quantize, blocks=None) -
     """A weight [K, N] in spec's format from the source's rows [N, K] (`read_rows(rows)` -> [n, K]):
     each block of source rows is a block of columns, quantized on its own by
     `quantize(w [K, n], fmt) -> (packed codes, scales, offsets)` (groups run along K, so columns are
-    independent); `blocks`: the row slices (default: row_blocks of BLOCK_BYTES of float32). A 6-bit
-    spec's codes (one per byte) are split into their planes at the end."""
+    independent) and written into the stored arrays (a 6-bit weight's codes, one per byte, split into
+    their planes block by block); `blocks`: the row slices (default: row_blocks of BLOCK_BYTES of float32)."""
     k, n = spec.k, spec.n
     plain = dataclasses.replace(spec.fmt, tiled=False)  # blocks of columns are quantized in [K, N] order
-    codes = code_template(plain, k, n)
-    values, scales = np.empty(codes.values.shape, np.uint8), np.empty(codes.scales.shape, np.float32)
-    offsets = None if codes.offsets is None else np.empty(codes.offsets.shape, np.float32)
+    stored = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), template(plain, k, n))
     for rows in row_blocks(n, k * 4) if blocks is None else blocks:
         codes, scale, offset = quantize(np.asarray(read_rows(rows), np.float32).T, plain)
-        values[:, rows], scales[:, rows] = np.asarray(codes), np.asarray(scale)
-        if offsets is not None:
-            offsets[:, rows] = np.asarray(offset)
-    q = host_qarray(values, scales, offsets, plain, k)
-    if plain.bits == 6:
-        q = planes(q)
+        part = host_qarray(np.asarray(codes), np.asarray(scale), None if offset is None else np.asarray(offset),
+                           plain, k)
+        jax.tree.map(lambda whole, block: whole.__setitem__((..., rows), block), stored,
+                     planes(part) if plain.bits == 6 else part)
     if spec.fmt.tiles(n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
-        q = tile(q)
-    return dataclasses.replace(q, fmt=spec.fmt)
+        stored = tile(stored)
+    return dataclasses.replace(stored, fmt=spec.fmt)
 
 
 def source_elements(cfg: ModelConfig, structure: dict) -> int:
