@@ -95,21 +95,29 @@ gpu:
 gpu-dry-run: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m bench.gpu_suite --dry-run
 
-# The GPU kernels compiled for an H100 without a GPU (bench/gpu_compile.py): a venv of its own with
-# jax, jaxlib and the CUDA 13 plugin at the main venv's jax version, ptxas and NVVM (about 256 MB to
-# download); registers, spills, shared memory, grids and decode-loop checks per kernel, and the offloaded
-# decode step's checks (pinned-host stores, async host slices, one command buffer), to
-# bench/results/gpu_compile/gpu_compile_h100.json. Fails on any spill, compile error or failed check
-# (part of `make test`).
+# The GPU kernels compiled for an H100 without a GPU (bench/gpu_compile.py): a venv of its own holding
+# only the CUDA 13 plugin at the main venv's jax version, ptxas and NVVM (about 256 MB to download,
+# 720 MB installed); jax, jaxlib and the project's dependencies it reads from the main venv (a .pth
+# that adds the main venv's site-packages), as a second copy of them would cost another GB of disk
+# beside the running tests. Registers, spills, shared memory, grids and decode-loop checks per
+# kernel, and the offloaded decode step's checks (pinned-host stores, async host slices, one command
+# buffer), to bench/results/gpu_compile/gpu_compile_h100.json. Fails on any spill, compile error or
+# failed check (part of `make test`).
 GPU_AOT_VENV ?= .venv-gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
 # What a compile-only venv holds besides the project: $(call gpu_aot_wheels,JAX_VERSION)
 gpu_aot_wheels = "jax==$(1)" "jaxlib==$(1)" "jax-cuda13-plugin==$(1)" "jax-cuda13-pjrt==$(1)" nvidia-cuda-nvcc nvidia-nvvm
+SITE_PACKAGES = -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 
+# The main venv's pip installs into it (--python), so it needs no pip of its own; pip sees the main
+# venv's jax and jaxlib as installed and adds only what they lack.
 $(GPU_AOT_STAMP): $(STAMP)
-	$(PYTHON) -m venv $(GPU_AOT_VENV)
+	rm -rf $(GPU_AOT_VENV)
+	$(PYTHON) -m venv --without-pip $(GPU_AOT_VENV)
+	echo "import site; site.addsitedir('$$($(BIN)/python $(SITE_PACKAGES))')" \
+		> "$$($(GPU_AOT_VENV)/bin/python $(SITE_PACKAGES))/jmoe-main-venv.pth"
 	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
-	$(GPU_AOT_VENV)/bin/pip install --quiet $(call gpu_aot_wheels,$$v) -e .
+	$(BIN)/pip --python $(GPU_AOT_VENV)/bin/python install --quiet --no-cache-dir $(call gpu_aot_wheels,$$v)
 	touch $(GPU_AOT_STAMP)
 
 gpu-compile: $(GPU_AOT_STAMP)

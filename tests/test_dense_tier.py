@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +196,7 @@ def tiny_logits(tiny_hf_dir, tiny_tokenizer, tmp_path_factory):
         model = jmoe.load(convert_checkpoint(tiny_hf_dir, root / name.replace(", ", "-"), progress=False, **options),
                           compute_dtype="float32")
         out[name] = np.asarray(jmoe.forward(model, ids))
+    shutil.rmtree(root)  # only the logits are kept: the conversions are 100 MB of the suite's disk
     return out, np.asarray(ids)
 
 

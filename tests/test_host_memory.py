@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,11 @@ MEDIUM = dict(hidden_size=512, moe_intermediate_size=512, intermediate_size=1024
 
 
 @pytest.fixture(scope="module")
-def medium(tmp_path_factory) -> Path:
+def medium(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("medium")
     make_checkpoint("qwen3_moe", tmp / "hf", overrides=MEDIUM)
-    return convert_checkpoint(tmp / "hf", tmp / "m", tiers="bf16,int4", progress=False)
+    yield convert_checkpoint(tmp / "hf", tmp / "m", tiers="bf16,int4", progress=False)
+    shutil.rmtree(tmp)  # 450 MB of the suite's disk, no longer needed once the module is done
 
 
 def expert_store(path: Path) -> ExpertStore:
