@@ -39,7 +39,7 @@ def measure(rows_list=(1, 4, 16, 64), bits: int = 4) -> dict:
 
     import cpu_kernels
     from jmoe.quant import QuantFormat
-    from pallas_kernels.qarray import QArray
+    from kernel_formats.qarray import QArray
 
     rng = np.random.default_rng(0)
     fmt = QuantFormat(bits=bits, group_size=64, symmetric=False)

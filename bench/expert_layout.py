@@ -34,7 +34,7 @@ def pools(fmt=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.qarray import QArray, QuantFormat
+    from kernel_formats.qarray import QArray, QuantFormat
 
     fmt = fmt or QuantFormat(bits=4, group_size=GROUP, symmetric=False)
     rng = np.random.default_rng(0)
@@ -67,7 +67,7 @@ def main() -> None:
     from cpu_kernels import native, ops
     from jmoe.serving.compiles import no_compiles
     from jmoe.tiers import tier_format
-    from pallas_kernels.qarray import QuantFormat, tile
+    from kernel_formats.qarray import QuantFormat, tile
 
     if not ops.available():
         sys.exit("the native CPU kernels are not loaded")

@@ -321,7 +321,7 @@ def compile_only_device():
 def tier_format(tier: str):
     """A tier name (the converter's defaults) or a MATRIX_FORMATS name -> QuantFormat, None for bf16."""
     from jmoe.tiers import DEFAULT_FORMATS
-    from pallas_kernels.qarray import QuantFormat
+    from kernel_formats.qarray import QuantFormat
 
     if tier in DEFAULT_FORMATS:
         return DEFAULT_FORMATS[tier]
@@ -333,7 +333,7 @@ def case_inputs(model: dict, tier: str, block_rows: int, device, rows_dtype="bfl
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.qarray import template
+    from kernel_formats.qarray import template
 
     sharding = jax.sharding.SingleDeviceSharding(device)
     on = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)  # noqa: E731
@@ -361,8 +361,8 @@ def compile_case(name: str, model: dict, tier: str, block_rows: int, device, row
     import jax
     import jax.numpy as jnp
 
+    from kernel_formats.glu import SILU, GatedActivation
     from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas_tiers, supports_tiers
-    from pallas_kernels.glu import SILU, GatedActivation
 
     tiers = []
     for one in tier.split("+"):
@@ -428,8 +428,8 @@ def compile_mosaic_case(name: str, model: dict, device) -> dict:
     into shared memory, every K step of a program in flight at once. Modelled bandwidth from those bytes."""
     import jax
 
+    from kernel_formats.glu import SILU, GatedActivation
     from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, launch_plan, supports_mosaic
-    from pallas_kernels.glu import SILU, GatedActivation
 
     (rows, block_slot, gate_up, down), biases = case_inputs(model, "int4", 1, device)
     activation = GatedActivation("clamped_swiglu") if model["gpt_oss"] else SILU

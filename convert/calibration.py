@@ -25,8 +25,8 @@ from jmoe.layers.linear import INPUT_HESSIAN, capture_inputs, use_tiled_kernels
 from jmoe.layers.rope import rope_tables
 from jmoe.layers.transformer import AS_DENSE, abstract_model, run_layers
 from jmoe.quant import ExpertWeights
-from pallas_kernels.optimised import optimised_jit
-from pallas_kernels.qarray import QArray, QuantFormat
+from kernel_formats.optimised import optimised_jit
+from kernel_formats.qarray import QArray, QuantFormat
 
 
 def calibration_tokens(tokenizer, files: Sequence[str | Path], num_sequences: int, seq_len: int,

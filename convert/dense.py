@@ -30,7 +30,7 @@ from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.tiers import tier_format
-from pallas_kernels.qarray import QArray, QPlanes, QuantFormat, is_quantized, planes, template, tile, tile_plain
+from kernel_formats.qarray import QArray, QPlanes, QuantFormat, is_quantized, planes, template, tile, tile_plain
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a time
 
@@ -54,7 +54,7 @@ def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | 
         raise ValueError(f"unknown dense tier {tier!r}")
     if group_size is None and tier == "int4":
         group_size = DENSE_INT4_GROUP
-    if tier == "int6":  # a dense tier only (two planes, pallas_kernels.qarray): asymmetric, float16 scales
+    if tier == "int6":  # a dense tier only (two planes, kernel_formats.qarray): asymmetric, float16 scales
         if symmetric:
             raise InputError("the int6 tier is asymmetric: leave --symmetric off")
         try:

@@ -22,7 +22,7 @@ from convert.hf_source import TensorSource
 from convert.quantizers.gptq import gptq_quantize
 from jmoe.config import ModelConfig
 from jmoe.models.checkpoint import dense_tensor
-from pallas_kernels.qarray import QArray
+from kernel_formats.qarray import QArray
 
 COLUMNS = 8192  # output columns quantized at once (bounds GPTQ's float32 working copies)
 

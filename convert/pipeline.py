@@ -48,7 +48,7 @@ from jmoe.models.checkpoint import checkpoint_names, expert_tensor_names, fused_
 from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
 from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 from jmoe.tokenizer import first_line, load_tokenizer
-from pallas_kernels.qarray import TILE, QArray, tile
+from kernel_formats.qarray import TILE, QArray, tile
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -114,7 +114,7 @@ def convert_checkpoint(
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
       cpu_layout: store the integer expert tiers, the dense weights (plain bf16 projections and an
         untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout
-        (pallas_kernels/qarray.py: column tiles of 64, which the CPU kernels stream; GPU kernels
+        (kernel_formats/qarray.py: column tiles of 64, which the CPU kernels stream; GPU kernels
         leave such experts to the XLA reference, so convert without it for a GPU).
     """
     tiers = parse_tiers(tiers)

@@ -1,6 +1,6 @@
 """Entry points of the CPU kernels, with the XLA reference as the fallback.
 
-Weights reach the native kernels in their stored layout (pallas_kernels/qarray.py): plain
+Weights reach the native kernels in their stored layout (kernel_formats/qarray.py): plain
 bf16/float32 [.., K, N] or QArray codes, scales and offsets, in [K, N] order or the CPU layout's
 column tiles. What the kernels do not do themselves
 is done here, on the small activations: HAQ's input smoothing (x * act_scale) and W8A8's per-token
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import native
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import (TILE, QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups,
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import (TILE, QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups,
                                    untile_plain)
 
 
@@ -46,7 +46,7 @@ def available() -> bool:
 
 def _weight_operands(w, tiled: bool = False):
     """(values, scales, offsets, bases) operands and (bits, group, symmetric, tiled) of a weight or a
-    pool of them; tiled: a plain weight stored in the CPU layout (pallas_kernels.qarray.tile_plain)."""
+    pool of them; tiled: a plain weight stored in the CPU layout (kernel_formats.qarray.tile_plain)."""
     if isinstance(w, QArray):
         fmt = w.fmt
         offsets = native.empty(np.float16) if w.offsets is None else w.offsets

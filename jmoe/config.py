@@ -72,7 +72,7 @@ class ModelConfig:
     shared_expert_gated: bool = True  # Qwen2-MoE scales its shared expert by sigmoid(x @ gate)
     # Routed-expert FFN variants (GPT-OSS): biases after gate_up and down, carried unquantized (float32)
     # in every expert version; the gated activation, "silu" (SwiGLU) or "clamped_swiglu" with its
-    # sigmoid gain and clamp (pallas_kernels/glu.py).
+    # sigmoid gain and clamp (kernel_formats/glu.py).
     expert_bias: bool = False
     expert_activation: str = "silu"
     swiglu_alpha: float = 1.702

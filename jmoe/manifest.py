@@ -20,7 +20,7 @@ from jmoe.config import ModelConfig
 from jmoe.errors import ConfigError, FormatError
 from jmoe.format import DENSE_DIR, EXPERTS_DIR
 from jmoe.tiers import TIER_BITS, TIER_NAMES
-from pallas_kernels.qarray import QuantFormat
+from kernel_formats.qarray import QuantFormat
 
 FORMAT_NAME = "jmoe"
 FORMAT_VERSION = 2

@@ -1,7 +1,7 @@
 """One expert's weights as a pytree, and the conversions between layouts.
 
 Every expert version is an ExpertWeights pytree in the K-major layout the kernels read: plain
-bf16 arrays for the bf16 tier, QArrays (pallas_kernels/qarray.py: packed codes + scales +
+bf16 arrays for the bf16 tier, QArrays (kernel_formats/qarray.py: packed codes + scales +
 offsets, group-wise along K) for int8/int4/int2. What each tier is lives in jmoe/tiers.py.
 Families with expert biases (ModelConfig.expert_bias, GPT-OSS) carry them in every version as
 small float32 arrays that no quantizer touches; without them the bias fields are None (no leaves,
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels.qarray import QArray, QuantFormat, dequantize
+from kernel_formats.qarray import QArray, QuantFormat, dequantize
 
 
 class ExpertWeights(NamedTuple):
@@ -24,7 +24,7 @@ class ExpertWeights(NamedTuple):
 
     gate_up: [..., D, 2F], down: [..., F, D]; biases (None when the family has none) float32
     gate_up_bias [..., 2F] and down_bias [..., D]; a pool adds a leading slots dimension.
-    act is the model's gated activation (pallas_kernels/glu.py; SwiGLU unless the config says otherwise).
+    act is the model's gated activation (kernel_formats/glu.py; SwiGLU unless the config says otherwise).
     """
 
     gate_up: Any

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.quant import ExpertWeights
-from pallas_kernels.qarray import QuantFormat, template
+from kernel_formats.qarray import QuantFormat, template
 
 TIER_NAMES = ("int2", "int4", "int8", "bf16")  # ascending precision
 SKIP = 0
@@ -28,7 +28,7 @@ def tier_name(code: int) -> str | None:
 
 
 # Defaults per tier: int8 symmetric in groups of 128; int4 asymmetric in groups of 64; int2
-# asymmetric in groups of 32 with 8-bit scales and offsets (pallas_kernels/qarray.py), the bytes of
+# asymmetric in groups of 32 with 8-bit scales and offsets (kernel_formats/qarray.py), the bytes of
 # float16 ones in groups of 64 (2.5 bits per weight) for about half a point less perplexity on the
 # tiny model (GPTQ: +3.5% over bf16 where groups of 64 gave +4.0%, bench/results/quality).
 DEFAULT_FORMATS = {

@@ -4,7 +4,7 @@ Rows arrive grouped: rows [R, D] split into R / block_rows blocks, block b readi
 pool slot block_slot[b] (-1: empty block, output zeros). Weights are K-major: gate_up [S, D, 2F]
 (gate columns then up columns), down [S, F, D], each a plain array (bf16 tier) or a QArray pool.
 Optional float32 bias pools gate_up_bias [S, 2F] and down_bias [S, D] are added after each matmul,
-and `activation` (pallas_kernels/glu.py; SwiGLU by default) combines gate and up.
+and `activation` (kernel_formats/glu.py; SwiGLU by default) combines gate and up.
 
 Every kernel (the Pallas ones here, the native CPU one in cpu_kernels) computes what this does;
 which one runs is chosen by jmoe/kernels/expert_ffn.py.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
 
 
 def _precision(dtype):

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import QArray
 from pallas_kernels import device_config
 from pallas_kernels.expert_ffn_pallas import _planar  # the activations in the packing layout, as there
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray
 
 TILE_ROWS = 64  # packed rows per K step: the WGMMA register layout tiles 64 rows
 TILE_N = 128  # output columns per program: 128 bytes of every code row

@@ -8,7 +8,7 @@ Computes what `expert_ffn_reference` computes, in two kernels:
                                             over programs when blocks x tiles would leave SMs idle
                                             (float32 partial sums, added after the kernel)
 
-act is SwiGLU or another gated activation (pallas_kernels/glu.py), a static part of the plan.
+act is SwiGLU or another gated activation (kernel_formats/glu.py), a static part of the plan.
 Optional float32 bias pools ([S, 2F] for gate_up, [S, D] for down) are read by slot like the
 weights and added to the float32 accumulators before the activation (stage 1) or the store
 (stage 2; with split K only by the first split).
@@ -67,9 +67,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import OFFSET_CODE_ZERO, QArray, int8_per_token
 from pallas_kernels import device_config
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import OFFSET_CODE_ZERO, QArray, int8_per_token
 
 DECODE_ROW_BYTES = 128  # bytes of each weight row a decode program reads per step: one memory transaction
 DECODE_STEP_ROWS = 64  # packed weight rows per decode K step (at most; never more than a group)
@@ -312,7 +312,7 @@ SCALE, OFFSET = 0, 1  # a group parameter's kind: its weight ref is q_refs[1 + k
 
 def _group_row(q_refs, kind: int, slot, group, col, plan: _Plan):
     """One group's scale or offset row for the N tile: [BN] float32 (8-bit codes times their
-    columns' base, pallas_kernels/qarray.py)."""
+    columns' base, kernel_formats/qarray.py)."""
     row = q_refs[1 + kind][slot, group, pl.ds(col, plan.block_n)].astype(jnp.float32)
     if not plan.coded:
         return row

@@ -27,7 +27,7 @@ jax.config.update("jax_num_cpu_devices", TEST_CPU_DEVICES)
 # than its MLIR fusion emitters compiles a 2-layer model's step about 3x faster (1.5 -> 0.5 s here)
 # and runs it within 2x. Numeric work that runs long by itself (conversion's quantizers and
 # calibration, the reference dequantization) asks for full optimisation per jit
-# (pallas_kernels/optimised.py). Set before the backend starts; the processes tests start inherit
+# (kernel_formats/optimised.py). Set before the backend starts; the processes tests start inherit
 # it. Flags the caller gave are kept; these are added only where the suite runs on XLA:CPU (a GPU
 # machine's run keeps XLA's defaults) and this jaxlib knows them (XLA aborts on an unknown flag).
 SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")

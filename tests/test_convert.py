@@ -235,7 +235,7 @@ def test_cpu_layout_stores_plain_bf16_projections_and_head_in_tiles_that_compute
     logits and greedy tokens from them."""
     import orbax.checkpoint as ocp
 
-    from pallas_kernels.qarray import tile_plain
+    from kernel_formats.qarray import tile_plain
 
     hf = tmp_path / "hf"
     make_checkpoint("qwen3_moe", hf, overrides=dict(tie_word_embeddings=False, num_attention_heads=8))  # q: 2 tiles

@@ -22,9 +22,9 @@ from jmoe.kernels import default_backend, expert_ffn
 from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.tiers import tier_format
 from pallas_kernels.expert_ffn import expert_ffn_reference
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.optimised import optimised_jit
-from pallas_kernels.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.optimised import optimised_jit
+from kernel_formats.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
                                    untile_plain)
 
 QWEN3, GPT_OSS = EXPERT_SHAPES["qwen3-30b-a3b"], EXPERT_SHAPES["gpt-oss-20b"]  # real models' widths

@@ -21,7 +21,7 @@ from jmoe.layers.linear import Embed, Linear
 from jmoe.manifest import read_manifest
 from jmoe.runtime.budget import tree_nbytes
 from jmoe.runtime.loader import memory_plan
-from pallas_kernels.qarray import QArray, QPlanes, QuantFormat, code_template, dequantize, planes, template
+from kernel_formats.qarray import QArray, QPlanes, QuantFormat, code_template, dequantize, planes, template
 from tests.conftest import dev_text
 from tests.hf_models import make_checkpoint
 
@@ -235,11 +235,11 @@ def test_an_int6_head_loses_about_what_an_int8_head_does(tiny_logits):
 
 
 def test_int6_is_stored_as_an_int4_and_an_int2_plane_that_add_up_to_its_grid():
-    """A 6-bit weight's planes (pallas_kernels.qarray.planes) hold its codes' low four and high two
+    """A 6-bit weight's planes (kernel_formats.qarray.planes) hold its codes' low four and high two
     bits, and their sum is the 6-bit grid's weight up to the float16 rounding of one offset; 6.75
     bits per weight in groups of 64."""
     from convert.quantizers.grid import decode, group_params
-    from pallas_kernels.qarray import unpack_codes
+    from kernel_formats.qarray import unpack_codes
 
     rng = np.random.default_rng(1)
     w = (rng.normal(size=(200, 96)) * rng.uniform(0.01, 1.0, size=(1, 96))).astype(np.float32)

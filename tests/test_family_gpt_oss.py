@@ -20,8 +20,8 @@ from jmoe.models import config_from_hf
 from jmoe.quant import ExpertWeights
 from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import tier_format
+from kernel_formats.glu import SILU, GatedActivation
 from pallas_kernels import expert_ffn_reference
-from pallas_kernels.glu import SILU, GatedActivation
 from tests.hf_models import hf_config, make_checkpoint
 from tests.test_family_parity import PROMPT, assert_parity, converted
 

@@ -18,10 +18,10 @@ from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import QArray, QuantFormat, pack_codes, template
 from pallas_kernels import expert_ffn_pallas, expert_ffn_pallas_tiers, expert_ffn_reference, supports, supports_tiers
 from pallas_kernels.expert_ffn_pallas import offsets_fit
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray, QuantFormat, pack_codes, template
 
 # real models' widths (jmoe/kernels/shapes.py)
 QWEN3_30B = dict(D=EXPERT_SHAPES["qwen3-30b-a3b"].hidden, F=EXPERT_SHAPES["qwen3-30b-a3b"].inner)

@@ -16,7 +16,7 @@ from convert.quantizers.haq import (
     smoothing_scales,
 )
 from convert.quantizers.rtn import rtn_dequantized
-from pallas_kernels.qarray import QuantFormat, dequantize, prepare_input, unpack_codes
+from kernel_formats.qarray import QuantFormat, dequantize, prepare_input, unpack_codes
 
 W8A8 = QuantFormat(8, 128, True, act_bits=8, smooth=True)
 
@@ -367,7 +367,7 @@ def test_down_compensated_for_the_quantized_gate_up_lowers_the_experts_output_er
     an exact gate_up leaves down's target as down (the damping pulls toward down, not toward 0)."""
     from convert.quantizers.expert import ExpertInputs, compensated_down, intermediate
     from jmoe.quant import ExpertWeights
-    from pallas_kernels.glu import SILU as SILU_ACT
+    from kernel_formats.glu import SILU as SILU_ACT
 
     rng = np.random.default_rng(9)
     D, F, n = 128, 32, 512
@@ -445,7 +445,7 @@ def test_dense_gptq_runs_column_blocks_and_beats_rtn_on_its_inputs(monkeypatch):
 
     from convert import dense_gptq
     from convert.dense import dense_format
-    from pallas_kernels.qarray import template, untile
+    from kernel_formats.qarray import template, untile
 
     rng = np.random.default_rng(3)
     k, vocab = 64, 320
@@ -472,7 +472,7 @@ def test_optimised_jit_runs_alone_and_nested_in_another_jit():
 
     import jax.numpy as jnp
 
-    from pallas_kernels.optimised import optimised_jit
+    from kernel_formats.optimised import optimised_jit
 
     @functools.partial(optimised_jit, static_argnums=1)
     def scaled_sum(x, factor: int):

@@ -30,8 +30,8 @@ from convert.quantizers.gptq import gptq_quantize
 from convert.quantizers.haq import haq_quantize, search_alpha, smoothing_scales
 from convert.quantizers.rtn import quantize_rtn
 from jmoe.quant import ExpertWeights
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QuantFormat, dequantize
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import QuantFormat, dequantize
 
 METHODS = ("rtn", "gptq", "haq")
 PRIOR_TOKENS = 64  # an expert with fewer routed tokens leans on the layer-wide statistics

@@ -26,8 +26,8 @@ import scipy.linalg
 from jax import lax
 
 from convert.quantizers.grid import decode, encode, fitted_group_params, searches, to_qarray
-from pallas_kernels.optimised import optimised_jit
-from pallas_kernels.qarray import QArray, QuantFormat
+from kernel_formats.optimised import optimised_jit
+from kernel_formats.qarray import QArray, QuantFormat
 
 _HIGHEST = lax.Precision.HIGHEST  # no TF32/bf16 passes on GPU: errors feed back into later rows
 

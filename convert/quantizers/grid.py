@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.qarray import OFFSET_CODE_ZERO, QArray, QuantFormat, pack_codes
+from kernel_formats.qarray import OFFSET_CODE_ZERO, QArray, QuantFormat, pack_codes
 
 
 def _f16(x):
@@ -161,7 +161,7 @@ def host_qarray(values, scales, offsets, fmt: QuantFormat, k: int, act_scale=Non
 
 def coded_scales(values, scales, offsets, fmt: QuantFormat):
     """A [K, N] weight's float scales and offsets [Kp / G, N] as 8-bit codes on per-column bases
-    (pallas_kernels/qarray.py): (uint8 scale codes, uint8 offset codes, float32 bases [2, N]).
+    (kernel_formats/qarray.py): (uint8 scale codes, uint8 offset codes, float32 bases [2, N]).
 
     A column's scale base is its largest scale / 255 and its offset base its largest |offset| / 127,
     so each code keeps about 0.2-0.4% of its column's range (measured on the tiny model's int2 experts:
@@ -184,7 +184,7 @@ def coded_scales(values, scales, offsets, fmt: QuantFormat):
 
 
 def unpack_codes_host(values, fmt: QuantFormat) -> np.ndarray:
-    """pallas_kernels.qarray.unpack_codes in numpy: packed [Kp / pack, N] -> codes [Kp, N] uint8."""
+    """kernel_formats.qarray.unpack_codes in numpy: packed [Kp / pack, N] -> codes [Kp, N] uint8."""
     values = np.asarray(values, np.uint8)
     rows, n = values.shape
     plane = fmt.group_size // fmt.pack

@@ -24,8 +24,8 @@ from jax import lax
 
 from convert.quantizers.gptq import gptq_quantize
 from convert.quantizers.rtn import rtn_dequantized
-from pallas_kernels.optimised import optimised_jit
-from pallas_kernels.qarray import QArray, QuantFormat, prepare_input
+from kernel_formats.optimised import optimised_jit
+from kernel_formats.qarray import QArray, QuantFormat, prepare_input
 
 # act_scale = 1 / s is stored as float16 (max 65504, smallest normal 6.1e-5): keep both inside.
 S_MIN, S_MAX = 1e-4, 1e4

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from convert.quantizers.grid import decode, encode, fitted_group_params, host_qarray, pad_k, searches
-from pallas_kernels.optimised import optimised_jit
-from pallas_kernels.qarray import QArray, QuantFormat, pack_codes
+from kernel_formats.optimised import optimised_jit
+from kernel_formats.qarray import QArray, QuantFormat, pack_codes
 
 # A searched grid (int2) tries some 25 candidates per group, each a few passes over the group. Over
 # a whole matrix every pass streams it from memory; in tiles of one group by TILE_COLUMNS columns

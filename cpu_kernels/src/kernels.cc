@@ -46,7 +46,7 @@ constexpr int kToL2 = 2;                // __builtin_prefetch's locality for pre
 //
 // Tiled (N a multiple of kTile): values, scales and offsets are stored in column tiles, tile t
 // holding columns [64 t, 64 t + 64) of every row as a K-major [rows, 64] block of its own
-// (pallas_kernels.qarray's CPU layout; a plain bf16/float32 weight's rows are its K rows). A
+// (kernel_formats.qarray's CPU layout; a plain bf16/float32 weight's rows are its K rows). A
 // product then reads each tile as one sequential stream, where [K, N] walks eight byte rows N bytes
 // apart at a time; the kernels run each tile as a plain weight of 64 columns (tile()).
 struct Weight {
@@ -58,7 +58,7 @@ struct Weight {
   bool symmetric;
   int64_t k, n;              // logical K, N
   int scale_bits = 16;       // 8: scale = code * bases[0][c], offset = (code - 128) * bases[1][c]
-  const float* bases = nullptr;  // scale_bits 8: float32 [2, N] (pallas_kernels.qarray)
+  const float* bases = nullptr;  // scale_bits 8: float32 [2, N] (kernel_formats.qarray)
   bool tiled = false;
   int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows (plain: K rows) and groups of the whole weight's tiles
   int64_t first_group = 0;                 // tiled: the group rows(k0, k1) starts at
@@ -169,7 +169,7 @@ static float weight_at(const Weight& w, int64_t k, int64_t n) {
 }
 
 // The symmetric int8 grid of n values (W8A8's per token, the int8 dot's per group), as
-// pallas_kernels.qarray.int8_per_token forms it: step = max |x| / 127 (1 for zeros), codes rounded
+// kernel_formats.qarray.int8_per_token forms it: step = max |x| / 127 (1 for zeros), codes rounded
 // half to even and clipped to +-127.
 static float int8_step(const float* x, int64_t n) {
   float amax = 0.0f;
@@ -618,7 +618,7 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
-// W8A8: a row onto its per-token int8 grid, as pallas_kernels.qarray.quantize_activations does it
+// W8A8: a row onto its per-token int8 grid, as kernel_formats.qarray.quantize_activations does it
 // (step = max |a| / 127, or 1 for a zero row; codes rounded half to even and clipped to +-127).
 static void quantize_int8_per_token(float* a, int64_t n) {
   const float step = int8_step(a, n);

@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+from kernel_formats.glu import SILU, GatedActivation
+from kernel_formats.qarray import QArray
 from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic
 from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays
-from pallas_kernels.glu import SILU, GatedActivation
-from pallas_kernels.qarray import QArray
 
 log = logging.getLogger("jmoe.kernels")
 _warned: set = set()

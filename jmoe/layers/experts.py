@@ -26,7 +26,7 @@ from jmoe.distributed.mesh import ExpertParallel
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from jmoe.kernels import expert_ffn, expert_ffn_tiers, routed_expert_ffn, routed_expert_ffn_tiers, takes_assignments
-from pallas_kernels.glu import SILU, GatedActivation
+from kernel_formats.glu import SILU, GatedActivation
 
 if TYPE_CHECKING:  # fetch.py builds on this module
     from jmoe.layers.fetch import FetchInputs, FetchSpec

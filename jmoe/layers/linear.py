@@ -1,7 +1,7 @@
 """Dense weights: the one matmul entry point, the linear layer and the embedding table.
 
 A dense weight is stored K-major [K, N] (y = x @ W) either as a plain array (bf16, the dense tier
-"bf16") or as a QArray (pallas_kernels/qarray.py, dense tiers "int8" / "int4"; "int6" a QPlanes of
+"bf16") or as a QArray (kernel_formats/qarray.py, dense tiers "int8" / "int4"; "int6" a QPlanes of
 two, multiplied plane by plane); model code never branches on which. Every dense projection, the
 LM head (tied or not) and the routers multiply through `matmul`:
 
@@ -10,7 +10,7 @@ LM head (tied or not) and the routers multiply through `matmul`:
 - elsewhere, `jnp.dot` in the compute dtype with float32 accumulation (GPU: bf16 x bf16).
 
 A plain Linear kernel may be stored in the CPU layout (`Linear.tiled`, written by `jmoe convert
---cpu-layout`: columns in tiles of 64, pallas_kernels.qarray.tile_plain), which the native kernel
+--cpu-layout`: columns in tiles of 64, kernel_formats.qarray.tile_plain), which the native kernel
 streams tile by tile; every other reader untiles it first (on a GPU, inside the step).
 
 A weight is never promoted whole per step outside that call: the embedding gathers its rows first
@@ -26,7 +26,7 @@ from flax import nnx
 
 import cpu_kernels
 from jmoe.layers.norms import matmul_precision
-from pallas_kernels.qarray import (TILE, QArray, QPlanes, QuantFormat, dequantize, is_quantized, prepare_input,
+from kernel_formats.qarray import (TILE, QArray, QPlanes, QuantFormat, dequantize, is_quantized, prepare_input,
                                    take_columns, template, untile_plain)
 
 
@@ -39,7 +39,7 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray. int8_dot (CPU only):
     a quantized w multiplies x on its per-group int8 grid (load's cpu_dot="int8"). tiled: a plain w
     stored in the CPU layout."""
-    if isinstance(w, QPlanes):  # 6 bits: the low and high planes' products (pallas_kernels.qarray)
+    if isinstance(w, QPlanes):  # 6 bits: the low and high planes' products (kernel_formats.qarray)
         return matmul(x, w.low, int8_dot=int8_dot) + matmul(x, w.high, int8_dot=int8_dot)
     if on_cpu():
         return cpu_kernels.matmul(x, w, int8_dot=int8_dot, tiled=tiled)

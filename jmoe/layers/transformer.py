@@ -22,7 +22,7 @@ from jmoe.layers.fetch import StepFetcher, overlay
 from jmoe.layers.modules import make_norm
 from jmoe.layers.moe import LayerSignals
 from jmoe.layers.linear import Embed, Linear, matmul
-from pallas_kernels.qarray import QuantFormat
+from kernel_formats.qarray import QuantFormat
 
 
 class StepSignals(NamedTuple):

@@ -38,7 +38,7 @@ from jmoe.quant import ExpertWeights
 from jmoe.runtime.host_memory import device_is_host
 from jmoe.runtime.host_store import HostStore
 from jmoe.runtime.pools import TierPool
-from pallas_kernels.glu import GatedActivation
+from kernel_formats.glu import GatedActivation
 
 MAX_CRITICAL_TOKENS = 1 << 16
 

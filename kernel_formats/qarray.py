@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.optimised import optimised_jit
+from kernel_formats.optimised import optimised_jit
 
 TILE = 64  # columns per tile of the CPU layout (the CPU kernels' tile)
 
