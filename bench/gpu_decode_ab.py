@@ -26,9 +26,10 @@ import numpy as np
 from bench.lib.common import RESULTS, in_graph_seconds, machine
 from bench.kernels import TIERS, expert_bytes, max_relative_error, random_pool
 from bench.lib.random_checkpoint import model_named
+from jmoe.kernels.expert_ffn.reference import expert_ffn_reference
 from jmoe.layers.experts import expert_activation
 from jmoe.models import config_from_hf
-from pallas_kernels import expert_ffn_pallas, expert_ffn_reference
+from pallas_kernels import expert_ffn_pallas
 
 # the real models' configs (bench/lib/random_checkpoint.py) give every shape, bias and activation
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "deepseek-v2-lite")

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.lib.common import in_graph_seconds, timed, write_result
+from jmoe.kernels.expert_ffn.reference import expert_ffn_reference
 from jmoe.kernels.shapes import EXPERT_SHAPES, ExpertShape
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, PREFILL_BLOCK_ROWS, block_layout
 from jmoe.tiers import tier_format
 from kernel_formats.qarray import QArray, QuantFormat
-from pallas_kernels import expert_ffn_pallas, expert_ffn_reference, supports
+from pallas_kernels import expert_ffn_pallas, supports
 from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic, supports_mosaic
 
 MODELS = {name: EXPERT_SHAPES[name] for name in ("qwen3-30b-a3b", "mixtral-8x7b", "qwen1.5-moe-a2.7b")}

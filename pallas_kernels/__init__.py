@@ -1,9 +1,8 @@
-"""GPU kernels (Pallas): the grouped expert FFN, each next to its jnp reference, and decode attention
+"""GPU kernels (Pallas): the grouped expert FFN and decode attention
 over the paged KV cache (decode_attention.py). Imports jax and kernel_formats only. Which expert
 kernel runs is chosen in jmoe/kernels; attention's kernel in jmoe/layers/attention.py (blocked_attention)."""
 
-from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, expert_ffn_pallas_tiers, supports, supports_tiers
 
-__all__ = ["expert_ffn_reference", "expert_ffn_pallas", "expert_ffn_pallas_tiers",
+__all__ = ["expert_ffn_pallas", "expert_ffn_pallas_tiers",
            "supports", "supports_tiers"]

@@ -19,9 +19,9 @@ from convert import convert_checkpoint
 from convert.quantizers.rtn import quantize_rtn
 from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
+from jmoe.kernels.expert_ffn.reference import expert_ffn_reference
 from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.tiers import tier_format
-from pallas_kernels.expert_ffn import expert_ffn_reference
 from kernel_formats.glu import SILU, GatedActivation
 from kernel_formats.optimised import optimised_jit
 from kernel_formats.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,

@@ -15,13 +15,13 @@ import jmoe.runtime.loader
 from convert import convert_checkpoint
 from convert.mxfp4 import FP4_VALUES, dequantize_mxfp4
 from jmoe.errors import CheckpointError, ConfigError
+from jmoe.kernels.expert_ffn.reference import expert_ffn_reference
 from jmoe.manifest import read_manifest
 from jmoe.models import config_from_hf
 from jmoe.quant import ExpertWeights
 from jmoe.runtime.store import ExpertStore
 from jmoe.tiers import tier_format
 from kernel_formats.glu import SILU, GatedActivation
-from pallas_kernels import expert_ffn_reference
 from tests.hf_models import hf_config, make_checkpoint
 from tests.test_family_parity import PROMPT, assert_parity, converted
 

@@ -14,13 +14,14 @@ import pytest
 
 from convert.quantizers.rtn import quantize_rtn
 from jmoe.kernels import expert_ffn, expert_ffn_tiers
+from jmoe.kernels.expert_ffn.reference import expert_ffn_reference
 from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.layers.experts import GATHER_MAX_ASSIGNMENTS, ExpertState, Routing, run_experts
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
 from kernel_formats.glu import SILU, GatedActivation
 from kernel_formats.qarray import QArray, QuantFormat, pack_codes, template
-from pallas_kernels import expert_ffn_pallas, expert_ffn_pallas_tiers, expert_ffn_reference, supports, supports_tiers
+from pallas_kernels import expert_ffn_pallas, expert_ffn_pallas_tiers, supports, supports_tiers
 from pallas_kernels.expert_ffn_pallas import offsets_fit
 
 # real models' widths (jmoe/kernels/shapes.py)

@@ -796,7 +796,7 @@ static std::vector<Chunk> chunks_of(const std::vector<Run>& runs, int64_t most) 
   return out;
 }
 
-// pallas_kernels.expert_ffn's contract: rows [R, D] in blocks of block_rows, block b through the
+// jmoe.kernels.expert_ffn.reference's contract: rows [R, D] in blocks of block_rows, block b through the
 // expert in slot block_slot[b] (-1: zeros); consecutive blocks of one slot run as one matmul.
 static ffi::Error expert_ffn_impl(ffi::ThreadPool pool, ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scales,
                                   ffi::AnyBuffer gu_offsets, ffi::AnyBuffer gu_bases, ffi::Buffer<ffi::F32> gu_bias,

@@ -6,8 +6,8 @@ pool slot block_slot[b] (-1: empty block, output zeros). Weights are K-major: ga
 Optional float32 bias pools gate_up_bias [S, 2F] and down_bias [S, D] are added after each matmul,
 and `activation` (kernel_formats/glu.py; SwiGLU by default) combines gate and up.
 
-Every kernel (the Pallas ones here, the native CPU one in cpu_kernels) computes what this does;
-which one runs is chosen by jmoe/kernels/expert_ffn.py.
+Every kernel (the Pallas ones in pallas_kernels, the native CPU one in cpu_kernels) computes what
+this does; which one runs is chosen by jmoe/kernels/expert_ffn (this op's folder).
 """
 
 from __future__ import annotations

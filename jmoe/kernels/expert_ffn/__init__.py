@@ -1,5 +1,5 @@
-"""The gated expert FFN's entry points: which kernel runs it (pallas_kernels/expert_ffn.py describes
-the operation and holds its XLA reference).
+"""The gated expert FFN's entry points: which kernel runs it (reference.py beside this file describes
+the operation and holds its XLA reference, which every kernel computes).
 
 Backends: "pallas" (the Triton-lowered Pallas kernel, GPUs), "mosaic" (int4 decode on the Pallas
 Mosaic GPU kernel), "interpret" (the Pallas kernel interpreted), "cpu" (the native kernels of
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+from jmoe.kernels.expert_ffn.reference import expert_ffn_reference
 from kernel_formats.glu import SILU, GatedActivation
 from kernel_formats.qarray import QArray
-from pallas_kernels.expert_ffn import expert_ffn_reference
 from pallas_kernels.expert_ffn_mosaic import expert_ffn_mosaic
 from pallas_kernels.expert_ffn_pallas import expert_ffn_pallas, expert_ffn_pallas_tiers, offsets_fit, pool_arrays
 
