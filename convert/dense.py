@@ -123,8 +123,9 @@ def quantize_columns(read_rows, spec: QArray | QPlanes, quantize, blocks=None) -
         codes, scale, offset = quantize(np.asarray(read_rows(rows), np.float32).T, plain)
         part = host_qarray(np.asarray(codes), np.asarray(scale), None if offset is None else np.asarray(offset),
                            plain, k)
-        jax.tree.map(lambda whole, block: whole.__setitem__((..., rows), block), stored,
-                     planes(part) if plain.bits == 6 else part)
+        for whole, block in zip(jax.tree.leaves(stored), jax.tree.leaves(planes(part) if plain.bits == 6 else part),
+                                strict=True):
+            whole[..., rows] = block
     if spec.fmt.tiles(n):  # the CPU layout (convert's cpu_layout): then stored in column tiles
         stored = tile(stored)
     return dataclasses.replace(stored, fmt=spec.fmt)
