@@ -87,6 +87,8 @@ class _Plan:
     fp8: bool  # float8_e4m3fn keys and values, widened as loaded
     value_dtype: str  # what the probabilities are cast to before @ values
     value_width: int  # wv
+    # both dots': None is JAX's GPU default (TF32 for float32 operands), HIGHEST exact float32 (IEEE)
+    precision: jax.lax.Precision | None = None
 
     @property
     def num_warps(self) -> int:
@@ -170,7 +172,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
         held = (pages >= 0) & (pages < plan.pages) & (slots >= lo) & (slots < hi)
         pages, offsets = jnp.where(held, pages, 0), slots % plan.page
         keys = jnp.where(held[:, None], k_ref[pages, offsets, :].astype(q.dtype), 0)  # fp8 widened as loaded
-        scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=plan.precision,
+                                     preferred_element_type=jnp.float32)
         scores = scores * plan.scale
         if plan.quantized:  # an int8 key's scale multiplies its score
             scores = scores * jnp.where(held, ks_ref[pages, offsets], 0.0)[None, :]
@@ -185,7 +188,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
         if plan.quantized:  # an int8 value's scale weights its probability
             weights = probs * jnp.where(held, vs_ref[pages, offsets], 0.0)[None, :]
         value_dtype = jnp.dtype(plan.value_dtype)
-        weighted = jnp.dot(weights.astype(value_dtype), values.astype(value_dtype),
+        weighted = jnp.dot(weights.astype(value_dtype), values.astype(value_dtype), precision=plan.precision,
                            preferred_element_type=jnp.float32)
         return new_top, norm * rescale + probs.sum(axis=1), acc * rescale[:, None] + weighted
 
@@ -217,7 +220,8 @@ def _merge(acc, top, norm, sink, plan: _Plan, groups: int):
 
 
 def decode_attention(q, keys, values, start, key_start, table, *, groups: int, scale: float,
-                     window: int | None = None, sink=None, splits: int | None = None, interpret: bool = False):
+                     window: int | None = None, sink=None, splits: int | None = None, precision=None,
+                     interpret: bool = False):
     """Softmax attention of a few current tokens over a paged cache (cpu_kernels.attention's contract).
 
     Args:
@@ -228,6 +232,8 @@ def decode_attention(q, keys, values, start, key_start, table, *, groups: int, s
       groups: query heads per cache head; scale: multiplies every score; window: the last `window`
         slots only; sink: [K, groups] or None.
       splits: shares of each row's reach (default: enough to fill the device).
+      precision: of both dots, as the XLA formulation's (jax.lax.Precision): None multiplies float32
+        operands in TF32 on the GPU, as XLA does by default; HIGHEST in float32.
       interpret: run the kernel in Pallas interpret mode (CPU).
 
     Returns:
@@ -251,7 +257,8 @@ def decode_attention(q, keys, values, start, key_start, table, *, groups: int, s
     plan = _Plan(rows=_query_rows(M), queries=M, tokens=M // groups, page=page, pages=P, slots=S,
                  splits=splits or _splits(B, K, S), scale=float(scale), window=window, quantized=quantized,
                  fp8=k_pool.dtype == FLOAT8,
-                 value_dtype=jnp.dtype(value_dtype).name, value_width=wv)
+                 value_dtype=jnp.dtype(value_dtype).name, value_width=wv,
+                 precision=None if precision is None else jax.lax.Precision(precision))
     q = jnp.pad(q.astype(compute_dtype), ((0, 0), (0, 0), (0, plan.rows - M), (0, 0)))
 
     whole = lambda shape: pl.BlockSpec(shape, lambda b, k, s: (0,) * len(shape))  # noqa: E731

@@ -315,7 +315,8 @@ def test_pallas_decode_attention_equals_the_materialised_softmax(case):
 
     (q, keys, values, sink), (start, key_start, table), kw, want = attention_case(case)
     got = jax.jit(lambda q, k, v, s: decode_attention(q, k, v, start, key_start, table, sink=s, splits=3,
-                                                      interpret=True, **kw))(q, keys, values, sink)
+                                                      precision=jax.lax.Precision.HIGHEST, interpret=True, **kw))(
+        q, keys, values, sink)
     check_attention(got, want, **(dict(rtol=1e-2, atol=2e-3) if case[6] == "bfloat16" else {}))
 
 
@@ -325,8 +326,10 @@ def test_compiled_pallas_decode_attention_equals_the_materialised_softmax_on_gpu
     from pallas_kernels.decode_attention import decode_attention
 
     (q, keys, values, sink), (start, key_start, table), kw, want = attention_case(case)
-    got = jax.jit(lambda q, k, v, s: decode_attention(q, k, v, start, key_start, table, sink=s, splits=3, **kw))(
-        q, keys, values, sink)
+    # float32 queries multiplied in float32 (HIGHEST), as the model asks for at float32 compute: the
+    # GPU's default for float32 dots is TF32 (10-bit mantissas)
+    got = jax.jit(lambda q, k, v, s: decode_attention(q, k, v, start, key_start, table, sink=s, splits=3,
+                                                      precision=jax.lax.Precision.HIGHEST, **kw))(q, keys, values, sink)
     check_attention(got, want, **(dict(rtol=1e-2, atol=2e-3) if case[6] == "bfloat16" else dict(rtol=1e-4, atol=1e-4)))
 
 

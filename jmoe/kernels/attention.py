@@ -23,10 +23,11 @@ MAX_KERNEL_TOKENS = 8
 
 
 def decode_attention(queries, keys, values, start, key_start, table, *, num_tokens: int, reference, groups: int,
-                     scale: float, window: int | None, sink=None):
+                     scale: float, window: int | None, sink=None, precision=None):
     """(out, (top, norm)) as cpu_kernels.attention returns them, from the first kernel that takes the
     inputs, else reference() (called with no arguments). queries/keys: per score term (a kernel takes
-    one: not MLA's two) a [B, K, G*T, w] query array and its cached keys; values the cached values."""
+    one: not MLA's two) a [B, K, G*T, w] query array and its cached keys; values the cached values.
+    precision: the dots' on a GPU, as the reference's (the native CPU kernel multiplies in float32)."""
     if len(queries) != 1 or queries[0].ndim != 4 or num_tokens > MAX_KERNEL_TOKENS:
         return reference()
     args = (queries[0], keys[0], values, start, key_start, table)
@@ -38,7 +39,7 @@ def decode_attention(queries, keys, values, start, key_start, table, *, num_toke
         pass
 
     def on_a_gpu():
-        out, top, norm = pallas_attention.decode_attention(*args, **kw)
+        out, top, norm = pallas_attention.decode_attention(*args, precision=precision, **kw)
         return out, (top, norm)
 
     try:

@@ -251,7 +251,7 @@ def blocked_attention(queries, keys, values, meta: AttentionMeta, *, groups: int
     if block is not None or reachable_only is not None:
         return formulation()
     return decode_attention(queries, keys, values, meta.start, meta.key_start, meta.table,
-                            num_tokens=meta.num_tokens, reference=formulation, **kw)
+                            num_tokens=meta.num_tokens, reference=formulation, precision=precision, **kw)
 
 
 def _online_softmax(queries, keys, values, meta: AttentionMeta, *, groups: int, scale: float, window: int | None,
