@@ -15,9 +15,9 @@ Needs no network and no ../shared (prompts come from tests/data, models are gene
 Decode timings warm up on the whole workload first, report the median time between tokens with
 its spread and the host's reads / executions per token, and fail if anything compiles while timed.
 
-Writes bench/results/gpu_suite/gpu_suite_gpu.json with the device name. `--dry-run` runs every part at toy
-sizes on whatever backend there is (CPU: kernels in interpret mode), to check the suite itself;
-its JSON goes to gpu_suite_dry_run_<backend>.json and its numbers mean nothing.
+Writes bench/results/gpu_suite/gpu_suite_<device>.json (gpu_suite_h200.json on an H200). `--dry-run` runs
+every part at toy sizes on whatever backend there is (CPU: kernels in interpret mode), to check the
+suite itself; its JSON goes to gpu_suite_dry_run_<backend>.json and its numbers mean nothing.
 
     python -m bench.gpu_suite [--dry-run] [--layers 4]
 """
@@ -25,7 +25,10 @@ its JSON goes to gpu_suite_dry_run_<backend>.json and its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,20 +52,33 @@ POLICIES = ("lru", "lru+prefetch", "dymoe")
 PARTS = ("tests", "bandwidth", "kernels", "resident", "offloaded")
 
 
+def device_slug(kind: str) -> str:
+    """A file name's part for a device kind: its model number ("NVIDIA H100 80GB HBM3" -> "h100"), else "gpu"."""
+    model = re.search(r"\b([A-Z]{0,3}\d{1,4}[A-Z]?)\b", kind)
+    return model.group(1).lower() if model else "gpu"
+
+
 def gpu_test_files() -> list[str]:
     """The test modules that hold GPU tests: collecting only these keeps the run free of the other
     modules' imports (the serving extras, say), which a GPU machine's image may lack."""
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
 
 
-def run_gpu_tests(dry_run: bool) -> dict:
+def run_gpu_tests(dry_run: bool, workers: int) -> dict:
+    """`pytest -m gpu`, in `workers` processes sharing the GPU where pytest-xdist is there: the tests are
+    small and mostly compile time (Triton and Mosaic compile on the host's cores), and a lent GPU's
+    minutes are few. Each process allocates what it uses instead of most of the GPU's memory."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", *gpu_test_files()]
     if dry_run:
         cmd.append("--collect-only")
+    elif workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     t = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     tail = (done.stdout + done.stderr).strip().splitlines()[-1:]
     return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "summary": tail,
+            "failures": [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))],
             "seconds": time.perf_counter() - t}
 
 
@@ -119,32 +135,37 @@ def prompts(tokenizer, n_tokens: int = 32) -> list[list[int]]:
     return [tokenizer.encode((PROMPTS / f"{d}.dev.txt").read_text()[:4000])[:n_tokens] for d in ("prose", "code")]
 
 
-def decode_tpot(model, items, new_tokens: int) -> dict:
+def decode_tpot(model, items, new_tokens: int, temperature: float = 0.0) -> dict:
     """Median seconds per decode token (between streamed tokens, after each prompt's first) with its
     spread, after a warm-up that runs the whole workload once (every shape it meets compiled);
-    fails if anything compiles while timing."""
+    fails if anything compiles while timing. Sampled (temperature > 0) with a fixed seed: random
+    weights route greedy tokens almost alike, so offloading is measured on sampled ones too. Also
+    returns the timed run's tokens ("texts"), to compare an offloaded model's output with the resident one's."""
     def token_gaps():
-        gaps = []
-        for ids in items:
-            last = None
-            for _ in jmoe.generate(model, ids, max_new_tokens=new_tokens, stream=True):
+        gaps, texts = [], []
+        for i, ids in enumerate(items):
+            last, pieces = None, []
+            for piece in jmoe.generate(model, ids, max_new_tokens=new_tokens, stream=True, temperature=temperature,
+                                       seed=i):
                 now = time.perf_counter()
                 if last is not None:
                     gaps.append(now - last)
                 last = now
-        return gaps
+                pieces.append(piece)
+            texts.append(pieces)  # token ids (the prompts are ids)
+        return gaps, texts
 
     token_gaps()  # warm-up: the same prompts and lengths as the timed run
     before = jmoe.stats(model)
     with no_compiles("the decode run"):
-        gaps = token_gaps()
+        gaps, texts = token_gaps()
     after = jmoe.stats(model)
     tokens = max(after["decode_tokens"] - before["decode_tokens"], 1)
     host = {k: (after["host"].get("decode", {}).get(k, 0) - before["host"].get("decode", {}).get(k, 0)) / tokens
             for k in ("reads", "executions", "transfers", "transfer_bytes")}
-    return {"tpot_s": float(np.median(gaps)), "tpot_min_s": float(np.min(gaps)), "tpot_max_s": float(np.max(gaps)),
-            "tpot_p90_s": float(np.percentile(gaps, 90)), "decode_tokens": len(gaps),
-            "host_per_decode_token": host}
+    return {"temperature": temperature, "tpot_s": float(np.median(gaps)), "tpot_min_s": float(np.min(gaps)),
+            "tpot_max_s": float(np.max(gaps)), "tpot_p90_s": float(np.percentile(gaps, 90)),
+            "decode_tokens": len(gaps), "host_per_decode_token": host, "texts": texts}
 
 
 def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dict:
@@ -155,6 +176,8 @@ def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dic
         model = jmoe.load(path, tier=tier, compute_dtype=dtype, max_seq_len=512)
         items = prompts(model.tokenizer)
         timing = decode_tpot(model, items, new_tokens)
+        if tier == "int4":  # the offloaded runs' sampled baseline
+            timing["sampled"] = decode_tpot(model, items, new_tokens, temperature=1.0)
         tpot = timing["tpot_s"]
         cfg = model.config
         per_token = tree_nbytes(model.dense) + cfg.num_moe_layers * cfg.top_k * model.store.record_nbytes(tier)
@@ -164,9 +187,13 @@ def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dic
     return out
 
 
-def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
+def offloaded_decode(path: Path, new_tokens: int, dtype, resident: dict | None = None,
+                     progress=lambda rows: None) -> list[dict]:
+    """Each budget x policy, greedy then sampled, beside the resident int4 model of the same run where
+    `resident` holds it (its ratio, and whether the greedy and sampled texts are the resident's: the
+    exact policies' must be). `progress(rows so far)` after each row: a run cut short keeps them."""
     rows = []
-    for fraction in (0.25, 0.5, 0.75):
+    for fraction in (0.5, 0.25, 0.75):  # the issue's two budgets first
         for policy in POLICIES:
             # every fixed term load() reserves for this policy (fetch slots and staging included)
             budget = planned_budget(path, fraction, tier="int4", compute_dtype=dtype, max_seq_len=512, policy=policy)
@@ -178,12 +205,21 @@ def offloaded_decode(path: Path, new_tokens: int, dtype) -> list[dict]:
                 continue
             items = prompts(model.tokenizer)
             timing = decode_tpot(model, items, new_tokens)
+            timing["sampled"] = decode_tpot(model, items, new_tokens, temperature=1.0)
+            if resident is not None:
+                base = resident["int4"]
+                timing["x_resident"] = base["tpot_s"] / timing["tpot_s"]
+                timing["same_texts_as_resident"] = timing["texts"] == base["texts"]
+                timing["sampled"]["x_resident"] = base["sampled"]["tpot_s"] / timing["sampled"]["tpot_s"]
+                timing["sampled"]["same_texts_as_resident"] = timing["sampled"]["texts"] == base["sampled"]["texts"]
             stats = jmoe.stats(model)
-            rows.append({"budget_fraction": fraction, "policy": policy, **timing, "hit_rate": stats["hit_rate"],
-                         "bytes_h2d_per_token": stats["bytes_h2d_per_token"],
-                         "in_step_fetches": stats["in_step_fetches"], "replays": stats["replays"],
-                         "tokens": stats["tokens"]})
+            rows.append({"budget_fraction": fraction, "policy": policy, **timing,
+                         "hit_rate": stats["hit_rate"], "bytes_h2d_per_token": stats["bytes_h2d_per_token"],
+                         "in_step_fetches": stats["in_step_fetches"], "in_step_misses": stats["in_step_misses"],
+                         "degraded": stats["degraded"], "replays": stats["replays"], "tokens": stats["tokens"]})
             print("offloaded", json.dumps(rows[-1]), flush=True)
+            progress(rows)
+            del model
     return rows
 
 
@@ -193,7 +229,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="layers of the synthetic Qwen3-30B-A3B model")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"a subset of {','.join(PARTS)} (a subset writes gpu_suite_<parts>_gpu.json)")
+                        help=f"a subset of {','.join(PARTS)} (a subset writes gpu_suite_<parts>_<device>.json)")
+    parser.add_argument("--test-workers", type=int, default=4, help="pytest-xdist processes for the GPU tests")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="seconds the run may take (a lent GPU's time is short): the kernel timings, last, "
                              "stop where it runs out (0: no limit)")
@@ -212,7 +249,8 @@ def main() -> None:
               "dry_run": dry, "parts": parts}
     (RESULTS / "gpu_suite").mkdir(parents=True, exist_ok=True)
     name = "gpu_suite" if parts == list(PARTS) else "gpu_suite_" + "_".join(parts)
-    out = RESULTS / "gpu_suite" / (f"{name}_gpu.json" if not dry else f"{name}_dry_run_{backend}.json")
+    device = device_slug(result["device"])
+    out = RESULTS / "gpu_suite" / (f"{name}_{device}.json" if not dry else f"{name}_dry_run_{backend}.json")
 
     def save(complete: bool = False) -> None:
         """Written after every part: a run cut short (a lent GPU's time is short) keeps what it measured."""
@@ -220,7 +258,7 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=2) + "\n")
 
     if "tests" in parts:
-        result["gpu_tests"] = run_gpu_tests(dry)
+        result["gpu_tests"] = run_gpu_tests(dry, args.test_workers)
         save()
     copy_gbps = copy_bandwidth(8 << 20 if dry else 1 << 30)  # every later part is judged against it
     result["bandwidth"] = {"device_copy_gb_per_s": copy_gbps}
@@ -237,8 +275,11 @@ def main() -> None:
                 result["resident_decode"] = resident_decode(path, copy_gbps, new_tokens, dtype)
                 save()
             if "offloaded" in parts:
-                result["offloaded_decode"] = offloaded_decode(path, new_tokens, dtype)
-                save()
+                def offloaded_so_far(rows: list) -> None:
+                    result["offloaded_decode"] = rows
+                    save()
+
+                offloaded_decode(path, new_tokens, dtype, result.get("resident_decode"), offloaded_so_far)
     if "kernels" in parts:  # last: measured on earlier leases, and it can stop at any case
         def kernels_so_far(cases: list) -> None:
             result["kernels"] = cases
