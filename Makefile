@@ -87,7 +87,7 @@ bench: $(STAMP)
 
 # On a lent GPU machine (no network, no venv: jax[cuda] and the rest preinstalled), from the tree:
 # pytest -m gpu, bandwidths, resident and offloaded decode, then kernel timings until its 540 s budget runs out
-# (a lent GPU's 15 minutes include its start; --budget-s); bench/results/gpu_suite/gpu_suite_gpu.json.
+# (a lent GPU's 15 minutes include its start; --budget-s); bench/results/gpu_suite/gpu_suite_<device>.json.
 gpu:
 	PYTHONPATH=. $(PYTHON) -m bench.gpu_suite
 
