@@ -80,6 +80,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.offload_decode
 	$(BIN)/python -m bench.paper_headlines
 	$(BIN)/python -m bench.overhead
+	$(BIN)/python -m bench.host_work
 	$(BIN)/python -m bench.policies
 	$(BIN)/python -m bench.speculative
 	$(BIN)/python -m bench.real_shapes

@@ -231,6 +231,14 @@ def headline() -> str:
         "{:.2f}× / {:.2f}× → {:.2f}× / {:.2f}×".format(*speed["before"], *speed["after"]),
         machine(h200), source("offload_decode/offload_decode_qwen3_2L_h200.json"),
     ])
+    suite = load("gpu_suite/gpu_suite_h200.json")
+    lru = {r["budget_fraction"]: r for r in suite["offloaded_decode"] if r["policy"] == "lru"}
+    rows.append([
+        "Offloaded decode, exact (`lru`, half / a quarter of the experts) at Qwen3 shapes, 4 layers, on an H200 "
+        "(`make gpu`): **measured** speed of resident, greedy; 1 blocking read and 1 execution per token",
+        "{:.2f}× / {:.2f}×".format(lru[0.5]["x_resident"], lru[0.25]["x_resident"]),
+        machine(suite), source("gpu_suite/gpu_suite_h200.json"),
+    ])
     h100 = load("offload_decode/offload_decode_qwen3_2L_h100.json")
     after = {row["temperature"]: row for row in h100["after_run_again"]["rows"] if row["case"] == "lru@25%"}
     rows.append([
@@ -515,6 +523,16 @@ def offload_h200() -> str:
     return (table(["case", "before, greedy", "before, sampled", "after, greedy", "after, sampled"], rows)
             + f"\n\nMachine: {machine(d)}, one lease ({source(name)}). DyMoE's 'after' is its chained run, which"
               " the code does not keep (degrade mode stays on fixed slots).")
+
+
+def host_work() -> str:
+    """The host thread's own work per decode token, before and after (python -m bench.host_work)."""
+    names = ("host_work/host_work_before_cpu.json", "host_work/host_work_after_cpu.json")
+    before, after = (load(n) for n in names)
+    rows = [[case, med(before["cases"][case]["host_ms_per_token"], 2), med(after["cases"][case]["host_ms_per_token"], 2)]
+            for case in after["cases"]]
+    return (table(["case", "host ms per decode token, before", "after"], rows)
+            + f"\n\nMachine: {machine(after)}; {after['rounds']} rounds each, median [min–max] ({source(*names)}).")
 
 
 def gpu_suite_offload_h200() -> str:
@@ -1077,6 +1095,7 @@ TABLES = {
     "decode-io": decode_io,
     "offload-h200": offload_h200,
     "gpu-suite-offload-h200": gpu_suite_offload_h200,
+    "host-work": host_work,
     "offload-quality": offload_quality,
     "offload-decode": offload_decode,
     "serve": serve,

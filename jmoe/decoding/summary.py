@@ -7,6 +7,7 @@ whose copy to the host starts when the step is dispatched; the host reads it onc
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import jax
@@ -53,7 +54,8 @@ class Summary:
         """tiers, landing: the step's FetchSpec's (0: a step that fetched nothing)."""
         flat = np.asarray(flat)
         sizes = [tokens] + [layers * experts] * 5 + [layers * FETCH_COUNTS, layers, layers * tiers * 2, tiers * landing]
-        parts = np.split(flat, np.cumsum(sizes)[:-1])
+        ends = list(itertools.accumulate(sizes))
+        parts = [flat[end - size:end] for size, end in zip(sizes, ends)]  # views (np.split costs ~50 µs)
         grid = lambda a: a.reshape(layers, experts)  # noqa: E731
         return cls(parts[0], grid(parts[1]), grid(parts[2]), grid(parts[3]), grid(parts[4]).view(np.float32),
                    grid(parts[5]), parts[6].reshape(layers, FETCH_COUNTS), parts[7],

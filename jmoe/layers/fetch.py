@@ -85,10 +85,11 @@ class FetchSpec:
         return self.scratch + 1
 
     def pack(self, tables, request_ids, request_slots, candidate_slots, candidate_keys, previous_slots) -> np.ndarray:
-        """FetchInputs.packed from host arrays: tables [T, L, E], request ids and slots [T, L, requests],
-        landing candidates' slots and keys and the previous step's candidate slots [T, landing]."""
+        """FetchInputs.packed from host arrays: tables (T arrays [L, E], one per tier, in order), request
+        ids and slots [T, L, requests], landing candidates' slots and keys and the previous step's
+        candidate slots [T, landing]."""
         return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in
-                               (tables, request_ids, request_slots, candidate_slots, candidate_keys, previous_slots)])
+                               (*tables, request_ids, request_slots, candidate_slots, candidate_keys, previous_slots)])
 
     def unpack(self, packed, num_layers: int) -> StepPlan:
         T, L, E, Q, N = len(self.tiers), num_layers, self.num_experts, self.requests, self.landing

@@ -66,9 +66,10 @@ class ExpertCounters:
 
     def add(self, counts: np.ndarray) -> None:
         """One step's token counts of every layer [L, E], or several steps' [n, L, E] in order."""
-        if counts.shape == self.total.shape:  # one step (every decode step): no stacking
+        if counts.shape == self.total.shape:  # one step (every decode step): no stacking, in place
             self.total += counts
-            self.ema = self.decay * self.ema + (1 - self.decay) * counts
+            self.ema *= self.decay
+            self.ema += (1 - self.decay) * counts
             return
         counts = counts.reshape(-1, *self.total.shape)
         n = counts.shape[0]

@@ -169,7 +169,9 @@ class CacheManager:
 
     def touch_all(self, used: np.ndarray) -> None:
         """Mark every expert of the [L, E] mask `used` as just used (one step's worth, at once)."""
-        self.touch_steps(used[None])
+        self.clock += 1
+        self.last_used[used] = self.clock
+        self._prefetch_used(used)
 
     def touch_steps(self, used: np.ndarray) -> None:
         """Mark the experts of several steps' masks `used` [n, L, E] as used, in step order."""
@@ -178,7 +180,11 @@ class CacheManager:
         any_use = used.any(axis=0)
         self.last_used[any_use] = self.clock + 1 + last[any_use]
         self.clock += n
-        for key in [k for k in self.prefetched if any_use[k]]:
+        self._prefetch_used(any_use)
+
+    def _prefetch_used(self, used: np.ndarray) -> None:
+        """Prefetched versions the [L, E] mask `used` ran count as used prefetches."""
+        for key in [k for k in self.prefetched if used[k]]:
             self.prefetched.discard(key)
             self.stats.prefetch_used += 1
 
@@ -339,14 +345,20 @@ class CacheManager:
         table = self.handles.slot[tier].reshape(-1)
         slots = self.pools[tier].shard_slots
         movable = (table >= shard * slots) & (table < (shard + 1) * slots)  # NO_SLOT is negative
-        if self.locked[tier]:
-            movable &= ~np.isin(table, np.fromiter(self.locked[tier], np.int64))
+        if self.locked[tier]:  # a gather from a mask of the pool's slots (np.isin costs ~100 µs a call)
+            locked = np.zeros(self.pools[tier].slots, bool)
+            locked[list(self.locked[tier])] = True
+            movable[movable] = ~locked[table[movable]]
         E = table.size // self.last_used.shape[0]
         if self.pinned:
             movable[[layer * E + expert for layer, expert in self.pinned]] = False
         keys = np.flatnonzero(movable)
-        keys = keys[np.lexsort((keys, self.last_used.reshape(-1)[keys]))[:n]]
-        return [divmod(int(k), E) for k in keys]
+        # by (last use, layer, expert): one int64 key each (a clock below 2**40 leaves room for the index)
+        order = self.last_used.reshape(-1)[keys] * table.size + keys
+        if n < order.size:
+            order = np.partition(order, n - 1)[:n]
+        layers, experts = np.divmod(np.sort(order) % table.size, E)
+        return list(zip(layers.tolist(), experts.tolist()))
 
     def land(self, key: Key, tier: str, slot: int, taken: Key | None, kind: str = "demand") -> bool:
         """A step fetched `key` into candidate `slot`, which held `taken`'s version (None: free):

@@ -176,7 +176,7 @@ class InStepFetch:
             for j, (slot, key) in enumerate(candidates):
                 landing[i, j], keys[i, j] = slot, -1 if key is None else key[0] * E + key[1]
             taken.append([key for _, key in candidates])
-        tables = np.stack([res.handles.slot[t] for t in spec.tiers])
+        tables = [res.handles.slot[t] for t in spec.tiers]  # packed as they are (no stacked copy)
         newest = self.unsettled[-1] if self.unsettled and self.unsettled[-1].read is None else None
         if newest is not None:
             previous_slots, previous_keys = newest.landing, newest.signals.landed
@@ -324,7 +324,7 @@ class InStepFetch:
 
     def unlock(self, flight: Flight) -> None:
         for t, tier in enumerate(self.spec.tiers):
-            self.res.cache.unlock(tier, [int(s) for s in flight.landing[t] if s != NO_SLOT])
+            self.res.cache.unlock(tier, [s for s in flight.landing[t].tolist() if s != NO_SLOT])
 
     def _keep_books(self, flight: Flight, s: Summary) -> None:
         """Uses, hits, misses served in the step, degraded and skipped uses, LRU order, counters,

@@ -92,9 +92,9 @@ class Stats:
         """Uses by the tier code that ran (an array of codes; 0 = none ran)."""
         from jmoe.tiers import TIER_NAMES
 
-        for code, n in enumerate(np.bincount(np.asarray(chosen).ravel(), minlength=len(TIER_NAMES) + 1)[1:], 1):
+        for code, n in enumerate(np.bincount(np.asarray(chosen).ravel(), minlength=len(TIER_NAMES) + 1)[1:].tolist(), 1):
             if n:
-                self.count_uses(TIER_NAMES[code - 1], int(n))
+                self.count_uses(TIER_NAMES[code - 1], n)
 
     def host_summary(self) -> dict:
         """Per phase: blocking reads, executables dispatched, host-to-device transfers and bytes, in
