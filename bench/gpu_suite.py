@@ -13,7 +13,8 @@ Needs no network and no ../shared (prompts come from tests/data, models are gene
    where --budget-s (default 540 s: a lent GPU's 15 minutes include its start) runs out.
 
 Decode timings warm up on the whole workload first, report the median time between tokens with
-its spread and the host's reads / executions per token, and fail if anything compiles while timed.
+its spread, the host's reads / executions per token and its main thread's CPU time per token
+(what bounds a step whose device time is short), and fail if anything compiles while timed.
 
 Writes bench/results/gpu_suite/gpu_suite_<device>.json (gpu_suite_h200.json on an H200). `--dry-run` runs
 every part at toy sizes on whatever backend there is (CPU: kernels in interpret mode), to check the
@@ -142,30 +143,33 @@ def decode_tpot(model, items, new_tokens: int, temperature: float = 0.0) -> dict
     weights route greedy tokens almost alike, so offloading is measured on sampled ones too. Also
     returns the timed run's tokens ("texts"), to compare an offloaded model's output with the resident one's."""
     def token_gaps():
-        gaps, texts = [], []
+        gaps, cpus, texts = [], [], []
         for i, ids in enumerate(items):
-            last, pieces = None, []
+            last, last_cpu, pieces = None, 0.0, []
             for piece in jmoe.generate(model, ids, max_new_tokens=new_tokens, stream=True, temperature=temperature,
                                        seed=i):
-                now = time.perf_counter()
+                now, cpu = time.perf_counter(), time.thread_time()
                 if last is not None:
                     gaps.append(now - last)
-                last = now
+                    cpus.append(cpu - last_cpu)
+                last, last_cpu = now, cpu
                 pieces.append(piece)
             texts.append(pieces)  # token ids (the prompts are ids)
-        return gaps, texts
+        return gaps, cpus, texts
 
     token_gaps()  # warm-up: the same prompts and lengths as the timed run
     before = jmoe.stats(model)
     with no_compiles("the decode run"):
-        gaps, texts = token_gaps()
+        gaps, host_cpu, texts = token_gaps()
     after = jmoe.stats(model)
     tokens = max(after["decode_tokens"] - before["decode_tokens"], 1)
     host = {k: (after["host"].get("decode", {}).get(k, 0) - before["host"].get("decode", {}).get(k, 0)) / tokens
             for k in ("reads", "executions", "transfers", "transfer_bytes")}
     return {"temperature": temperature, "tpot_s": float(np.median(gaps)), "tpot_min_s": float(np.min(gaps)),
             "tpot_max_s": float(np.max(gaps)), "tpot_p90_s": float(np.percentile(gaps, 90)),
-            "decode_tokens": len(gaps), "host_per_decode_token": host, "texts": texts}
+            "decode_tokens": len(gaps), "host_per_decode_token": host, "texts": texts,
+            # the main thread's CPU time between tokens: its work, and any wait that spins
+            "host_cpu_s": float(np.median(host_cpu))}
 
 
 def resident_decode(path: Path, copy_gbps: float, new_tokens: int, dtype) -> dict:
