@@ -311,15 +311,17 @@ class InStepFetch:
         res, spec = self.res, self.spec
         E = spec.num_experts
         kinds = {SERVED_FETCHED: "demand", SERVED_PREFETCHED: "prefetch"}
+        fetched = s.fetched.sum(axis=0).tolist()  # [tiers][look-ahead, missed]: one reduction, not one per count
         for t, tier in enumerate(spec.tiers):
+            slots = flight.landing[t].tolist()
             for position, key in enumerate(s.landed[t].tolist()):
                 if key >= 0:
                     layer, expert = divmod(key, E)
-                    res.cache.land((layer, expert), tier, int(flight.landing[t, position]), flight.taken[t][position],
+                    res.cache.land((layer, expert), tier, slots[position], flight.taken[t][position],
                                    kinds.get(int(s.served[layer, expert]), "demand"))
-            for kind, count in (("prefetch", s.fetched[:, t, 0].sum()), ("demand", s.fetched[:, t, 1].sum())):
-                res.count_fetch(tier, kind, int(count), moved=spec.guarded or spec.chained)
-        self.chosen_per_step = 0.8 * self.chosen_per_step + 0.2 * float(s.fetched.sum())
+            for kind, count in zip(("prefetch", "demand"), fetched[t]):
+                res.count_fetch(tier, kind, count, moved=spec.guarded or spec.chained)
+        self.chosen_per_step = 0.8 * self.chosen_per_step + 0.2 * sum(map(sum, fetched))
         self.unlock(flight)
 
     def unlock(self, flight: Flight) -> None:
