@@ -69,7 +69,8 @@ def run_gpu_tests(dry_run: bool, workers: int) -> dict:
     """`pytest -m gpu`, in `workers` processes sharing the GPU where pytest-xdist is there: the tests are
     small and mostly compile time (Triton and Mosaic compile on the host's cores), and a lent GPU's
     minutes are few. Each process allocates what it uses instead of most of the GPU's memory."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", *gpu_test_files()]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+           *gpu_test_files()]
     if dry_run:
         cmd.append("--collect-only")
     elif workers > 1 and importlib.util.find_spec("xdist") is not None:
@@ -80,6 +81,8 @@ def run_gpu_tests(dry_run: bool, workers: int) -> dict:
     tail = (done.stdout + done.stderr).strip().splitlines()[-1:]
     return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "summary": tail,
             "failures": [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))],
+            # what failed, and where (a lent GPU's run is not repeated to read its tracebacks)
+            "output_tail": done.stdout[-6000:] if done.returncode not in (0, 5) else "",
             "seconds": time.perf_counter() - t}
 
 
