@@ -42,12 +42,12 @@ import numpy as np
 
 import jmoe
 from bench.lib.common import RESULTS, ROOT, machine, planned_budget, timed
+from bench.lib.synthetic import QWEN3_30B_A3B, write_checkpoint
 from convert import convert_checkpoint
 from jmoe.runtime.host_store import host_sharding
 from jmoe.serving.compiles import no_compiles
 
 PROMPTS = ROOT / "tests" / "data"
-QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128)
 TOY = dict(hidden=256, moe_intermediate=128, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=64)
 POLICIES = ("lru", "lru+prefetch", "dymoe")
 PARTS = ("tests", "bandwidth", "kernels", "resident", "offloaded")
@@ -129,8 +129,6 @@ def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None, time_l
 
 
 def synthetic_model(root: Path, layers: int, shape: dict, tiers: str) -> Path:
-    from bench.lib.synthetic import write_checkpoint
-
     src = write_checkpoint(root / "hf", layers=layers, **shape)
     return convert_checkpoint(src, root / "model", tiers=tiers, progress=False)
 

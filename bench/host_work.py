@@ -33,11 +33,12 @@ import numpy as np
 
 import jmoe
 from bench.lib.common import planned_budget, result_name, write_result
+from bench.lib.synthetic import QWEN3_30B_A3B, write_checkpoint
 from convert import convert_checkpoint
 from jmoe.runtime import step_cache
 
 # Qwen3-30B-A3B's routing (experts, top-k) at small widths
-ROUTING_SHAPE = dict(hidden=256, moe_intermediate=64, experts=128, top_k=8, heads=4, kv_heads=2, head_dim=64)
+ROUTING_SHAPE = {**QWEN3_30B_A3B, "hidden": 256, "moe_intermediate": 64, "heads": 4, "kv_heads": 2, "head_dim": 64}
 CASES = (("resident", None), ("lru", 0.5), ("lru", 0.25), ("lru+prefetch", 0.5), ("lru+prefetch", 0.25))
 
 
@@ -91,8 +92,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
-            from bench.lib.synthetic import write_checkpoint
-
             src = write_checkpoint(Path(tmp) / "hf", layers=args.layers, **ROUTING_SHAPE)
             path = convert_checkpoint(src, Path(tmp) / "model", tiers="int4", progress=False)
         rng = np.random.default_rng(0)
