@@ -165,8 +165,14 @@ def decode_tpot(model, items, new_tokens: int, temperature: float = 0.0) -> dict
     after = jmoe.stats(model)
     tokens = max(after["decode_tokens"] - before["decode_tokens"], 1)
     host = {k: (after["host"].get("decode", {}).get(k, 0) - before["host"].get("decode", {}).get(k, 0)) / tokens
-            for k in ("reads", "executions", "transfers", "transfer_bytes")}
-    return {"temperature": temperature, "tpot_s": float(np.median(gaps)), "tpot_min_s": float(np.min(gaps)),
+            for k in ("reads", "executions", "transfers", "transfer_bytes", "dispatch_s", "read_wait_s")}
+    # where a token's time went, on average: the step's dispatch (which waits for the device where a
+    # conditional inside the step reads its predicate back), the blocked read of its output, the rest
+    # (the host's own work: the books, sampling, Python)
+    mean = float(np.mean(gaps))
+    host["other_s"] = mean - host["dispatch_s"] - host["read_wait_s"]
+    return {"temperature": temperature, "tpot_s": float(np.median(gaps)), "tpot_mean_s": mean,
+            "tpot_min_s": float(np.min(gaps)),
             "tpot_max_s": float(np.max(gaps)), "tpot_p90_s": float(np.percentile(gaps, 90)),
             "decode_tokens": len(gaps), "host_per_decode_token": host, "texts": texts,
             # the main thread's CPU time between tokens: its work, and any wait that spins

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import jax
 import numpy as np
@@ -129,7 +130,9 @@ def test_resident_decode_reads_once_and_dispatches_once_per_token(int4_int2):
 
 def test_stats_report_host_interaction_by_phase(int4_int2):
     model = offloaded(int4_int2, "lru")
+    started = time.perf_counter()
     jmoe.generate(model, PROMPT, max_new_tokens=NEW_TOKENS)
+    spent = time.perf_counter() - started
     stats = jmoe.stats(model)
     io = stats["host"]
     assert set(io) >= {"prefill", "decode"}
@@ -138,6 +141,9 @@ def test_stats_report_host_interaction_by_phase(int4_int2):
     assert io["decode"]["executions"] == decode_tokens and io["decode"]["reads"] == decode_tokens
     assert io["prefill"]["reads"] >= model.config.num_moe_layers  # the prompt runs layer-wise: a read per layer
     assert np.isfinite(io["decode"]["transfer_bytes_per_token"])
+    # the decode steps' dispatches and blocked reads took time, less than the whole run did
+    assert 0 < io["decode"]["dispatch_s"] and 0 < io["decode"]["read_wait_s"]
+    assert io["decode"]["dispatch_s"] + io["decode"]["read_wait_s"] < spent
     assert json.loads(json.dumps(stats)) == stats  # what `--stats` prints: plain numbers, no numpy scalars
 
 

@@ -24,6 +24,7 @@ never waits for the host.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import jax
@@ -167,6 +168,7 @@ class Executor:
     def _dispatch(self, res, flight, run):
         """Dispatch one executable (`run`), counted; should it fail, a fetching step's landing
         candidates are unlocked (nothing will read it)."""
+        started = time.perf_counter()
         try:
             out = with_kernel_fallback(self.kernel_users(res), run)
         except BaseException:
@@ -174,6 +176,7 @@ class Executor:
                 res.in_step.failed(flight)
             raise
         res.stats.count_io(executions=1)
+        res.stats.count_wall(dispatch_s=time.perf_counter() - started)
         return out
 
     def decode_sampled(self, tokens, cache, start, key_start, sampler, *, residency=None):
@@ -222,7 +225,10 @@ class Executor:
         res = step.res
         if step.pending is None:
             res.stats.count_io(reads=1)
-            return np.asarray(step.next_tokens), False, cache
+            started = time.perf_counter()
+            tokens = np.asarray(step.next_tokens)
+            res.stats.count_wall(read_wait_s=time.perf_counter() - started)
+            return tokens, False, cache
         if step.pending.flight is None:  # a step with the host between layers, settled like any other
             corrected, cache = self.settle(step.pending, cache)
         else:

@@ -75,15 +75,27 @@ class Stats:
     ttft_seconds: list[float] = field(default_factory=list)
     tpot_seconds: list[float] = field(default_factory=list)
 
+    def _io(self, phase: str | None) -> dict:
+        return self.io.setdefault(phase or self.phase, dict(reads=0, executions=0, transfers=0, transfer_bytes=0,
+                                                            dispatch_s=0.0, read_wait_s=0.0))
+
     def count_io(self, *, reads: int = 0, executions: int = 0, transfers: int = 0, nbytes: int = 0,
                  phase: str | None = None) -> None:
         """Host interaction of `phase` (default: the current step's): blocking reads (and waits),
         executables dispatched, host-to-device transfers and their bytes."""
-        io = self.io.setdefault(phase or self.phase, dict(reads=0, executions=0, transfers=0, transfer_bytes=0))
+        io = self._io(phase)
         io["reads"] += reads
         io["executions"] += executions
         io["transfers"] += transfers
         io["transfer_bytes"] += nbytes
+
+    def count_wall(self, *, dispatch_s: float = 0.0, read_wait_s: float = 0.0, phase: str | None = None) -> None:
+        """Wall time the host spent in a step's dispatch (on an accelerator, a conditional inside
+        the step makes the dispatch wait for the device) and blocked reading a step's output back:
+        the rest of a token's time is the host's own work."""
+        io = self._io(phase)
+        io["dispatch_s"] += dispatch_s
+        io["read_wait_s"] += read_wait_s
 
     def count_uses(self, tier: str, n: int = 1) -> None:
         self.uses_by_tier[tier] = self.uses_by_tier.get(tier, 0) + n
@@ -97,8 +109,10 @@ class Stats:
                 self.count_uses(TIER_NAMES[code - 1], n)
 
     def host_summary(self) -> dict:
-        """Per phase: blocking reads, executables dispatched, host-to-device transfers and bytes, in
-        all and per token (decode: per token after each request's first; prefill: per prompt position)."""
+        """Per phase: blocking reads, executables dispatched, host-to-device transfers and bytes, the
+        wall seconds of dispatches and blocked reads (steps that fetch their own experts, and
+        sampling decode steps), in all and per token (decode: per token after each request's
+        first; prefill: per prompt position)."""
         per = {"decode": self.decode_tokens, "prefill": self.prefill_tokens}
         out = {}
         for phase, io in self.io.items():
