@@ -22,7 +22,7 @@ import jmoe
 from convert import convert_checkpoint
 from jmoe.manifest import read_manifest
 from jmoe.runtime import compile_cache
-from jmoe.runtime.host_memory import aligned_empty, process_memory, read_into, release_pages
+from jmoe.runtime.host_memory import aligned_empty, process_memory, read_into, release_free_heap, release_pages
 from jmoe.runtime.pools import resident_pool, staging_nbytes
 from jmoe.runtime.store import ExpertStore
 from tests.hf_models import make_checkpoint
@@ -85,6 +85,19 @@ def test_read_into_fills_several_buffers_from_one_offset(tmp_path):
             read_into(fd, 4000, [aligned_empty((200,), np.uint8)])
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap and /proc/self/status")
+def test_freed_heap_goes_back_to_the_system():
+    """Blocks below the allocator's mmap threshold, freed under a live one, stay resident until
+    release_free_heap (what a compile leaves behind)."""
+    blocks = [np.ones(64 * 1024 // 8) for _ in range(1600)]  # 100 MiB in 64 KiB blocks
+    last = blocks.pop()  # keeps the heap's top in use: only a trim gives the rest back
+    del blocks
+    held = process_memory()["RssAnon"]
+    release_free_heap()
+    assert held - process_memory()["RssAnon"] > 64 << 20
+    assert last.sum() == 8 * 1024
 
 
 def test_store_reads_match_the_mapped_records_and_release_keeps_them(medium):

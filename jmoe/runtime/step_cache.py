@@ -42,6 +42,7 @@ import numpy as np
 from jax._src import config as jax_config
 
 from jmoe.runtime.compile_cache import OFF
+from jmoe.runtime.host_memory import release_free_heap
 
 ENV = "JMOE_STEP_CACHE"
 MAX_BYTES = 1 << 30  # past this, the least recently used entries go
@@ -165,6 +166,7 @@ class CachedStep:
         if compiled is None:
             compiled = self._load_or_compile(statics, signature, tree, args, kwargs)
             self._known[signature] = compiled
+            release_free_heap()  # what the compile or load freed (a new step is rare: this costs nothing per token)
         return compiled
 
     def _compile(self, statics, args, kwargs):
