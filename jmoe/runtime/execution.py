@@ -176,7 +176,7 @@ class Executor:
                 res.in_step.failed(flight)
             raise
         res.stats.count_io(executions=1)
-        res.stats.count_wall(dispatch_s=time.perf_counter() - started)
+        res.stats.count_dispatch(time.perf_counter() - started)
         return out
 
     def decode_sampled(self, tokens, cache, start, key_start, sampler, *, residency=None):
@@ -225,10 +225,7 @@ class Executor:
         res = step.res
         if step.pending is None:
             res.stats.count_io(reads=1)
-            started = time.perf_counter()
-            tokens = np.asarray(step.next_tokens)
-            res.stats.count_wall(read_wait_s=time.perf_counter() - started)
-            return tokens, False, cache
+            return res.stats.read_back(step.next_tokens), False, cache
         if step.pending.flight is None:  # a step with the host between layers, settled like any other
             corrected, cache = self.settle(step.pending, cache)
         else:

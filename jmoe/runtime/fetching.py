@@ -18,7 +18,6 @@ steps get as many slots as the CPU's (up to twice top_k); degrade mode keeps a f
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -302,10 +301,7 @@ class InStepFetch:
         if flight.read is None:
             res, spec = self.res, self.spec
             res.synced()
-            started = time.perf_counter()
-            raw = np.asarray(flight.summary)
-            res.stats.count_wall(read_wait_s=time.perf_counter() - started)
-            flight.read = Summary.unpack(raw, tokens=flight.rows,
+            flight.read = Summary.unpack(res.stats.read_back(flight.summary), tokens=flight.rows,
                                          layers=res.cfg.num_moe_layers, experts=spec.num_experts,
                                          tiers=len(spec.tiers), landing=spec.landing)
             self._adopt(flight, flight.read)

@@ -9,6 +9,7 @@ touching a memory map, adds nothing to the process's resident set but the buffer
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 from pathlib import Path
@@ -68,17 +69,17 @@ def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
     Compiling a step leaves tens of megabytes freed but held by the allocator, which otherwise
     stay in the process's resident set for as long as it runs."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-_malloc_trim = None
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def device_is_host(device) -> bool:

@@ -76,8 +76,12 @@ class Stats:
     tpot_seconds: list[float] = field(default_factory=list)
 
     def _io(self, phase: str | None) -> dict:
-        return self.io.setdefault(phase or self.phase, dict(reads=0, executions=0, transfers=0, transfer_bytes=0,
-                                                            dispatch_s=0.0, read_wait_s=0.0))
+        key = phase or self.phase
+        io = self.io.get(key)
+        if io is None:  # not setdefault: that builds a dict on every call, twice a token
+            io = self.io[key] = dict(reads=0, executions=0, transfers=0, transfer_bytes=0, dispatch_s=0.0,
+                                     read_wait_s=0.0)
+        return io
 
     def count_io(self, *, reads: int = 0, executions: int = 0, transfers: int = 0, nbytes: int = 0,
                  phase: str | None = None) -> None:
@@ -89,13 +93,18 @@ class Stats:
         io["transfers"] += transfers
         io["transfer_bytes"] += nbytes
 
-    def count_wall(self, *, dispatch_s: float = 0.0, read_wait_s: float = 0.0, phase: str | None = None) -> None:
+    def count_dispatch(self, seconds: float) -> None:
         """Wall time the host spent in a step's dispatch (on an accelerator, a conditional inside
-        the step makes the dispatch wait for the device) and blocked reading a step's output back:
-        the rest of a token's time is the host's own work."""
-        io = self._io(phase)
-        io["dispatch_s"] += dispatch_s
-        io["read_wait_s"] += read_wait_s
+        the step makes the dispatch wait for the device)."""
+        self._io(None)["dispatch_s"] += seconds
+
+    def read_back(self, array) -> np.ndarray:
+        """A step's output as numpy, the time the host was blocked for it counted (read_wait_s);
+        with the dispatches', the rest of a token's time is the host's own work."""
+        started = time.perf_counter()
+        out = np.asarray(array)
+        self._io(None)["read_wait_s"] += time.perf_counter() - started
+        return out
 
     def count_uses(self, tier: str, n: int = 1) -> None:
         self.uses_by_tier[tier] = self.uses_by_tier.get(tier, 0) + n
