@@ -20,12 +20,14 @@ import pytest
 
 import jmoe
 from convert import convert_checkpoint
+from jmoe.decoding import engine
 from jmoe.manifest import read_manifest
-from jmoe.runtime import compile_cache
+from jmoe.runtime import compile_cache, step_cache
 from jmoe.runtime.host_memory import aligned_empty, process_memory, read_into, release_free_heap, release_pages
 from jmoe.runtime.pools import resident_pool, staging_nbytes
 from jmoe.runtime.store import ExpertStore
 from tests.hf_models import make_checkpoint
+from tests.test_family_deepseek import MLA
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_CPU = jax.devices()[0].platform == "cpu"
@@ -210,6 +212,66 @@ def test_a_32k_context_of_qwen3s_attention_stays_within_the_plan(tmp_path):
     assert again["call_peak"] <= 1.3 * held, (again["call_peak"] / MiB, held / MiB)
     assert again["call_peak"] >= 0.5 * held  # the prompt's cache and chunks were really there
     assert compiled["peak"] <= sum(reserved.values()) + 160 * MiB, (compiled["peak"] / MiB, reserved)
+
+
+# ---------------------------------------------------------------- the workspace the plan reserves
+
+# Where the plan's terms part: Qwen3-30B-A3B's attention (queries wider than the hidden size, eight
+# times here), DeepSeek-V3's latent attention (two score terms, a latent-wide output), GPT-OSS (sinks,
+# windows); each of a few layers, so that a layer holding another's buffers would show.
+WIDE_ATTENTION = dict(hidden_size=256, num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+                      num_hidden_layers=4, mlp_only_layers=[], max_position_embeddings=4096)
+WORKSPACE_CASES = {
+    "qwen3-wide-attention": ("qwen3_moe", WIDE_ATTENTION),
+    "deepseek-v3-latent": ("deepseek_v3", dict(MLA, q_lora_rank=24, n_group=4, topk_group=2, num_attention_heads=8,
+                                              kv_lora_rank=128, max_position_embeddings=4096)),
+    "gpt-oss": ("gpt_oss", dict(max_position_embeddings=4096)),
+}
+
+
+def compiled_temporaries(path: Path, monkeypatch, max_batch: int) -> tuple[dict, int]:
+    """(the plan, the largest temporary buffers of any step) after generating from prompts of 700
+    tokens and fewer (a whole prefill chunk, then a partial one) with max_batch rows."""
+    monkeypatch.setenv(step_cache.ENV, str(path / "steps"))  # its steps are kept: their buffers can be read
+    engine.clear_compiled()
+    try:
+        args = dict(max_seq_len=2048, compute_dtype="float32", policy="resident", max_batch=max_batch)
+        plan = jmoe.memory_plan(path, **args)
+        model = jmoe.load(path, **args)
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(3, 200, 700 - 97 * row)] for row in range(max_batch)]
+        jmoe.generate(model, prompts if max_batch > 1 else prompts[0], max_new_tokens=3)
+        steps = [step for step in engine._JITS.values() if isinstance(step, step_cache.CachedStep)]
+        temps = [ex.memory_analysis().temp_size_in_bytes for step in steps for ex in step._known.values()]
+        assert len(temps) >= 2  # a prefill and a decode step
+        return plan, max(temps)
+    finally:
+        engine.clear_compiled()  # the suite's later tests trace their own
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the step cache, which keeps the executables read here, is the CPU's")
+@pytest.mark.parametrize("max_batch", [1, 3])
+@pytest.mark.parametrize("case", list(WORKSPACE_CASES))
+def test_compiled_steps_stay_within_the_planned_workspace(tmp_path, monkeypatch, case, max_batch):
+    family, overrides = WORKSPACE_CASES[case]
+    make_checkpoint(family, tmp_path / "hf", overrides=overrides)
+    path = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="bf16", progress=False)
+    plan, temp = compiled_temporaries(path, monkeypatch, max_batch)
+    assert temp <= plan["workspace"], (temp / MiB, plan["workspace"] / MiB)
+    assert temp >= plan["workspace"] / 3, (temp / MiB, plan["workspace"] / MiB)  # a plan, not a guess
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the step cache, which keeps the executables read here, is the CPU's")
+def test_no_layer_holds_another_layers_attention_buffers(tmp_path, monkeypatch):
+    """A prompt chunk's temporaries do not grow with the layers: each layer's attention loop starts
+    from its own first block (sharing a zero accumulator, XLA held every layer's at once: 4 MiB a
+    layer here, 8 MiB a layer at Qwen3-30B-A3B's widths)."""
+    temps = {}
+    for layers in (1, 4):
+        make_checkpoint("qwen3_moe", tmp_path / f"hf{layers}", overrides=dict(WIDE_ATTENTION, num_hidden_layers=layers))
+        path = convert_checkpoint(tmp_path / f"hf{layers}", tmp_path / f"m{layers}", tiers="bf16", progress=False)
+        temps[layers] = compiled_temporaries(path, monkeypatch, 1)[1]
+    assert temps[4] <= temps[1] + MiB, (temps[1] / MiB, temps[4] / MiB)
 
 
 # ---------------------------------------------------------------- the persistent compilation cache

@@ -170,9 +170,10 @@ def key_block(num_heads: int, tokens: int, slots: int) -> int:
     return min(block, slots)
 
 
-def attention_scores_nbytes(num_heads: int, tokens: int, slots: int) -> int:
-    """Float32 bytes of one block's scores and probabilities, per cache row (the step's attention workspace)."""
-    return 2 * num_heads * tokens * key_block(num_heads, tokens, slots) * 4
+def attention_scores_nbytes(num_heads: int, tokens: int, slots: int, terms: int = 1) -> int:
+    """Float32 bytes of one block's scores (one array per score term) and probabilities, per cache
+    row (the step's attention workspace)."""
+    return (terms + 1) * num_heads * tokens * key_block(num_heads, tokens, slots) * 4
 
 
 def _block_scores(queries, keys, start, size, scale, precision, groups, table=None):
@@ -293,6 +294,9 @@ def _online_softmax(queries, keys, values, meta: AttentionMeta, *, groups: int, 
         out = out * rescale.reshape(B, K, M)[..., None] + weighted.reshape(B, K, M, -1)
         return new_top, norm * rescale + probs.sum(-1), out
 
+    # Each loop starts from its first block's result, never from the zeros above: XLA would share one
+    # zero block between all layers' loops and copy it for each at the step's start, holding every
+    # layer's accumulator at once (8 MiB a layer for a 512-token chunk of Qwen3-30B-A3B's heads).
     carry = (top, norm, out)
     if num_blocks == 1:
         carry = step(0, carry)
@@ -303,10 +307,10 @@ def _online_softmax(queries, keys, values, meta: AttentionMeta, *, groups: int, 
                 lowest = jnp.maximum(lowest, meta.start.min() - window + 1)
             first = jnp.clip(lowest // block, 0, num_blocks - 1)
             last = jnp.clip(-(-(meta.start.max() + T) // block), first + 1, num_blocks)
-            return jax.lax.fori_loop(first, last, step, carry)
+            return jax.lax.fori_loop(first + 1, last, step, step(first, carry))
 
         def every(carry):
-            return jax.lax.fori_loop(0, num_blocks, step, carry)
+            return jax.lax.fori_loop(1, num_blocks, step, step(0, carry))
 
         if reachable_only is None:
             carry = jax.lax.platform_dependent(carry, cpu=visited, default=every)  # chosen when lowered

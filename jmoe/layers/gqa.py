@@ -24,6 +24,11 @@ class GroupedQueryAttention(nnx.Module):
         """Keys and values, each [P, KV, page, head_dim]."""
         return ((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim))
 
+    @staticmethod
+    def head_widths(cfg: ModelConfig) -> tuple[tuple[int, ...], int]:
+        """Numbers per query head and token: its query's score terms, and its output as the loop sums it."""
+        return (cfg.head_dim,), cfg.head_dim
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
         H, KV, hd, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)

@@ -46,6 +46,12 @@ class LatentAttention(nnx.Module):
         """The key/value latent [P, 1, page, kv_lora_rank] and the rotary key [P, 1, page, rope_dim]."""
         return ((1, cfg.kv_lora_rank), (1, cfg.rotary_dim))
 
+    @staticmethod
+    def head_widths(cfg: ModelConfig) -> tuple[tuple[int, ...], int]:
+        """Numbers per query head and token: the absorbed query's score terms (latent and rotary),
+        and the output as the loop sums it (a weighted sum of latents, up-projected after)."""
+        return (cfg.kv_lora_rank, cfg.rotary_dim), cfg.kv_lora_rank
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, param_dtype, rngs, quant=None):
         H, D, r = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim

@@ -45,6 +45,12 @@ def cache_spec(cfg: ModelConfig, layer_idx: int) -> CacheSpec:
     return attention_class(cfg).cache_spec(cfg, layer_idx)
 
 
+def attention_head_widths(cfg: ModelConfig) -> tuple[tuple[int, ...], int]:
+    """Numbers per query head and token as the attention loop holds them: (the query's score terms,
+    the output)."""
+    return attention_class(cfg).head_widths(cfg)
+
+
 def cache_bytes_per_token(cfg: ModelConfig, dtype) -> int:
     """KV-cache bytes one token of one sequence takes over every layer (an int8 cache: a byte per
     number and a float32 scale per head of each cached array)."""

@@ -23,8 +23,9 @@ from jmoe.decoding.loaded import LoadedModel
 from jmoe.decoding.speculative import DEFAULT_K_MAX
 from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
-from jmoe.layers.attention import attention_scores_nbytes
+from jmoe.layers.attention import attention_scores_nbytes, key_block
 from jmoe.layers.linear import Embed, Linear, use_tiled_kernels
+from jmoe.layers.modules import attention_head_widths, cache_spec
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, head_format, inside, read_manifest, tiled_kernels
 from jmoe.policies import BASELINES, POLICY_NAMES, ExpertCounters, Plan, Policy, StepView, make_policy
@@ -292,14 +293,26 @@ def all_expert_bytes(cfg: ModelConfig, record_nbytes: int) -> int:
 
 
 def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, dtype) -> int:
-    """Rough peak activation memory of one step over `tokens` tokens in each of `rows` rows: per row one
-    block of attention scores (never the whole context: jmoe/layers/attention.py), the activations
-    and the logits."""
+    """Peak activation memory of one step over `tokens` tokens in each of `rows` rows: per row one
+    block of attention scores and the block of keys and values they are taken over (never the whole
+    context: jmoe/layers/attention.py), the activations of the larger of a layer's two halves beside
+    its residual stream, and the logits.
+
+    As compiled (a prefill chunk's temporaries, tests/test_host_memory.py): the attention holds its
+    queries and about three float32 copies of its output at once (summed, normalised, moved back to
+    token-major), the FFN each routed and shared expert's gate, up and activation rows, and no layer
+    holds another's (jmoe/layers/attention.py starts each loop from its own first block)."""
     item = jnp.dtype(dtype).itemsize
-    scores = attention_scores_nbytes(cfg.num_heads, tokens, cache_len)
-    acts = tokens * (6 * cfg.hidden_size + 3 * cfg.top_k * cfg.moe_intermediate_size) * max(item, 4)
+    query_terms, output_width = attention_head_widths(cfg)
+    scores = attention_scores_nbytes(cfg.num_heads, tokens, cache_len, len(query_terms))
+    cache_heads = cache_spec(cfg, 0)[0][0]  # a latent cache (one head) is read as keys and as values
+    cache_block = key_block(cfg.num_heads, tokens, cache_len) * cache_heads * (sum(query_terms) + output_width) * 4
+    attention = cfg.num_heads * (sum(query_terms) + 3 * output_width)
+    routed = 3 * (cfg.top_k * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
+    ffn = max(routed, 3 * cfg.dense_intermediate_size)
+    acts = tokens * (2 * cfg.hidden_size + max(attention, ffn)) * max(item, 4)
     logits = cfg.vocab_size * 4 * 2
-    return rows * (scores + acts + logits)
+    return rows * (scores + cache_block + acts + logits)
 
 
 def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int,
