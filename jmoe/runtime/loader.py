@@ -294,8 +294,8 @@ def all_expert_bytes(cfg: ModelConfig, record_nbytes: int) -> int:
 
 def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, dtype) -> int:
     """Peak activation memory of one step over `tokens` tokens in each of `rows` rows: per row one
-    block of attention scores and the block of keys and values they are taken over (never the whole
-    context: jmoe/layers/attention.py), the activations of the larger of a layer's two halves beside
+    block of attention scores and the block of values they weigh (never the whole context:
+    jmoe/layers/attention.py), the activations of the larger of a layer's two halves beside
     its residual stream, and the logits.
 
     As compiled (a prefill chunk's temporaries, tests/test_host_memory.py): the attention holds its
@@ -305,14 +305,14 @@ def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, d
     item = jnp.dtype(dtype).itemsize
     query_terms, output_width = attention_head_widths(cfg)
     scores = attention_scores_nbytes(cfg.num_heads, tokens, cache_len, len(query_terms))
-    cache_heads = cache_spec(cfg, 0)[0][0]  # a latent cache (one head) is read as keys and as values
-    cache_block = key_block(cfg.num_heads, tokens, cache_len) * cache_heads * (sum(query_terms) + output_width) * 4
+    cache_heads = cache_spec(cfg, 0)[0][0]  # the values' block is gathered (the keys' fuses into the scores)
+    value_block = key_block(cfg.num_heads, tokens, cache_len) * cache_heads * output_width * 4
     attention = cfg.num_heads * (sum(query_terms) + 3 * output_width)
     routed = 3 * (cfg.top_k * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
     ffn = max(routed, 3 * cfg.dense_intermediate_size)
     acts = tokens * (2 * cfg.hidden_size + max(attention, ffn)) * max(item, 4)
     logits = cfg.vocab_size * 4 * 2
-    return rows * (scores + cache_block + acts + logits)
+    return rows * (scores + value_block + acts + logits)
 
 
 def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_batch: int,
