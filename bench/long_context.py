@@ -18,8 +18,13 @@ fails the run), for each of `--kv-dtypes` in alternating rounds. generate sizes 
 of two above prompt + new tokens; a server's rows hold max_seq_len slots, of which a CPU decode step
 reads only the blocks up to the row's position.
 
+Compiled (`--compiled PATH`): a converted model loaded at `--max-seq-len` for each of
+`--compiled-batches` rows, with prompts of a whole 512-token prefill chunk and part of another (the
+step cache on, in a directory of its own, so the executables can be read): the temporary buffers of
+each compiled step (XLA's buffer assignment) beside the workspace jmoe.memory_plan reserves.
+
     python -m bench.long_context [--rounds 3] [--new-tokens 32] [--depths 512,4096,16000]
-                                 [--kv-dtypes compute,int8] [--quality]
+                                 [--kv-dtypes compute,int8] [--quality] [--compiled PATH]
 """
 
 from __future__ import annotations
@@ -120,6 +125,43 @@ def quality_rows(args) -> dict:
     return out
 
 
+def compiled_rows(args) -> list[dict]:
+    """Per row count: the plan's workspace and each compiled step's temporaries after a generate."""
+    import os
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    os.environ["JMOE_STEP_CACHE"] = tempfile.mkdtemp(prefix="jmoe-steps-")  # read before the first step
+    import jmoe
+    from jmoe.decoding import engine
+    from jmoe.runtime import step_cache
+
+    rows = []
+    for batch in (int(b) for b in args.compiled_batches.split(",")):
+        engine.clear_compiled()
+        options = dict(max_seq_len=args.max_seq_len, max_batch=batch, policy="resident")
+        plan = jmoe.memory_plan(args.compiled, **options)
+        model = jmoe.load(args.compiled, **options)
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(3, 1000, 700 - 97 * row)] for row in range(batch)]
+        jmoe.generate(model, prompts if batch > 1 else prompts[0], max_new_tokens=3)
+        steps = {}
+        for step in engine._JITS.values():
+            if isinstance(step, step_cache.CachedStep):
+                for executable in step._known.values():
+                    name = f"{step.name.rsplit('.', 1)[-1]} #{len(steps) + 1}"
+                    steps[name] = executable.memory_analysis().temp_size_in_bytes
+        rows.append({"model": Path(args.compiled).name, "max_seq_len": args.max_seq_len, "max_batch": batch,
+                     "compute_dtype": str(jnp.dtype(model.compute_dtype)), "prompt_tokens": [len(p) for p in prompts],
+                     "workspace_bytes": plan["workspace"], "temp_bytes": steps})
+        print(f"{batch} rows: workspace {plan['workspace'] / 2**20:.1f} MiB; temporaries (MiB) "
+              + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in steps.items()), flush=True)
+        del model
+    return rows
+
+
 def depth_rows(args) -> dict:
     import jmoe
     from bench.offload_decode import spread, streamed
@@ -177,10 +219,16 @@ def main() -> None:
     parser.add_argument("--quality", action="store_true", help="also the perplexity and greedy agreement per KV dtype")
     parser.add_argument("--quality-tokens", type=int, default=16384, help="dev tokens scored per domain")
     parser.add_argument("--plan-only", action="store_true")
+    parser.add_argument("--compiled", help="a converted model: its compiled steps' temporaries against the plan "
+                                           "(and nothing else)")
+    parser.add_argument("--compiled-batches", default="1,4", help="row counts --compiled loads the model with")
     parser.add_argument("--no-depth", action="store_true", help="skip the timed depth runs")
     parser.add_argument("--name", type=result_name, default="long_context",
                         help="the result file's name (_cpu.json added)")
     args = parser.parse_args()
+    if args.compiled:
+        print(write_result("long_context", args.name, {"compiled": compiled_rows(args)}))
+        return
     payload = {"plan": plan_rows()}
     if args.quality and not args.plan_only:
         payload["quality"] = quality_rows(args)

@@ -901,15 +901,33 @@ def long_context_files() -> list[tuple[str, str]]:
             for r in range(1, LONG_CONTEXT_ROUNDS + 1)]
 
 
+LONG_CONTEXT_PLAN_NOW = "long_context/long_context_plan_widths_cpu.json"  # the workspace as compiled steps hold it
+
+
 def long_context_plan() -> str:
     before_name, after_name = long_context_files()[0]
-    before, after = load(before_name), load(after_name)
+    before, after, now = load(before_name), load(after_name), load(LONG_CONTEXT_PLAN_NOW)
     rows = []
-    for b, a in zip(before["plan"], after["plan"], strict=True):
+    for b, a, n in zip(before["plan"], after["plan"], now["plan"], strict=True):
         rows.append([a["model"], a["dtype"], f"{a['max_seq_len']:,}", a["max_batch"], size(a["kv_cache_bytes"]),
+                     f"{size(b['workspace_bytes'])} → {size(a['workspace_bytes'])}", size(n["workspace_bytes"])])
+    out = table(["model", "compute dtype", "max_seq_len", "max_batch", "KV cache", "workspace, before → after",
+                 "workspace now"], rows)
+    return out + (f"\n\nComputed by `jmoe/runtime/loader.py` ({source(before_name, after_name)}); "
+                  f"now: with every query head's width and the cache block read, below ({source(LONG_CONTEXT_PLAN_NOW)}).")
+
+
+def long_context_workspace() -> str:
+    """The compiled steps' temporaries beside the workspace the plan reserves, before and after."""
+    names = ("long_context/workspace_before_cpu.json", "long_context/workspace_after_cpu.json")
+    before, after = (load(n)["compiled"] for n in names)
+    rows = []
+    for b, a in zip(before, after, strict=True):
+        rows.append([a["model"], f"{a['max_seq_len']:,}", a["max_batch"],
+                     f"{size(max(b['temp_bytes'].values()))} → {size(max(a['temp_bytes'].values()))}",
                      f"{size(b['workspace_bytes'])} → {size(a['workspace_bytes'])}"])
-    out = table(["model", "compute dtype", "max_seq_len", "max_batch", "KV cache", "workspace, before → after"], rows)
-    return out + f"\n\nComputed by `jmoe/runtime/loader.py` ({source(before_name, after_name)})."
+    out = table(["model", "max_seq_len", "max_batch", "largest step's temporaries", "planned workspace"], rows)
+    return out + f"\n\nBefore → after. Machine: {machine(load(names[1]))} ({source(*names)})."
 
 
 def long_context_depth() -> str:
@@ -1080,6 +1098,7 @@ TABLES = {
     "gpt-oss-shapes": gpt_oss_shapes,
     "load-memory": load_memory,
     "long-context-plan": long_context_plan,
+    "long-context-workspace": long_context_workspace,
     "long-context-depth": long_context_depth,
     "kv-int8": kv_int8,
     "kv-dtypes": kv_dtypes,
