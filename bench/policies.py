@@ -16,10 +16,11 @@
 
 4. With --streams N [N ...]: DynaExq on the three rotations of the domain order, each stream from
    its own place in the dev texts, N tokens per domain: the gap closed per stream and over all of
-   them, at the default hotness horizon, two shorter ones and with router counts.
+   them, at the default hotness horizon, two shorter ones, with router counts and with the shift
+   detector (`shift`: a layer whose recent routing departs from its hotness takes it as its hotness).
 
     python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
-    python -m bench.policies --streams 250 2048
+    python -m bench.policies --streams 250 2048 [--streams-name dynaexq_streams]
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.lib.common import (CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_prompts, dev_tokens, staging_bytes,
-                              write_result)
+from bench.lib.common import (CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_prompts, dev_tokens, result_name,
+                              staging_bytes, write_result)
 from bench.lib.gpu_model import GpuParams, dense_bytes_of, replay
 from convert import convert_checkpoint
 from jmoe.decoding.evaluate import window_nll
@@ -257,7 +258,8 @@ STREAMS = {"prose -> code -> math": (("prose", "code", "math"), 0),
            "code -> math -> prose": (("code", "math", "prose"), 3000),
            "math -> prose -> code": (("math", "prose", "code"), 5000)}
 STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dict(alpha=0.7),
-                   "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count")}
+                   "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count"),
+                   "DynaExq 8/32, shift 3": dict(shift=3.0)}
 
 
 def shift_streams(path: Path, tokens: int) -> dict:
@@ -371,12 +373,14 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", metavar="TOKENS",
                         help="DynaExq on several shifting streams instead, TOKENS per domain each "
                              "(results: policies/dynaexq_streams_cpu.json)")
+    parser.add_argument("--streams-name", type=result_name, default="dynaexq_streams",
+                        help="the --streams result's name (_cpu.json added)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = convert_tiny(root, args.calib_sequences)
         if args.streams:
-            write_result("policies", "dynaexq_streams", {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
+            write_result("policies", args.streams_name, {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
                                                           "runs": [shift_streams(path, n) for n in args.streams]})
             return
         if args.only_importance:

@@ -403,6 +403,8 @@ ROWS = [
     Row("policy-dynaexq-margin-negative", lambda c: DynaExq(margin=-0.1), InputError, "margin"),
     Row("policy-dynaexq-hi-per-layer-float", lambda c: DynaExq(hi_per_layer=2.5), InputError, "hi_per_layer"),
     Row("policy-dynaexq-hotness", lambda c: DynaExq(hotness="heat"), InputError, "hotness"),
+    Row("policy-dynaexq-shift-negative", lambda c: DynaExq(shift=-1.0), InputError, "shift"),
+    Row("policy-dynaexq-fast-alpha", lambda c: DynaExq(fast_alpha=2.0), InputError, "fast_alpha"),
     Row("policy-placement-strategy", lambda c: StaticPlacement(np.zeros((4, 2, 2), int), strategy="best"),
         InputError, "strategy"),
     # ---- generate

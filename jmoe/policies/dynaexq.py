@@ -10,6 +10,13 @@ the interval ends. Each layer's hi set is its top
 n_l experts by hotness, with hysteresis: an outsider enters only when it beats the weakest member
 by `margin`, and a member leaves only when an outsider beats it by `margin`.
 
+With `shift` (a number of standard deviations), a layer notices when its routing moves: a second,
+fast EMA (`fast_alpha` per interval) follows the recent routing, and when its distance from the
+hotness (total variation of the two shares) exceeds the layer's usual distance by `shift` of its
+standard deviations, the layer takes the recent estimate as its hotness: its hi set follows a new
+workload within a few intervals instead of the slow EMA's horizon. Off by default: on the tiny
+model's shifting streams the long horizon did better (docs/benchmarks.md).
+
 Promotions and demotions run in the background as plan transitions: an expert entering the set is
 copied in at `hi` while its `lo` version keeps serving (steps never wait for it: the policy
 degrades in both phases, so a step whose wanted hi copy is still in flight runs the lo one); the
@@ -28,6 +35,11 @@ from jmoe.policies.base import Key, Plan, Policy, StepView
 from jmoe.tiers import TIER_CODES, TIER_NAMES
 
 
+def _shares(x: np.ndarray) -> np.ndarray:
+    """Each layer's row as shares of its total."""
+    return x / np.maximum(x.sum(axis=1, keepdims=True), 1e-12)
+
+
 class DynaExq(Policy):
     # Defaults from the tiny model's shifting streams (bench/policies.py --streams: the three orders
     # of its dev domains, 250 and 2,048 tokens a domain; int4/int2, 8 of 32 experts a layer at
@@ -39,7 +51,7 @@ class DynaExq(Policy):
     # stream than with the horizon.
     def __init__(self, hi: str = "int4", lo: str = "int2", interval: int = 16, alpha: float = 0.9,
                  margin: float = 0.0, hi_per_layer: int | None = None, hotness: str = "gate",
-                 name: str = "dynaexq"):
+                 shift: float | None = None, fast_alpha: float = 0.5, name: str = "dynaexq"):
         validate.choice("hi", hi, TIER_NAMES)
         validate.choice("lo", lo, TIER_NAMES)
         if TIER_CODES[lo] >= TIER_CODES[hi]:
@@ -50,10 +62,16 @@ class DynaExq(Policy):
         self.margin = validate.real("margin", margin, minimum=0.0)
         self.hi_per_layer = None if hi_per_layer is None else validate.integer("hi_per_layer", hi_per_layer, minimum=0)
         self.hotness = validate.choice("hotness", hotness, ("count", "gate"))
+        self.shift = None if shift is None else validate.real("shift", shift, minimum=0.0)
+        self.fast_alpha = validate.real("fast_alpha", fast_alpha, minimum=0.0, maximum=1.0)
         super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode", "verify"),
                          pool_shares={hi: 0.5, lo: 0.5})
         self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
         self.window: np.ndarray | None = None  # [L, E] counts of the current interval
+        self.recent: np.ndarray | None = None  # [L, E] the fast EMA (with `shift`)
+        self.drift: np.ndarray | None = None  # [2, L] the usual distance of recent from hot: mean, variance
+        self.intervals = 0
+        self.shifts = 0  # layers that took their recent routing as their hotness
         self.tokens = 0
         self.members: np.ndarray | None = None  # [L, E] bool: the hi set
         self.n_hi = 0  # hi copies per layer
@@ -78,7 +96,8 @@ class DynaExq(Policy):
 
     def _start(self, num_layers: int, num_experts: int, n_hi: int) -> None:
         shape = (num_layers, num_experts)
-        self.hot, self.window = np.zeros(shape), np.zeros(shape)
+        self.hot, self.window, self.recent = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self.drift, self.intervals, self.shifts = np.zeros((2, num_layers)), 0, 0
         # room for every expert of a shard: all of them from the start
         self.members = np.full(shape, n_hi >= num_experts // self.shards)
         self.n_hi, self.tokens, self._codes = n_hi, 0, None
@@ -97,9 +116,31 @@ class DynaExq(Policy):
         if self.tokens >= self.interval:
             share = self.window / np.maximum(self.window.sum(axis=1, keepdims=True), 1)
             self.hot = self.alpha * self.hot + (1 - self.alpha) * share
+            if self.shift is not None:
+                self._follow_shifts(share)
             self.window[:] = 0
             self.tokens = 0
             self._update_members()
+
+    DRIFT_ALPHA = 0.9  # the EMA of each layer's usual drift
+    WARMUP_INTERVALS = 8  # intervals before the usual drift is known
+
+    def _follow_shifts(self, share: np.ndarray) -> None:
+        """Layers whose recent routing departs from their hotness by more than usual take it as their hotness."""
+        self.recent = self.fast_alpha * self.recent + (1 - self.fast_alpha) * share
+        drift = 0.5 * np.abs(_shares(self.recent) - _shares(self.hot)).sum(axis=1)  # [L] total variation
+        mean, var = self.drift
+        self.intervals += 1
+        shifted = np.zeros_like(drift, bool)
+        if self.intervals > self.WARMUP_INTERVALS:
+            shifted = drift > mean + self.shift * np.sqrt(var)
+            self.hot[shifted] = self.recent[shifted]
+            self.shifts += int(shifted.sum())
+        usual = ~shifted  # a shift does not teach what is usual
+        a = self.DRIFT_ALPHA if self.intervals > 1 else 0.0
+        new_mean = a * mean + (1 - a) * drift
+        var[usual] = (a * var + (1 - a) * (drift - mean) ** 2)[usual]
+        mean[usual] = new_mean[usual]
 
     def _update_members(self) -> None:
         """Each layer's (and shard's) top n by hotness, with hysteresis (see the module docstring)."""
@@ -158,4 +199,5 @@ class DynaExq(Policy):
 
     def __repr__(self) -> str:
         return (f"DynaExq(hi={self.hi!r}, lo={self.lo!r}, interval={self.interval}, alpha={self.alpha:g}, "
-                f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer}, hotness={self.hotness!r})")
+                f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer}, hotness={self.hotness!r}, "
+                f"shift={self.shift}, fast_alpha={self.fast_alpha:g})")
