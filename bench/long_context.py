@@ -136,7 +136,6 @@ def compiled_rows(args) -> list[dict]:
     os.environ["JMOE_STEP_CACHE"] = tempfile.mkdtemp(prefix="jmoe-steps-")  # read before the first step
     import jmoe
     from jmoe.decoding import engine
-    from jmoe.runtime import step_cache
 
     rows = []
     for batch in (int(b) for b in args.compiled_batches.split(",")):
@@ -147,12 +146,7 @@ def compiled_rows(args) -> list[dict]:
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(3, 1000, 700 - 97 * row)] for row in range(batch)]
         jmoe.generate(model, prompts if batch > 1 else prompts[0], max_new_tokens=3)
-        steps = {}
-        for step in engine._JITS.values():
-            if isinstance(step, step_cache.CachedStep):
-                for executable in step._known.values():
-                    name = f"{step.name.rsplit('.', 1)[-1]} #{len(steps) + 1}"
-                    steps[name] = executable.memory_analysis().temp_size_in_bytes
+        steps = engine.compiled_temp_bytes()
         rows.append({"model": Path(args.compiled).name, "max_seq_len": args.max_seq_len, "max_batch": batch,
                      "compute_dtype": str(jnp.dtype(model.compute_dtype)), "prompt_tokens": [len(p) for p in prompts],
                      "workspace_bytes": plan["workspace"], "temp_bytes": steps})

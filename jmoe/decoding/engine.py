@@ -217,6 +217,18 @@ def clear_compiled() -> None:
     jax.clear_caches()
 
 
+def compiled_temp_bytes() -> dict[str, int]:
+    """The temporary buffers (XLA's buffer assignment) of each step executable since clear_compiled,
+    by step name and number: those the step cache keeps (the CPU), whose executables can be read."""
+    temps = {}
+    for step in _JITS.values():
+        if isinstance(step, step_cache.CachedStep):
+            for executable in step.executables():
+                name = f"{step.name.rsplit('.', 1)[-1]} #{len(temps) + 1}"
+                temps[name] = executable.memory_analysis().temp_size_in_bytes
+    return temps
+
+
 _sample_jit = jax.jit(_sample, static_argnames=("greedy", "filters"))
 _accept_again_jit = jax.jit(_accept_again, static_argnames=("greedy", "filters"))
 

@@ -148,6 +148,10 @@ class CachedStep:
         self._last[statics] = compiled
         return compiled(*args, **kwargs)
 
+    def executables(self) -> list:
+        """Every executable this step has run with (compiled or loaded), one per call signature."""
+        return list(self._known.values())
+
     def lower(self, *args, **kwargs):
         """As jax.jit's (for HLO checks and ahead-of-time compiles: nothing is stored)."""
         return self.jitted.lower(*args, **kwargs)
