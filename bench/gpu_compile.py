@@ -139,6 +139,7 @@ def _setup_environment() -> None:
         os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_fail_ptx_compilation_on_register_spilling=true").strip()
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     os.environ["JMOE_CPU_KERNELS"] = "off"  # dense products as on a GPU (jnp.dot), not the host's FFI kernels
+    os.environ["JMOE_TRACE_GPU_KERNELS"] = "1"  # steps traced here are lowered for CUDA: trace the GPU kernels
     os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
     # Every temporary file of this run goes under one directory, removed when the run ends; the CUDA
     # plugin's Mosaic GPU compiler ignores TMPDIR (/tmp/mosaic-gpu-XXXXXX, one per kernel, left behind):
@@ -386,12 +387,14 @@ ATTENTION_MODELS = {
     "qwen3-30b-a3b": dict(heads=4, groups=8, width=128, window=None, sink=False),
     "gpt-oss-20b": dict(heads=8, groups=8, width=64, window=128, sink=True),
 }
-ATTENTION_CASES = ((1, "bfloat16"), (1, "int8"), (1, "float8_e4m3fn"), (8, "bfloat16"))  # decode; verifying 7 drafts
+ATTENTION_CASES = ((1, "bfloat16"), (1, "int8"), (1, "float8_e4m3fn"), (8, "bfloat16"),  # decode; verifying 7 drafts
+                   (512, "bfloat16"), (512, "int8"))  # a prompt chunk, in tiles
 ATTENTION_CONTEXT, ATTENTION_PAGE = 32768, 64
 
 
 def compile_attention_case(name: str, tokens: int, cache: str, device) -> dict:
-    """The decode-attention kernel (and the merge of its shares) at a model's heads over a 32K context."""
+    """The paged-attention kernel (and the merge of its shares) at a model's heads over a 32K context:
+    a few current tokens in one tile, or a prompt chunk in tiles."""
     import jax
     import jax.numpy as jnp
 
@@ -413,7 +416,7 @@ def compile_attention_case(name: str, tokens: int, cache: str, device) -> dict:
     record = dict(model=name, tier=f"{cache} KV", plan=f"attention, {tokens} token{'s' * (tokens > 1)}", rows=1,
                   rows_dtype="bfloat16", context=ATTENTION_CONTEXT, page=ATTENTION_PAGE, window=m["window"],
                   sink=m["sink"])
-    if not supports(q, pool, pool):
+    if not supports(q, pool, pool, G):
         return dict(record, status="unsupported")
 
     def attend(q, keys, values, start, key_start, table, sink):

@@ -241,6 +241,7 @@ def attention_case(case):
     norm, which queries have a key)). The caches are pages in shuffled order among pages no row holds
     (NaN, so any read of them would show)."""
     B, K, G, T, S, w, cache, window, has_sink, page, absent_padding = case
+    assert S % page == 0, "the table holds whole pages: S slots a row"
     rng = np.random.default_rng(S)
     q = rng.normal(size=(B, K, G * T, w)).astype(np.float32)
     keys = rng.normal(size=(B, K, S, w)).astype(np.float32)
@@ -302,6 +303,11 @@ PALLAS_CASES = [c for c in NATIVE_CASES if c[5] % 16 == 0] + [
     (3, 1, 3, 2, 70, 16, "float32", 9, False, 7, True),
     (2, 4, 8, 4, 600, 128, "float8_e4m3fn", None, False, 24, False),
     (3, 2, 4, 1, 320, 32, "float8_e4m3fn", 50, True, 4, True)]
+# Prompt chunks: more current tokens than one tile's MAX_QUERY_ROWS rows hold, run as several tiles
+# (the last one partly past the chunk's end), each reaching only up to its own last token.
+PROMPT_CASES = [(2, 2, 8, 37, 300, 32, "float32", None, False, 20, False),
+                (3, 1, 16, 20, 200, 16, "int8", 24, True, 8, True),
+                (1, 2, 4, 70, 260, 64, "bfloat16", None, True, 20, False)]
 
 
 @pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
@@ -320,8 +326,25 @@ def test_pallas_decode_attention_equals_the_materialised_softmax(case):
     check_attention(got, want, **(dict(rtol=1e-2, atol=2e-3) if case[6] == "bfloat16" else {}))
 
 
+@pytest.mark.parametrize("case", PROMPT_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
+def test_pallas_prompt_chunk_attention_equals_the_materialised_softmax(case):
+    """The same kernel over a prompt chunk, in interpret mode: its tokens in tiles of a few each (every
+    query head of a cache head in one tile), each tile's reach split over 2 programs, against the
+    float64 softmax."""
+    from pallas_kernels.decode_attention import MAX_QUERY_ROWS, decode_attention, supports, tile_tokens
+
+    (q, keys, values, sink), (start, key_start, table), kw, want = attention_case(case)
+    G, T = case[2], case[3]
+    assert tile_tokens(G, T) < T and G * T > MAX_QUERY_ROWS  # several tiles, more rows than one holds
+    assert supports(q, keys, values, G) and not supports(q, keys, values)
+    got = jax.jit(lambda q, k, v, s: decode_attention(q, k, v, start, key_start, table, sink=s, splits=2,
+                                                      precision=jax.lax.Precision.HIGHEST, interpret=True, **kw))(
+        q, keys, values, sink)
+    check_attention(got, want, **(dict(rtol=1e-2, atol=2e-3) if case[6] == "bfloat16" else {}))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
+@pytest.mark.parametrize("case", PALLAS_CASES + PROMPT_CASES, ids=lambda c: f"{c[6]}-w{c[5]}-T{c[3]}-page{c[9]}")
 def test_compiled_pallas_decode_attention_equals_the_materialised_softmax_on_gpu(case):
     from pallas_kernels.decode_attention import decode_attention
 
@@ -391,19 +414,22 @@ def test_the_attention_entry_point_tries_the_kernels_in_order_and_falls_back_to_
 
 def test_a_decode_step_lowered_for_a_gpu_runs_the_pallas_kernel_and_gathers_no_keys(monkeypatch):
     """Lowered for CUDA (the choice between the kernel and the XLA loop is made when lowered), a decode
-    token over a bfloat16 or int8 cache is one Pallas kernel and no gather of the cache; latent
-    attention's two score terms keep the XLA loop. The same function on the CPU without its native
-    kernels runs the XLA loop, with the explicit formulation's result."""
+    token over a bfloat16 or int8 cache, or a prompt chunk of 40 tokens, is one Pallas kernel and no
+    gather of the cache; latent attention's two score terms keep the XLA loop. A process that will
+    not lower for a GPU (no GPU backend, JMOE_TRACE_GPU_KERNELS unset) does not trace the kernel. The
+    same function on the CPU without its native kernels runs the XLA loop, with the explicit
+    formulation's result."""
     import cpu_kernels.ops
 
     monkeypatch.setattr(cpu_kernels.ops, "available", lambda: False)  # the native kernels run only on the CPU
+    monkeypatch.setenv("JMOE_TRACE_GPU_KERNELS", "1")
     B, K, G, S, w, page = 2, 2, 8, 256, 64, 16
     shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
-    meta = meta_of([40, 200], [0, 10], 1, shape(B, S // page, dtype=jnp.int32))
     kw = dict(groups=G, scale=w**-0.5, window=None, precision=None)
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
 
-    def lowered(queries, keys, values):
+    def lowered(queries, keys, values, tokens=1):
+        meta = meta_of([40, 200], [0, 10], tokens, shape(B, S // page, dtype=jnp.int32))
         attend = jax.jit(lambda q, k, v, table: blocked_attention(q, k, v, meta._replace(table=table), **kw)[0])
         # from jax 0.11 the Pallas Triton lowering asks for the GPU it targets: an abstract mesh names one
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
@@ -414,7 +440,10 @@ def test_a_decode_step_lowered_for_a_gpu_runs_the_pallas_kernel_and_gathers_no_k
     int8 = QuantizedRows(shape(*pool.shape, dtype=jnp.int8), shape(*pool.shape[:3], 1, dtype=jnp.float32))
     assert lowered((q,), (pool,), pool) == (1, False)
     assert lowered((q,), (int8,), int8) == (1, False)
+    assert lowered((shape(B, K, G * 40, w),), (pool,), pool, tokens=40) == (1, False)
     assert lowered((q, q), (pool, pool), pool) == (0, True)
+    monkeypatch.delenv("JMOE_TRACE_GPU_KERNELS")
+    assert lowered((q,), (pool,), pool) == (0, True)
 
     rng = np.random.default_rng(3)
     q = rng.normal(size=(B, K, G, w)).astype(np.float32)
