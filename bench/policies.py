@@ -18,9 +18,15 @@
    its own place in the dev texts, N tokens per domain: the gap closed per stream and over all of
    them, at the default hotness horizon, two shorter ones, with router counts and with the shift
    detector (`shift`: a layer whose recent routing departs from its hotness takes it as its hotness).
+   With --stream-offsets, the prose -> code -> math stream from each of several places in the dev
+   texts instead: a stream of 250 tokens a domain is scored in three 256-token windows, so one
+   stream's share moves by tens of points with the place it starts; the median over places says
+   more.
 
     python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
     python -m bench.policies --streams 250 2048 [--streams-name dynaexq_streams]
+    python -m bench.policies --streams 250 --stream-offsets 0 1500 3000 4500 6000 7500 \
+        --streams-name dynaexq_stream_offsets
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -262,15 +269,20 @@ STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dic
                    "DynaExq 8/32, shift 3": dict(shift=3.0)}
 
 
-def shift_streams(path: Path, tokens: int) -> dict:
-    """DynaExq's share of the int2 -> int4 gap on several shifting streams (STREAMS), beside uniform
-    int4 and int2: how much one stream's figure says about another's, and how it moves with the
-    hotness horizon. Also the gap closed over all streams together (the sum of what each closed
-    over the sum of their gaps)."""
+def offset_streams(offsets: list[int]) -> dict:
+    """The issue's prose -> code -> math stream from each of these dev-token offsets (STREAMS' form)."""
+    return {f"prose -> code -> math from token {skip}": (("prose", "code", "math"), skip) for skip in offsets}
+
+
+def shift_streams(path: Path, tokens: int, streams: dict | None = None) -> dict:
+    """DynaExq's share of the int2 -> int4 gap on several shifting streams (STREAMS, or `streams`),
+    beside uniform int4 and int2: how much one stream's figure says about another's, and how it
+    moves with the hotness horizon. Also the gap closed over all streams together (the sum of what
+    each closed over the sum of their gaps) and each policy's median and range over the streams."""
     tokenizer = jmoe.load(path, tier="int2").tokenizer
     budget = dynaexq_budget(path)
     out = {}
-    for name, (order, skip) in STREAMS.items():
+    for name, (order, skip) in (streams or STREAMS).items():
         stream = domain_stream(tokenizer, order, tokens, skip)
         runs = {"uniform int4": ("lru", "int4", None), "uniform int2": ("lru", "int2", None),
                 **{k: (DynaExq(hi_per_layer=8, **kw), None, budget) for k, kw in STREAM_POLICIES.items()}}
@@ -283,7 +295,10 @@ def shift_streams(path: Path, tokens: int) -> dict:
     pooled = {k: sum(s["perplexity"]["uniform int2"] - s["perplexity"][k] for s in out.values())
               / sum(s["perplexity"]["uniform int2"] - s["perplexity"]["uniform int4"] for s in out.values())
               for k in STREAM_POLICIES}
-    return {"tokens_per_domain": tokens, "budget_bytes": budget, "streams": out, "gap_closed_all_streams": pooled}
+    each = {k: sorted(s["int2_to_int4_gap_closed"][k] for s in out.values()) for k in STREAM_POLICIES}
+    spread = {k: {"median": statistics.median(v), "min": v[0], "max": v[-1]} for k, v in each.items()}
+    return {"tokens_per_domain": tokens, "budget_bytes": budget, "streams": out, "gap_closed_all_streams": pooled,
+            "gap_closed_per_stream": spread}
 
 
 def plot_shift(shift: dict, path: Path) -> None:
@@ -375,13 +390,18 @@ def main() -> None:
                              "(results: policies/dynaexq_streams_cpu.json)")
     parser.add_argument("--streams-name", type=result_name, default="dynaexq_streams",
                         help="the --streams result's name (_cpu.json added)")
+    parser.add_argument("--stream-offsets", type=int, nargs="+", metavar="TOKEN",
+                        help="with --streams: the prose -> code -> math stream from each of these dev-token "
+                             "offsets, in place of the three rotations of the order")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = convert_tiny(root, args.calib_sequences)
         if args.streams:
+            streams = offset_streams(args.stream_offsets) if args.stream_offsets else None
             write_result("policies", args.streams_name, {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
-                                                          "runs": [shift_streams(path, n) for n in args.streams]})
+                                                          "runs": [shift_streams(path, n, streams)
+                                                                   for n in args.streams]})
             return
         if args.only_importance:
             previous = json.loads((RESULTS / "policies" / "policies_cpu.json").read_text())

@@ -834,6 +834,26 @@ def dynaexq_streams() -> str:
                                  f"({source('policies/dynaexq_streams_cpu.json')})."
 
 
+def dynaexq_stream_offsets(name: str = "policies/dynaexq_stream_offsets_zen1_cpu.json") -> str:
+    """The prose -> code -> math stream from several places in the dev texts: each place's share of
+    the gap closed, then the median [range] and the pooled share per policy."""
+    run = load(name)["runs"][0]
+    policies = list(run["gap_closed_all_streams"])
+    rows = [[f"{stream['offset_tokens']:,}",
+             f"{stream['perplexity']['uniform int4']:.3f} / {stream['perplexity']['uniform int2']:.3f}",
+             *(f"{100 * stream['int2_to_int4_gap_closed'][k]:.0f}%" for k in policies)]
+            for stream in run["streams"].values()]
+    spread = run["gap_closed_per_stream"]
+    rows.append(["median [min–max]", "", *(f"{100 * spread[k]['median']:.0f}% [{100 * spread[k]['min']:.0f}–"
+                                           f"{100 * spread[k]['max']:.0f}%]" for k in policies)])
+    rows.append(["all together", "", *(f"{100 * run['gap_closed_all_streams'][k]:.0f}%" for k in policies)])
+    header = ["from dev token", "perplexity, uniform int4 / int2",
+              *(k.replace("DynaExq 8/32", "DynaExq").replace("DynaExq, ", "") for k in policies)]
+    return table(header, rows) + (f"\n\nShare of the int2 -> int4 gap closed, prose -> code -> math, "
+                                  f"{run['tokens_per_domain']} tokens a domain. Machine: {machine(load(name))} "
+                                  f"({source(name)}).")
+
+
 def dymoe_ablation() -> str:
     d = load("policies/policies_cpu.json")
     runs = d["dymoe_ablation_synthetic_qwen3_30b_a3b_4L"]
@@ -1129,6 +1149,7 @@ TABLES = {
     "speculative-acceptance": speculative_acceptance,
     "workload-shift": workload_shift,
     "dynaexq-streams": dynaexq_streams,
+    "dynaexq-stream-offsets": dynaexq_stream_offsets,
     "dymoe-ablation": dymoe_ablation,
     "paper-headlines-tiny": lambda: paper_headlines("tiny"),
     "paper-headlines-qwen3": lambda: paper_headlines("qwen3"),
