@@ -8,7 +8,10 @@ Needs no network and no ../shared (prompts come from tests/data, models are gene
 3. decode TPOT of a synthetic Qwen3-30B-A3B-shaped model with every expert resident, at int4 and
    bf16, against its floor (bytes a token reads / copy bandwidth);
 4. offloaded TPOT of that model at 25 / 50 / 75% expert budgets with the policies;
-5. last, expert kernels at Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE decode and prefill shapes,
+5. paged attention at Qwen3-30B-A3B's heads over a 32K cache: the Pallas kernel against XLA's
+   loop over blocks of keys (what a GPU step ran before the kernel), for a decode token and for
+   512-token prompt chunks near the start and near the end of the context;
+6. last, expert kernels at Qwen3-30B-A3B, Mixtral-8x7B and Qwen1.5-MoE decode and prefill shapes,
    bf16 / int8 / int4 / int2: achieved bytes/s, also as a fraction of the copy bandwidth, stopping
    where --budget-s (default 540 s: a lent GPU's 15 minutes include its start) runs out.
 
@@ -50,7 +53,7 @@ from jmoe.serving.compiles import no_compiles
 PROMPTS = ROOT / "tests" / "data"
 TOY = dict(hidden=256, moe_intermediate=128, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=64)
 POLICIES = ("lru", "lru+prefetch", "dymoe")
-PARTS = ("tests", "bandwidth", "kernels", "resident", "offloaded")
+PARTS = ("tests", "bandwidth", "kernels", "resident", "offloaded", "attention")
 
 
 def device_slug(kind: str) -> str:
@@ -126,6 +129,42 @@ def kernels(dry_run: bool, copy_gbps: float, progress=lambda cases: None, time_l
                 cases.append(r)
                 progress(cases)
     return cases
+
+
+def attention(dry_run: bool) -> list[dict]:
+    """Median ms of the Pallas paged attention and of XLA's blocked loop (every block of the cache,
+    as a GPU step lowers it) over one row's cache: a decode token at the context's end, and prompt
+    chunks at two depths. Dry run: toy sizes, the kernel in interpret mode, on any backend."""
+    from jmoe.layers.attention import AttentionMeta, blocked_attention
+    from pallas_kernels.decode_attention import decode_attention
+
+    K, G, w, page, slots = (2, 4, 64, 16, 512) if dry_run else (4, 8, 128, 64, 32768)
+    cases = [(1, slots - 1), (32, 64), (32, slots - 32)] if dry_run else [(1, slots - 1), (512, 3584),
+                                                                          (512, slots - 512)]
+    dtype = jnp.float32 if dry_run else jnp.bfloat16
+    rng = np.random.default_rng(0)
+    pool = lambda: jnp.asarray(rng.normal(size=(slots // page, K, page, w)), dtype)  # noqa: E731
+    keys, values = pool(), pool()
+    table = jnp.asarray(rng.permutation(slots // page)[None], jnp.int32)
+    rows = []
+    for tokens, position in cases:
+        q = jnp.asarray(rng.normal(size=(1, K, G * tokens, w)), dtype)
+        start, key_start = jnp.asarray([position], jnp.int32), jnp.zeros(1, jnp.int32)
+        rope = jnp.zeros((1, tokens, 2), jnp.float32)
+        meta = AttentionMeta(start, key_start, rope, rope, table)
+        kw = dict(groups=G, scale=w**-0.5, window=None)
+        kernel = jax.jit(lambda q, k, v: decode_attention(q, k, v, start, key_start, table, interpret=dry_run, **kw)[0])
+        loop = jax.jit(lambda q, k, v: blocked_attention((q,), (k,), v, meta, precision=None, reachable_only=False,
+                                                         **kw)[0])
+        row = {"tokens": tokens, "position": position, "slots": slots, "heads": f"{K * G} on {K}, width {w}",
+               "cache": jnp.dtype(dtype).name}
+        for name, fn in (("kernel", kernel), ("xla_loop", loop)):
+            row[f"{name}_ms"] = 1e3 * timed(lambda fn=fn: jax.block_until_ready(fn(q, keys, values)), repeat=10,
+                                            warmup=2)
+        row["kernel_speedup"] = row["xla_loop_ms"] / row["kernel_ms"]
+        print("attention", json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def synthetic_model(root: Path, layers: int, shape: dict, tiers: str) -> Path:
@@ -291,6 +330,9 @@ def main() -> None:
                     save()
 
                 offloaded_decode(path, new_tokens, dtype, result.get("resident_decode"), offloaded_so_far)
+    if "attention" in parts:
+        result["attention"] = attention(dry)
+        save()
     if "kernels" in parts:  # last: measured on earlier leases, and it can stop at any case
         def kernels_so_far(cases: list) -> None:
             result["kernels"] = cases
