@@ -19,7 +19,7 @@ same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexit
 Each side's figures are relative to its own bf16. Needs a llama.cpp build with llama-perplexity and
 llama-tokenize (bench/lib/llama_cpp.py says how; build those two targets beside llama-bench).
 
-    python -m bench.quality --llama-cpp [--chunks 200] [--work DIR]
+    python -m bench.quality --llama-cpp [--chunks 200] [--work DIR] [--mixed-r 0.75,0.625,0.5]
 
 With --server, it instead evaluates a running `jmoe serve` with EleutherAI's lm-evaluation-harness
 (`pip install 'lm-eval[api]'`, in the test extra) through its `local-completions` model, the path
@@ -141,6 +141,22 @@ BESIDE_LLAMA = {
                                                                            dict(policy="mixed", cpu_dot="int8"),
                                                                            "decode"),
 }
+MIXED_DEFAULT_R = 0.75  # DyMoE's default mean share of experts at int4, the rows above
+MIXED_AT_OTHER_R = "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token"
+
+
+def beside_llama_rows(mixed_r: list[float]) -> dict:
+    """BESIDE_LLAMA, and the GPTQ per-token row with Q4_0's head bytes at each further DyMoE ratio r
+    (fewer experts at int4 as r falls: the quality side of reading fewer bytes than Q4_0)."""
+    rows = dict(BESIDE_LLAMA)
+    conversion, kwargs, mode = BESIDE_LLAMA[MIXED_AT_OTHER_R]
+    for r in mixed_r:
+        if r != MIXED_DEFAULT_R:
+            label = MIXED_AT_OTHER_R.replace("int4/int2", f"int4/int2 r={r:g}")
+            rows[label] = (conversion, dict(kwargs, r=r), mode)
+    return rows
+
+
 CALIBRATED = dict(method="gptq", calib=[str(p) for p in CALIB_FILES])  # the experts and the LM head (convert/head.py)
 CONVERSIONS = {  # each with the converter's defaults otherwise
     "rtn": dict(tiers="bf16,int8,int4,int2"),
@@ -166,12 +182,9 @@ def expert_bits(cfg, tier: str) -> float:
 def mixed_bits(cfg, policy) -> float:
     """Bits per expert weight a decode token reads under DyMoE: in layer l, ceil(r(l) k) of its k
     experts at hi, the rest at lo (the policy's rule at batch 1)."""
-    import math
+    from jmoe.policies.dymoe import critical_share
 
-    from jmoe.policies.dymoe import depth_schedule
-
-    r = depth_schedule(cfg.num_layers, policy.lam)
-    share_hi = sum(math.ceil(float(x) * cfg.top_k - 1e-6) for x in r) / (cfg.top_k * len(r))
+    share_hi = critical_share(cfg.num_layers, cfg.top_k, policy.lam)
     return share_hi * expert_bits(cfg, policy.hi) + (1 - share_hi) * expert_bits(cfg, policy.lo)
 
 
@@ -219,11 +232,11 @@ def beside_llama_main(args) -> None:
             rows.append(row)
             print(f"llama.cpp {qtype:7s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in DOMAINS), flush=True)
 
-        for label, (conversion, kwargs, mode) in BESIDE_LLAMA.items():
+        for label, (conversion, kwargs, mode) in beside_llama_rows(args.mixed_r).items():
             kwargs = dict(kwargs)
             mixed = kwargs.pop("policy", None) == "mixed"
             if mixed:
-                kwargs["policy"] = DyMoE(hi="int4", lo="int2")
+                kwargs["policy"] = DyMoE(hi="int4", lo="int2", r=kwargs.pop("r", MIXED_DEFAULT_R))
             model = jmoe.load(conversions[conversion], compute_dtype="float32", **kwargs)
             cfg = model.config
             row = {"runtime": "jmoe", "label": label, "mode": mode,
@@ -265,6 +278,9 @@ def main() -> None:
     beside.add_argument("--ctx", type=int, default=256, help="window (default 256, the tiny model's training length)")
     beside.add_argument("--chunks", type=int, default=200, help="windows per domain (0: the whole dev split)")
     beside.add_argument("--llama-types", default=",".join(LLAMA_TYPES), help="GGUF types beside BF16")
+    beside.add_argument("--mixed-r", default=f"{MIXED_DEFAULT_R:g}",
+                        help="DyMoE ratios r (each in [0.5, 1]) of the GPTQ per-token row with the int6 head, "
+                             f"comma-separated (default {MIXED_DEFAULT_R:g}; the other per-token rows stay at it)")
     beside.add_argument("--work", help="keep the GGUFs, conversions and logs here (reused when present)")
     server = parser.add_argument_group("through a running server (lm-evaluation-harness)")
     server.add_argument("--server", help="evaluate the jmoe serve at this base URL (http://HOST:PORT) instead")
@@ -278,6 +294,12 @@ def main() -> None:
     server.add_argument("--limit", type=int, default=None, help="at most N documents per task")
     server.add_argument("--out", help="write the metrics to this JSON file")
     args = parser.parse_args()
+    try:
+        args.mixed_r = [float(x) for x in args.mixed_r.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--mixed-r takes numbers, got {args.mixed_r!r}")
+    if not all(0.5 <= r <= 1.0 for r in args.mixed_r):
+        parser.error("--mixed-r: DyMoE takes ratios from 0.5 to 1")
     if args.llama_cpp:
         return beside_llama_main(args)
     if args.server:

@@ -57,6 +57,12 @@ DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_do
 # --mixed: the per-token mixed mode (DyMoE int4/int2, both tiers resident)
 MIXED = "jmoe dense int4, experts int4 + int2"
 MIXED_LABEL = "jmoe DyMoE int4/int2 + dense int4 resident"
+MIXED_DEFAULT_R = 0.75  # DyMoE's default mean share of experts at int4
+
+
+def mixed_label(r: float) -> str:
+    """The mixed mode's label at DyMoE mean ratio r (the default r keeps the label earlier runs used)."""
+    return MIXED_LABEL if r == MIXED_DEFAULT_R else f"jmoe DyMoE int4/int2 r={r:g} + dense int4 resident"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
     p.add_argument("--mixed", action="store_true",
                    help="also the per-token mixed mode: DyMoE int4/int2 without a budget, dense int4 (its own conversion)")
+    p.add_argument("--mixed-r", default=f"{MIXED_DEFAULT_R:g}",
+                   help="DyMoE mean shares of experts at int4 for --mixed, comma-separated, each in [0.5, 1] "
+                        f"(default {MIXED_DEFAULT_R:g}; lower reads more experts at int2)")
     p.add_argument("--head-tier", choices=("bf16", "int8", "int6", "int4"), default=None,
                    help="LM head tier of the dense-int4 and mixed conversions (default: the converter's, int8 beside "
                         "dense int4; directories named ...-head-<tier>)")
@@ -102,13 +111,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.placements = [x.strip() for x in args.placements.split(",") if x.strip()]
     args.cpu_dots = [x.strip() for x in args.cpu_dots.split(",") if x.strip()]
     args.llama_types = [x.strip() for x in args.llama_types.split(",") if x.strip()]
+    try:
+        args.mixed_r = [float(x) for x in args.mixed_r.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--mixed-r takes numbers, got {args.mixed_r!r}")
     bad = ([f"tier {t!r}" for t in args.tiers if t not in TIER_ORDER]
            + [f"placement {x!r}" for x in args.placements if x not in PLACEMENTS]
            + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES]
-           + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")])
+           + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")]
+           + [f"--mixed-r {r:g} (DyMoE takes 0.5 to 1)" for r in args.mixed_r if not 0.5 <= r <= 1.0])
     if bad:
         p.error("unknown " + ", ".join(bad))
-    if not args.tiers or not args.cpu_dots or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2 or args.llama_threads < 1:
+    if (not args.tiers or not args.cpu_dots or not args.mixed_r or args.rounds < 1 or args.prompt < 1
+            or args.new_tokens < 2 or args.llama_threads < 1):
         p.error("need at least one tier, one round, a prompt and 2 new tokens")
     try:
         model_named(args.model).config_for(args.layers)
@@ -252,10 +267,12 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
                               "spec": spec, "loaded_bytes": loaded_bytes(dense, "int4", max_seq_len)})
     if MIXED in conversions:  # DyMoE without a budget: int4 and int2 whole, each token's experts split between them
         mixed = Path(conversions[MIXED]["path"])
-        for dot in args.cpu_dots:
-            spec = dict(base, path=str(mixed), tier="int4", policy="dymoe", budget=None, cpu_dot=dot)
-            jmoe_runs.append({"kind": "jmoe", "label": f"{MIXED_LABEL}{DOT_SUFFIX[dot]}", "spec": spec,
-                              "loaded_bytes": loaded_bytes(mixed, ("int4", "int2"), max_seq_len)})
+        for r in args.mixed_r:
+            for dot in args.cpu_dots:
+                spec = dict(base, path=str(mixed), tier="int4", policy="dymoe", policy_options={"r": r}, budget=None,
+                            cpu_dot=dot)
+                jmoe_runs.append({"kind": "jmoe", "label": f"{mixed_label(r)}{DOT_SUFFIX[dot]}", "spec": spec,
+                                  "loaded_bytes": loaded_bytes(mixed, ("int4", "int2"), max_seq_len)})
     llama_runs = [{"kind": "llama.cpp", "label": f"llama.cpp {q}", "gguf": llama_ggufs[q]["path"],
                    "loaded_bytes": llama_ggufs[q]["bytes"]} for q in args.llama_types if q in llama_ggufs]
     # alternate: each jmoe configuration followed by a llama.cpp one while both last
@@ -273,7 +290,8 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
     for suffix in DOT_SUFFIX.values():
         pairs += [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}", f"llama.cpp {q}") for q in args.llama_types
                   if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}" in labels]
-        for ours in (f"jmoe int4 + dense int4 resident{suffix}", f"{MIXED_LABEL}{suffix}"):  # int4 dense too
+        mixed = [f"{mixed_label(r)}{suffix}" for r in args.mixed_r]
+        for ours in (f"jmoe int4 + dense int4 resident{suffix}", *mixed):  # int4 dense too
             if ours in labels:
                 pairs += [(ours, f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
     return measured, startup, pairs
@@ -366,6 +384,7 @@ def main(argv=None) -> None:
                      "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens,
                      "llama_threads": args.llama_threads,
                      "quick": args.quick, "method": "rtn", "cpu_layout": args.cpu_layout, "head_tier": args.head_tier,
+                     "mixed_r": args.mixed_r if args.mixed else None,
                      "llama_cpp": llama.version() if llama else None},
         "conversions": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in conversions.items()},
         "summary": summarize(ok),

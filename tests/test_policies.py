@@ -13,7 +13,7 @@ import jmoe
 from convert import convert_checkpoint
 from jmoe.layers.experts import ExpertState, Routing, Selection, expert_importance, run_experts
 from jmoe.policies import DyMoE, DynaExq, make_policy
-from jmoe.policies.dymoe import depth_schedule
+from jmoe.policies.dymoe import critical_share, depth_schedule
 from jmoe.runtime.loader import memory_plan
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
@@ -43,6 +43,18 @@ def test_depth_schedule_keeps_early_layers_and_has_the_stated_mean(lam):
     assert np.all(np.diff(r) <= 1e-7)  # never more critical experts deeper down
     assert depth_schedule(2001, lam).mean() == pytest.approx((1 + lam) / 2, abs=1e-3)  # the continuous mean
     assert DyMoE(r=(1 + lam) / 2).lam == pytest.approx(lam)
+
+
+@pytest.mark.parametrize("layers,top_k", [(8, 4), (8, 8), (48, 8), (1, 2), (32, 6)])
+def test_critical_share_is_what_the_step_runs_at_hi_for_one_token(layers, top_k):
+    """The benchmarks' bits per expert weight rest on critical_share: per layer, the step keeps
+    ceil(ratio * routed) experts critical with ratio a float32 (jmoe/layers/experts.py), so the
+    share must match that float32 rule, including where r(l) k lands on a whole number."""
+    for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
+        ratio = jnp.asarray(depth_schedule(layers, lam), jnp.float32)
+        kept = jnp.ceil(ratio * jnp.int32(top_k)).astype(jnp.int32).clip(0, top_k)
+        assert critical_share(layers, top_k, lam) == pytest.approx(float(kept.sum()) / (layers * top_k))
+    assert critical_share(layers, top_k, 1.0) == 1.0
 
 
 def test_importance_is_gate_score_in_decode_and_heavy_hitters_in_prefill():

@@ -109,6 +109,16 @@ def test_the_mixed_mode_is_planned_against_llama_cpp_and_a_conversion_lacking_a_
     fixed = sum(v for k, v in plans["int4"].items() if k in ("dense", "kv_cache", "workspace"))
     assert cfg["loaded_bytes"] == fixed + plans["int4"]["all_experts"] + plans["int2"]["all_experts"]
     assert (label, "llama.cpp Q4_0") in pairs
+    assert cfg["spec"]["policy_options"] == {"r": 0.75}
+    # --mixed-r: the same conversion at several DyMoE ratios, each its own label, paired with Q4_0
+    args = real_shapes.parse_args(["--tiers", "int4", "--mixed", "--mixed-r", "0.75,0.5", "--cpu-dots", "int8",
+                                   "--placements", "resident", "--skip-startup"])
+    measured, _, pairs = real_shapes.plan_configs(args, conversions, {"Q4_0": {"path": "q.gguf", "bytes": 1}})
+    half = next(c for c in measured if c["label"] == real_shapes.mixed_label(0.5) + ", int8 dot")
+    assert half["label"] != label and any(c["label"] == label for c in measured)
+    assert half["spec"]["policy_options"] == {"r": 0.5} and (half["label"], "llama.cpp Q4_0") in pairs
+    with pytest.raises(SystemExit):
+        real_shapes.parse_args(["--mixed", "--mixed-r", "0.4"])
     again = real_shapes.convert_jmoe(src, main, ["int4", "int2"], [], True, tmp_path / "convert.log")
     assert again["seconds"] is not None  # converted again, not reused
     assert set(json.loads((main / "manifest.json").read_text())["tiers"]) == {"int4", "int2"}

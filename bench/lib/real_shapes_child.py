@@ -2,7 +2,7 @@
 
 Run by the bench in a fresh process per configuration and round, so the process's peak memory
 is that configuration's own; prints one JSON line. The spec (a JSON argument) names the converted
-model, tier, device budget and policy, prompt and generation lengths, and the mode:
+model, tier, device budget and policy (with its options, if any), prompt and generation lengths, and the mode:
 
 - "speed": load, one warm-up of each measured call (compiles the step shapes and, offloaded,
   fills the expert pools), then a 512-token prompt with 128 new tokens (prefill tok/s, decode
@@ -73,8 +73,12 @@ def main() -> None:
     from jmoe.serving.compiles import no_compiles
     import_s = time.perf_counter() - T_START
 
+    policy = spec["policy"]
+    if spec.get("policy_options"):  # e.g. DyMoE's r for the mixed mode
+        from jmoe.policies import make_policy
+        policy = make_policy(policy, spec["tier"], **spec["policy_options"])
     t = time.perf_counter()
-    model = jmoe.load(spec["path"], tier=spec["tier"], device_budget=spec.get("budget"), policy=spec["policy"],
+    model = jmoe.load(spec["path"], tier=spec["tier"], device_budget=spec.get("budget"), policy=policy,
                       max_seq_len=spec["max_seq_len"], cpu_dot=spec.get("cpu_dot", "float"), progress=False)
     load_s = time.perf_counter() - t
     load_peak = status_bytes("VmHWM")

@@ -25,6 +25,8 @@ router applied to layer l's state ranks experts by predicted tokens (prefill) or
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from jmoe import validate
@@ -39,6 +41,13 @@ def depth_schedule(num_layers: int, lam: float) -> np.ndarray:
         return np.ones(1, np.float32)
     l = np.arange(num_layers)
     return ((1 - lam) * (np.cos(np.pi * l / (num_layers - 1)) + 1) / 2 + lam).astype(np.float32)
+
+
+def critical_share(num_layers: int, top_k: int, lam: float) -> float:
+    """The share of a batch-1 decode token's routed experts that run at `hi`: ceil(r(l) k) of the k
+    in layer l (the step's rule; the small margin keeps float32 rounding from adding one)."""
+    r = depth_schedule(num_layers, lam)
+    return sum(math.ceil(float(x) * top_k - 1e-6) for x in r) / (top_k * num_layers)
 
 
 class DyMoE(Policy):
@@ -83,4 +92,4 @@ class DyMoE(Policy):
         return f"DyMoE(hi={self.hi!r}, lo={self.lo!r}, r={self.r:g}, heavy_hitters={self.heavy_hitters:g})"
 
 
-__all__ = ["DyMoE", "depth_schedule"]
+__all__ = ["DyMoE", "critical_share", "depth_schedule"]
