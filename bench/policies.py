@@ -21,7 +21,8 @@
    With --stream-offsets, the prose -> code -> math stream from each of several places in the dev
    texts instead: a stream of 250 tokens a domain is scored in three 256-token windows, so one
    stream's share moves by tens of points with the place it starts; the median over places says
-   more.
+   more. With --hindsight, also DynaExq told the routing of the next 64, 256 or 1,024 tokens at
+   every interval: what no estimate from past routing can beat at this budget.
 
     python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
     python -m bench.policies --streams 250 2048 [--streams-name dynaexq_streams]
@@ -269,23 +270,73 @@ STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dic
                    "DynaExq 8/32, shift 3": dict(shift=3.0)}
 
 
+class Hindsight(DynaExq):
+    """DynaExq told the future: at every interval its hotness is the routing of the next `horizon`
+    tokens of the stream (router counts from `routing`, [T, L, k], in the order the policy sees the
+    tokens), the rest of its machinery unchanged. No estimate from past routing can know more, so
+    its share of the gap is a ceiling for DynaExq's hotness at this budget, not a policy to use.
+    With `weights` ([T, L, k] combine weights), the hotness is the gate weight to come, as the
+    default DynaExq's is the gate weight received."""
+
+    def __init__(self, routing: np.ndarray, horizon: int, weights: np.ndarray | None = None, **options):
+        super().__init__(**options)
+        self.routing, self.weights, self.horizon, self.position = routing, weights, horizon, 0
+
+    def _start(self, num_layers: int, num_experts: int, n_hi: int) -> None:
+        super()._start(num_layers, num_experts, n_hi)
+        self.position = 0
+        self._look_ahead()  # the first hi set is the first tokens' experts (preload puts it in place)
+
+    def _look_ahead(self) -> None:
+        upcoming = self.routing[self.position : self.position + self.horizon]  # [H, L, k]
+        mass = 1.0 if self.weights is None else self.weights[self.position : self.position + self.horizon].ravel()
+        counts = np.zeros(self.hot.shape)
+        layers = np.broadcast_to(np.arange(upcoming.shape[1])[None, :, None], upcoming.shape)
+        np.add.at(counts, (layers.ravel(), upcoming.ravel()), mass)
+        self.hot = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+        self._update_members()
+
+    def observe_experts(self, counts, gate, tokens: int) -> None:
+        if self.hot is None:
+            return
+        self.position += tokens
+        self.tokens += tokens
+        if self.tokens >= self.interval:
+            self.tokens = 0
+            self._look_ahead()
+
+
+HINDSIGHT_HORIZONS = (64, 256, 1024)  # tokens of the stream each hindsight ceiling looks ahead
+
+
+def hindsight_name(horizon: int) -> str:
+    return f"DynaExq 8/32, hindsight: the next {horizon} tokens"
+
+
 def offset_streams(offsets: list[int]) -> dict:
     """The issue's prose -> code -> math stream from each of these dev-token offsets (STREAMS' form)."""
     return {f"prose -> code -> math from token {skip}": (("prose", "code", "math"), skip) for skip in offsets}
 
 
-def shift_streams(path: Path, tokens: int, streams: dict | None = None) -> dict:
+def shift_streams(path: Path, tokens: int, streams: dict | None = None, hindsight: bool = False) -> dict:
     """DynaExq's share of the int2 -> int4 gap on several shifting streams (STREAMS, or `streams`),
     beside uniform int4 and int2: how much one stream's figure says about another's, and how it
     moves with the hotness horizon. Also the gap closed over all streams together (the sum of what
-    each closed over the sum of their gaps) and each policy's median and range over the streams."""
+    each closed over the sum of their gaps) and each policy's median and range over the streams.
+    With `hindsight`, also the ceilings of Hindsight at HINDSIGHT_HORIZONS."""
     tokenizer = jmoe.load(path, tier="int2").tokenizer
     budget = dynaexq_budget(path)
+    tracer = jmoe.load(path, compute_dtype="float32", tier="int4") if hindsight else None
+    names = [*STREAM_POLICIES, *(hindsight_name(h) for h in HINDSIGHT_HORIZONS if hindsight)]
     out = {}
     for name, (order, skip) in (streams or STREAMS).items():
         stream = domain_stream(tokenizer, order, tokens, skip)
         runs = {"uniform int4": ("lru", "int4", None), "uniform int2": ("lru", "int2", None),
                 **{k: (DynaExq(hi_per_layer=8, **kw), None, budget) for k, kw in STREAM_POLICIES.items()}}
+        if hindsight:  # the windows score the stream in order, each WINDOW tokens from a fresh cache
+            routing, weights = trace_routing(tracer, stream, WINDOW, with_weights=True)
+            runs.update({hindsight_name(h): (Hindsight(routing, h, weights, hi_per_layer=8), None, budget)
+                         for h in HINDSIGHT_HORIZONS})
         perplexity = {}
         for run, (policy, tier, device_budget) in runs.items():
             model = jmoe.load(path, compute_dtype="float32", policy=policy, tier=tier, device_budget=device_budget)
@@ -294,8 +345,8 @@ def shift_streams(path: Path, tokens: int, streams: dict | None = None) -> dict:
         print(name, {k: round(v, 3) for k, v in out[name]["int2_to_int4_gap_closed"].items()}, flush=True)
     pooled = {k: sum(s["perplexity"]["uniform int2"] - s["perplexity"][k] for s in out.values())
               / sum(s["perplexity"]["uniform int2"] - s["perplexity"]["uniform int4"] for s in out.values())
-              for k in STREAM_POLICIES}
-    each = {k: sorted(s["int2_to_int4_gap_closed"][k] for s in out.values()) for k in STREAM_POLICIES}
+              for k in names}
+    each = {k: sorted(s["int2_to_int4_gap_closed"][k] for s in out.values()) for k in names}
     spread = {k: {"median": statistics.median(v), "min": v[0], "max": v[-1]} for k, v in each.items()}
     return {"tokens_per_domain": tokens, "budget_bytes": budget, "streams": out, "gap_closed_all_streams": pooled,
             "gap_closed_per_stream": spread}
@@ -393,6 +444,9 @@ def main() -> None:
     parser.add_argument("--stream-offsets", type=int, nargs="+", metavar="TOKEN",
                         help="with --streams: the prose -> code -> math stream from each of these dev-token "
                              "offsets, in place of the three rotations of the order")
+    parser.add_argument("--hindsight", action="store_true",
+                        help="with --streams: also DynaExq told the routing of the tokens to come (a ceiling for "
+                             "any hotness estimate at this budget)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -400,7 +454,7 @@ def main() -> None:
         if args.streams:
             streams = offset_streams(args.stream_offsets) if args.stream_offsets else None
             write_result("policies", args.streams_name, {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
-                                                          "runs": [shift_streams(path, n, streams)
+                                                          "runs": [shift_streams(path, n, streams, args.hindsight)
                                                                    for n in args.streams]})
             return
         if args.only_importance:

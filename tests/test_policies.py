@@ -193,6 +193,22 @@ def test_the_serving_engine_runs_the_precision_policies(int4_int2, uniform_int4,
 # ---------------------------------------------------------------- DynaExq
 
 
+def test_routing_trace_weights_add_up_to_the_gate_weight_each_expert_received(int4_int2):
+    """jmoe.trace_routing(..., with_weights=True) (the hindsight ceiling's input in bench/policies.py):
+    its combine weights, summed per expert, are the gate weight the step reports to the policies,
+    and its routing is that of jmoe.trace_routing without weights."""
+    model = jmoe.load(int4_int2, compute_dtype="float32", tier="int4")
+    ids = IDS * 3
+    routed, weights = jmoe.trace_routing(model, ids, window=len(ids), with_weights=True)
+    assert routed.shape == weights.shape == (len(ids), model.config.num_moe_layers, model.config.top_k)
+    assert np.array_equal(routed, jmoe.trace_routing(model, ids, window=len(ids)))
+    gate = np.zeros((model.config.num_moe_layers, model.config.num_experts))
+    layers = np.broadcast_to(np.arange(routed.shape[1])[None, :, None], routed.shape)
+    np.add.at(gate, (layers.ravel(), routed.ravel()), weights.ravel())
+    assert np.allclose(gate, np.asarray(model.residency.signals.gate), atol=1e-5)
+    assert np.all(weights > 0)
+
+
 @pytest.mark.parametrize("execution", PATHS)
 def test_dynaexq_with_room_for_every_expert_at_hi_is_uniform_hi(int4_int2, uniform_int4, execution):
     model = jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(), execution=execution)

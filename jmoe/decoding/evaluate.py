@@ -117,20 +117,26 @@ def perplexity(model, token_ids, window: int = 512, mode: str = "prefill", conte
     return math.exp(total / count)
 
 
-def window_routing(model, token_ids, window: int = 256) -> np.ndarray:
+def window_routing(model, token_ids, window: int = 256, with_weights: bool = False):
     """[T, L, k] the experts each token of token_ids was routed to, running prefill windows through a
-    model whose experts are all resident (its steps keep their routing on the device)."""
+    model whose experts are all resident (its steps keep their routing on the device); with
+    `with_weights`, also [T, L, k] the combine weight of each."""
     check_model(model)
     if model.residency.offloading:
         raise InputError("routing traces need a model with every expert resident (load it without a budget, "
                          "or at a smaller tier)")
     window = validate.integer("window", window, minimum=2, maximum=model.max_seq_len)
     ids = token_array(model, token_ids, 1)
-    out = []
+    routed, weights = [], []
     for start in range(0, len(ids), window):
         chunk = ids[start : start + window]
         cache = new_cache(model.config, 1, len(chunk), model.kv_dtype)
         model.step(jnp.asarray(chunk[None]), cache, np.zeros(1, np.int32), np.zeros(1, np.int32), last_only=True,
                    phase="prefill")
-        out.append(np.asarray(model.residency.signals.ids)[:, 0].transpose(1, 0, 2))  # [T, L, k]
-    return np.concatenate(out)
+        signals = model.residency.signals
+        routed.append(np.asarray(signals.ids)[:, 0].transpose(1, 0, 2))  # [T, L, k]
+        if with_weights:
+            weights.append(np.asarray(signals.weights, np.float32)[:, 0].transpose(1, 0, 2))
+    if with_weights:
+        return np.concatenate(routed), np.concatenate(weights)
+    return np.concatenate(routed)
