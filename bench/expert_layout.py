@@ -13,6 +13,12 @@ window fails the run.
 With --int2 it compares the int2 tier's two formats instead, both layouts: groups of 64 with
 float16 scales and offsets (the earlier default) against groups of 32 with 8-bit scales and offsets
 on per-column float32 bases (the default now), bench/results/kernels/expert_layout_int2_cpu.json.
+
+With --mixed it times the per-token mixed mode's routed call instead: the int4 and int2 tiers'
+pools (their default formats, CPU layout, int8 dot) in one `routed_expert_ffn_tiers` call, a
+token's 8 experts split 8/0, 6/2, 4/4 and 0/8 between them, beside each tier alone in
+`routed_expert_ffn`: whether reading some experts at int2 saves what its bytes say inside the
+kernel (bench/results/kernels/expert_mixed_tiers_cpu.json).
 """
 
 from __future__ import annotations
@@ -58,7 +64,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--int2", action="store_true", help="the int2 tier's two formats, both layouts")
+    parser.add_argument("--mixed", action="store_true", help="int4 and int2 pools in one call, experts split between")
     args = parser.parse_args()
+    if args.mixed:
+        return mixed_tiers(args.rounds, args.calls)
 
     import jax
     import jax.numpy as jnp
@@ -117,6 +126,72 @@ def main() -> None:
         "machine": machine(), "isa": native.isa(),
         "case": f"routed_expert_ffn, {TOP_K} of {SLOTS} {tiers}, D={D}, F={F}, one token",
         "rounds": args.rounds, "calls_per_round": args.calls, "results": results})
+
+
+def timed_rounds(cases: dict, rounds: int, calls: int) -> dict:
+    """{name: [median seconds of each round]}: the cases (name -> (call, picks)) alternating, each
+    round a median of `calls` calls after a warm-up; a compilation in a timed window fails the run."""
+    from jmoe.serving.compiles import no_compiles
+
+    out = {name: [] for name in cases}
+    order = list(cases)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            call, picks = cases[name]
+            call(picks[0]).block_until_ready()  # warm
+            times = []
+            with no_compiles(name):
+                for i in range(calls):
+                    t = time.perf_counter()
+                    call(picks[i % len(picks)]).block_until_ready()
+                    times.append(time.perf_counter() - t)
+            out[name].append(statistics.median(times))
+    return out
+
+
+def mixed_tiers(rounds: int, calls: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cpu_kernels import native, ops
+    from jmoe.tiers import tier_format
+    from kernel_formats.qarray import tile
+
+    if not ops.available():
+        sys.exit("the native CPU kernels are not loaded")
+    tiers = {"int4": [tile(w) for w in pools(tier_format("int4"))],
+             "int2": [tile(w) for w in pools(tier_format("int2"))]}
+    expert_bytes = {t: sum(a.nbytes // SLOTS for w in ws for a in (w.values, w.scales, w.offsets, w.bases)
+                           if a is not None) for t, ws in tiers.items()}
+    rng = np.random.default_rng(1)
+    picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
+    h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
+    token = jnp.zeros(TOP_K, jnp.int32)
+    both = [(*tiers["int4"], None, None), (*tiers["int2"], None, None)]
+    two_pools = jax.jit(lambda s, t: ops.routed_expert_ffn_tiers(h, token, s, t, both, int8_dot=True))
+    one_pool = jax.jit(lambda s, g, d: ops.routed_expert_ffn(h, token, s, g, d, int8_dot=True))
+    cases, read = {}, {}
+    for tier, weights in tiers.items():
+        cases[f"8 at {tier}, one pool"] = (lambda s, weights=weights: one_pool(s, *weights), picks)
+        read[f"8 at {tier}, one pool"] = TOP_K * expert_bytes[tier]
+    for low in (0, 2, 4, 8):
+        codes = jnp.asarray([0] * (TOP_K - low) + [1] * low, jnp.int32)
+        name = f"{TOP_K - low} at int4 + {low} at int2, two pools"
+        cases[name] = (lambda s, codes=codes: two_pools(s, codes), picks)
+        read[name] = (TOP_K - low) * expert_bytes["int4"] + low * expert_bytes["int2"]
+    results = {}
+    for name, ts in timed_rounds(cases, rounds, calls).items():
+        ms = statistics.median(ts) * 1e3
+        results[name] = {"ms": round(ms, 3), "min_ms": round(min(ts) * 1e3, 3), "max_ms": round(max(ts) * 1e3, 3),
+                         "weight_bytes": read[name], "weight_gb_per_s": round(read[name] / (ms / 1e3) / 1e9, 2)}
+        print(f"{name}: {ms:.3f} ms [{min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f}], {read[name] / 1e6:.2f} MB, "
+              f"{results[name]['weight_gb_per_s']:.1f} GB/s of weights")
+    write_result("kernels", "expert_mixed_tiers", {
+        "machine": machine(), "isa": native.isa(),
+        "case": f"routed_expert_ffn(_tiers), {TOP_K} of {SLOTS} experts per pool, int4 and int2 in their default "
+                f"formats, CPU layout, int8 dot, D={D}, F={F}, one token",
+        "rounds": rounds, "calls_per_round": calls, "results": results})
 
 
 if __name__ == "__main__":
