@@ -314,6 +314,15 @@ XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks ar
 ]
 
 
+def mixed_ratio_labels(d: dict) -> list[tuple[str, str]]:
+    """(summary key, row label) of a run's mixed mode at DyMoE ratios other than the default
+    (bench.real_shapes --mixed-r), by falling r, placed before llama.cpp's row."""
+    prefix = "jmoe DyMoE int4/int2 r="
+    keys = sorted((k for k in d["summary"] if k.startswith(prefix)), key=lambda k: -float(k[len(prefix):].split()[0]))
+    return [(k, f"jmoe DyMoE int4/int2 at r = {k[len(prefix):].split()[0]} (both tiers whole), `--dense-tier int4`, "
+                "`cpu_dot=\"int8\"`") for k in keys]
+
+
 def head_tier(d: dict) -> str:
     """The LM head's tier in a real-shapes run's dense-int4 conversions (runs from before the head had
     a tier of its own held it at the dense tier)."""
@@ -325,7 +334,7 @@ def shapes_on_avx512(name: str) -> str:
     d = load(name)
     gib = 2 ** 30
     rows = []
-    for key, label in XEON_LABELS:
+    for key, label in XEON_LABELS[:-1] + mixed_ratio_labels(d) + XEON_LABELS[-1:]:  # llama.cpp last
         if key not in d["summary"]:
             continue
         label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head)")
@@ -817,21 +826,21 @@ def workload_shift() -> str:
     return out + f"\n\nMachine: {machine(d)}; GPU times modelled ({source('policies/policies_cpu.json')})."
 
 
-def dynaexq_streams() -> str:
-    d = load("policies/dynaexq_streams_cpu.json")
+def dynaexq_streams(name: str = "policies/dynaexq_streams_cpu.json") -> str:
+    d = load(name)
     policies = list(d["runs"][0]["gap_closed_all_streams"])
     rows = []
     for run in d["runs"]:
-        for name, stream in run["streams"].items():
-            rows.append([name, f"{run['tokens_per_domain']:,}", f"{stream['offset_tokens']:,}",
+        for label, stream in run["streams"].items():
+            rows.append([label, f"{run['tokens_per_domain']:,}", f"{stream['offset_tokens']:,}",
                          f"{stream['perplexity']['uniform int4']:.3f} / {stream['perplexity']['uniform int2']:.3f}",
                          *(f"{100 * stream['int2_to_int4_gap_closed'][k]:.0f}%" for k in policies)])
         rows.append(["all three together", f"{run['tokens_per_domain']:,}", "", "",
                      *(f"{100 * run['gap_closed_all_streams'][k]:.0f}%" for k in policies)])
     header = ["stream", "tokens per domain", "from dev token", "perplexity, uniform int4 / int2",
               *(k.replace("DynaExq 8/32", "DynaExq").replace("DynaExq, ", "") for k in policies)]
-    return table(header, rows) + f"\n\nShare of the int2 -> int4 gap closed. Machine: {machine(d)} " \
-                                 f"({source('policies/dynaexq_streams_cpu.json')})."
+    header = [h.replace("hindsight: the next", "foresight of").replace(" tokens", "") for h in header]
+    return table(header, rows) + f"\n\nShare of the int2 -> int4 gap closed. Machine: {machine(d)} ({source(name)})."
 
 
 def dynaexq_stream_offsets(name: str = "policies/dynaexq_stream_offsets_zen1_cpu.json") -> str:
@@ -1150,6 +1159,7 @@ TABLES = {
     "workload-shift": workload_shift,
     "dynaexq-streams": dynaexq_streams,
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
+    "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
     "paper-headlines-tiny": lambda: paper_headlines("tiny"),
     "paper-headlines-qwen3": lambda: paper_headlines("qwen3"),
