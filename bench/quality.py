@@ -48,6 +48,7 @@ from pathlib import Path
 
 import jmoe
 from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
+from bench.lib.common import result_name as checked_name
 from convert import convert_checkpoint
 from convert.quantizers.expert import METHODS
 from jmoe.manifest import read_manifest
@@ -254,7 +255,7 @@ def beside_llama_main(args) -> None:
     for row in rows:  # each runtime against its own bf16
         base = next(r for r in rows if r["runtime"] == row["runtime"] and r["label"] in ("bf16", "BF16"))
         row["over_bf16"] = {d: row[d] / base[d] - 1 for d in DOMAINS}
-    write_result("quality", "quality_vs_llama_cpp", {
+    write_result("quality", args.result_name, {
         "model": "tiny-qwen3-moe", "ctx": args.ctx, "scored": "the second half of each window",
         "windows": windows, "scored_tokens": {d: windows[d] * (args.ctx - 1 - half) for d in DOMAINS},
         "llama_cpp": llama.version(), "rows": rows})
@@ -281,6 +282,8 @@ def main() -> None:
     beside.add_argument("--mixed-r", default=f"{MIXED_DEFAULT_R:g}",
                         help="DyMoE ratios r (each in [0.5, 1]) of the GPTQ per-token row with the int6 head, "
                              f"comma-separated (default {MIXED_DEFAULT_R:g}; the other per-token rows stay at it)")
+    beside.add_argument("--result-name", type=checked_name, default="quality_vs_llama_cpp",
+                        help="the result's name under bench/results/quality (_cpu.json added)")
     beside.add_argument("--work", help="keep the GGUFs, conversions and logs here (reused when present)")
     server = parser.add_argument_group("through a running server (lm-evaluation-harness)")
     server.add_argument("--server", help="evaluate the jmoe serve at this base URL (http://HOST:PORT) instead")
