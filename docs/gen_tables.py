@@ -124,12 +124,17 @@ def headline() -> str:
     for name, where in [("real_shapes/real_shapes_xeon_cpu.json", "on an AVX-512 Xeon"),
                         ("real_shapes/real_shapes_mixed_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5), `--cpu-layout`"),
                         ("real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json",
-                         "on an AVX-512 EPYC (Zen 5), `--cpu-layout`, Q4_0's head bytes")]:
+                         "on an AVX-512 EPYC (Zen 5), `--cpu-layout`, Q4_0's head bytes"),
+                        ("real_shapes/real_shapes_mixed_r_zen4_cpu.json",
+                         "on an AVX-512 EPYC (Zen 4), `--cpu-layout`, Q4_0's head bytes")]:
         run = load(name)
+        r = run["settings"].get("mixed_r") or [0.75]
+        mixed = "jmoe DyMoE int4/int2 + dense int4 resident, int8 dot" if r == [0.75] else \
+            f"jmoe DyMoE int4/int2 r={min(r):g} + dense int4 resident, int8 dot"  # the most int2 a run timed
+        at_r = "" if r == [0.75] else f" at r = {min(r):g}"
         for ours, label in [
             ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(run)} LM head"),
-            ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot",
-             f"DyMoE int4/int2, both tiers whole (per-token mixed), {head_tier(run)} LM head"),
+            (mixed, f"DyMoE int4/int2{at_r}, both tiers whole (per-token mixed), {head_tier(run)} LM head"),
         ]:
             ratio = run["ratios"][f"{ours} / llama.cpp Q4_0"]["decode_tok_s@0"]["median"]
             mine, theirs = run["summary"][ours], run["summary"]["llama.cpp Q4_0"]
@@ -498,8 +503,7 @@ def quality_int2() -> str:
         "\n\nPerplexity over each run's own bf16 on the whole dev splits. Machines: " + "; ".join(machines) + ".")
 
 
-def quality_vs_llama() -> str:
-    name = "quality/quality_vs_llama_cpp_cpu.json"
+def quality_vs_llama(name: str = "quality/quality_vs_llama_cpp_cpu.json") -> str:
     d = load(name)
     domains = ("prose", "code", "math")
     rows = []
@@ -1043,6 +1047,16 @@ def depth_vs_llama() -> str:
                   f"Machine: {machine(data)} ({source(name)}).")
 
 
+def expert_mixed_tiers(name: str = "kernels/expert_mixed_tiers_cpu.json") -> str:
+    """The mixed mode's routed call alone: int4 and int2 pools in one call, a token's experts split."""
+    d = load(name)
+    rows = [[case, f"{r['ms']:.3f} [{r['min_ms']:.3f}–{r['max_ms']:.3f}]", f"{r['weight_bytes'] / 1e6:.2f}",
+             f"{r['weight_gb_per_s']:.1f}"] for case, r in d["results"].items()]
+    return table(["a token's 8 experts", "ms per call", "weight MB read", "GB/s of weights"], rows) + (
+        f"\n\n{d['case']}; medians [min–max] of {d['rounds']} alternating rounds of {d['calls_per_round']} calls. "
+        f"Machine: {machine(d)} ({source(name)}).")
+
+
 def cpu_attention(name: str) -> str:
     data = load(name)
     rows = [[f"{r['depth']:,}", r["cache"], r["tokens"], med(r["xla_ms"], 3), med(r["native_ms"], 3),
@@ -1159,6 +1173,9 @@ TABLES = {
     "workload-shift": workload_shift,
     "dynaexq-streams": dynaexq_streams,
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
+    "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
+    "expert-mixed-tiers-zen4": expert_mixed_tiers,
+    "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
     "paper-headlines-tiny": lambda: paper_headlines("tiny"),
