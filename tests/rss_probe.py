@@ -3,7 +3,7 @@
     python tests/rss_probe.py '{"path": ..., "tier": ..., "policy": ..., "share": 0.25, "tokens": [8, 200]}'
 
 ("prompt_tokens": the prompt's length, default 8; "reset_peak": each call's peak from the RSS before
-it, call_peak: /proc/self/clear_refs resets VmHWM.)
+it, call_peak: the C heap's free pages given back, then /proc/self/clear_refs resets VmHWM.)
 
 Prints one JSON line: the bytes load reserved (model.memory), RSS growth from load (peak and after),
 and after each generate call of `tokens` the RSS and peak, all relative to the process before
@@ -26,7 +26,7 @@ def main() -> None:
 
     import jmoe
     from jmoe.manifest import read_manifest
-    from jmoe.runtime.host_memory import process_memory
+    from jmoe.runtime.host_memory import process_memory, release_free_heap
     from jmoe.tokenizer import load_tokenizer
 
     x = jax.numpy.ones((8, 8))  # jax's own code pages (the compiler's, mapped once per process)
@@ -47,6 +47,10 @@ def main() -> None:
            "load_rss": loaded["VmRSS"] - base["VmRSS"], "after": []}
     prompt = [3 + i % 64 for i in range(args.get("prompt_tokens", 8))]
     for n in args.get("tokens", []):
+        if args.get("reset_peak"):
+            # What an earlier call freed can stay resident in the C heap, where this call reuses it
+            # without the resident set growing: given back first, the call's peak is its own.
+            release_free_heap()
         before = process_memory()
         if args.get("reset_peak"):  # the peak of this call alone, not the compiles of one before it
             Path("/proc/self/clear_refs").write_text("5")

@@ -207,10 +207,13 @@ def test_a_32k_context_of_qwen3s_attention_stays_within_the_plan(tmp_path):
     assert 16 * reserved["workspace"] < materialised_scores
     compiled, again = out["after"]
     held = reserved["workspace"] + 8192 * slot_bytes
-    # measured 83.6 MiB alone and up to 96.2 beside other tests (81 held): what else is alive at the
-    # peak varies with the timing of the asynchronously dispatched steps, not yet explained
+    # measured 52-77 MiB over five runs beside another test module (92 held): which of its buffers the
+    # allocator serves from pages already resident varies from run to run
     assert again["call_peak"] <= 1.3 * held, (again["call_peak"] / MiB, held / MiB)
-    assert again["call_peak"] >= 0.5 * held  # the prompt's cache and chunks were really there
+    # the cache slots the call wrote were really there (the heap's free pages were given back before it,
+    # so pages it reused count; a lower bound of half of `held` failed one run in three beside other tests)
+    written = (4096 + 4) * slot_bytes
+    assert again["call_peak"] >= written, (again["call_peak"] / MiB, written / MiB)
     assert compiled["peak"] <= sum(reserved.values()) + 160 * MiB, (compiled["peak"] / MiB, reserved)
 
 
