@@ -47,11 +47,12 @@ import urllib.request
 from pathlib import Path
 
 import jmoe
-from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
+from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, dymoe_ratios, write_result
 from bench.lib.common import result_name as checked_name
 from convert import convert_checkpoint
 from convert.quantizers.expert import METHODS
 from jmoe.manifest import read_manifest
+from jmoe.policies.dymoe import DEFAULT_R
 
 TIERS = ("int8", "int4", "int2")
 CALIB_SEQUENCES = inspect.signature(convert_checkpoint).parameters["calib_sequences"].default  # the converter's
@@ -142,7 +143,6 @@ BESIDE_LLAMA = {
                                                                            dict(policy="mixed", cpu_dot="int8"),
                                                                            "decode"),
 }
-MIXED_DEFAULT_R = 0.75  # DyMoE's default mean share of experts at int4, the rows above
 MIXED_AT_OTHER_R = "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token"
 
 
@@ -152,7 +152,7 @@ def beside_llama_rows(mixed_r: list[float]) -> dict:
     rows = dict(BESIDE_LLAMA)
     conversion, kwargs, mode = BESIDE_LLAMA[MIXED_AT_OTHER_R]
     for r in mixed_r:
-        if r != MIXED_DEFAULT_R:
+        if r != DEFAULT_R:
             label = MIXED_AT_OTHER_R.replace("int4/int2", f"int4/int2 r={r:g}")
             rows[label] = (conversion, dict(kwargs, r=r), mode)
     return rows
@@ -237,7 +237,7 @@ def beside_llama_main(args) -> None:
             kwargs = dict(kwargs)
             mixed = kwargs.pop("policy", None) == "mixed"
             if mixed:
-                kwargs["policy"] = DyMoE(hi="int4", lo="int2", r=kwargs.pop("r", MIXED_DEFAULT_R))
+                kwargs["policy"] = DyMoE(hi="int4", lo="int2", r=kwargs.pop("r", DEFAULT_R))
             model = jmoe.load(conversions[conversion], compute_dtype="float32", **kwargs)
             cfg = model.config
             row = {"runtime": "jmoe", "label": label, "mode": mode,
@@ -279,9 +279,9 @@ def main() -> None:
     beside.add_argument("--ctx", type=int, default=256, help="window (default 256, the tiny model's training length)")
     beside.add_argument("--chunks", type=int, default=200, help="windows per domain (0: the whole dev split)")
     beside.add_argument("--llama-types", default=",".join(LLAMA_TYPES), help="GGUF types beside BF16")
-    beside.add_argument("--mixed-r", default=f"{MIXED_DEFAULT_R:g}",
+    beside.add_argument("--mixed-r", type=dymoe_ratios, default=f"{DEFAULT_R:g}",
                         help="DyMoE ratios r (each in [0.5, 1]) of the GPTQ per-token row with the int6 head, "
-                             f"comma-separated (default {MIXED_DEFAULT_R:g}; the other per-token rows stay at it)")
+                             f"comma-separated (default {DEFAULT_R:g}, DyMoE's; the other per-token rows stay at it)")
     beside.add_argument("--result-name", type=checked_name, default="quality_vs_llama_cpp",
                         help="the result's name under bench/results/quality (_cpu.json added)")
     beside.add_argument("--work", help="keep the GGUFs, conversions and logs here (reused when present)")
@@ -297,12 +297,6 @@ def main() -> None:
     server.add_argument("--limit", type=int, default=None, help="at most N documents per task")
     server.add_argument("--out", help="write the metrics to this JSON file")
     args = parser.parse_args()
-    try:
-        args.mixed_r = [float(x) for x in args.mixed_r.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--mixed-r takes numbers, got {args.mixed_r!r}")
-    if not all(0.5 <= r <= 1.0 for r in args.mixed_r):
-        parser.error("--mixed-r: DyMoE takes ratios from 0.5 to 1")
     if args.llama_cpp:
         return beside_llama_main(args)
     if args.server:

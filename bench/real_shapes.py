@@ -42,9 +42,10 @@ import time
 from pathlib import Path
 
 from bench.lib import llama_cpp
-from bench.lib.common import RESULTS, ROOT, machine
+from bench.lib.common import RESULTS, ROOT, dymoe_ratios, machine
 from bench.lib.random_checkpoint import MODELS, checkpoint_bytes, model_named, write_checkpoint
 from bench.lib.real_shapes_report import markdown, plot, ratios, summarize
+from jmoe.policies.dymoe import DEFAULT_R
 
 # --placements names: all-resident, or pools holding that share of the experts
 PLACEMENTS = {"resident": None, "50%": 0.5, "25%": 0.25}
@@ -57,12 +58,11 @@ DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_do
 # --mixed: the per-token mixed mode (DyMoE int4/int2, both tiers resident)
 MIXED = "jmoe dense int4, experts int4 + int2"
 MIXED_LABEL = "jmoe DyMoE int4/int2 + dense int4 resident"
-MIXED_DEFAULT_R = 0.75  # DyMoE's default mean share of experts at int4
 
 
 def mixed_label(r: float) -> str:
     """The mixed mode's label at DyMoE mean ratio r (the default r keeps the label earlier runs used)."""
-    return MIXED_LABEL if r == MIXED_DEFAULT_R else f"jmoe DyMoE int4/int2 r={r:g} + dense int4 resident"
+    return MIXED_LABEL if r == DEFAULT_R else f"jmoe DyMoE int4/int2 r={r:g} + dense int4 resident"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,9 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
     p.add_argument("--mixed", action="store_true",
                    help="also the per-token mixed mode: DyMoE int4/int2 without a budget, dense int4 (its own conversion)")
-    p.add_argument("--mixed-r", default=f"{MIXED_DEFAULT_R:g}",
+    p.add_argument("--mixed-r", type=dymoe_ratios, default=f"{DEFAULT_R:g}",
                    help="DyMoE mean shares of experts at int4 for --mixed, comma-separated, each in [0.5, 1] "
-                        f"(default {MIXED_DEFAULT_R:g}; lower reads more experts at int2)")
+                        f"(default {DEFAULT_R:g}, DyMoE's; lower reads more experts at int2)")
     p.add_argument("--head-tier", choices=("bf16", "int8", "int6", "int4"), default=None,
                    help="LM head tier of the dense-int4 and mixed conversions (default: the converter's, int8 beside "
                         "dense int4; directories named ...-head-<tier>)")
@@ -111,19 +111,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.placements = [x.strip() for x in args.placements.split(",") if x.strip()]
     args.cpu_dots = [x.strip() for x in args.cpu_dots.split(",") if x.strip()]
     args.llama_types = [x.strip() for x in args.llama_types.split(",") if x.strip()]
-    try:
-        args.mixed_r = [float(x) for x in args.mixed_r.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--mixed-r takes numbers, got {args.mixed_r!r}")
     bad = ([f"tier {t!r}" for t in args.tiers if t not in TIER_ORDER]
            + [f"placement {x!r}" for x in args.placements if x not in PLACEMENTS]
            + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES]
-           + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")]
-           + [f"--mixed-r {r:g} (DyMoE takes 0.5 to 1)" for r in args.mixed_r if not 0.5 <= r <= 1.0])
+           + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")])
     if bad:
         p.error("unknown " + ", ".join(bad))
-    if (not args.tiers or not args.cpu_dots or not args.mixed_r or args.rounds < 1 or args.prompt < 1
-            or args.new_tokens < 2 or args.llama_threads < 1):
+    if not args.tiers or not args.cpu_dots or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2 or args.llama_threads < 1:
         p.error("need at least one tier, one round, a prompt and 2 new tokens")
     try:
         model_named(args.model).config_for(args.layers)

@@ -117,8 +117,9 @@ def test_the_mixed_mode_is_planned_against_llama_cpp_and_a_conversion_lacking_a_
     half = next(c for c in measured if c["label"] == real_shapes.mixed_label(0.5) + ", int8 dot")
     assert half["label"] != label and any(c["label"] == label for c in measured)
     assert half["spec"]["policy_options"] == {"r": 0.5} and (half["label"], "llama.cpp Q4_0") in pairs
-    with pytest.raises(SystemExit):
-        real_shapes.parse_args(["--mixed", "--mixed-r", "0.4"])
+    for bad in ("0.4", "x", ","):  # below DyMoE's range, not a number, none given
+        with pytest.raises(SystemExit):
+            real_shapes.parse_args(["--mixed", "--mixed-r", bad])
     again = real_shapes.convert_jmoe(src, main, ["int4", "int2"], [], True, tmp_path / "convert.log")
     assert again["seconds"] is not None  # converted again, not reused
     assert set(json.loads((main / "manifest.json").read_text())["tiers"]) == {"int4", "int2"}

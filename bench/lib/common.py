@@ -120,6 +120,22 @@ def planned_budget(path: Path, share: float, **plan_kw) -> int:
     return sum(plan.values()) + int(share * experts)
 
 
+def dymoe_ratios(value: str) -> list[float]:
+    """An argparse type for comma-separated DyMoE ratios r, each checked by the policy itself."""
+    from jmoe.errors import InputError
+    from jmoe.policies import DyMoE
+
+    try:
+        ratios = [float(x) for x in value.split(",") if x.strip()]
+        for r in ratios:
+            DyMoE(r=r)
+    except (ValueError, InputError) as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
+    if not ratios:
+        raise argparse.ArgumentTypeError("no ratio given")
+    return ratios
+
+
 def result_name(value: str) -> str:
     """An argparse type for a result's name: a file name, checked when the command starts rather
     than when a long run has its results to write (a path would land under bench/results)."""

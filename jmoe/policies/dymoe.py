@@ -50,8 +50,11 @@ def critical_share(num_layers: int, top_k: int, lam: float) -> float:
     return sum(math.ceil(float(x) * top_k - 1e-6) for x in r) / (top_k * num_layers)
 
 
+DEFAULT_R = 0.75  # the mean share of a step's routed experts at hi when neither r nor lam is given
+
+
 class DyMoE(Policy):
-    def __init__(self, hi: str = "int4", lo: str | None = "int2", r: float | None = 0.75, lam: float | None = None,
+    def __init__(self, hi: str = "int4", lo: str | None = "int2", r: float | None = DEFAULT_R, lam: float | None = None,
                  heavy_hitters: float = 0.1, pool_shares: dict[str, float] | None = None, name: str = "dymoe"):
         validate.choice("hi", hi, TIER_NAMES)
         if lo is not None:
@@ -59,7 +62,7 @@ class DyMoE(Policy):
             if TIER_CODES[lo] >= TIER_CODES[hi]:
                 raise InputError(f"lo ({lo}) must be a lower tier than hi ({hi})")
         if lam is None:
-            r = validate.real("r", 0.75 if r is None else r, minimum=0.5, maximum=1.0)
+            r = validate.real("r", DEFAULT_R if r is None else r, minimum=0.5, maximum=1.0)
             lam = 2 * r - 1
         elif r is not None:
             raise InputError("give r or lam, not both")
@@ -92,4 +95,4 @@ class DyMoE(Policy):
         return f"DyMoE(hi={self.hi!r}, lo={self.lo!r}, r={self.r:g}, heavy_hitters={self.heavy_hitters:g})"
 
 
-__all__ = ["DyMoE", "critical_share", "depth_schedule"]
+__all__ = ["DEFAULT_R", "DyMoE", "critical_share", "depth_schedule"]
