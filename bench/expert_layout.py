@@ -59,6 +59,12 @@ def pools(fmt=None):
     return pool(D, 2 * F), pool(F, D)
 
 
+def expert_bytes(gate_up, down) -> int:
+    """The bytes one expert of these pools reads: its codes, scales, offsets and bases."""
+    return sum(a.nbytes // SLOTS for w in (gate_up, down) for a in (w.values, w.scales, w.offsets, w.bases)
+               if a is not None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -74,7 +80,6 @@ def main() -> None:
     import numpy as np
 
     from cpu_kernels import native, ops
-    from jmoe.serving.compiles import no_compiles
     from jmoe.tiers import tier_format
     from kernel_formats.qarray import QuantFormat, tile
 
@@ -90,37 +95,20 @@ def main() -> None:
         prefix = "" if not args.int2 else f"{label}, "
         layouts[prefix + "[K, N]"] = (gate_up, down)
         layouts[prefix + "cpu layout"] = (tile(gate_up), tile(down))
-        arrays = [a for w in (gate_up, down) for a in (w.values, w.scales, w.offsets, w.bases) if a is not None]
-        weight_bytes[prefix + "[K, N]"] = weight_bytes[prefix + "cpu layout"] = TOP_K * sum(a.nbytes // SLOTS
-                                                                                           for a in arrays)
+        weight_bytes[prefix + "[K, N]"] = weight_bytes[prefix + "cpu layout"] = TOP_K * expert_bytes(gate_up, down)
     rng = np.random.default_rng(1)
     picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
     h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
     token = jnp.zeros(TOP_K, jnp.int32)
     steps = {dot: jax.jit(lambda h, t, s, g, d, dot=dot: ops.routed_expert_ffn(h, t, s, g, d, int8_dot=dot))
              for dot in (False, True)}
-    rounds = {(name, dot): [] for name in layouts for dot in steps}
-    for r in range(args.rounds):
-        order = list(rounds)
-        for name, dot in order[r % len(order):] + order[:r % len(order)]:
-            g, d = layouts[name]
-            steps[dot](h, token, picks[0], g, d).block_until_ready()  # warm
-            times = []
-            with no_compiles(f"{name}, int8 dot {dot}"):
-                for i in range(args.calls):
-                    t = time.perf_counter()
-                    steps[dot](h, token, picks[i % len(picks)], g, d).block_until_ready()
-                    times.append(time.perf_counter() - t)
-            rounds[(name, dot)].append(statistics.median(times))
-    results = {}
-    for (name, dot), ts in rounds.items():
-        key = f"{name}, {'int8 dot' if dot else 'float inputs'}"
-        ms = statistics.median(ts) * 1e3
-        results[key] = {"ms": round(ms, 3), "min_ms": round(min(ts) * 1e3, 3), "max_ms": round(max(ts) * 1e3, 3),
-                        "weight_bytes": weight_bytes[name],
-                        "weight_gb_per_s": round(weight_bytes[name] / (ms / 1e3) / 1e9, 2)}
-        print(f"{key}: {ms:.3f} ms [{min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f}], "
-              f"{results[key]['weight_gb_per_s']:.1f} GB/s of weights")
+    cases, read = {}, {}
+    for name, (g, d) in layouts.items():
+        for dot, step in steps.items():
+            key = f"{name}, {'int8 dot' if dot else 'float inputs'}"
+            cases[key] = (lambda s, step=step, g=g, d=d: step(h, token, s, g, d), picks)
+            read[key] = weight_bytes[name]
+    results = summarize_rounds(timed_rounds(cases, args.rounds, args.calls), read)
     tiers = "int2 experts in both formats" if args.int2 else f"int4 experts (groups of {GROUP})"
     write_result("kernels", "expert_layout_int2" if args.int2 else "expert_layout", {
         "machine": machine(), "isa": native.isa(),
@@ -149,6 +137,18 @@ def timed_rounds(cases: dict, rounds: int, calls: int) -> dict:
     return out
 
 
+def summarize_rounds(rounds: dict, read: dict) -> dict:
+    """Each case's median over the rounds with [min-max] and the weight bytes it read per second, printed."""
+    results = {}
+    for name, ts in rounds.items():
+        ms = statistics.median(ts) * 1e3
+        results[name] = {"ms": round(ms, 3), "min_ms": round(min(ts) * 1e3, 3), "max_ms": round(max(ts) * 1e3, 3),
+                         "weight_bytes": read[name], "weight_gb_per_s": round(read[name] / (ms / 1e3) / 1e9, 2)}
+        print(f"{name}: {ms:.3f} ms [{min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f}], {read[name] / 1e6:.2f} MB, "
+              f"{results[name]['weight_gb_per_s']:.1f} GB/s of weights")
+    return results
+
+
 def mixed_tiers(rounds: int, calls: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -162,8 +162,7 @@ def mixed_tiers(rounds: int, calls: int) -> None:
         sys.exit("the native CPU kernels are not loaded")
     tiers = {"int4": [tile(w) for w in pools(tier_format("int4"))],
              "int2": [tile(w) for w in pools(tier_format("int2"))]}
-    expert_bytes = {t: sum(a.nbytes // SLOTS for w in ws for a in (w.values, w.scales, w.offsets, w.bases)
-                           if a is not None) for t, ws in tiers.items()}
+    one_expert = {t: expert_bytes(*weights) for t, weights in tiers.items()}
     rng = np.random.default_rng(1)
     picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
     h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
@@ -174,19 +173,13 @@ def mixed_tiers(rounds: int, calls: int) -> None:
     cases, read = {}, {}
     for tier, weights in tiers.items():
         cases[f"8 at {tier}, one pool"] = (lambda s, weights=weights: one_pool(s, *weights), picks)
-        read[f"8 at {tier}, one pool"] = TOP_K * expert_bytes[tier]
+        read[f"8 at {tier}, one pool"] = TOP_K * one_expert[tier]
     for low in (0, 2, 4, 8):
         codes = jnp.asarray([0] * (TOP_K - low) + [1] * low, jnp.int32)
         name = f"{TOP_K - low} at int4 + {low} at int2, two pools"
         cases[name] = (lambda s, codes=codes: two_pools(s, codes), picks)
-        read[name] = (TOP_K - low) * expert_bytes["int4"] + low * expert_bytes["int2"]
-    results = {}
-    for name, ts in timed_rounds(cases, rounds, calls).items():
-        ms = statistics.median(ts) * 1e3
-        results[name] = {"ms": round(ms, 3), "min_ms": round(min(ts) * 1e3, 3), "max_ms": round(max(ts) * 1e3, 3),
-                         "weight_bytes": read[name], "weight_gb_per_s": round(read[name] / (ms / 1e3) / 1e9, 2)}
-        print(f"{name}: {ms:.3f} ms [{min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f}], {read[name] / 1e6:.2f} MB, "
-              f"{results[name]['weight_gb_per_s']:.1f} GB/s of weights")
+        read[name] = (TOP_K - low) * one_expert["int4"] + low * one_expert["int2"]
+    results = summarize_rounds(timed_rounds(cases, rounds, calls), read)
     write_result("kernels", "expert_mixed_tiers", {
         "machine": machine(), "isa": native.isa(),
         "case": f"routed_expert_ffn(_tiers), {TOP_K} of {SLOTS} experts per pool, int4 and int2 in their default "
