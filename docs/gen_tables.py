@@ -71,10 +71,28 @@ def ratio(stat: dict) -> str:
 
 # --- the tables ---------------------------------------------------------------------------------
 
+# Other families' shapes beside llama.cpp in the headline: (result, row label).
+FAMILY_HEADLINES = [
+    ("real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json",
+     ("GPT-OSS-20B shapes (2 of 24 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
+      "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json",
+     ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
+      "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+]
+
+
+def decode_row(run: dict, name: str, ours: str, theirs: str, what: str) -> list[str]:
+    """A headline row: decode tok/s at depth 0 of `ours` beside `theirs` in one real_shapes run, and the
+    median of their ratio taken within each round."""
+    ratio = run["ratios"][f"{ours} / {theirs}"]["decode_tok_s@0"]["median"]
+    mine, other = run["summary"][ours]["decode_tok_s@0"]["median"], run["summary"][theirs]["decode_tok_s@0"]["median"]
+    return [what, f"{f(mine)} vs {f(other)} ({ratio:.2f}×)", machine(run), source(name)]
+
+
 def headline() -> str:
     ppl = load("perplexity/perplexity_tiny_cpu.json")
     quality = load("quality/quality_tiny_cpu.json")
-    shapes = load("real_shapes/real_shapes_cpu.json")
     offload = load("offload_decode/offload_decode_qwen3_cpu.json")
     io = load("decode_io/decode_io_after_cpu.json")
     serve = load("serve/serve_tiny_cpu.json")
@@ -98,35 +116,23 @@ def headline() -> str:
         f"int4: {machine(quality)}; int2: {machine(int2)}",
         source("quality/quality_tiny_cpu.json", "quality/quality_tiny_int2_cpu.json"),
     ])
-    beside = load("quality/quality_vs_llama_cpp_cpu.json")
+    beside_name = "quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"  # the modes the Zen 4 speed rows time
+    beside = load(beside_name)
     by_label = {(r["runtime"], r["label"]): r["over_bf16"] for r in beside["rows"]}
-    mine = [label for runtime, label in by_label if runtime == "jmoe"]
-    ours = next((label for label in mine if label.startswith("GPTQ: int4 experts + dense int4 (int8 head)")),
-                next(label for label in mine if label.startswith("int4 experts + dense int4")))
+    ours = "GPTQ: int4 experts + dense int4 (int6 head), int8 dot"
+    mixed = "GPTQ: DyMoE int4/int2 r=0.5 + dense int4 (int6 head), int8 dot, per token"
     pct = lambda over: " / ".join(f"{100 * over[d]:+.2f}%" for d in ("prose", "code", "math"))  # noqa: E731
     rows.append([
-        f"Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe {ours}; "
-        "llama.cpp Q4_0",
-        f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
-        machine(beside), source("quality/quality_vs_llama_cpp_cpu.json"),
+        ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ int4 "
+         "experts + dense int4 + int6 head (Q4_0's bytes); the same with DyMoE int4/int2 per token at r = 0.5; "
+         "llama.cpp Q4_0"),
+        f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('jmoe', mixed)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
+        machine(beside), source(beside_name),
     ])
-    s = shapes["summary"]
-    for ours, theirs, label in [
-        ("jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", "int4 throughout, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"),
-        ("jmoe bf16 resident", "llama.cpp BF16", "bf16 vs llama.cpp BF16"),
-    ]:
-        ratio = shapes["ratios"][f"{ours} / {theirs}"]["decode_tok_s@0"]["median"]
-        rows.append([
-            f"Qwen3-30B-A3B shapes (8 of 48 layers), decode tok/s, {label}",
-            f"{f(s[ours]['decode_tok_s@0']['median'])} vs {f(s[theirs]['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
-            machine(shapes), source("real_shapes/real_shapes_cpu.json"),
-        ])
-    for name, where in [("real_shapes/real_shapes_xeon_cpu.json", "on an AVX-512 Xeon"),
-                        ("real_shapes/real_shapes_mixed_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5), `--cpu-layout`"),
-                        ("real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json",
-                         "on an AVX-512 EPYC (Zen 5), `--cpu-layout`, Q4_0's head bytes"),
-                        ("real_shapes/real_shapes_mixed_r_zen4_cpu.json",
-                         "on an AVX-512 EPYC (Zen 4), `--cpu-layout`, Q4_0's head bytes")]:
+    # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
+    # keeps its output matrix at Q6_K), the newest run per machine; every other run is in docs/benchmarks.md.
+    for name, where in [("real_shapes/real_shapes_mixed_r_zen4_cpu.json", "on an AVX-512 EPYC (Zen 4)"),
+                        ("real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5)")]:
         run = load(name)
         r = run["settings"].get("mixed_r") or [0.75]
         mixed = "jmoe DyMoE int4/int2 + dense int4 resident, int8 dot" if r == [0.75] else \
@@ -134,27 +140,18 @@ def headline() -> str:
         at_r = "" if r == [0.75] else f" at r = {min(r):g}"
         for ours, label in [
             ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(run)} LM head"),
-            (mixed, f"DyMoE int4/int2{at_r}, both tiers whole (per-token mixed), {head_tier(run)} LM head"),
+            (mixed, f"DyMoE int4/int2{at_r} per token (both tiers resident), {head_tier(run)} LM head"),
         ]:
-            ratio = run["ratios"][f"{ours} / llama.cpp Q4_0"]["decode_tok_s@0"]["median"]
-            mine, theirs = run["summary"][ours], run["summary"]["llama.cpp Q4_0"]
-            rows.append([
-                f"Qwen3-30B-A3B shapes (8 layers), decode tok/s {where}, {label}, `cpu_dot=\"int8\"`, "
-                "vs llama.cpp Q4_0",
-                f"{f(mine['decode_tok_s@0']['median'])} vs {f(theirs['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
-                machine(run), source(name),
-            ])
-    for what, name in [
-        ("on an AVX-512 EPYC (Zen 5), int4 experts, dense weights and LM head in the CPU layout (`--cpu-layout`)",
-         ZEN5_LAYOUTS["experts, dense weights and LM head tiled (`--cpu-layout` and kernels now)"]),
-        ("on an AVX2 EPYC, int4 experts in the CPU layout (`--cpu-layout`), dense int4, int4 LM head",
-         "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"),
-    ]:
-        scaled = load(name)
-        dec = scaled["summary"]["decode_tok_s @2"]
-        rows.append([f"Qwen3-30B-A3B shapes (8 layers), decode tok/s {what}, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0",
-                     f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
-                     machine(scaled), source(name)])
+            rows.append(decode_row(run, name, ours, "llama.cpp Q4_0", f"Qwen3-30B-A3B shapes (8 of 48 layers), decode "
+                                   f"tok/s {where}, {label}, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"))
+    for name, what in FAMILY_HEADLINES:
+        rows.append(decode_row(load(name), name, "jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", what))
+    avx2 = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
+    dec = load(avx2)["summary"]["decode_tok_s @2"]
+    rows.append([("Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX2 EPYC, int4 experts in the CPU layout "
+                  "(`--cpu-layout`), dense int4, int4 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"),
+                 f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
+                 machine(load(avx2)), source(avx2)])
     bf16_name = "real_shapes/real_shapes_bf16_zen5_cpu.json"
     bf16 = load(bf16_name)
     ratio = bf16["ratios"]["jmoe bf16 resident / llama.cpp BF16"]["decode_tok_s@0"]["median"]
@@ -724,6 +721,17 @@ MODEL_NAMES = {"tiny-qwen3-moe": "tiny-qwen3-moe", "qwen3-30b-a3b": "Qwen3-30B-A
 TIERS = ("bf16", "int8", "int4", "int2")
 
 
+def grid_bits() -> str:
+    name = "quality/grid_bits_cpu.json"
+    d = load(name)
+    rows = [[r["grid"], f"{r['bits_per_weight']:.2f}",
+             " / ".join(f"{100 * r['over_bf16'][dom]:+.2f}%" for dom in ("prose", "code", "math"))]
+            for r in sorted(d["rows"], key=lambda r: -r["bits_per_weight"])]
+    return table(["expert grid (GPTQ)", "bits per weight", "perplexity over bf16 (prose / code / math)"], rows) + (
+        f"\n\nThe tiny model, experts only (dense weights and LM head bf16), {d['ctx']}-token windows each scoring "
+        f"its second half. Machine: {machine(d)} ({source(name)}).")
+
+
 def size(nbytes: int) -> str:
     """Bytes under 1 MiB in full, else MiB or GiB to three significant figures."""
     if nbytes < 1 << 20:
@@ -1128,6 +1136,10 @@ TABLES = {
         "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
     "mixtral-shapes-head-int6-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
+    "gpt-oss-shapes-head-int6-zen4": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
+    "mixtral-shapes-head-int6-zen4": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
     "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
     "real-shapes-mixed-head-int4-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_head_int4_zen5_cpu.json"),
     "real-shapes-mixed-head-int6-zen5": lambda: shapes_on_avx512(
@@ -1175,6 +1187,7 @@ TABLES = {
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
+    "grid-bits": grid_bits,
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
