@@ -721,6 +721,33 @@ MODEL_NAMES = {"tiny-qwen3-moe": "tiny-qwen3-moe", "qwen3-30b-a3b": "Qwen3-30B-A
 TIERS = ("bf16", "int8", "int4", "int2")
 
 
+# The newest equal-bits run of each family on each machine (bench.real_shapes, int6 head against Q4_0).
+EQUAL_BITS_RUNS = [
+    ("Zen 4", "real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
+    ("Zen 4", "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
+    ("Zen 4", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
+    ("Zen 5", "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"),
+    ("Zen 5", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
+    ("Zen 5", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
+]
+
+
+def equal_bits_summary() -> str:
+    ours, theirs = "jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0"
+    rows = []
+    for cpu, name in EQUAL_BITS_RUNS:
+        d = load(name)
+        r = d["ratios"][f"{ours} / {theirs}"]
+        rss = " vs ".join(f"{d['summary'][k]['rss_over_loaded']['median']:.2f}x" for k in (ours, theirs))
+        rows.append([f"{d['model']['name']}, {d['model']['layers']} layers", f"AMD EPYC ({cpu})",
+                     ratio(r["prefill_tok_s"]), ratio(r["decode_tok_s@0"]), ratio(r["decode_tok_s@512"]), rss,
+                     f"{d['settings']['rounds']} ({source(name)})"])
+    return table(["slice (random weights)", "CPU, 2 cores", "prefill (512)", "decode (depth 0)", "decode (depth 512)",
+                  "peak RSS / loaded, jmoe vs llama.cpp", "rounds"], rows) + (
+        "\n\njmoe: int4 experts, dense int4, int6 LM head, all in the CPU layout, `cpu_dot=\"int8\"`; llama.cpp: "
+        "Q4_0 (Q6_K output matrix), `llama-bench -t 2`. Ratios taken within each alternating round, median [min–max].")
+
+
 def grid_bits() -> str:
     name = "quality/grid_bits_cpu.json"
     d = load(name)
@@ -1188,6 +1215,7 @@ TABLES = {
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "grid-bits": grid_bits,
+    "equal-bits-summary": equal_bits_summary,
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
