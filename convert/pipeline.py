@@ -85,6 +85,7 @@ def convert_checkpoint(
     calib_seq_len: int = 256,
     group_size: int | None = None,
     symmetric: bool | None = None,
+    scale_bits: int | None = None,
     w8a8: bool = False,
     cpu_layout: bool = False,
     overwrite: bool = False,
@@ -111,6 +112,10 @@ def convert_checkpoint(
       group_size: group size along K for every integer tier (default: 128 for int8, 32 for int4 dense
         weights, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
+      scale_bits: 8 or 16, how the asymmetric expert tiers store each group's scale and offset: 8-bit
+        codes on per-column bases or float16 (default: int2 8-bit, int4 float16; symmetric tiers and the
+        dense weights keep float16). int4 with 8-bit scales stores 4.25 bits per weight instead of 4.5;
+        the H100's Mosaic expert kernel reads float16 scales only, so leave it for a GPU.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
       cpu_layout: store the integer expert tiers, the dense weights (plain bf16 projections and an
         untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout
@@ -132,11 +137,15 @@ def convert_checkpoint(
         validate.choice("group_size", group_size, (32, 64, 128))
     if symmetric is not None:
         validate.boolean("symmetric", symmetric)
+    if scale_bits is not None:
+        validate.choice("scale_bits", validate.integer("scale_bits", scale_bits), (8, 16))
+        if scale_bits == 8 and symmetric:
+            raise InputError("8-bit scales code asymmetric grids: leave symmetric off")
     w8a8, cpu_layout, overwrite, progress = (validate.boolean(n, v) for n, v in
                                              (("w8a8", w8a8), ("cpu_layout", cpu_layout), ("overwrite", overwrite),
                                               ("progress", progress)))
-    formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq")
-               for t in tiers}
+    formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq",
+                              scale_bits=scale_bits) for t in tiers}
     dense_fmt = dense_format(dense_tier, group_size=group_size, symmetric=symmetric)
     head_fmt = dense_format(head_tier, group_size=group_size, symmetric=symmetric)
     if cpu_layout:  # integer dense weights, LM head and embedding table too (a decode step reads them all)

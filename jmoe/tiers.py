@@ -39,8 +39,9 @@ DEFAULT_FORMATS = {
 
 
 def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None,
-                w8a8: bool = False, smooth: bool = False) -> QuantFormat | None:
-    """The format of a tier (None for bf16), with optional overrides of the defaults."""
+                w8a8: bool = False, smooth: bool = False, scale_bits: int | None = None) -> QuantFormat | None:
+    """The format of a tier (None for bf16), with optional overrides of the defaults. scale_bits
+    (8 or 16) sets how an asymmetric tier stores its scales and offsets; symmetric tiers keep float16."""
     if tier == "bf16":
         return None
     if tier not in DEFAULT_FORMATS:
@@ -48,7 +49,7 @@ def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | N
     base = DEFAULT_FORMATS[tier]
     act_bits = 8 if (w8a8 and tier == "int8") else None
     sym = True if act_bits else (base.symmetric if symmetric is None else symmetric)
-    scale_bits = 16 if sym else base.scale_bits  # 8-bit scales code asymmetric grids only
+    scale_bits = 16 if sym else (scale_bits or base.scale_bits)  # 8-bit scales code asymmetric grids only
     try:
         return QuantFormat(base.bits, group_size or base.group_size, sym, act_bits, smooth, scale_bits=scale_bits)
     except ValueError as e:

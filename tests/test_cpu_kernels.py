@@ -34,6 +34,7 @@ FORMATS = {
     "int8": QuantFormat(8, 128, True),
     "int4": QuantFormat(4, 64, False),
     "int2": tier_format("int2"),  # groups of 32, 8-bit scales and offsets on per-column bases
+    "int4-s8": tier_format("int4", scale_bits=8),  # convert --scale-bits 8
     "int2-f16-g64": QuantFormat(2, 64, False),
     "int4-sym-g32": QuantFormat(4, 32, True),
     "int8-asym-g64": QuantFormat(8, 64, False),
@@ -150,7 +151,7 @@ def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
     assert tile(ragged) is ragged  # 100 columns are no whole number of tiles: [K, N] stays
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int4-sym-g32"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int4-sym-g32", "int4-s8"])
 @pytest.mark.parametrize("int8_dot", [False, True])
 # one row (a whole product per task), few rows split over K, panel rows with a rest, many rows
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (2, 768, 2048), (3, 1100, 128), (9, 512, 640), (40, 256, 192)])

@@ -120,6 +120,7 @@ PARITY_CASES = {
     "int2-g32-s8-decode-bf16": (fmt(2, 32, False, scale_bits=8), 64, 96, 1, jnp.bfloat16, "rtn"),
     "int2-g32-s8-prefill-f32-two_groups_per_step": (fmt(2, 32, False, scale_bits=8), 64, 64, 16, jnp.float32,
                                                     "random"),
+    "int4-g64-s8-decode-bf16": (fmt(4, 64, False, scale_bits=8), 64, 96, 1, jnp.bfloat16, "rtn"),  # --scale-bits 8
     "int4-smooth-decode-f32": (fmt(4, 64, False, smooth=True), 64, 96, 1, jnp.float32, "rtn"),
     "int4-smooth-prefill-bf16": (fmt(4, 32, smooth=True), 64, 48, 16, jnp.bfloat16, "random"),
     "w8a8-g128-decode-f32": (fmt(8, 128, act_bits=8), 128, 96, 1, jnp.float32, "rtn"),

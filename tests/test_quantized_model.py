@@ -64,6 +64,29 @@ def test_each_tier_reconstructs_the_expert(rtn_model_dir):
     assert errors["int8"] < 0.01 < errors["int4"] < 0.15 < errors["int2"] < 0.6
 
 
+def test_int4_with_8_bit_scales_is_a_conversion_option(tiny_hf_dir, rtn_model_dir, tmp_path):
+    """scale_bits=8 (--scale-bits 8): the int4 tier's scales and offsets as 8-bit codes on per-column
+    bases, 4.25 bits per weight at a real model's widths where float16 ones take 4.5, and an expert
+    about as close to bf16 as with float16 scales; a symmetric grid, or other widths, are refused."""
+    out = convert_checkpoint(tiny_hf_dir, tmp_path / "m", tiers="int4", scale_bits=8, progress=False)
+    manifest = read_manifest(out)
+    D, F = manifest["config"]["hidden_size"], manifest["config"]["moe_intermediate_size"]
+    tier = manifest["tiers"]["int4"]
+    assert tier["format"]["scale_bits"] == 8 and tier["format"]["group_size"] == 64
+    assert tier["record_nbytes"] == expected_record_bytes(D, F, 4, 64, False, scale_bits=8)
+    cfg = jmoe.ModelConfig.from_dict(manifest["config"])
+    plain_store = ExpertStore(rtn_model_dir, read_manifest(rtn_model_dir), cfg)
+    reference = dequantize_expert(plain_store.record("bf16", 4, 9))
+    error = {name: max(float(np.linalg.norm(a - r) / np.linalg.norm(r)) for a, r in zip(q[:2], reference[:2]))
+             for name, q in (("coded", dequantize_expert(ExpertStore(out, manifest, cfg).record("int4", 4, 9))),
+                             ("float16", dequantize_expert(plain_store.record("int4", 4, 9))))}
+    assert error["float16"] < error["coded"] < 1.1 * error["float16"], error
+    with pytest.raises(InputError, match="asymmetric"):
+        convert_checkpoint(tiny_hf_dir, tmp_path / "s", tiers="int4", scale_bits=8, symmetric=True, progress=False)
+    with pytest.raises(InputError, match="scale_bits"):
+        convert_checkpoint(tiny_hf_dir, tmp_path / "w", tiers="int4", scale_bits=12, progress=False)
+
+
 def test_logit_error_grows_as_bits_shrink(rtn_model_dir, tiny_tokenizer):
     ids = tiny_tokenizer.encode("def parse(text):\n    tokens = text.split()\n    return tokens\n")
     logits = {t: np.asarray(jmoe.forward(jmoe.load(rtn_model_dir, tier=t, compute_dtype="float32"), ids))
