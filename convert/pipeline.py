@@ -115,7 +115,7 @@ def convert_checkpoint(
       scale_bits: 8 or 16, how the asymmetric expert tiers store each group's scale and offset: 8-bit
         codes on per-column bases or float16 (default: int2 8-bit, int4 float16; symmetric tiers and the
         dense weights keep float16). int4 with 8-bit scales stores 4.25 bits per weight instead of 4.5;
-        the H100's Mosaic expert kernel reads float16 scales only, so leave it for a GPU.
+        the H100's Mosaic expert kernel reads float16 scales only, so keep float16 for a GPU.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
       cpu_layout: store the integer expert tiers, the dense weights (plain bf16 projections and an
         untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout

@@ -213,8 +213,7 @@ def cmd_convert(args) -> None:
                              head_tier=args.head_tier, method=args.method, calib=calib,
                              calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
                              group_size=args.group_size, symmetric=args.symmetric, scale_bits=args.scale_bits,
-                             w8a8=args.w8a8,
-                             cpu_layout=args.cpu_layout,
+                             w8a8=args.w8a8, cpu_layout=args.cpu_layout,
                              overwrite=args.force, progress=not args.no_progress)
     print(f"wrote {out}", file=sys.stderr)
 
