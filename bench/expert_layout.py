@@ -65,6 +65,17 @@ def expert_bytes(gate_up, down) -> int:
                if a is not None)
 
 
+def one_token():
+    """A decode token's inputs: 64 draws of its TOP_K experts from the pool (calls cycle through them,
+    so the weights come from memory), its hidden state [1, D], and its row of each expert."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
+    return picks, jnp.asarray(rng.standard_normal((1, D)).astype(np.float32)), jnp.zeros(TOP_K, jnp.int32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -76,8 +87,6 @@ def main() -> None:
         return mixed_tiers(args.rounds, args.calls)
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from cpu_kernels import native, ops
     from jmoe.tiers import tier_format
@@ -96,10 +105,7 @@ def main() -> None:
         layouts[prefix + "[K, N]"] = (gate_up, down)
         layouts[prefix + "cpu layout"] = (tile(gate_up), tile(down))
         weight_bytes[prefix + "[K, N]"] = weight_bytes[prefix + "cpu layout"] = TOP_K * expert_bytes(gate_up, down)
-    rng = np.random.default_rng(1)
-    picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
-    h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
-    token = jnp.zeros(TOP_K, jnp.int32)
+    picks, h, token = one_token()
     steps = {dot: jax.jit(lambda h, t, s, g, d, dot=dot: ops.routed_expert_ffn(h, t, s, g, d, int8_dot=dot))
              for dot in (False, True)}
     cases, read = {}, {}
@@ -152,7 +158,6 @@ def summarize_rounds(rounds: dict, read: dict) -> dict:
 def mixed_tiers(rounds: int, calls: int) -> None:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from cpu_kernels import native, ops
     from jmoe.tiers import tier_format
@@ -163,10 +168,7 @@ def mixed_tiers(rounds: int, calls: int) -> None:
     tiers = {"int4": [tile(w) for w in pools(tier_format("int4"))],
              "int2": [tile(w) for w in pools(tier_format("int2"))]}
     one_expert = {t: expert_bytes(*weights) for t, weights in tiers.items()}
-    rng = np.random.default_rng(1)
-    picks = [jnp.asarray(rng.choice(SLOTS, TOP_K, replace=False).astype(np.int32)) for _ in range(64)]
-    h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
-    token = jnp.zeros(TOP_K, jnp.int32)
+    picks, h, token = one_token()
     both = [(*tiers["int4"], None, None), (*tiers["int2"], None, None)]
     two_pools = jax.jit(lambda s, t: ops.routed_expert_ffn_tiers(h, token, s, t, both, int8_dot=True))
     one_pool = jax.jit(lambda s, g, d: ops.routed_expert_ffn(h, token, s, g, d, int8_dot=True))

@@ -117,7 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
            + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")])
     if bad:
         p.error("unknown " + ", ".join(bad))
-    if not args.tiers or not args.cpu_dots or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2 or args.llama_threads < 1:
+    if (not args.tiers or not args.cpu_dots or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2
+            or args.llama_threads < 1):
         p.error("need at least one tier, one round, a prompt and 2 new tokens")
     try:
         model_named(args.model).config_for(args.layers)
