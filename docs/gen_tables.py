@@ -120,13 +120,13 @@ def headline() -> str:
     beside = load(beside_name)
     by_label = {(r["runtime"], r["label"]): r["over_bf16"] for r in beside["rows"]}
     ours = "GPTQ: int4 experts + dense int4 (int6 head), int8 dot"
-    mixed = "GPTQ: DyMoE int4/int2 r=0.5 + dense int4 (int6 head), int8 dot, per token"
+    mixed_r_half = "GPTQ: DyMoE int4/int2 r=0.5 + dense int4 (int6 head), int8 dot, per token"
     pct = lambda over: " / ".join(f"{100 * over[d]:+.2f}%" for d in ("prose", "code", "math"))  # noqa: E731
     rows.append([
         ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ int4 "
          "experts + dense int4 + int6 head (Q4_0's bytes); the same with DyMoE int4/int2 per token at r = 0.5; "
          "llama.cpp Q4_0"),
-        f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('jmoe', mixed)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
+        f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('jmoe', mixed_r_half)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
         machine(beside), source(beside_name),
     ])
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
@@ -147,21 +147,16 @@ def headline() -> str:
     for name, what in FAMILY_HEADLINES:
         rows.append(decode_row(load(name), name, "jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", what))
     avx2 = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
-    dec = load(avx2)["summary"]["decode_tok_s @2"]
+    scaled = load(avx2)
+    dec = scaled["summary"]["decode_tok_s @2"]
     rows.append([("Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX2 EPYC, int4 experts in the CPU layout "
                   "(`--cpu-layout`), dense int4, int4 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"),
                  f"{f(dec['jmoe'])} vs {f(dec['llama.cpp'])} ({dec['ratio']['median']:.2f}×)",
-                 machine(load(avx2)), source(avx2)])
+                 machine(scaled), source(avx2)])
     bf16_name = "real_shapes/real_shapes_bf16_zen5_cpu.json"
-    bf16 = load(bf16_name)
-    ratio = bf16["ratios"]["jmoe bf16 resident / llama.cpp BF16"]["decode_tok_s@0"]["median"]
-    rows.append([
-        "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 EPYC (Zen 5), bf16 throughout, projections and "
-        "LM head in the CPU layout (`--cpu-layout`), vs llama.cpp BF16",
-        f"{f(bf16['summary']['jmoe bf16 resident']['decode_tok_s@0']['median'])} vs "
-        f"{f(bf16['summary']['llama.cpp BF16']['decode_tok_s@0']['median'])} ({ratio:.2f}×)",
-        machine(bf16), source(bf16_name),
-    ])
+    rows.append(decode_row(load(bf16_name), bf16_name, "jmoe bf16 resident", "llama.cpp BF16",
+                           "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 EPYC (Zen 5), bf16 throughout, "
+                           "projections and LM head in the CPU layout (`--cpu-layout`), vs llama.cpp BF16"))
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
@@ -745,7 +740,8 @@ def equal_bits_summary() -> str:
     return table(["slice (random weights)", "CPU, 2 cores", "prefill (512)", "decode (depth 0)", "decode (depth 512)",
                   "peak RSS / loaded, jmoe vs llama.cpp", "rounds"], rows) + (
         "\n\njmoe: int4 experts, dense int4, int6 LM head, all in the CPU layout, `cpu_dot=\"int8\"`; llama.cpp: "
-        "Q4_0 (Q6_K output matrix), `llama-bench -t 2`. Ratios taken within each alternating round, median [min–max].")
+        "Q4_0 (Q6_K output matrix), `llama-bench -t 2`. Ratios taken within each alternating round, "
+        "median [min–max].")
 
 
 def grid_bits() -> str:
