@@ -32,7 +32,8 @@ class OptionalBuildExt(build_ext):
 native = Extension(
     "cpu_kernels._native",
     sources=["cpu_kernels/src/kernels.cc", "cpu_kernels/src/attention.cc"],
-    depends=["cpu_kernels/src/gemm.inc", "cpu_kernels/src/int8_dot.inc", "cpu_kernels/src/int8_dot_avx2.inc",
+    depends=["cpu_kernels/src/gemm.inc", "cpu_kernels/src/int8_dot.inc", "cpu_kernels/src/int8_dot_rows.inc",
+             "cpu_kernels/src/int8_dot_avx2.inc",
              "cpu_kernels/src/attention_body.inc", "cpu_kernels/src/parallel.h", "cpu_kernels/src/isa.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-Wno-psabi", "-Wno-attributes",

@@ -99,7 +99,7 @@ def convert_checkpoint(
     an empty directory (never the source, its parents, the working or home directory).
 
     Args:
-      tiers: expert tiers to write, e.g. "bf16,int8,int4,int2" (all in one pass).
+      tiers: expert tiers to write, e.g. "bf16,int8,int4,int3,int2" (all in one pass).
       dense_tier: "bf16", "int8" or "int4": the attention projections, dense MLPs and shared experts
         at that tier (RTN on the integer tiers' grid, group_size and symmetric apply); norms,
         routers and biases stay bf16.
@@ -113,7 +113,7 @@ def convert_checkpoint(
         weights, 64 otherwise).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       scale_bits: 8 or 16, how the asymmetric expert tiers store each group's scale and offset: 8-bit
-        codes on per-column bases or float16 (default: int2 8-bit, int4 float16; symmetric tiers and the
+        codes on per-column bases or float16 (default: int2 and int3 8-bit, int4 float16; symmetric tiers and the
         dense weights keep float16). int4 with 8-bit scales stores 4.25 bits per weight instead of 4.5;
         the H100's Mosaic expert kernel reads float16 scales only, so keep float16 for a GPU.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).

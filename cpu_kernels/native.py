@@ -51,6 +51,7 @@ def _load():
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
                 lib.jmoe_cpu_isa.restype = ctypes.c_char_p
                 lib.jmoe_cpu_set_isa.argtypes = [ctypes.c_char_p]
+                lib.jmoe_cpu_use_gfni.argtypes = [ctypes.c_int]
             except Exception as e:  # noqa: BLE001 - not built, not loadable, or refused by this jaxlib's XLA
                 log.warning("native CPU kernels unavailable (%s); the XLA reference runs instead", e)
                 lib = None
@@ -84,6 +85,29 @@ def using_isa(name: str):
         yield
     finally:
         lib.jmoe_cpu_set_isa(before.encode())
+
+
+def gfni() -> bool:
+    """Whether the int8 dot unpacks weight codes with GFNI (where the CPU has it, unless
+    JMOE_CPU_GFNI=off), rather than by shifts and masks."""
+    lib = _load()
+    return lib is not None and bool(lib.jmoe_cpu_gfni())
+
+
+@contextlib.contextmanager
+def using_gfni(on: bool):
+    """The int8 dot's codes unpacked with GFNI (on) or by shifts (off) inside the block, then as before:
+    the path of a VNNI CPU without GFNI, in this process. For tests."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not loaded")
+    before = gfni()
+    if not lib.jmoe_cpu_use_gfni(int(on)):
+        raise ValueError("this CPU has no GFNI")
+    try:
+        yield
+    finally:
+        lib.jmoe_cpu_use_gfni(int(before))
 
 
 def call(name: str, result: jax.ShapeDtypeStruct, *args, input_output_aliases=None, **attrs):

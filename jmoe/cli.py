@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint (directory or hub id)")
     conv.add_argument("source", help="HF checkpoint directory, or a hub id like Qwen/Qwen3-30B-A3B (needs network)")
     conv.add_argument("-o", "--output", required=True, help="directory to write (must not exist unless --force)")
-    conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int2 (default: bf16)")
+    conv.add_argument("--tiers", default="bf16", help="comma-separated expert tiers: bf16,int8,int4,int3,int2 (default: bf16)")
     conv.add_argument("--dense-tier", default="bf16",
                       help="attention, dense MLP and shared expert weights: bf16 (default), int8, int6, int4 (norms "
                            "and routers stay bf16)")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--scale-bits", type=int, default=None,
                       help="8 or 16: the asymmetric expert tiers' scales and offsets as 8-bit codes or float16 "
-                           "(default: int2 8, int4 16; int4 at 8 stores 4.25 bits per weight, for the CPU)")
+                           "(default: int2 and int3 8, int4 16; int4 at 8 stores 4.25 bits per weight, for the CPU)")
     conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
     conv.add_argument("--cpu-layout", action="store_true",
                       help="integer expert tiers, dense weights (bf16 projections too) and LM head in the CPU "
@@ -153,7 +153,7 @@ def add_model_options(p) -> None:
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (multiplied in integers, faster, on AVX-512 VNNI, and on "
-                        "AVX2 for int4/int2)")
+                        "AVX2 for int4/int2; int3 on VNNI only)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads to compute with (default: $JMOE_THREADS, else the cores this process may use: "
                         "its CPU affinity, within its cgroup's CPU quota)")

@@ -17,10 +17,10 @@ from jmoe.errors import InputError
 from jmoe.quant import ExpertWeights
 from kernel_formats.qarray import QuantFormat, template
 
-TIER_NAMES = ("int2", "int4", "int8", "bf16")  # ascending precision
+TIER_NAMES = ("int2", "int3", "int4", "int8", "bf16")  # ascending precision
 SKIP = 0
 TIER_CODES = {name: i + 1 for i, name in enumerate(TIER_NAMES)}
-TIER_BITS = {"int2": 2, "int4": 4, "int8": 8, "bf16": 16}
+TIER_BITS = {"int2": 2, "int3": 3, "int4": 4, "int8": 8, "bf16": 16}
 
 
 def tier_name(code: int) -> str | None:
@@ -30,10 +30,14 @@ def tier_name(code: int) -> str | None:
 # Defaults per tier: int8 symmetric in groups of 128; int4 asymmetric in groups of 64; int2
 # asymmetric in groups of 32 with 8-bit scales and offsets (kernel_formats/qarray.py), the bytes of
 # float16 ones in groups of 64 (2.5 bits per weight) for about half a point less perplexity on the
-# tiny model (GPTQ: +3.5% over bf16 where groups of 64 gave +4.0%, bench/results/quality).
+# tiny model (GPTQ: +3.5% over bf16 where groups of 64 gave +4.0%, bench/results/quality). int3 the
+# same way (3.5 bits per weight): of the 3-bit grids bench/grid_bits.py scored, the one nearest bf16
+# at that size (GPTQ: +0.5% prose, +0.5% code, +0.1% math, where float16 scales in groups of 64
+# gave +0.9%, +0.7%, +0.1%).
 DEFAULT_FORMATS = {
     "int8": QuantFormat(bits=8, group_size=128, symmetric=True),
     "int4": QuantFormat(bits=4, group_size=64, symmetric=False),
+    "int3": QuantFormat(bits=3, group_size=32, symmetric=False, scale_bits=8),
     "int2": QuantFormat(bits=2, group_size=32, symmetric=False, scale_bits=8),
 }
 

@@ -2,7 +2,7 @@
 
 A QArray stores a K-major weight W [K, N] (y = x @ W) quantized group-wise along K:
 
-  values   uint8 [..., Kp / pack, N]   pack = 8 // bits codes per byte
+  values   uint8 [..., Kp / pack, N]   pack = 8 // bits codes per byte (3 bits: 3Kp / 8 rows, below)
   scales   f16   [..., Kp / G, N]      one per (group, column)
   offsets  f16   [..., Kp / G, N]      asymmetric only: w = q * scale + offset
   act_scale f16  [..., K]              optional input smoothing: y = (x * act_scale) @ W
@@ -19,6 +19,13 @@ Symmetric codes are unsigned with a midpoint: w = (q - 2^(bits-1)) * scale. Kp i
 to the group size G (padding rows are zero and meet zero activations). Packing is planar within
 each group: the G / pack bytes of group g hold, in bit field j, the K rows g*G + j*(G/pack) + r, so
 a kernel unpacks bit field j into a contiguous K slice without any interleaving.
+
+Three bits (bits = 3) do not divide a byte, so each group's 3G/8 byte rows hold two planar sections:
+first the low two bits of its codes as int2 packs them (G/4 rows, pack 4), then their high bit packed
+eight to a byte (G/8 rows, pack 8), q = low + 4 * high. The high bits of the low section's byte row r
+(its four fields) lie in the high section's byte row r % (G/8), bits 2j + r // (G/8) for field j, so
+a kernel reads the two sections of a group side by side. `group_rows` is a group's byte rows at any
+width (G / pack, or 3G/8).
 
 With act_bits = 8 (W8A8) the activations are quantized per token to int8 before the matmul.
 
@@ -60,7 +67,7 @@ TILE = 64  # columns per tile of the CPU layout (the CPU kernels' tile)
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 8, 6, 4 or 2 (6: stored as a QPlanes, see the module docstring)
+    bits: int  # 8, 6, 4, 3 or 2 (6: stored as a QPlanes; 3: two sections per group; module docstring)
     group_size: int  # 32, 64 or 128, along K
     symmetric: bool
     act_bits: int | None = None  # 8: W8A8 (per-token int8 activations)
@@ -69,8 +76,8 @@ class QuantFormat:
     scale_bits: int = 16  # 16: float16 scales and offsets; 8: uint8 codes on per-column bases (module docstring)
 
     def __post_init__(self):
-        if self.bits not in (2, 4, 6, 8):
-            raise ValueError(f"bits must be 2, 4, 6 or 8, not {self.bits}")
+        if self.bits not in (2, 3, 4, 6, 8):
+            raise ValueError(f"bits must be 2, 3, 4, 6 or 8, not {self.bits}")
         if self.bits == 6 and (self.symmetric or self.act_bits or self.smooth or self.scale_bits != 16):
             raise ValueError("6 bits are asymmetric, with float16 scales, without W8A8 or smoothing")
         if self.group_size not in (32, 64, 128):
@@ -90,7 +97,18 @@ class QuantFormat:
 
     @property
     def pack(self) -> int:
-        return 8 // self.bits  # 6 bits: 1, the quantizers' one code per byte (module docstring)
+        """Codes per byte; 6 bits: 1, the quantizers' one code per byte; 3 bits: 4, the fields of a
+        group's low section (module docstring)."""
+        return 4 if self.bits == 3 else 8 // self.bits
+
+    @property
+    def group_rows(self) -> int:
+        """Byte rows of packed codes per group (3 bits: the low section's G/4 and the high's G/8)."""
+        return 3 * self.group_size // 8 if self.bits == 3 else self.group_size // self.pack
+
+    def packed_rows(self, k: int) -> int:
+        """Byte rows of packed codes for K rows: [packed_rows(K), N] is the values' shape."""
+        return self.padded_k(k) // self.group_size * self.group_rows
 
     @property
     def qmax(self) -> int:
@@ -201,7 +219,7 @@ def code_template(fmt: QuantFormat, k: int, n: int, leading: tuple[int, ...] = (
     coded = fmt.scale_bits == 8
     group_dtype = jnp.uint8 if coded else jnp.float16
     return QArray(
-        values=sds(kp // fmt.pack, n, dtype=jnp.uint8),
+        values=sds(fmt.packed_rows(k), n, dtype=jnp.uint8),
         scales=sds(kp // fmt.group_size, n, dtype=group_dtype),
         offsets=None if fmt.symmetric else sds(kp // fmt.group_size, n, dtype=group_dtype),
         act_scale=sds(k, dtype=jnp.float16) if fmt.smooth else None,
@@ -276,28 +294,48 @@ def take_columns(q: QArray, cols: jax.Array) -> QArray:
                   take(q.bases))
 
 
-def unpack_codes(values: jax.Array, fmt: QuantFormat) -> jax.Array:
-    """uint8 [..., Kp / pack, N] -> integer codes [..., Kp, N] (int32), undoing the planar packing."""
+def _unpack_planar(v, bits: int, xp=jnp):
+    """Planar codes [..., groups, G * bits / 8, N] (uint8) -> codes [..., groups * G, N], bits 1, 2, 4 or 8."""
+    *lead, groups, plane, n = v.shape
+    pack = 8 // bits
+    dtype = xp.int32 if xp is jnp else np.uint8
+    shifts = (xp.arange(pack, dtype=dtype) * bits).reshape(pack, 1, 1)
+    codes = (v.astype(dtype).reshape(*lead, groups, 1, plane, n) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*lead, groups * pack * plane, n)  # [..., groups, pack, plane, N] flattened
+
+
+def unpack_codes(values, fmt: QuantFormat, xp=jnp):
+    """uint8 [..., packed rows, N] -> integer codes [..., Kp, N] (int32; numpy's uint8 with xp=np),
+    undoing the planar packing (3 bits: both sections of each group)."""
     *lead, rows, n = values.shape
-    plane = fmt.group_size // fmt.pack
-    groups = rows // plane
-    v = values.astype(jnp.int32).reshape(*lead, groups, 1, plane, n)
-    shifts = (jnp.arange(fmt.pack, dtype=jnp.int32) * fmt.bits).reshape(fmt.pack, 1, 1)
-    codes = (v >> shifts) & fmt.qmax  # [..., groups, pack, plane, N]
-    return codes.reshape(*lead, groups * fmt.group_size, n)
+    v = values.reshape(*lead, rows // fmt.group_rows, fmt.group_rows, n)
+    if fmt.bits != 3:
+        return _unpack_planar(v, fmt.bits, xp)
+    low_rows = fmt.group_size // 4
+    return _unpack_planar(v[..., :low_rows, :], 2, xp) + 4 * _unpack_planar(v[..., low_rows:, :], 1, xp)
+
+
+def _pack_planar(codes, bits: int):
+    """Codes [..., groups, G, N] in [0, 2^bits) -> planar-packed uint8 [..., groups, G * bits / 8, N]."""
+    *lead, groups, g, n = codes.shape
+    pack = 8 // bits
+    c = jnp.asarray(codes, jnp.uint32).reshape(*lead, groups, pack, g // pack, n)
+    shifts = (jnp.arange(pack, dtype=jnp.uint32) * bits).reshape(pack, 1, 1)
+    return jnp.sum(c << shifts, axis=-3, dtype=jnp.uint32).astype(jnp.uint8)  # bit fields never overlap
 
 
 # Jitted, as dequantize and quantize_groups: called eagerly (conversion, tests, checks) each compiles
 # once per shape rather than op by op; inside a jitted function it is inlined like any nested jit.
 @functools.partial(optimised_jit, static_argnums=1)
 def pack_codes(codes, fmt: QuantFormat) -> jax.Array:
-    """Integer codes [..., Kp, N] in [0, qmax] -> planar-packed uint8 [..., Kp / pack, N]."""
+    """Integer codes [..., Kp, N] in [0, qmax] -> planar-packed uint8 [..., packed rows, N]."""
     *lead, kp, n = codes.shape
-    plane = fmt.group_size // fmt.pack
-    c = jnp.asarray(codes, jnp.uint32).reshape(*lead, kp // fmt.group_size, fmt.pack, plane, n)
-    shifts = (jnp.arange(fmt.pack, dtype=jnp.uint32) * fmt.bits).reshape(fmt.pack, 1, 1)
-    packed = jnp.sum(c << shifts, axis=-3, dtype=jnp.uint32)  # bit fields never overlap
-    return packed.astype(jnp.uint8).reshape(*lead, kp // fmt.pack, n)
+    c = jnp.asarray(codes, jnp.uint32).reshape(*lead, kp // fmt.group_size, fmt.group_size, n)
+    if fmt.bits == 3:
+        packed = jnp.concatenate([_pack_planar(c & 3, 2), _pack_planar(c >> 2, 1)], axis=-2)
+    else:
+        packed = _pack_planar(c, fmt.bits)
+    return packed.reshape(*lead, fmt.packed_rows(kp), n)
 
 
 @functools.partial(optimised_jit, static_argnums=1)  # as pack_codes

@@ -104,9 +104,9 @@ class _Plan:
     block_n: int  # BN
     step_rows: int  # packed weight rows per K step
     num_steps: int
-    pack: int  # codes per byte (1 for plain weights)
+    pack: int  # codes per byte (1 for plain weights; 3 bits: the low section's 4 fields)
     bits: int
-    plane: int  # packed rows per quantization group (0 for plain weights)
+    plane: int  # packed rows per quantization group (0 for plain weights; 3 bits: the low section's)
     quantized: bool
     symmetric: bool
     int8_activations: bool
@@ -152,8 +152,11 @@ def _weight_k(w) -> int:
 
 
 def _packed_rows(w) -> int:
-    """Rows of the stored weight per slot: Kp / pack for QArrays, K for plain arrays."""
-    return w.values.shape[-2] if isinstance(w, QArray) else w.shape[-2]
+    """Rows of the stored weight per slot that K steps walk: Kp / pack for QArrays (3 bits: the low
+    sections' rows, Kp / 4; each group's high section is read beside its low one), K for plain arrays."""
+    if not isinstance(w, QArray):
+        return w.shape[-2]
+    return w.values.shape[-2] // w.fmt.group_rows * (w.fmt.group_size // w.fmt.pack)
 
 
 def _stored_itemsize(w) -> int:
@@ -350,11 +353,36 @@ def _step_plain(x_ref, w_ref, slot, r0, col, plan: _Plan):
     return _contract(x, w.astype(x.dtype), plan)
 
 
+def _load_codes(values_ref, slot, r0, col, plan: _Plan):
+    """The packed codes of rows [r0, r0 + step) for the N tile, [step, BN] int32. Three bits: rows of
+    the groups' low sections (kernel_formats/qarray.py), each with its high bits beside it in the
+    next byte, shifted so that field j's high bit is bit 8 + 2j (see _field_codes)."""
+    if plan.bits != 3:
+        return values_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)].astype(jnp.int32)
+    half = plan.plane // 2
+    row = r0 + jax.lax.broadcasted_iota(jnp.int32, (plan.step_rows,), 0)
+    group, within = row // plan.plane, row % plan.plane
+    first = group * (plan.plane + half)  # a group's byte rows: plane low ones, then half high ones
+    cols = pl.ds(col, plan.block_n)
+    low = values_ref[slot, first + within, cols].astype(jnp.int32)
+    high = values_ref[slot, first + plan.plane + within % half, cols].astype(jnp.int32)
+    return low | ((high >> (within // half)[:, None]) << 8)
+
+
+def _field_codes(packed, field: int, plan: _Plan):
+    """Bit field `field`'s codes of packed rows (int32, as _load_codes returns them)."""
+    if plan.bits == 3:
+        return ((packed >> (2 * field)) & 3) | (((packed >> (8 + 2 * field)) & 1) << 2)
+    if plan.pack == 1:
+        return packed
+    return (packed >> (field * plan.bits)) & ((1 << plan.bits) - 1)
+
+
 def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
     """Dot path: one K step (one group, or two for int2/G32): unpack every bit field, dequantize, contract."""
     values_ref = q_refs[0]
     g0 = r0 // plan.plane
-    packed = values_ref[slot, pl.ds(r0, plan.step_rows), pl.ds(col, plan.block_n)].astype(jnp.int32)
+    packed = _load_codes(values_ref, slot, r0, col, plan)
     if plan.int8_activations:
         # W8A8: integer dot per group, then the group's scale (groups_per_step == 1 for int8)
         w = (packed - 128).astype(jnp.int8)
@@ -365,7 +393,7 @@ def _step_quantized(x_ref, q_refs, slot, r0, col, plan: _Plan):
     total = None
     for field in range(plan.pack):
         x = _load_x(x_ref, field, r0, plan)
-        codes = ((packed >> (field * plan.bits)) & ((1 << plan.bits) - 1)).astype(jnp.float32)
+        codes = _field_codes(packed, field, plan).astype(jnp.float32)
         if plan.symmetric:
             w = (codes - (1 << (plan.bits - 1))) * scale
         else:
@@ -385,7 +413,7 @@ def _gemv_load(x_ref, w_refs, slot, r0, columns, plan: _Plan):
     if not plan.quantized:
         return xs, [(w_refs[0][slot, rows, pl.ds(col, plan.block_n)], None, None) for col in columns]
     group = r0 // plan.plane  # a decode step never crosses a group
-    tiles = [(w_refs[0][slot, rows, pl.ds(col, plan.block_n)], _group_row(w_refs, SCALE, slot, group, col, plan),
+    tiles = [(_load_codes(w_refs[0], slot, r0, col, plan), _group_row(w_refs, SCALE, slot, group, col, plan),
               None if plan.symmetric else _group_row(w_refs, OFFSET, slot, group, col, plan)) for col in columns]
     return xs, tiles
 
@@ -400,9 +428,8 @@ def _gemv_update(acc, xs, tile, plan: _Plan):
     # w = code * scale + zero: symmetric codes have their midpoint (W8A8's int8 codes are stored + 128)
     zero = offset if offset is not None else scale * float(-(1 << (plan.bits - 1)))
     scale, zero = scale[None, :], zero[None, :]
-    packed = w.astype(jnp.int32)
     for field in range(plan.pack):
-        codes = packed if plan.pack == 1 else (packed >> (field * plan.bits)) & ((1 << plan.bits) - 1)
+        codes = _field_codes(w, field, plan)
         acc = acc + xs[field] * (codes.astype(jnp.float32) * scale + zero)
     return acc
 

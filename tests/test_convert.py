@@ -139,7 +139,7 @@ def test_missing_source_directory(tmp_path):
 
 def test_unknown_tier_is_refused(small_hf, tmp_path):
     with pytest.raises(InputError, match="unknown tier"):
-        convert_checkpoint(small_hf, tmp_path / "out", tiers="bf16,int3", progress=False)
+        convert_checkpoint(small_hf, tmp_path / "out", tiers="bf16,int5", progress=False)
 
 
 def test_load_rejects_damaged_models(tiny_converted, tmp_path):

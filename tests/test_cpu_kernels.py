@@ -34,6 +34,8 @@ FORMATS = {
     "int8": QuantFormat(8, 128, True),
     "int4": QuantFormat(4, 64, False),
     "int2": tier_format("int2"),  # groups of 32, 8-bit scales and offsets on per-column bases
+    "int3": tier_format("int3"),  # the same, with each group's codes in a 2-bit and a 1-bit section
+    "int3-f16-g64": QuantFormat(3, 64, False),
     "int4-s8": tier_format("int4", scale_bits=8),  # convert --scale-bits 8
     "int2-f16-g64": QuantFormat(2, 64, False),
     "int4-sym-g32": QuantFormat(4, 32, True),
@@ -82,8 +84,9 @@ def test_narrower_instruction_sets_compute_the_same(isa):
         assert native.isa() == isa
         if widest != isa:  # else this module's own tests ran this path already
             test_ragged_widths_and_padded_groups()
-            for tier in ("int4", "bf16"):
+            for tier in ("int4", "int3", "bf16"):
                 test_expert_ffn_qwen3_widths(tier, 16, 6)
+            test_int8_dot_expert_ffn_at_real_widths("int3")
             for case in attention_tests.NATIVE_CASES:
                 if case[6] in ("int8", "bfloat16") and case[5] in (32, 64):
                     attention_tests.test_native_attention_equals_the_materialised_softmax(case)
@@ -92,6 +95,25 @@ def test_narrower_instruction_sets_compute_the_same(isa):
         with native.using_isa("sse9"):
             pass
     assert native.isa() == widest
+
+
+def test_the_int8_dot_unpacks_codes_by_shifts_as_it_does_with_gfni():
+    """A VNNI CPU without GFNI takes every bit field out of the codes by shifts and masks: on this
+    one, the same products (int2, int3 and int4 at real widths, one and many rows)."""
+    if not native.loaded() or native.isa() != "avx512-vnni" or not native.gfni():
+        pytest.skip("needs the native kernels on a CPU with AVX-512 VNNI and GFNI")
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((5, 2048)).astype(np.float32))
+    run = jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))
+    for name in ("int2", "int3", "int3-f16-g64", "int4"):
+        w = tile(_weight(rng, 2048, 768, FORMATS[name]))
+        for rows in (x[:1], x):
+            with_gfni = np.asarray(run(rows, w))
+            with native.using_gfni(False):
+                assert not native.gfni()
+                by_shifts = np.asarray(run(rows, w))
+            assert native.gfni()
+            np.testing.assert_array_equal(by_shifts, with_gfni)
 
 
 def _weight(rng, k, n, fmt, act_scale=None):
@@ -151,7 +173,7 @@ def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
     assert tile(ragged) is ragged  # 100 columns are no whole number of tiles: [K, N] stays
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int4-sym-g32", "int4-s8"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2", "int4-sym-g32", "int4-s8"])
 @pytest.mark.parametrize("int8_dot", [False, True])
 # one row (a whole product per task), few rows split over K, panel rows with a rest, many rows
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (2, 768, 2048), (3, 1100, 128), (9, 512, 640), (40, 256, 192)])
@@ -204,7 +226,7 @@ def test_matmul_reads_plain_weights_in_the_cpu_layout(dtype, m, k, n, monkeypatc
         ops.matmul(x[:, :k], w[:, : n - 1], tiled=True)
 
 
-@pytest.mark.parametrize("tier", ["int4", "int2"])
+@pytest.mark.parametrize("tier", ["int4", "int3", "int2"])
 def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     """The block and routed expert kernels and the one-call-for-every-tier kernel on pools in the
     CPU layout (Qwen3-30B-A3B's widths) give what they give the same pools in [K, N] (within float32
@@ -303,7 +325,7 @@ def _compare_routed(h, row_slot, gu, dn, gu_bias=None, dn_bias=None, activation=
     assert (y[np.asarray(slot) < 0] == 0).all()
 
 
-@pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int3", "int2"])
 @pytest.mark.parametrize("block_rows,blocks", [(1, 8), (16, 6)])
 def test_expert_ffn_qwen3_widths(tier, block_rows, blocks):
     """Qwen3-30B-A3B's expert: D = 2048, F = 768, SwiGLU, no biases."""
@@ -314,7 +336,7 @@ def test_expert_ffn_qwen3_widths(tier, block_rows, blocks):
     _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
 
 
-@pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int3", "int2"])
 def test_expert_ffn_gpt_oss_widths_with_biases_and_clamped_swiglu(tier):
     """GPT-OSS-20B's expert: D = F = 2880, float32 biases, clamped SwiGLU; decode and prefill blocks."""
     rng = np.random.default_rng(11)
@@ -462,7 +484,7 @@ def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
         assert np.abs(ref_jnp - xq).max() <= 1e-6 * np.abs(xq).max()
 
 
-@pytest.mark.parametrize("tier", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("tier", ["int8", "int4", "int3", "int2"])
 def test_int8_dot_expert_ffn_at_real_widths(tier):
     """Qwen3-30B-A3B's expert (D 2048, F 768) and GPT-OSS-20B's (D = F = 2880, biases, clamped
     SwiGLU) under the int8 dot against the reference with the same per-group int8 inputs."""

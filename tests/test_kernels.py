@@ -121,6 +121,12 @@ PARITY_CASES = {
     "int2-g32-s8-prefill-f32-two_groups_per_step": (fmt(2, 32, False, scale_bits=8), 64, 64, 16, jnp.float32,
                                                     "random"),
     "int4-g64-s8-decode-bf16": (fmt(4, 64, False, scale_bits=8), 64, 96, 1, jnp.bfloat16, "rtn"),  # --scale-bits 8
+    # the int3 tier's default (as int2's, each group's codes in a 2-bit and a 1-bit section), and others
+    "int3-g32-s8-decode-bf16": (fmt(3, 32, False, scale_bits=8), 64, 96, 1, jnp.bfloat16, "rtn"),
+    "int3-g32-s8-prefill-f32-two_groups_per_step": (fmt(3, 32, False, scale_bits=8), 64, 64, 16, jnp.float32,
+                                                    "random"),
+    "int3-g64-decode-f32-k_pad": (fmt(3, 64), 64, 96, 1, jnp.float32, "random"),
+    "int3-g128-asym-prefill-bf16": (fmt(3, 128, False), 128, 96, 16, jnp.bfloat16, "random"),
     "int4-smooth-decode-f32": (fmt(4, 64, False, smooth=True), 64, 96, 1, jnp.float32, "rtn"),
     "int4-smooth-prefill-bf16": (fmt(4, 32, smooth=True), 64, 48, 16, jnp.bfloat16, "random"),
     "w8a8-g128-decode-f32": (fmt(8, 128, act_bits=8), 128, 96, 1, jnp.float32, "rtn"),
@@ -298,6 +304,8 @@ LOWERING_FORMATS = {
     "int2-g32": fmt(2, 32),
     "int2-g128": fmt(2, 128),
     "int2-g32-s8": fmt(2, 32, False, scale_bits=8),
+    "int3-g32-s8": fmt(3, 32, False, scale_bits=8),
+    "int3-g64": fmt(3, 64),
     "int4-smooth": fmt(4, 64, False, smooth=True),
     "w8a8-smooth": fmt(8, 128, act_bits=8, smooth=True),
 }
@@ -445,7 +453,8 @@ def test_biased_clamped_variants_lower_for_cuda(name, block_rows):
 
 # ----------------------------------------------------------------------------- compiled (GPU)
 
-GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32", "int2-g32-s8", "int4-smooth",
+GPU_FORMATS = ["bf16", "int8-g128", "int4-g64-asym", "int2-g64-asym", "int2-g32", "int2-g32-s8", "int3-g32-s8",
+               "int4-smooth",
                "w8a8-smooth"]
 
 

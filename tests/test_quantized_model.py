@@ -35,7 +35,8 @@ def expected_record_bytes(D: int, F: int, bits: int, group: int, symmetric: bool
 
 @pytest.fixture(scope="module")
 def rtn_model_dir(tmp_path_factory, tiny_hf_dir):
-    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("rtn") / "m", tiers="bf16,int8,int4,int2", progress=False)
+    return convert_checkpoint(tiny_hf_dir, tmp_path_factory.mktemp("rtn") / "m", tiers="bf16,int8,int4,int3,int2",
+                              progress=False)
 
 
 def test_bytes_per_expert_follow_the_format(rtn_model_dir):
@@ -45,6 +46,7 @@ def test_bytes_per_expert_follow_the_format(rtn_model_dir):
     assert tiers["bf16"]["record_nbytes"] == 2 * (D * 2 * F + F * D)
     assert tiers["int8"]["record_nbytes"] == expected_record_bytes(D, F, 8, 128, True)
     assert tiers["int4"]["record_nbytes"] == expected_record_bytes(D, F, 4, 64, False)
+    assert tiers["int3"]["record_nbytes"] == expected_record_bytes(D, F, 3, 32, False, scale_bits=8)
     assert tiers["int2"]["record_nbytes"] == expected_record_bytes(D, F, 2, 32, False, scale_bits=8)
     for tier, info in tiers.items():
         files = [f for f in manifest["files"] if f.startswith(f"experts/{tier}/")]
@@ -56,12 +58,13 @@ def test_each_tier_reconstructs_the_expert(rtn_model_dir):
     store = ExpertStore(rtn_model_dir, manifest, jmoe.ModelConfig.from_dict(manifest["config"]))
     reference = dequantize_expert(store.record("bf16", 4, 9))
     errors = {}
-    for tier in ("int8", "int4", "int2"):
+    for tier in ("int8", "int4", "int3", "int2"):
         approx = dequantize_expert(store.record(tier, 4, 9))
         errors[tier] = max(
             float(np.linalg.norm(a - r) / np.linalg.norm(r)) for a, r in zip(approx[:2], reference[:2])
         )
-    assert errors["int8"] < 0.01 < errors["int4"] < 0.15 < errors["int2"] < 0.6
+    assert errors["int8"] < 0.01 < errors["int4"] < errors["int3"] < errors["int2"] < 0.6
+    assert errors["int4"] < 0.15 and errors["int3"] < 0.3
 
 
 def test_int4_with_8_bit_scales_is_a_conversion_option(tiny_hf_dir, rtn_model_dir, tmp_path):
@@ -90,9 +93,9 @@ def test_int4_with_8_bit_scales_is_a_conversion_option(tiny_hf_dir, rtn_model_di
 def test_logit_error_grows_as_bits_shrink(rtn_model_dir, tiny_tokenizer):
     ids = tiny_tokenizer.encode("def parse(text):\n    tokens = text.split()\n    return tokens\n")
     logits = {t: np.asarray(jmoe.forward(jmoe.load(rtn_model_dir, tier=t, compute_dtype="float32"), ids))
-              for t in ("bf16", "int8", "int4", "int2")}
-    err = {t: float(np.abs(logits[t] - logits["bf16"]).mean()) for t in ("int8", "int4", "int2")}
-    assert err["int8"] < err["int4"] < err["int2"]
+              for t in ("bf16", "int8", "int4", "int3", "int2")}
+    err = {t: float(np.abs(logits[t] - logits["bf16"]).mean()) for t in ("int8", "int4", "int3", "int2")}
+    assert err["int8"] < err["int4"] < err["int3"] < err["int2"]
     assert err["int8"] < 0.02 * float(np.abs(logits["bf16"]).mean())
 
 

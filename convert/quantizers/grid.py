@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernel_formats.qarray import OFFSET_CODE_ZERO, QArray, QuantFormat, pack_codes
+from kernel_formats.qarray import OFFSET_CODE_ZERO, QArray, QuantFormat, pack_codes, unpack_codes
 
 
 def _f16(x):
@@ -35,7 +35,7 @@ def group_params(w, fmt: QuantFormat):
 # Each candidate keeps a share of the group's range (and one of three placements of it), rounds the
 # group onto it, then refits scale and offset to those codes by least squares; the candidate with
 # the least (importance-weighted) squared error wins (as llama.cpp's k-quants search theirs).
-SEARCH_MAX_BITS = 2  # int4 and int8 keep min/max
+SEARCH_MAX_BITS = 3  # int4 and int8 keep min/max
 RANGE_SHARES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 PLACEMENTS = (0.0, 0.5, 1.0)  # where the kept share sits in the range: at its low end, centred, at its top
 
@@ -139,7 +139,7 @@ def to_qarray(codes, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) 
 
 
 def host_qarray(values, scales, offsets, fmt: QuantFormat, k: int, act_scale=None) -> QArray:
-    """Packed codes [Kp / pack, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray
+    """Packed codes [packed rows, N] and per-group scales/offsets [Kp / G, N] -> a host (numpy) QArray
     (with 8-bit scales, the scales and offsets coded on their columns' bases: coded_scales)."""
     values = np.asarray(values)
     bases = None
@@ -184,10 +184,5 @@ def coded_scales(values, scales, offsets, fmt: QuantFormat):
 
 
 def unpack_codes_host(values, fmt: QuantFormat) -> np.ndarray:
-    """kernel_formats.qarray.unpack_codes in numpy: packed [Kp / pack, N] -> codes [Kp, N] uint8."""
-    values = np.asarray(values, np.uint8)
-    rows, n = values.shape
-    plane = fmt.group_size // fmt.pack
-    v = values.reshape(rows // plane, 1, plane, n)
-    shifts = (np.arange(fmt.pack, dtype=np.uint8) * fmt.bits).reshape(fmt.pack, 1, 1)
-    return ((v >> shifts) & fmt.qmax).reshape(-1, n)
+    """kernel_formats.qarray.unpack_codes in numpy: packed [packed rows, N] -> codes [Kp, N] uint8."""
+    return unpack_codes(np.asarray(values, np.uint8), fmt, xp=np)

@@ -36,7 +36,7 @@ def group_grid(groups, fmt: QuantFormat):
 @functools.partial(optimised_jit, static_argnums=1)
 def rtn_block(w, fmt: QuantFormat):
     """RTN of a K-major block [K, n] (compiled once per block shape, unlike op-by-op eager jnp):
-    (packed codes [Kp / pack, n], float16 scales and offsets [Kp / G, n])."""
+    (packed codes [packed rows, n], float16 scales and offsets [Kp / G, n])."""
     n = w.shape[1]
     groups = pad_k(w, fmt).reshape(-1, fmt.group_size, n)
     scale, offset = group_grid(groups, fmt)

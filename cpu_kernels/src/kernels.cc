@@ -50,10 +50,10 @@ constexpr int kToL2 = 2;                // __builtin_prefetch's locality for pre
 // product then reads each tile as one sequential stream, where [K, N] walks eight byte rows N bytes
 // apart at a time; the kernels run each tile as a plain weight of 64 columns (tile()).
 struct Weight {
-  const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / pack, N]
+  const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / G * group_rows(), N]
   const uint8_t* scales;     // [Kp / G, N] (quantized only): float16, or uint8 codes (scale_bits 8)
   const uint8_t* offsets;    // [Kp / G, N] (asymmetric only): as scales
-  int bits;                  // 32, 16 (bf16), 8, 4 or 2
+  int bits;                  // 32, 16 (bf16), 8, 4, 3 or 2 (3: two sections per group, see low_rows())
   int64_t group;             // G (quantized only)
   bool symmetric;
   int64_t k, n;              // logical K, N
@@ -66,7 +66,12 @@ struct Weight {
 
   bool quantized() const { return bits <= 8; }
   int64_t padded_k() const { return quantized() ? (k + group - 1) / group * group : k; }
-  int64_t value_bytes() const { return quantized() ? padded_k() / (8 / bits) * n : k * n * (bits / 8); }
+  // Byte rows of codes per group. Three bits: the low two bits as int2 packs them (low_rows(), G / 4
+  // rows), then the high bits eight to a byte (G / 8 rows); the high bits of low byte row r's field j
+  // are bit 2j + r / (G / 8) of high row r % (G / 8) (kernel_formats/qarray.py).
+  int64_t group_rows() const { return group * bits / 8; }
+  int64_t low_rows() const { return bits == 3 ? group / 4 : group / (8 / bits); }
+  int64_t value_bytes() const { return quantized() ? padded_k() / group * group_rows() * n : k * n * (bits / 8); }
   int64_t scale_count() const { return quantized() ? padded_k() / group * n : 0; }
   int64_t scale_size() const { return scale_bits / 8; }  // bytes per scale or offset
 
@@ -93,7 +98,7 @@ struct Weight {
       w.first_group = first_group + k0 / group;
     } else if (quantized()) {
       const int64_t g0 = k0 / group;
-      w.values = static_cast<const uint8_t*>(values) + g0 * (group / (8 / bits)) * n;
+      w.values = static_cast<const uint8_t*>(values) + g0 * group_rows() * n;
       if (scales) w.scales = scales + g0 * n * scale_size();
       if (offsets) w.offsets = offsets + g0 * n * scale_size();
     } else {
@@ -112,8 +117,7 @@ struct Weight {
       w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_row) * kTile * (bits / 8);
       return w;
     }
-    const int64_t plane = group / (8 / bits);
-    w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_group * plane) * kTile;
+    w.values = static_cast<const uint8_t*>(values) + (t * tile_rows + first_group * group_rows()) * kTile;
     if (scales) w.scales = scales + (t * tile_groups + first_group) * kTile * scale_size();
     if (offsets) w.offsets = offsets + (t * tile_groups + first_group) * kTile * scale_size();
     if (bases) w.bases = bases + t * 2 * kTile;  // the bases' [2, N] in tiles of [2, kTile]
@@ -160,12 +164,13 @@ static inline float bf16_to_float(uint16_t h) {
 static float weight_at(const Weight& w, int64_t k, int64_t n) {
   if (w.bits == 32) return static_cast<const float*>(w.values)[k * w.n + n];
   if (w.bits == 16) return bf16_to_float(static_cast<const uint16_t*>(w.values)[k * w.n + n]);
-  const int pack = 8 / w.bits;
-  const int64_t plane = w.group / pack, g = k / w.group, within = k % w.group;
+  const int low_bits = w.bits == 3 ? 2 : w.bits;
+  const int64_t plane = w.low_rows(), g = k / w.group, within = k % w.group;
   const int64_t field = within / plane, r = within % plane;
-  const uint8_t byte = static_cast<const uint8_t*>(w.values)[(g * plane + r) * w.n + n];
-  const float q = static_cast<float>((byte >> (field * w.bits)) & ((1u << w.bits) - 1));
-  return q * w.scale_at(g, n) + w.offset_at(g, n);
+  const uint8_t* group = static_cast<const uint8_t*>(w.values) + g * w.group_rows() * w.n;
+  uint32_t q = (group[r * w.n + n] >> (field * low_bits)) & ((1u << low_bits) - 1);
+  if (w.bits == 3) q |= ((group[(plane + r % (plane / 2)) * w.n + n] >> (2 * field + r / (plane / 2))) & 1u) << 2;
+  return static_cast<float>(q) * w.scale_at(g, n) + w.offset_at(g, n);
 }
 
 // The symmetric int8 grid of n values (W8A8's per token, the int8 dot's per group), as
@@ -454,6 +459,17 @@ extern "C" int jmoe_cpu_set_isa(const char* name) {
   return 1;
 }
 
+// The int8 dot's codes unpacked with GFNI (on = 1) or by shifts (0) from the next call on: 1, or 0
+// where GFNI was asked for and the CPU lacks it (nothing changes). For the tests.
+extern "C" int jmoe_cpu_use_gfni(int on) {
+  if (on && !avx512::has_gfni()) return 0;
+  avx512::use_gfni().store(on != 0, std::memory_order_relaxed);
+  return 1;
+}
+
+// Whether the int8 dot unpacks codes with GFNI now.
+extern "C" int jmoe_cpu_gfni() { return avx512::use_gfni().load(std::memory_order_relaxed) ? 1 : 0; }
+
 // One product of a phase: y[M, N] (row stride ldy) = in @ w.
 struct Product {
   Inputs in;
@@ -563,8 +579,8 @@ static auto rows_on(ffi::ThreadPool& pool) {
 static ffi::Error describe(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::AnyBuffer bases,
                            int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, Weight* w,
                            bool tiled = false) {
-  if (bits != 32 && bits != 16 && bits != 8 && bits != 4 && bits != 2)
-    return ffi::Error::InvalidArgument("bits must be 32, 16, 8, 4 or 2");
+  if (bits != 32 && bits != 16 && bits != 8 && bits != 4 && bits != 3 && bits != 2)
+    return ffi::Error::InvalidArgument("bits must be 32, 16, 8, 4, 3 or 2");
   const auto dtype = values.element_type();
   if ((bits == 32 && dtype != ffi::F32) || (bits == 16 && dtype != ffi::BF16) || (bits <= 8 && dtype != ffi::U8))
     return ffi::Error::InvalidArgument("weight values have the wrong element type for their bits");
@@ -592,7 +608,7 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::An
   if (tiled) {
     if (n % kTile != 0) return ffi::Error::InvalidArgument("a tiled weight must have N a multiple of 64");
     w->tiled = true;
-    w->tile_rows = w->quantized() ? w->padded_k() / (8 / w->bits) : k;
+    w->tile_rows = w->quantized() ? w->padded_k() / group * w->group_rows() : k;
     w->tile_groups = w->quantized() ? w->padded_k() / w->group : 0;
   }
   return ffi::Error::Success();
