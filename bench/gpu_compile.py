@@ -9,7 +9,7 @@ pipeline: its Triton, PTX, and ptxas for sm_90a. Nothing runs; every figure here
 compiler reports, never a measurement.
 
 For every real model shape (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B with biases and the clamped
-SwiGLU, DeepSeek-V2-Lite), every expert tier (bf16, and the converter's int8 / int4 / int2 formats)
+SwiGLU, DeepSeek-V2-Lite), every expert tier (bf16, and the converter's int8 / int4 / int3 / int2 formats)
 and both kernel plans (decode: one row per block; prefill: the runtime's 32-row blocks), for two
 tiers in one decode launch (bf16+int4, int8+int2: a tier index per block), and for the test
 suite's lowering matrix (every format, float32 and bf16 rows, toy widths), it compiles
@@ -112,6 +112,8 @@ MATRIX_FORMATS = {
     "int2-g32": dict(bits=2, group_size=32, symmetric=True),
     "int2-g128": dict(bits=2, group_size=128, symmetric=True),
     "int2-g32-s8": dict(bits=2, group_size=32, symmetric=False, scale_bits=8),  # the int2 tier's default
+    "int3-g32-s8": dict(bits=3, group_size=32, symmetric=False, scale_bits=8),  # the int3 tier's default
+    "int3-g64": dict(bits=3, group_size=64, symmetric=True),
     "int4-smooth": dict(bits=4, group_size=64, symmetric=False, smooth=True),
     "w8a8-smooth": dict(bits=8, group_size=128, symmetric=True, act_bits=8, smooth=True),
 }
@@ -982,7 +984,7 @@ def attention_runs(models: list[str], device) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODEL_NAMES))
-    parser.add_argument("--tiers", default="bf16,int8,int4,int2")
+    parser.add_argument("--tiers", default="bf16,int8,int4,int3,int2")
     parser.add_argument("--no-matrix", dest="matrix", action="store_false",
                         help="leave out the test suite's lowering matrix (toy widths, float32 and bf16 rows)")
     parser.add_argument("--no-steps", dest="steps", action="store_false",
