@@ -19,6 +19,10 @@ pools (their default formats, CPU layout, int8 dot) in one `routed_expert_ffn_ti
 token's 8 experts split 8/0, 6/2, 4/4 and 0/8 between them, beside each tier alone in
 `routed_expert_ffn`: whether reading some experts at int2 saves what its bytes say inside the
 kernel (bench/results/kernels/expert_mixed_tiers_cpu.json).
+
+With --tiers it times each quantized expert tier alone (int4, int3, int2 in their default formats,
+CPU layout, int8 dot): the time a token's experts take against the bytes they read
+(bench/results/kernels/expert_tiers_cpu.json).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def pools(fmt=None):
     rng = np.random.default_rng(0)
 
     def pool(k, n):
-        values = jnp.asarray(rng.integers(0, 256, (SLOTS, k // fmt.pack, n), dtype=np.uint8))
+        values = jnp.asarray(rng.integers(0, 256, (SLOTS, fmt.packed_rows(k), n), dtype=np.uint8))
         groups = k // fmt.group_size
         if fmt.scale_bits == 8:
             codes = lambda: jnp.asarray(rng.integers(1, 256, (SLOTS, groups, n), dtype=np.uint8))  # noqa: E731
@@ -82,9 +86,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--int2", action="store_true", help="the int2 tier's two formats, both layouts")
     parser.add_argument("--mixed", action="store_true", help="int4 and int2 pools in one call, experts split between")
+    parser.add_argument("--tiers", action="store_true", help="each quantized tier alone, CPU layout, int8 dot")
     args = parser.parse_args()
     if args.mixed:
         return mixed_tiers(args.rounds, args.calls)
+    if args.tiers:
+        return each_tier(args.rounds, args.calls)
 
     import jax
 
@@ -186,6 +193,33 @@ def mixed_tiers(rounds: int, calls: int) -> None:
         "machine": machine(), "isa": native.isa(),
         "case": f"routed_expert_ffn(_tiers), {TOP_K} of {SLOTS} experts per pool, int4 and int2 in their default "
                 f"formats, CPU layout, int8 dot, D={D}, F={F}, one token",
+        "rounds": rounds, "calls_per_round": calls, "results": results})
+
+
+
+def each_tier(rounds: int, calls: int) -> None:
+    """--tiers: one token's routed experts at each quantized tier (default formats, CPU layout, int8 dot)."""
+    import jax
+
+    from cpu_kernels import native, ops
+    from jmoe.tiers import tier_format
+    from kernel_formats.qarray import tile
+
+    if not ops.available():
+        sys.exit("the native CPU kernels are not loaded")
+    picks, h, token = one_token()
+    step = jax.jit(lambda h, t, s, g, d: ops.routed_expert_ffn(h, t, s, g, d, int8_dot=True))
+    cases, read = {}, {}
+    for tier in ("int4", "int3", "int2"):
+        gate_up, down = pools(tier_format(tier))
+        g, d = tile(gate_up), tile(down)
+        cases[tier] = (lambda s, g=g, d=d: step(h, token, s, g, d), picks)
+        read[tier] = TOP_K * expert_bytes(gate_up, down)
+    results = summarize_rounds(timed_rounds(cases, rounds, calls), read)
+    write_result("kernels", "expert_tiers", {
+        "machine": machine(), "isa": native.isa(),
+        "case": f"routed_expert_ffn, {TOP_K} of {SLOTS} experts at each tier's default format, CPU layout, "
+                f"int8 dot, D={D}, F={F}, one token",
         "rounds": rounds, "calls_per_round": calls, "results": results})
 
 

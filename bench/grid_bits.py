@@ -1,18 +1,12 @@
-"""Would an expert tier at another grid earn its place? Quality per stored bit of GPTQ grids.
+"""Quality per stored bit of expert grids: which tiers, groups and scales earn their bytes.
 
 The bundled tiny model's experts are converted by GPTQ (calibrated on the train splits, as
-bench.quality calibrates), dense weights and LM head at bf16, once per grid: the int4 and int2
-tiers' own formats, and grids no tier stores yet, 3-bit codes and 4-bit codes with 8-bit scales, in
-groups of 32 or 64 with float16 scales or 8-bit ones (kernel_formats/qarray.py). Perplexity over
-bf16 on each dev domain (windows of --ctx tokens, each scoring its second half, as bench.quality
---llama-cpp scores) is set beside the bits per weight a real model's widths store: codes, plus a
-scale and an offset per group (16 bits each as float16, 8 as codes).
-
-A grid of fewer levels than the storage it borrows is a simulation: 3-bit codes are converted in a
-process of their own with the quantizers' grid narrowed to 8 levels (QuantFormat.qmax) and the
-searched grid the 2-bit tier uses (convert/quantizers/grid.py), and stored in int4's nibbles, so the
-model runs on the int4 kernels unchanged and scores what a packed 3-bit tier would. No bytes are
-saved by that storage: the bits column is what a 3-bit packing would hold.
+bench.quality calibrates), dense weights and LM head at bf16, once per grid: the int4, int3 and int2
+tiers' own formats, and other groups and scales of the same codes, in groups of 32 or 64 with
+float16 scales or 8-bit ones (`jmoe convert --group-size`, `--scale-bits`; kernel_formats/qarray.py).
+Perplexity over bf16 on each dev domain (windows of --ctx tokens, each scoring its second half, as
+bench.quality --llama-cpp scores) is set beside the bits per weight a real model's widths store:
+codes, plus a scale and an offset per group (16 bits each as float16, 8 as codes).
 
     python -m bench.grid_bits [--chunks 200] [--ctx 256] [--work DIR]
 
@@ -22,23 +16,22 @@ Writes bench/results/quality/grid_bits_cpu.json.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.lib.common import CALIB_FILES, DOMAINS, ROOT, TINY_HF, dev_tokens, write_result
+from bench.lib.common import CALIB_FILES, DOMAINS, TINY_HF, dev_tokens, write_result
 
-# name -> (code bits, group size, scale bits); the first two are the int4 and int2 tiers' formats
+# name -> (code bits, group size, scale bits); the first three are the int4, int2 and int3 tiers' formats
 GRIDS = {
     "int4 (tier): 4-bit, groups of 64, float16 scales": (4, 64, 16),
     "int2 (tier): 2-bit, groups of 32, 8-bit scales": (2, 32, 8),
+    "int3 (tier): 3-bit, groups of 32, 8-bit scales": (3, 32, 8),
     "4-bit, groups of 64, 8-bit scales": (4, 64, 8),
     "4-bit, groups of 32, 8-bit scales": (4, 32, 8),
     "3-bit, groups of 64, float16 scales": (3, 64, 16),
-    "3-bit, groups of 32, 8-bit scales": (3, 32, 8),
     "3-bit, groups of 64, 8-bit scales": (3, 64, 8),
 }
+TIER_OF_BITS = {2: "int2", 3: "int3", 4: "int4"}
 
 
 def stored_bits(bits: int, group: int, scale_bits: int) -> float:
@@ -47,20 +40,11 @@ def stored_bits(bits: int, group: int, scale_bits: int) -> float:
 
 
 def convert_grid(bits: int, group: int, scale_bits: int, out: Path) -> None:
-    """The tiny model's experts by GPTQ on this grid, into out (in this process: the grid is patched)."""
+    """The tiny model's experts by GPTQ on this grid (the tier of these bits, this group and scale), into out."""
     from convert import convert_checkpoint
-    from convert.quantizers import grid
-    from jmoe import tiers
-    from kernel_formats.qarray import QuantFormat
 
-    tier = "int2" if bits == 2 else "int4"
-    if bits == 3:  # 8 levels in int4's storage, with the low-bit tiers' searched grid
-        QuantFormat.qmax = property(lambda fmt: 7 if fmt.bits == 4 else (1 << fmt.bits) - 1)
-        grid.SEARCH_MAX_BITS = 4
-    tiers.DEFAULT_FORMATS[tier] = QuantFormat(bits=2 if bits == 2 else 4, group_size=group, symmetric=False,
-                                              scale_bits=scale_bits)
-    convert_checkpoint(TINY_HF, out, tiers=tier, method="gptq", calib=[str(p) for p in CALIB_FILES],
-                       progress=False)
+    convert_checkpoint(TINY_HF, out, tiers=TIER_OF_BITS[bits], method="gptq", calib=[str(p) for p in CALIB_FILES],
+                       group_size=group, scale_bits=scale_bits, progress=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,11 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ctx", type=int, default=256, help="window (the tiny model's training length)")
     parser.add_argument("--chunks", type=int, default=200, help="windows per domain")
     parser.add_argument("--work", help="keep the conversions here (reused when present)")
-    parser.add_argument("--convert", nargs=4, metavar=("BITS", "GROUP", "SCALE_BITS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.convert:  # one grid's conversion, in a process of its own
-        bits, group, scale_bits, out = args.convert
-        return convert_grid(int(bits), int(group), int(scale_bits), Path(out))
 
     import jmoe
     from convert import convert_checkpoint
@@ -82,12 +62,11 @@ def main(argv: list[str] | None = None) -> None:
         models = {"bf16": (work / "bf16", "bf16")}
         if not (work / "bf16" / "manifest.json").is_file():
             convert_checkpoint(TINY_HF, work / "bf16", tiers="bf16", progress=False)
-        for i, (name, (bits, group, scale_bits)) in enumerate(GRIDS.items()):
-            out = work / f"grid-{i}"
+        for name, (bits, group, scale_bits) in GRIDS.items():
+            out = work / f"{TIER_OF_BITS[bits]}-g{group}-s{scale_bits}"
             if not (out / "manifest.json").is_file():
-                subprocess.run([sys.executable, "-m", "bench.grid_bits", "--convert", str(bits), str(group),
-                                str(scale_bits), str(out)], cwd=ROOT, check=True)
-            models[name] = (out, "int2" if bits == 2 else "int4")
+                convert_grid(bits, group, scale_bits, out)
+            models[name] = (out, TIER_OF_BITS[bits])
 
         ppl = {}
         for name, (path, tier) in models.items():
