@@ -336,7 +336,7 @@ def test_expert_ffn_qwen3_widths(tier, block_rows, blocks):
     _compare(rows, _layout(rng, S, block_rows, blocks), gu, dn, block_rows)
 
 
-@pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("tier", ["bf16", "int8", "int4", "int2"])  # int3 at these widths: the int8 dot's test
 def test_expert_ffn_gpt_oss_widths_with_biases_and_clamped_swiglu(tier):
     """GPT-OSS-20B's expert: D = F = 2880, float32 biases, clamped SwiGLU; decode and prefill blocks."""
     rng = np.random.default_rng(11)
