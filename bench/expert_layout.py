@@ -21,7 +21,8 @@ token's 8 experts split 8/0, 6/2, 4/4 and 0/8 between them, beside each tier alo
 kernel (bench/results/kernels/expert_mixed_tiers_cpu.json).
 
 With --tiers it times each quantized expert tier alone (int4, int3, int2 in their default formats,
-CPU layout, int8 dot): the time a token's experts take against the bytes they read
+CPU layout, int8 dot): the time a token's experts take against the bytes they read; on a CPU with
+GFNI each also with its codes' bit fields taken out by shifts, as a CPU without GFNI does
 (bench/results/kernels/expert_tiers_cpu.json).
 """
 
@@ -197,6 +198,14 @@ def mixed_tiers(rounds: int, calls: int) -> None:
 
 
 
+def by_shifts(call):
+    """call() run to completion with the int8 dot unpacking codes by shifts (native.using_gfni(False))."""
+    from cpu_kernels import native
+
+    with native.using_gfni(False):
+        return call().block_until_ready()
+
+
 def each_tier(rounds: int, calls: int) -> None:
     """--tiers: one token's routed experts at each quantized tier (default formats, CPU layout, int8 dot)."""
     import jax
@@ -215,6 +224,9 @@ def each_tier(rounds: int, calls: int) -> None:
         g, d = tile(gate_up), tile(down)
         cases[tier] = (lambda s, g=g, d=d: step(h, token, s, g, d), picks)
         read[tier] = TOP_K * expert_bytes(gate_up, down)
+        if native.gfni():  # the same with the codes' bit fields taken out by shifts, as without GFNI
+            cases[f"{tier}, by shifts"] = (lambda s, g=g, d=d: by_shifts(lambda: step(h, token, s, g, d)), picks)
+            read[f"{tier}, by shifts"] = read[tier]
     results = summarize_rounds(timed_rounds(cases, rounds, calls), read)
     write_result("kernels", "expert_tiers", {
         "machine": machine(), "isa": native.isa(),
