@@ -6,6 +6,7 @@ calibrating GPTQ/HAQ on the train splits, then scores every tier on ../shared/co
     python -m bench.quality [--max-tokens N] [--window 256]
     python -m bench.quality --cpu-dot int8 --methods rtn,gptq   # the tiers under load(cpu_dot="int8")
     python -m bench.quality --tiers int2 --no-w8a8               # one tier's methods: quality_tiny_int2_cpu.json
+    python -m bench.quality --tiers int3 --no-w8a8               # quality_tiny_int3_cpu.json
 
 With --llama-cpp, it scores the same model beside llama.cpp: the tiny model converted to GGUF
 (its own tokenizer; llama-tokenize must give jmoe's token ids, or the run stops) and quantized to
@@ -54,7 +55,7 @@ from convert.quantizers.expert import METHODS
 from jmoe.manifest import read_manifest
 from jmoe.policies.dymoe import DEFAULT_R
 
-TIERS = ("int8", "int4", "int2")
+TIERS = ("int8", "int4", "int3", "int2")
 CALIB_SEQUENCES = inspect.signature(convert_checkpoint).parameters["calib_sequences"].default  # the converter's
 LM_EVAL_TASKS = ROOT / "tests" / "data" / "lm_eval"  # jmoe_choice (multiple choice), jmoe_complete (generate_until)
 
