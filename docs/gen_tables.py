@@ -108,13 +108,18 @@ def headline() -> str:
     base = by[("-", "bf16", "bf16/f32")]["prose"]
     int2 = load("quality/quality_tiny_int2_cpu.json")  # the int2 tier's format now (8-bit scales)
     int2_by = {(r["method"], r["tier"]): r["prose"] for r in int2["rows"]}
+    int3 = load("quality/quality_tiny_int3_cpu.json")
+    int3_by = {(r["method"], r["tier"]): r["prose"] for r in int3["rows"]}
     gptq4 = by[("gptq", "int4", "float")]["prose"]
-    gptq2 = int2_by[("gptq", "int2")] / int2_by[("-", "bf16")]  # over that run's own bf16
+    gptq3 = int3_by[("gptq", "int3")] / int3_by[("-", "bf16")]  # over that run's own bf16
+    gptq2 = int2_by[("gptq", "int2")] / int2_by[("-", "bf16")]
     rows.append([
-        "Tiny Qwen3-MoE, prose perplexity over bf16, GPTQ int4 / int2 experts",
-        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq2 - 1):.1f}%",
-        f"int4: {machine(quality)}; int2: {machine(int2)}",
-        source("quality/quality_tiny_cpu.json", "quality/quality_tiny_int2_cpu.json"),
+        ("Tiny Qwen3-MoE, prose perplexity over bf16, GPTQ int4 / int3 / int2 experts (4.50 / 3.55 / 2.55 bits per "
+         "weight at Qwen3-30B-A3B's widths)"),
+        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq3 - 1):.2f}% / +{100 * (gptq2 - 1):.1f}%",
+        f"int4: {machine(quality)}; int3: {machine(int3)}; int2: {machine(int2)}",
+        source("quality/quality_tiny_cpu.json", "quality/quality_tiny_int3_cpu.json",
+               "quality/quality_tiny_int2_cpu.json"),
     ])
     beside_name = "quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"  # the modes the Zen 4 speed rows time
     beside = load(beside_name)
@@ -493,6 +498,36 @@ def quality_int2() -> str:
         machines.append(f"{label.split(',')[0]}: {machine(data)} ({source(name)})")
     return table(["int2 format", "method", "prose", "code", "math"], rows) + (
         "\n\nPerplexity over each run's own bf16 on the whole dev splits. Machines: " + "; ".join(machines) + ".")
+
+
+# tier -> the results file holding it in its default format (python -m bench.quality [--tiers T --no-w8a8])
+TIER_QUALITY = {
+    "int4": "quality/quality_tiny_cpu.json",
+    "int3": "quality/quality_tiny_int3_cpu.json",
+    "int2": "quality/quality_tiny_int2_cpu.json",
+}
+
+
+def quality_tiers() -> str:
+    """Every quantized expert tier below int8 by every method, each over its own run's bf16."""
+    names = {"rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
+    cells, machines = {}, []
+    for tier, name in TIER_QUALITY.items():
+        data = load(name)
+        base = next(r for r in data["rows"] if r["tier"] == "bf16")
+        for r in data["rows"]:
+            if r["tier"] == tier and r["activations"] == "float":
+                cells[(r["method"], tier)] = " / ".join(f"{100 * (r[d] / base[d] - 1):+.2f}%"
+                                                        for d in ("prose", "code", "math"))
+        machines.append(f"{tier}: {machine(data)} ({source(name)})")
+    rows = [[names[m]] + [cells.get((m, tier), "") for tier in TIER_QUALITY] for m in names]
+    header = ["method"] + [f"{tier} (prose / code / math)" for tier in TIER_QUALITY]
+    return table(header, rows) + (
+        "\n\nPerplexity of the tiny model over its bf16 on the whole dev splits, experts at each tier's default "
+        "format (int4: groups of 64, float16 scales, 4.50 bits per weight; int3: groups of 32, 8-bit scales, 3.55; "
+        "int2: groups of 32, 8-bit scales, 2.55; at Qwen3-30B-A3B's widths, scales and bases included), "
+        "dense weights and LM head bf16. "
+        "Machines: " + "; ".join(machines) + ".")
 
 
 def quality_vs_llama(name: str = "quality/quality_vs_llama_cpp_cpu.json") -> str:
@@ -1189,6 +1224,7 @@ TABLES = {
     "quality": quality,
     "quality-vs-llama": quality_vs_llama,
     "quality-int2": quality_int2,
+    "quality-tiers": quality_tiers,
     "decode-io": decode_io,
     "offload-h200": offload_h200,
     "gpu-suite-offload-h200": gpu_suite_offload_h200,
@@ -1210,6 +1246,7 @@ TABLES = {
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
+    "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
     "grid-bits": grid_bits,
     "equal-bits-summary": equal_bits_summary,
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
