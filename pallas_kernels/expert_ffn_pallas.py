@@ -92,7 +92,8 @@ MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
 PREFILL_PARAMS = dict(num_warps=4, num_stages=3)
 # int8 codes at prefill: the gate/up tile (gate and up float32 accumulators and the dequantised
 # int8 step) needs more than 255 registers per thread at 4 warps and spills (compiled for an H100,
-# bench/gpu_compile.py); 8 warps halve each thread's share.
+# bench/gpu_compile.py); 8 warps halve each thread's share. int3 codes likewise (their high bits
+# are a second gathered tile beside the low ones: 255 registers and 4 B spilled at 4 warps).
 PREFILL_INT8_PARAMS = dict(num_warps=8, num_stages=3)
 
 
@@ -652,7 +653,7 @@ def compiler_params(plans: tuple[_Plan, ...]) -> dict:
         warps = [DECODE_WIDE_CODE_WARPS if plan.quantized and plan.block_n == DECODE_ROW_BYTES
                  else min(8, max(4, plan.step_rows * plan.block_n // (32 * DECODE_ACC_PER_THREAD))) for plan in plans]
         return dict(num_warps=max(warps), num_stages=1)
-    return PREFILL_INT8_PARAMS if any(plan.bits == 8 for plan in plans) else PREFILL_PARAMS
+    return PREFILL_INT8_PARAMS if any(plan.bits in (8, 3) for plan in plans) else PREFILL_PARAMS
 
 
 def _splits(plans, blocks: int, n_out: int) -> int:
