@@ -35,7 +35,6 @@ FORMATS = {
     "int4": QuantFormat(4, 64, False),
     "int2": tier_format("int2"),  # groups of 32, 8-bit scales and offsets on per-column bases
     "int3": tier_format("int3"),  # the same, with each group's codes in a 2-bit and a 1-bit section
-    "int3-f16-g64": QuantFormat(3, 64, False),
     "int4-s8": tier_format("int4", scale_bits=8),  # convert --scale-bits 8
     "int2-f16-g64": QuantFormat(2, 64, False),
     "int4-sym-g32": QuantFormat(4, 32, True),
@@ -84,9 +83,11 @@ def test_narrower_instruction_sets_compute_the_same(isa):
         assert native.isa() == isa
         if widest != isa:  # else this module's own tests ran this path already
             test_ragged_widths_and_padded_groups()
-            for tier in ("int4", "int3", "bf16"):
+            for tier in ("int4", "bf16"):
                 test_expert_ffn_qwen3_widths(tier, 16, 6)
-            test_int8_dot_expert_ffn_at_real_widths("int3")
+            for m, k, n in ((3, 200, 100), (40, 96, 64)):  # int3's fused and panel paths (small: quick)
+                test_matmul_matches_float64("int3", m, k, n)
+                test_int8_dot_matmul_multiplies_the_int8_inputs("int3", m, k, n)
             for case in attention_tests.NATIVE_CASES:
                 if case[6] in ("int8", "bfloat16") and case[5] in (32, 64):
                     attention_tests.test_native_attention_equals_the_materialised_softmax(case)
@@ -105,8 +106,8 @@ def test_the_int8_dot_unpacks_codes_by_shifts_as_it_does_with_gfni():
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((5, 2048)).astype(np.float32))
     run = jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))
-    for name in ("int2", "int3", "int3-f16-g64", "int4"):
-        w = tile(_weight(rng, 2048, 768, FORMATS[name]))
+    for fmt in (FORMATS["int2"], FORMATS["int3"], QuantFormat(3, 64, False), FORMATS["int4"]):
+        w = tile(_weight(rng, 2048, 768, fmt))
         for rows in (x[:1], x):
             with_gfni = np.asarray(run(rows, w))
             with native.using_gfni(False):
