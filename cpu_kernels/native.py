@@ -88,16 +88,16 @@ def using_isa(name: str):
 
 
 def gfni() -> bool:
-    """Whether the int8 dot unpacks weight codes with GFNI (where the CPU has it, unless
-    JMOE_CPU_GFNI=off), rather than by shifts and masks."""
+    """Whether the int8 dot unpacks three-bit weight codes with GFNI (where the CPU has it, unless
+    JMOE_CPU_GFNI=off), rather than by shifts and masks (other widths always take the shifts)."""
     lib = _load()
     return lib is not None and bool(lib.jmoe_cpu_gfni())
 
 
 @contextlib.contextmanager
 def using_gfni(on: bool):
-    """The int8 dot's codes unpacked with GFNI (on) or by shifts (off) inside the block, then as before:
-    the path of a VNNI CPU without GFNI, in this process. For tests."""
+    """The int8 dot's three-bit codes unpacked with GFNI (on) or by shifts (off) inside the block, then
+    as before: the path of a VNNI CPU without GFNI, in this process. For tests."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not loaded")

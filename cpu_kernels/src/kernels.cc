@@ -459,7 +459,7 @@ extern "C" int jmoe_cpu_set_isa(const char* name) {
   return 1;
 }
 
-// The int8 dot's codes unpacked with GFNI (on = 1) or by shifts (0) from the next call on: 1, or 0
+// The int8 dot's three-bit codes unpacked with GFNI (on = 1) or by shifts (0) from the next call on: 1, or 0
 // where GFNI was asked for and the CPU lacks it (nothing changes). For the tests.
 extern "C" int jmoe_cpu_use_gfni(int on) {
   if (on && !avx512::has_gfni()) return 0;
@@ -467,7 +467,7 @@ extern "C" int jmoe_cpu_use_gfni(int on) {
   return 1;
 }
 
-// Whether the int8 dot unpacks codes with GFNI now.
+// Whether the int8 dot unpacks three-bit codes with GFNI now.
 extern "C" int jmoe_cpu_gfni() { return avx512::use_gfni().load(std::memory_order_relaxed) ? 1 : 0; }
 
 // One product of a phase: y[M, N] (row stride ldy) = in @ w.
