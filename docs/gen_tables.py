@@ -1247,6 +1247,7 @@ TABLES = {
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
+    "expert-tiers-gfni-all-widths": lambda: expert_mixed_tiers("kernels/expert_tiers_gfni_all_widths_zen4_cpu.json"),
     "grid-bits": grid_bits,
     "equal-bits-summary": equal_bits_summary,
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
