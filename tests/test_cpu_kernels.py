@@ -16,6 +16,7 @@ import pytest
 
 import jmoe
 from convert import convert_checkpoint
+from convert.quantizers import grid
 from convert.quantizers.rtn import quantize_rtn
 from cpu_kernels import native, ops
 from jmoe.kernels import default_backend, expert_ffn
@@ -124,7 +125,14 @@ def _weight(rng, k, n, fmt, act_scale=None):
         return jnp.asarray(w.astype(ml_dtypes.bfloat16))
     if act_scale is not None:
         w = w / act_scale[:, None]
-    return jax.tree.map(jnp.asarray, quantize_rtn(w, fmt, act_scale=act_scale))
+    if not grid.searches(fmt):
+        return jax.tree.map(jnp.asarray, quantize_rtn(w, fmt, act_scale=act_scale))
+    # int2 and int3: round to the min/max grid, not the converter's searched one (some 25 candidates
+    # a group, most of these checks' time at real widths); the kernels read either alike
+    groups = grid.pad_k(w, fmt).reshape(-1, fmt.group_size, n)
+    scale, offset = grid.group_params(groups, fmt)
+    codes = grid.encode(groups, scale, offset, fmt).reshape(-1, n)
+    return jax.tree.map(jnp.asarray, grid.to_qarray(codes, scale[:, 0], offset[:, 0], fmt, k, act_scale))
 
 
 def _dense(w):
@@ -232,11 +240,15 @@ def test_matmul_reads_plain_weights_in_the_cpu_layout(dtype, m, k, n, monkeypatc
 def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     """The block and routed expert kernels and the one-call-for-every-tier kernel on pools in the
     CPU layout (Qwen3-30B-A3B's widths) give what they give the same pools in [K, N] (within float32
-    rounding where a phase has fewer products than threads: test_matmul_reads_the_cpu_layout...);
-    the XLA reference reads tiled pools too."""
+    rounding where a phase has fewer products than threads: test_matmul_reads_the_cpu_layout...;
+    under the int8 dot, as _close allows, where the activation's rounding to int8 lands a rare input
+    on the neighbouring code); the XLA reference reads tiled pools too."""
 
-    def same(a, b):
+    def same(a, b, int8_dot=False):
         a, b = np.asarray(a), np.asarray(b)
+        if int8_dot:
+            _close(a, b, int8_dot=True)
+            return True
         return np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
 
     rng = np.random.default_rng(21)
@@ -248,10 +260,10 @@ def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     for int8_dot in (False, True):
         kw = dict(block_rows=1, int8_dot=int8_dot)
         run = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, backend="cpu", **kw))
-        assert same(run(rows, bs, tgu, tdn), run(rows, bs, gu, dn))
+        assert same(run(rows, bs, tgu, tdn), run(rows, bs, gu, dn), int8_dot)
         routed = jax.jit(lambda h, s, g, d: ops.routed_expert_ffn(h, jnp.arange(8, dtype=jnp.int32), s, g, d,
                                                                   int8_dot=int8_dot))
-        assert same(routed(rows, bs, tgu, tdn), routed(rows, bs, gu, dn))
+        assert same(routed(rows, bs, tgu, tdn), routed(rows, bs, gu, dn), int8_dot)
     tier_of = jnp.asarray(np.array([0, 1, 0, 1, 0, 1, 0, 1], np.int32))
     both = jax.jit(lambda h, s, r, p: ops.routed_expert_ffn_tiers(h, jnp.arange(8, dtype=jnp.int32), s, r, p))
     mixed = [(tgu, tdn, None, None), (gu, dn, None, None)]
