@@ -96,7 +96,7 @@ def main() -> None:
 
     import jax
 
-    from cpu_kernels import native, ops
+    from cpu_kernels import ops
     from jmoe.tiers import tier_format
     from kernel_formats.qarray import QuantFormat, tile
 
@@ -122,12 +122,20 @@ def main() -> None:
             key = f"{name}, {'int8 dot' if dot else 'float inputs'}"
             cases[key] = (lambda s, step=step, g=g, d=d: step(h, token, s, g, d), picks)
             read[key] = weight_bytes[name]
-    results = summarize_rounds(timed_rounds(cases, args.rounds, args.calls), read)
     tiers = "int2 experts in both formats" if args.int2 else f"int4 experts (groups of {GROUP})"
-    write_result("kernels", "expert_layout_int2" if args.int2 else "expert_layout", {
-        "machine": machine(), "isa": native.isa(),
-        "case": f"routed_expert_ffn, {TOP_K} of {SLOTS} {tiers}, D={D}, F={F}, one token",
-        "rounds": args.rounds, "calls_per_round": args.calls, "results": results})
+    time_and_write("expert_layout_int2" if args.int2 else "expert_layout",
+                   f"routed_expert_ffn, {TOP_K} of {SLOTS} {tiers}, D={D}, F={F}, one token",
+                   cases, read, args.rounds, args.calls)
+
+
+def time_and_write(name: str, case: str, cases: dict, read: dict, rounds: int, calls: int) -> None:
+    """The cases timed in alternating rounds (timed_rounds), printed and written to
+    bench/results/kernels/NAME_cpu.json with the machine and `case`, the setup they share."""
+    from cpu_kernels import native
+
+    results = summarize_rounds(timed_rounds(cases, rounds, calls), read)
+    write_result("kernels", name, {"machine": machine(), "isa": native.isa(), "case": case, "rounds": rounds,
+                                   "calls_per_round": calls, "results": results})
 
 
 def timed_rounds(cases: dict, rounds: int, calls: int) -> dict:
@@ -167,7 +175,7 @@ def mixed_tiers(rounds: int, calls: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from cpu_kernels import native, ops
+    from cpu_kernels import ops
     from jmoe.tiers import tier_format
     from kernel_formats.qarray import tile
 
@@ -189,12 +197,9 @@ def mixed_tiers(rounds: int, calls: int) -> None:
         name = f"{TOP_K - low} at int4 + {low} at int2, two pools"
         cases[name] = (lambda s, codes=codes: two_pools(s, codes), picks)
         read[name] = (TOP_K - low) * one_expert["int4"] + low * one_expert["int2"]
-    results = summarize_rounds(timed_rounds(cases, rounds, calls), read)
-    write_result("kernels", "expert_mixed_tiers", {
-        "machine": machine(), "isa": native.isa(),
-        "case": f"routed_expert_ffn(_tiers), {TOP_K} of {SLOTS} experts per pool, int4 and int2 in their default "
-                f"formats, CPU layout, int8 dot, D={D}, F={F}, one token",
-        "rounds": rounds, "calls_per_round": calls, "results": results})
+    time_and_write("expert_mixed_tiers",
+                   f"routed_expert_ffn(_tiers), {TOP_K} of {SLOTS} experts per pool, int4 and int2 in their default "
+                   f"formats, CPU layout, int8 dot, D={D}, F={F}, one token", cases, read, rounds, calls)
 
 
 
@@ -227,12 +232,9 @@ def each_tier(rounds: int, calls: int) -> None:
         if tier == "int3" and native.gfni():  # its codes' bit fields taken out by shifts, as without GFNI
             cases[f"{tier}, by shifts"] = (lambda s, g=g, d=d: by_shifts(lambda: step(h, token, s, g, d)), picks)
             read[f"{tier}, by shifts"] = read[tier]
-    results = summarize_rounds(timed_rounds(cases, rounds, calls), read)
-    write_result("kernels", "expert_tiers", {
-        "machine": machine(), "isa": native.isa(),
-        "case": f"routed_expert_ffn, {TOP_K} of {SLOTS} experts at each tier's default format, CPU layout, "
-                f"int8 dot, D={D}, F={F}, one token",
-        "rounds": rounds, "calls_per_round": calls, "results": results})
+    time_and_write("expert_tiers",
+                   f"routed_expert_ffn, {TOP_K} of {SLOTS} experts at each tier's default format, CPU layout, "
+                   f"int8 dot, D={D}, F={F}, one token", cases, read, rounds, calls)
 
 
 if __name__ == "__main__":
