@@ -107,16 +107,14 @@ def headline() -> str:
     by = {(r["method"], r["tier"], r["activations"]): r for r in quality["rows"]}
     base = by[("-", "bf16", "bf16/f32")]["prose"]
     int2 = load("quality/quality_tiny_int2_cpu.json")  # the int2 tier's format now (8-bit scales)
-    int2_by = {(r["method"], r["tier"]): r["prose"] for r in int2["rows"]}
     int3 = load("quality/quality_tiny_int3_cpu.json")
-    int3_by = {(r["method"], r["tier"]): r["prose"] for r in int3["rows"]}
     gptq4 = by[("gptq", "int4", "float")]["prose"]
-    gptq3 = int3_by[("gptq", "int3")] / int3_by[("-", "bf16")]  # over that run's own bf16
-    gptq2 = int2_by[("gptq", "int2")] / int2_by[("-", "bf16")]
+    gptq3 = over_own_bf16(int3, "int3")["gptq"]["prose"]
+    gptq2 = over_own_bf16(int2, "int2")["gptq"]["prose"]
     rows.append([
         ("Tiny Qwen3-MoE, prose perplexity over bf16, GPTQ int4 / int3 / int2 experts (4.50 / 3.55 / 2.55 bits per "
          "weight at Qwen3-30B-A3B's widths)"),
-        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * (gptq3 - 1):.2f}% / +{100 * (gptq2 - 1):.1f}%",
+        f"+{100 * (gptq4 / base - 1):.2f}% / +{100 * gptq3:.2f}% / +{100 * gptq2:.1f}%",
         f"int4: {machine(quality)}; int3: {machine(int3)}; int2: {machine(int2)}",
         source("quality/quality_tiny_cpu.json", "quality/quality_tiny_int3_cpu.json",
                "quality/quality_tiny_int2_cpu.json"),
@@ -484,17 +482,23 @@ INT2_FORMATS = {  # label -> results file: the int2 tier before and after its 8-
 }
 
 
+METHOD_NAMES = {"rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
+
+
+def over_own_bf16(data: dict, tier: str) -> dict[str, dict[str, float]]:
+    """A bench.quality run's float-activation rows at `tier`: {method: {domain: perplexity / the run's bf16 - 1}}."""
+    base = next(r for r in data["rows"] if r["tier"] == "bf16")
+    return {r["method"]: {d: r[d] / base[d] - 1 for d in ("prose", "code", "math")}
+            for r in data["rows"] if r["tier"] == tier and r["activations"] == "float"}
+
+
 def quality_int2() -> str:
     """The int2 tier's perplexity over bf16 in its two formats (python -m bench.quality [--tiers int2 --no-w8a8])."""
-    names = {"rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
     rows, machines = [], []
     for label, name in INT2_FORMATS.items():
         data = load(name)
-        base = next(r for r in data["rows"] if r["tier"] == "bf16")
-        for r in data["rows"]:
-            if r["tier"] == "int2" and r["activations"] == "float":
-                rows.append([label, names[r["method"]]] + [f"+{100 * (r[d] / base[d] - 1):.2f}%"
-                                                           for d in ("prose", "code", "math")])
+        for method, over in over_own_bf16(data, "int2").items():
+            rows.append([label, METHOD_NAMES[method]] + [f"+{100 * v:.2f}%" for v in over.values()])
         machines.append(f"{label.split(',')[0]}: {machine(data)} ({source(name)})")
     return table(["int2 format", "method", "prose", "code", "math"], rows) + (
         "\n\nPerplexity over each run's own bf16 on the whole dev splits. Machines: " + "; ".join(machines) + ".")
@@ -510,17 +514,13 @@ TIER_QUALITY = {
 
 def quality_tiers() -> str:
     """Every quantized expert tier below int8 by every method, each over its own run's bf16."""
-    names = {"rtn": "RTN", "gptq": "GPTQ", "haq": "HAQ"}
     cells, machines = {}, []
     for tier, name in TIER_QUALITY.items():
         data = load(name)
-        base = next(r for r in data["rows"] if r["tier"] == "bf16")
-        for r in data["rows"]:
-            if r["tier"] == tier and r["activations"] == "float":
-                cells[(r["method"], tier)] = " / ".join(f"{100 * (r[d] / base[d] - 1):+.2f}%"
-                                                        for d in ("prose", "code", "math"))
+        for method, over in over_own_bf16(data, tier).items():
+            cells[(method, tier)] = " / ".join(f"{100 * v:+.2f}%" for v in over.values())
         machines.append(f"{tier}: {machine(data)} ({source(name)})")
-    rows = [[names[m]] + [cells.get((m, tier), "") for tier in TIER_QUALITY] for m in names]
+    rows = [[METHOD_NAMES[m]] + [cells.get((m, tier), "") for tier in TIER_QUALITY] for m in METHOD_NAMES]
     header = ["method"] + [f"{tier} (prose / code / math)" for tier in TIER_QUALITY]
     return table(header, rows) + (
         "\n\nPerplexity of the tiny model over its bf16 on the whole dev splits, experts at each tier's default "
