@@ -71,6 +71,10 @@ struct Weight {
   // are bit 2j + r / (G / 8) of high row r % (G / 8) (kernel_formats/qarray.py).
   int64_t group_rows() const { return group * bits / 8; }
   int64_t low_rows() const { return bits == 3 ? group / 4 : group / (8 / bits); }
+  // Three bits: the group's byte row holding the high bits of low byte row r, and which bit of it
+  // is field j's (2j + r / (G / 8)).
+  int64_t high_row(int64_t r) const { return low_rows() + r % (low_rows() / 2); }
+  int high_bit(int64_t r, int field) const { return 2 * field + static_cast<int>(r / (low_rows() / 2)); }
   int64_t value_bytes() const { return quantized() ? padded_k() / group * group_rows() * n : k * n * (bits / 8); }
   int64_t scale_count() const { return quantized() ? padded_k() / group * n : 0; }
   int64_t scale_size() const { return scale_bits / 8; }  // bytes per scale or offset
@@ -169,7 +173,7 @@ static float weight_at(const Weight& w, int64_t k, int64_t n) {
   const int64_t field = within / plane, r = within % plane;
   const uint8_t* group = static_cast<const uint8_t*>(w.values) + g * w.group_rows() * w.n;
   uint32_t q = (group[r * w.n + n] >> (field * low_bits)) & ((1u << low_bits) - 1);
-  if (w.bits == 3) q |= ((group[(plane + r % (plane / 2)) * w.n + n] >> (2 * field + r / (plane / 2))) & 1u) << 2;
+  if (w.bits == 3) q |= ((group[w.high_row(r) * w.n + n] >> w.high_bit(r, field)) & 1u) << 2;
   return static_cast<float>(q) * w.scale_at(g, n) + w.offset_at(g, n);
 }
 
