@@ -51,7 +51,8 @@ from jmoe.policies.dymoe import DEFAULT_R
 PLACEMENTS = {"resident": None, "50%": 0.5, "25%": 0.25}
 OFFLOAD_POLICY = "lru+prefetch"
 CHILD_TIMEOUT_S = 3 * 3600
-TIER_ORDER = ("bf16", "int8", "int4", "int2")
+TIER_ORDER = ("bf16", "int8", "int4", "int3", "int2")
+DENSE_INT4_TIERS = ("int4", "int3", "int2")  # expert tiers the dense-int4 conversion holds, where asked
 
 
 DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_dot=...)
@@ -75,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)".replace("%", "%%"))
     p.add_argument("--llama-types", default=",".join(llama_cpp.QUANT_TYPES),
-                   help=f"GGUF types for llama.cpp (default {','.join(llama_cpp.QUANT_TYPES)})")
+                   help=f"GGUF types for llama.cpp (default {','.join(llama_cpp.QUANT_TYPES)}; also "
+                        f"{','.join(sorted(set(llama_cpp.JMOE_TIER_OF) - set(llama_cpp.QUANT_TYPES)))})")
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; 64 with --quick)")
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128; 16 with --quick)")
@@ -94,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-threads", type=int, default=2,
                    help="llama-bench -t (default 2, the cores of the machine the targets were set on)")
     p.add_argument("--skip-startup", action="store_true", help="no cold/warm compilation-cache runs")
+    p.add_argument("--dense-int4-only", action="store_true",
+                   help="only the dense-int4 conversion's runs (each of --tiers' int4, int3, int2 experts beside "
+                        "dense int4), the equal-bits comparison with llama.cpp's quantized types: no bf16-dense "
+                        "conversion, runs or start-up")
     p.add_argument("--reuse", action="store_true",
                    help="keep conversions already under --data (their times are then not measured)")
     p.add_argument("--data", type=Path, default=Path(os.environ.get("JMOE_BENCH_DATA", "~/.cache/jmoe-bench")),
@@ -113,10 +119,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.llama_types = [x.strip() for x in args.llama_types.split(",") if x.strip()]
     bad = ([f"tier {t!r}" for t in args.tiers if t not in TIER_ORDER]
            + [f"placement {x!r}" for x in args.placements if x not in PLACEMENTS]
-           + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.QUANT_TYPES]
+           + [f"llama type {x!r}" for x in args.llama_types if x not in llama_cpp.JMOE_TIER_OF]
            + [f"cpu dot {x!r}" for x in args.cpu_dots if x not in ("float", "int8")])
     if bad:
         p.error("unknown " + ", ".join(bad))
+    if args.dense_int4_only and "int4" not in args.tiers:
+        p.error("--dense-int4-only needs int4 among --tiers")
     if (not args.tiers or not args.cpu_dots or args.rounds < 1 or args.prompt < 1 or args.new_tokens < 2
             or args.llama_threads < 1):
         p.error("need at least one tier, one round, a prompt and 2 new tokens")
@@ -242,9 +250,9 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
     """(measured configurations, start-up configurations, jmoe/llama.cpp pairs for ratios)."""
     max_seq_len = args.prompt + args.new_tokens + 8
     base = {"prompt": args.prompt, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len, "mode": "speed"}
-    main = Path(conversions["jmoe"]["path"])
     jmoe_runs = []
-    for tier in args.tiers:
+    for tier in args.tiers if "jmoe" in conversions else []:
+        main = Path(conversions["jmoe"]["path"])
         for placement in args.placements:
             fraction = PLACEMENTS[placement]
             policy = "resident" if fraction is None else OFFLOAD_POLICY
@@ -256,10 +264,11 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
                                   "loaded_bytes": loaded_bytes(main, tier, max_seq_len)})
     if "jmoe dense int4" in conversions:
         dense = Path(conversions["jmoe dense int4"]["path"])
-        for dot in args.cpu_dots:
-            spec = dict(base, path=str(dense), tier="int4", policy="resident", budget=None, cpu_dot=dot)
-            jmoe_runs.append({"kind": "jmoe", "label": f"jmoe int4 + dense int4 resident{DOT_SUFFIX[dot]}",
-                              "spec": spec, "loaded_bytes": loaded_bytes(dense, "int4", max_seq_len)})
+        for tier in dense_int4_tiers(args.tiers):
+            for dot in args.cpu_dots:
+                spec = dict(base, path=str(dense), tier=tier, policy="resident", budget=None, cpu_dot=dot)
+                jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} + dense int4 resident{DOT_SUFFIX[dot]}",
+                                  "spec": spec, "loaded_bytes": loaded_bytes(dense, tier, max_seq_len)})
     if MIXED in conversions:  # DyMoE without a budget: int4 and int2 whole, each token's experts split between them
         mixed = Path(conversions[MIXED]["path"])
         for r in args.mixed_r:
@@ -275,7 +284,7 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
     for i in range(max(len(jmoe_runs), len(llama_runs))):
         measured += jmoe_runs[i:i + 1] + llama_runs[i:i + 1]
     startup = []
-    if not args.skip_startup:
+    if not args.skip_startup and "jmoe" in conversions:
         tier = max(args.tiers, key=TIER_ORDER.index)  # the fewest bits
         spec = dict(base, path=str(main), tier=tier, policy="resident", budget=None, mode="startup")
         startup = [{"kind": "startup", "label": f"jmoe {tier} resident, {c} compilation cache", "spec": spec,
@@ -286,10 +295,16 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
         pairs += [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}", f"llama.cpp {q}") for q in args.llama_types
                   if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}" in labels]
         mixed = [f"{mixed_label(r)}{suffix}" for r in args.mixed_r]
-        for ours in (f"jmoe int4 + dense int4 resident{suffix}", *mixed):  # int4 dense too
+        dense = [f"jmoe {t} + dense int4 resident{suffix}" for t in dense_int4_tiers(args.tiers)]
+        for ours in (*dense, *mixed):  # int4 dense too
             if ours in labels:
-                pairs += [(ours, f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M") if q in llama_ggufs]
+                pairs += [(ours, f"llama.cpp {q}") for q in ("Q4_0", "Q4_K_M", "Q3_K_M") if q in llama_ggufs]
     return measured, startup, pairs
+
+
+def dense_int4_tiers(tiers: list[str]) -> list[str]:
+    """The expert tiers of the dense-int4 conversion: int4, and int3 and int2 where asked."""
+    return [t for t in DENSE_INT4_TIERS if t in tiers] if "int4" in tiers else []
 
 
 def run_one(cfg: dict, round_no: int, args, llama, logs: Path, cache_dir: Path | None) -> dict:
@@ -334,16 +349,23 @@ def main(argv=None) -> None:
     name = f"{args.model}-{args.layers}L"
     layout, suffix = (["--cpu-layout"], "-cpu") if args.cpu_layout else ([], "")
     head, head_suffix = (["--head-tier", args.head_tier], f"-head-{args.head_tier}") if args.head_tier else ([], "")
-    conversions = {"jmoe": convert_jmoe(src, args.data / f"jmoe-{name}{suffix}", args.tiers, layout, args.reuse,
-                                        logs / "convert-jmoe.log")}
-    if "int4" in args.tiers and dense_tier_supported():
-        conversions["jmoe dense int4"] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4{head_suffix}{suffix}",
-                                                      ["int4"], ["--dense-tier", "int4", *head, *layout], args.reuse,
-                                                      logs / "convert-jmoe-dense-int4.log")
+    conversions = {}
+    if not args.dense_int4_only:
+        conversions["jmoe"] = convert_jmoe(src, args.data / f"jmoe-{name}{suffix}", args.tiers, layout, args.reuse,
+                                           logs / "convert-jmoe.log")
+    dense = dense_int4_tiers(args.tiers)
+    if dense and dense_tier_supported():
+        # named by its expert tiers beyond int4, as the mixed mode's int4 + int2 conversion is
+        experts = "".join(f"-{t}" for t in dense[1:])
+        conversions["jmoe dense int4"] = convert_jmoe(
+            src, args.data / f"jmoe-{name}-dense-int4{experts}{head_suffix}{suffix}", dense,
+            ["--dense-tier", "int4", *head, *layout], args.reuse, logs / "convert-jmoe-dense-int4.log")
     if args.mixed and dense_tier_supported():
-        conversions[MIXED] = convert_jmoe(src, args.data / f"jmoe-{name}-dense-int4-int2{head_suffix}{suffix}",
-                                          ["int4", "int2"], ["--dense-tier", "int4", *head, *layout], args.reuse,
-                                          logs / "convert-jmoe-mixed.log")
+        path = args.data / f"jmoe-{name}-dense-int4-int2{head_suffix}{suffix}"
+        same = conversions.get("jmoe dense int4", {}).get("path") == str(path)  # --tiers int4,int2: one conversion
+        conversions[MIXED] = conversions["jmoe dense int4"] if same else convert_jmoe(
+            src, path, ["int4", "int2"], ["--dense-tier", "int4", *head, *layout], args.reuse,
+            logs / "convert-jmoe-mixed.log")
     ggufs = {}
     if llama is not None:
         work = args.data / f"gguf-{name}"

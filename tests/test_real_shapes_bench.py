@@ -117,6 +117,17 @@ def test_the_mixed_mode_is_planned_against_llama_cpp_and_a_conversion_lacking_a_
     half = next(c for c in measured if c["label"] == real_shapes.mixed_label(0.5) + ", int8 dot")
     assert half["label"] != label and any(c["label"] == label for c in measured)
     assert half["spec"]["policy_options"] == {"r": 0.5} and (half["label"], "llama.cpp Q4_0") in pairs
+    # --dense-int4-only: each low tier beside dense int4 on the one conversion, paired with Q3_K_M too
+    args = real_shapes.parse_args(["--tiers", "int4,int2", "--dense-int4-only", "--cpu-dots", "int8",
+                                   "--placements", "resident", "--llama-types", "Q4_0,Q3_K_M"])
+    ggufs = {q: {"path": f"{q}.gguf", "bytes": 1} for q in ("Q4_0", "Q3_K_M")}
+    measured, startup, pairs = real_shapes.plan_configs(args, {"jmoe dense int4": {"path": str(mixed)}}, ggufs)
+    ours = [c for c in measured if c["kind"] == "jmoe"]
+    assert [(c["label"], c["spec"]["tier"]) for c in ours] == [("jmoe int4 + dense int4 resident, int8 dot", "int4"),
+                                                               ("jmoe int2 + dense int4 resident, int8 dot", "int2")]
+    assert startup == [] and ("jmoe int2 + dense int4 resident, int8 dot", "llama.cpp Q3_K_M") in pairs
+    with pytest.raises(SystemExit):
+        real_shapes.parse_args(["--tiers", "int3", "--dense-int4-only"])
     for bad in ("0.4", "x", ","):  # below DyMoE's range, not a number, none given
         with pytest.raises(SystemExit):
             real_shapes.parse_args(["--mixed", "--mixed-r", bad])
@@ -147,3 +158,17 @@ def test_a_conversion_whose_dense_formats_are_not_the_converters_is_not_reused(t
     assert again["seconds"] is not None and again["head_format"]["group_size"] == 64
     kept = real_shapes.convert_jmoe(src, out, ["int4"], options, True, tmp_path / "convert.log")
     assert kept["seconds"] is None and kept["head_tier"] == "int6"
+
+
+def test_llama_perplexity_is_read_when_a_stream_lost_its_last_lines():
+    """llama-perplexity's logging threads can drop their last lines at exit: a run that reached its
+    final estimate scored every window it announced, even where stdout lost the last one."""
+    from bench.lib.llama_cpp import read_perplexity
+
+    log = "perplexity: calculating perplexity over 3 chunks, n_ctx=256\nFinal estimate: PPL = 5.6863 +/- 0.07251\n"
+    assert read_perplexity("[1]6.1,[2]5.9,", log) == {"ppl": 5.6863, "plus_minus": 0.07251, "chunks": 3}
+    # no final estimate (stderr lost it): the running estimate, as far as it went
+    assert read_perplexity("[1]6.1,[2]5.9,", "perplexity: calculating perplexity over 3 chunks\n") == {
+        "ppl": 5.9, "plus_minus": None, "chunks": 2}
+    with pytest.raises(RuntimeError, match="no estimate"):
+        read_perplexity("", "")

@@ -52,9 +52,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-QUANT_TYPES = ("BF16", "Q8_0", "Q4_K_M", "Q4_0")
-# Which jmoe tier each GGUF type is compared with (equal bits per expert weight).
-JMOE_TIER_OF = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4"}
+QUANT_TYPES = ("BF16", "Q8_0", "Q4_K_M", "Q4_0")  # a bench's default
+# Which jmoe tier each GGUF type is compared with (the nearest bits per expert weight); every type a
+# bench may ask for.
+JMOE_TIER_OF = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4", "Q3_K_M": "int3"}
 
 
 class LlamaCppMissing(RuntimeError):
@@ -330,22 +331,31 @@ def tokenize(llama: LlamaCpp, gguf: Path, text_file: Path) -> list[int]:
 def perplexity(llama: LlamaCpp, gguf: Path, text_file: Path, *, ctx: int, chunks: int | None = None,
                threads: int = 2, log: Path) -> dict:
     """llama-perplexity over a text file: windows of `ctx` tokens, each scoring its second half
-    (its figures are read from the log it writes to stderr)."""
+    (read from its output and the log it writes to stderr)."""
     cmd = [str(llama.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx),
            "-t", str(threads), *TEXT_AS_IS, *NO_BOS] + (["--chunks", str(chunks)] if chunks else [])
     out, seconds, _ = run_measured(cmd, log=log)
-    text = log.read_text()
+    try:
+        return {**read_perplexity(out, log.read_text()), "seconds": seconds}
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} (see {log})") from None
+
+
+def read_perplexity(out: str, text: str) -> dict:
+    """llama-perplexity's result from its stdout (`out`) and stderr log (`text`): the final estimate
+    and the windows scored."""
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
-    # The running estimate after each window goes to stdout; the last one is the final estimate. Its
-    # stderr log is written by a logging thread that can lose its last lines at exit on a busy machine.
+    # The running estimate after each window goes to stdout; the last one is the final estimate. Each
+    # stream is written by a logging thread that can lose its last lines at exit on a busy machine.
     running = re.findall(r"\[(\d+)\]([0-9.]+),", out)
     if not final and not running:
-        raise RuntimeError(f"llama-perplexity printed no estimate (see {log})")
+        raise RuntimeError("llama-perplexity printed no estimate")
     ppl = float(final.group(1)) if final else float(running[-1][1])
-    chunks = int(running[-1][0]) if running else int(re.search(r"calculating perplexity over (\d+) chunks",
-                                                                 text).group(1))
-    return {"ppl": ppl, "plus_minus": float(final.group(2)) if final else None, "chunks": chunks,
-            "seconds": seconds}
+    # the windows: all it set out to score where it reached its final estimate, else as far as the
+    # running estimate went
+    planned = re.search(r"calculating perplexity over (\d+) chunks", text)
+    chunks = int(planned.group(1)) if final and planned else int(running[-1][0])
+    return {"ppl": ppl, "plus_minus": float(final.group(2)) if final else None, "chunks": chunks}
 
 
 def weight_bits(llama: LlamaCpp, gguf: Path) -> dict[str, float]:
