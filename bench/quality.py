@@ -12,7 +12,7 @@ With --llama-cpp, it scores the same model beside llama.cpp: the tiny model conv
 (its own tokenizer; llama-tokenize must give jmoe's token ids, or the run stops) and quantized to
 Q8_0, Q4_0, Q4_K_M and Q3_K_M by llama-quantize (and Q4_0 for the routed experts alone, the rest
 BF16, as jmoe's expert tiers leave it), each scored by llama-perplexity, and jmoe's
-tiers (RTN), int4 with dense int4 under the int8 dot, and the per-token mixed mode (DyMoE int4/int2,
+tiers (RTN), int4 and int3 with dense int4 under the int8 dot, and the per-token mixed mode (DyMoE int4/int2,
 both tiers whole, scored token by token as it decodes), RTN and GPTQ (experts and LM head, calibrated
 on the train splits), with the LM head at int8 (the default beside dense int4), int6 (the bytes of
 llama.cpp's Q6_K output matrix) or int4, scored by jmoe on the same windows with the
@@ -21,6 +21,7 @@ Each side's figures are relative to its own bf16. Needs a llama.cpp build with l
 llama-tokenize (bench/lib/llama_cpp.py says how; build those two targets beside llama-bench).
 
     python -m bench.quality --llama-cpp [--chunks 200] [--work DIR] [--mixed-r 0.75,0.625,0.5]
+    python -m bench.quality --llama-cpp --rows int3 --llama-types Q4_0,Q3_K_M --result-name NAME
 
 With --server, it instead evaluates a running `jmoe serve` with EleutherAI's lm-evaluation-harness
 (`pip install 'lm-eval[api]'`, in the test extra) through its `local-completions` model, the path
@@ -143,6 +144,11 @@ BESIDE_LLAMA = {
     "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token": ("gptq-dense-int4-head-int6",
                                                                            dict(policy="mixed", cpu_dot="int8"),
                                                                            "decode"),
+    # three-bit experts with Q4_0's other bytes: the quality side of reading fewer expert bytes (Q3_K_M's)
+    "int3 experts + dense int4 (int6 head), int8 dot": ("dense-int4-head-int6", dict(tier="int3", cpu_dot="int8"),
+                                                        "prefill"),
+    "GPTQ: int3 experts + dense int4 (int6 head), int8 dot": ("gptq-dense-int4-head-int6",
+                                                             dict(tier="int3", cpu_dot="int8"), "prefill"),
 }
 MIXED_AT_OTHER_R = "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token"
 
@@ -166,8 +172,8 @@ CONVERSIONS = {  # each with the converter's defaults otherwise
     "dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4"),
     "gptq-dense-int4": dict(tiers="int4,int2", dense_tier="int4", **CALIBRATED),
     "gptq-dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4", **CALIBRATED),
-    "dense-int4-head-int6": dict(tiers="int4", dense_tier="int4", head_tier="int6"),
-    "gptq-dense-int4-head-int6": dict(tiers="int4,int2", dense_tier="int4", head_tier="int6", **CALIBRATED),
+    "dense-int4-head-int6": dict(tiers="int4,int3", dense_tier="int4", head_tier="int6"),
+    "gptq-dense-int4-head-int6": dict(tiers="int4,int3,int2", dense_tier="int4", head_tier="int6", **CALIBRATED),
 }
 # K-quants need rows of 256: on the tiny model (rows of 96 and 128) llama-quantize falls back to
 # other types for those tensors (Q2_K becomes Q4_0 throughout), so their bits are read from the GGUF.
@@ -191,10 +197,20 @@ def mixed_bits(cfg, policy) -> float:
 
 
 def reuse_or_convert(out: Path, **options) -> Path:
-    """The tiny model converted to out, or what a run with the same --work left there."""
-    if (out / "manifest.json").is_file():
+    """The tiny model converted to out, or what a run with the same --work left there (converted
+    again where it lacks a tier these options ask for)."""
+    manifest = out / "manifest.json"
+    if manifest.is_file() and set(options["tiers"].split(",")) <= set(read_manifest(out)["tiers"]):
         return out
-    return convert_checkpoint(TINY_HF, out, progress=False, **options)
+    return convert_checkpoint(TINY_HF, out, progress=False, overwrite=manifest.is_file(), **options)
+
+
+def chosen_rows(rows: dict, words: str | None) -> dict:
+    """The rows whose label holds one of the comma-separated words (all without --rows), and bf16,
+    which every other row is judged against."""
+    wanted = [w.strip() for w in (words or "").split(",") if w.strip()]
+    return {label: row for label, row in rows.items()
+            if not wanted or label == "bf16" or any(w in label for w in wanted)}
 
 
 def beside_llama_main(args) -> None:
@@ -207,8 +223,9 @@ def beside_llama_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         ggufs = llama_cpp.convert(llama, TINY_HF, work / "gguf", ["BF16", *types], pretokenizer="gpt-2")
-        conversions = {name: reuse_or_convert(work / f"jmoe-{name}", **options)
-                       for name, options in CONVERSIONS.items()}
+        rows_wanted = chosen_rows(beside_llama_rows(args.mixed_r), args.rows)
+        conversions = {name: reuse_or_convert(work / f"jmoe-{name}", **CONVERSIONS[name])
+                       for name in dict.fromkeys(["rtn", *(c for c, _, _ in rows_wanted.values())])}
         tokenizer = jmoe.load(conversions["rtn"], compute_dtype="float32").tokenizer
         windows, tokens = {}, {}
         for domain in DOMAINS:
@@ -234,7 +251,7 @@ def beside_llama_main(args) -> None:
             rows.append(row)
             print(f"llama.cpp {qtype:7s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in DOMAINS), flush=True)
 
-        for label, (conversion, kwargs, mode) in beside_llama_rows(args.mixed_r).items():
+        for label, (conversion, kwargs, mode) in rows_wanted.items():
             kwargs = dict(kwargs)
             mixed = kwargs.pop("policy", None) == "mixed"
             if mixed:
@@ -283,6 +300,8 @@ def main() -> None:
     beside.add_argument("--mixed-r", type=dymoe_ratios, default=f"{DEFAULT_R:g}",
                         help="DyMoE ratios r (each in [0.5, 1]) of the GPTQ per-token row with the int6 head, "
                              f"comma-separated (default {DEFAULT_R:g}, DyMoE's; the other per-token rows stay at it)")
+    beside.add_argument("--rows", help="score only jmoe's rows whose label holds one of these comma-separated "
+                                       "words (bf16 always), e.g. int3")
     beside.add_argument("--result-name", type=checked_name, default="quality_vs_llama_cpp",
                         help="the result's name under bench/results/quality (_cpu.json added)")
     beside.add_argument("--work", help="keep the GGUFs, conversions and logs here (reused when present)")
