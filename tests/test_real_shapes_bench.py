@@ -172,3 +172,23 @@ def test_llama_perplexity_is_read_when_a_stream_lost_its_last_lines():
         "ppl": 5.9, "plus_minus": None, "chunks": 2}
     with pytest.raises(RuntimeError, match="no estimate"):
         read_perplexity("", "")
+
+
+def test_llama_perplexity_runs_again_when_its_output_lost_a_window(tmp_path, monkeypatch):
+    """A run whose streams both lost their last lines shows fewer windows than asked for: it is run
+    again (llama-perplexity is deterministic), and the complete run's figures are kept."""
+    from bench.lib import llama_cpp
+
+    runs = []
+
+    def fake_run(cmd, log, **kwargs):
+        runs.append(cmd)
+        complete = len(runs) > 1
+        log.write_text("calculating perplexity over 3 chunks\n" + ("Final estimate: PPL = 5.5 +/- 0.1\n" if complete else ""))
+        return "[1]6.1,[2]5.9," + ("[3]5.5," if complete else ""), 1.0, None
+
+    monkeypatch.setattr(llama_cpp, "run_measured", fake_run)
+    llama = llama_cpp.LlamaCpp(tmp_path, tmp_path, "python")
+    (tmp_path / "llama-perplexity").touch(mode=0o755)
+    got = llama_cpp.perplexity(llama, tmp_path / "m.gguf", tmp_path / "t.txt", ctx=256, chunks=3, log=tmp_path / "l")
+    assert len(runs) == 2 and got["chunks"] == 3 and got["ppl"] == 5.5

@@ -328,25 +328,34 @@ def tokenize(llama: LlamaCpp, gguf: Path, text_file: Path) -> list[int]:
     return json.loads(out)
 
 
+# llama-perplexity's stdout and stderr are written by a logging thread that can lose the last lines
+# (the final estimate and the last window's) at exit: a run that shows fewer windows than asked for
+# is made again, up to this many runs in all.
+PERPLEXITY_RUNS = 3
+
+
 def perplexity(llama: LlamaCpp, gguf: Path, text_file: Path, *, ctx: int, chunks: int | None = None,
                threads: int = 2, log: Path) -> dict:
     """llama-perplexity over a text file: windows of `ctx` tokens, each scoring its second half
     (read from its output and the log it writes to stderr)."""
     cmd = [str(llama.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx),
            "-t", str(threads), *TEXT_AS_IS, *NO_BOS] + (["--chunks", str(chunks)] if chunks else [])
-    out, seconds, _ = run_measured(cmd, log=log)
-    try:
-        return {**read_perplexity(out, log.read_text()), "seconds": seconds}
-    except RuntimeError as e:
-        raise RuntimeError(f"{e} (see {log})") from None
+    for _ in range(PERPLEXITY_RUNS):  # deterministic: a run again only recovers lines its logging lost
+        out, seconds, _ = run_measured(cmd, log=log)
+        try:
+            result = {**read_perplexity(out, log.read_text()), "seconds": seconds}
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (see {log})") from None
+        if chunks is None or result["chunks"] >= chunks:
+            break
+    return result
 
 
 def read_perplexity(out: str, text: str) -> dict:
     """llama-perplexity's result from its stdout (`out`) and stderr log (`text`): the final estimate
     and the windows scored."""
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
-    # The running estimate after each window goes to stdout; the last one is the final estimate. Each
-    # stream is written by a logging thread that can lose its last lines at exit on a busy machine.
+    # the running estimate after each window goes to stdout; the last one is the final estimate
     running = re.findall(r"\[(\d+)\]([0-9.]+),", out)
     if not final and not running:
         raise RuntimeError("llama-perplexity printed no estimate")
