@@ -39,6 +39,9 @@ BLOCK_BYTES = 32 << 20  # float32 bytes of source rows read (and quantized) at a
 # few bytes beside the experts and feel every token, and on the bundled model groups of 64 cost
 # about 1.1% of math perplexity over bf16 where groups of 32 cost 0.25% (int8 head, int4 experts).
 DENSE_INT4_GROUP = 32
+# Their scales and offsets as 8-bit codes on per-column bases (kernel_formats/qarray.py), the experts'
+# int2 and int3 coding: 4.5 bits per weight, Q4_0's, where float16 scales and offsets made 5.0.
+DENSE_INT4_SCALE_BITS = 8
 # int6 (the head's tier between int8 and int4, as llama.cpp's Q6_K output matrix beside Q4_0) in
 # groups of 64: 6.75 bits per weight (Q6_K: 6.56) against int8's 8.125, for about a tenth of a Qwen3-30B-A3B
 # 8-layer slice's decode time (bench/results/real_shapes). Groups of 128 (6.375 bits) cost the bundled
@@ -48,12 +51,13 @@ DENSE_INT6_GROUP = 64
 
 def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None) -> QuantFormat | None:
     """The dense tier's format (None for bf16): the expert tier's grid (int4 in groups of
-    DENSE_INT4_GROUP unless a group size is given; the same group-size and symmetry overrides),
-    never W8A8 or smoothed."""
+    DENSE_INT4_GROUP unless a group size is given, with 8-bit scales where asymmetric; the same
+    group-size and symmetry overrides), never W8A8 or smoothed."""
     if tier not in DENSE_TIERS:  # callers validate; this guards the library path
         raise ValueError(f"unknown dense tier {tier!r}")
-    if group_size is None and tier == "int4":
-        group_size = DENSE_INT4_GROUP
+    if tier == "int4":
+        return tier_format(tier, group_size=group_size or DENSE_INT4_GROUP, symmetric=symmetric,
+                           scale_bits=DENSE_INT4_SCALE_BITS)
     if tier == "int6":  # a dense tier only (two planes, kernel_formats.qarray): asymmetric, float16 scales
         if symmetric:
             raise InputError("the int6 tier is asymmetric: leave --symmetric off")

@@ -14,6 +14,8 @@ quantizes each column on its own, so a weight is read and quantized in blocks of
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -42,11 +44,9 @@ def gptq_columns(read_rows, hessian: np.ndarray, spec: QArray, progress: bool = 
     """A weight [K, N] in spec's format by GPTQ, COLUMNS columns at a time (convert.dense.quantize_columns).
 
     read_rows(rows: slice) -> the source's rows [rows, K] (its output units, float32)."""
-    if spec.fmt.scale_bits != 16:
-        raise ValueError("dense tiers keep float16 scales")
-
     def quantize(w, fmt):
-        q = gptq_quantize(w, hessian, fmt)
+        # float scales: quantize_columns codes 8-bit ones on their columns' bases, as the experts' GPTQ does
+        q = gptq_quantize(w, hessian, dataclasses.replace(fmt, scale_bits=16))
         return q.values, q.scales, q.offsets
 
     n = spec.n

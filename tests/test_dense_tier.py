@@ -94,12 +94,15 @@ def test_projections_are_quantized_norms_routers_and_biases_are_not(qwen2_dirs):
 
 def test_head_tier_sets_the_lm_head_and_embedding_alone(qwen2_hf, tmp_path):
     """--head-tier int4 beside --dense-tier int4 quantizes the (untied) LM head and the embedding
-    table at int4; int4 dense weights are in groups of 32 unless a group size is given."""
+    table at int4; int4 dense weights are in groups of 32 with 8-bit scales (4.5 bits per weight, as
+    Q4_0) unless a group size is given."""
     hf = tmp_path / "untied"
     make_checkpoint("qwen2_moe", hf, overrides=dict(tie_word_embeddings=False))
     model = jmoe.load(convert_checkpoint(hf, tmp_path / "m", dense_tier="int4", head_tier="int4", progress=False))
     assert leaf(model, "lm_head", "kernel").fmt.bits == 4 and leaf(model, "embed_tokens", "embedding").fmt.bits == 4
-    assert leaf(model, "layers", 1, "self_attn", "q_proj", "kernel").fmt.group_size == 32
+    q_proj = leaf(model, "layers", 1, "self_attn", "q_proj", "kernel")
+    assert q_proj.fmt.group_size == 32 and q_proj.fmt.scale_bits == 8
+    assert 8 * tree_nbytes(q_proj) / (q_proj.k * q_proj.n) <= 4.5 + 64 / q_proj.k  # codes, scales, column bases
     model = jmoe.load(convert_checkpoint(hf, tmp_path / "b", dense_tier="int4", head_tier="bf16", progress=False))
     assert leaf(model, "lm_head", "kernel").dtype == jnp.bfloat16
     assert leaf(model, "embed_tokens", "embedding").dtype == jnp.bfloat16
