@@ -308,10 +308,13 @@ XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks ar
     ("jmoe int4 resident, int8 dot", "jmoe int4 experts, bf16 dense, `cpu_dot=\"int8\"`"),
     ("jmoe int2 resident, int8 dot", "jmoe int2 experts, bf16 dense, `cpu_dot=\"int8\"`"),
     ("jmoe int4 + dense int4 resident, int8 dot", "jmoe int4 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
+    ("jmoe int3 + dense int4 resident, int8 dot", "jmoe int3 experts, `--dense-tier int4`, `cpu_dot=\"int8\"`"),
     ("jmoe DyMoE int4/int2 + dense int4 resident, int8 dot",
      "jmoe DyMoE int4/int2 (both tiers whole), `--dense-tier int4`, `cpu_dot=\"int8\"`"),
     ("llama.cpp Q4_0", "llama.cpp Q4_0"),
+    ("llama.cpp Q3_K_M", "llama.cpp Q3_K_M"),
 ]
+LLAMA_ROWS = 2  # XEON_LABELS ends with llama.cpp's quantized rows
 
 
 def mixed_ratio_labels(d: dict) -> list[tuple[str, str]]:
@@ -334,7 +337,7 @@ def shapes_on_avx512(name: str) -> str:
     d = load(name)
     gib = 2 ** 30
     rows = []
-    for key, label in XEON_LABELS[:-1] + mixed_ratio_labels(d) + XEON_LABELS[-1:]:  # llama.cpp last
+    for key, label in XEON_LABELS[:-LLAMA_ROWS] + mixed_ratio_labels(d) + XEON_LABELS[-LLAMA_ROWS:]:  # llama.cpp last
         if key not in d["summary"]:
             continue
         label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head)")
@@ -347,7 +350,8 @@ def shapes_on_avx512(name: str) -> str:
                  "peak RSS / loaded GiB"], rows)
     ratios = [[key.split(" / ")[0].removeprefix("jmoe ") + " / " + key.split(" / ")[1], med(r["prefill_tok_s"], 2),
                med(r["decode_tok_s@0"], 2), med(r["decode_tok_s@512"], 2)]
-              for key, r in d["ratios"].items() if key.split(" / ")[1] in ("llama.cpp Q4_0", "llama.cpp BF16")]
+              for key, r in d["ratios"].items()
+              if key.split(" / ")[1] in ("llama.cpp Q4_0", "llama.cpp BF16", "llama.cpp Q3_K_M")]
     out += "\n\n" + table(["jmoe / llama.cpp, within each round", "prefill (512)", "decode (depth 0)",
                             "decode (depth 512)"], ratios)
     return out + (f"\n\n{d['model']['name']} shapes, {d['model']['layers']} layers, random weights. Machine: "
@@ -1198,6 +1202,7 @@ TABLES = {
         "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
     "mixtral-shapes-head-int6-zen4": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
+    "real-shapes-int3-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_int3_zen4_cpu.json"),
     "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
     "real-shapes-mixed-head-int4-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_head_int4_zen5_cpu.json"),
     "real-shapes-mixed-head-int6-zen5": lambda: shapes_on_avx512(
@@ -1251,6 +1256,7 @@ TABLES = {
     "grid-bits": grid_bits,
     "equal-bits-summary": equal_bits_summary,
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
+    "quality-vs-llama-dense-s8-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
     "paper-headlines-tiny": lambda: paper_headlines("tiny"),
