@@ -147,6 +147,19 @@ def headline() -> str:
         ]:
             rows.append(decode_row(run, name, ours, "llama.cpp Q4_0", f"Qwen3-30B-A3B shapes (8 of 48 layers), decode "
                                    f"tok/s {where}, {label}, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"))
+    int3_name = "real_shapes/real_shapes_int3_zen4_cpu.json"  # three-bit experts at about Q3_K_M's bytes
+    rows.append(decode_row(load(int3_name), int3_name, "jmoe int3 + dense int4 resident, int8 dot", "llama.cpp Q3_K_M",
+                           "Qwen3-30B-A3B shapes (8 of 48 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int3 experts "
+                           "and dense int4, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q3_K_M"))
+    int3_quality_name = "quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"
+    int3_quality = {(r["runtime"], r["label"]): r["over_bf16"] for r in load(int3_quality_name)["rows"]}
+    rows.append([
+        ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ int3 "
+         "experts + dense int4 + int6 head; llama.cpp Q3_K_M"),
+        f"{pct(int3_quality[('jmoe', 'GPTQ: int3 experts + dense int4 (int6 head), int8 dot')])}; "
+        f"{pct(int3_quality[('llama.cpp', 'Q3_K_M')])}",
+        machine(load(int3_quality_name)), source(int3_quality_name),
+    ])
     for name, what in FAMILY_HEADLINES:
         rows.append(decode_row(load(name), name, "jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", what))
     avx2 = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
