@@ -73,10 +73,10 @@ def ratio(stat: dict) -> str:
 
 # Other families' shapes beside llama.cpp in the headline: (result, row label).
 FAMILY_HEADLINES = [
-    ("real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json",
+    ("real_shapes/real_shapes_gpt_oss_many_rows_zen4_cpu.json",  # the newest run of each family
      ("GPT-OSS-20B shapes (2 of 24 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
-    ("real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json",
+    ("real_shapes/real_shapes_mixtral_many_rows_zen4_cpu.json",
      ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
 ]
@@ -1216,6 +1216,8 @@ TABLES = {
     "mixtral-shapes-head-int6-zen4": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
     "real-shapes-int3-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_int3_zen4_cpu.json"),
+    "gpt-oss-shapes-many-rows-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_many_rows_zen4_cpu.json"),
+    "mixtral-shapes-many-rows-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_many_rows_zen4_cpu.json"),
     "real-shapes-mixed-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_zen5_cpu.json"),
     "real-shapes-mixed-head-int4-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_head_int4_zen5_cpu.json"),
     "real-shapes-mixed-head-int6-zen5": lambda: shapes_on_avx512(
