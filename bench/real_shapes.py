@@ -250,9 +250,9 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
     """(measured configurations, start-up configurations, jmoe/llama.cpp pairs for ratios)."""
     max_seq_len = args.prompt + args.new_tokens + 8
     base = {"prompt": args.prompt, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len, "mode": "speed"}
+    main = Path(conversions["jmoe"]["path"]) if "jmoe" in conversions else None  # none with --dense-int4-only
     jmoe_runs = []
-    for tier in args.tiers if "jmoe" in conversions else []:
-        main = Path(conversions["jmoe"]["path"])
+    for tier in args.tiers if main else []:
         for placement in args.placements:
             fraction = PLACEMENTS[placement]
             policy = "resident" if fraction is None else OFFLOAD_POLICY
@@ -284,7 +284,7 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
     for i in range(max(len(jmoe_runs), len(llama_runs))):
         measured += jmoe_runs[i:i + 1] + llama_runs[i:i + 1]
     startup = []
-    if not args.skip_startup and "jmoe" in conversions:
+    if not args.skip_startup and main:
         tier = max(args.tiers, key=TIER_ORDER.index)  # the fewest bits
         spec = dict(base, path=str(main), tier=tier, policy="resident", budget=None, mode="startup")
         startup = [{"kind": "startup", "label": f"jmoe {tier} resident, {c} compilation cache", "spec": spec,
