@@ -209,8 +209,11 @@ def chosen_rows(rows: dict, words: str | None) -> dict:
     """The rows whose label holds one of the comma-separated words (all without --rows), and bf16,
     which every other row is judged against."""
     wanted = [w.strip() for w in (words or "").split(",") if w.strip()]
-    return {label: row for label, row in rows.items()
-            if not wanted or label == "bf16" or any(w in label for w in wanted)}
+    chosen = {label: row for label, row in rows.items()
+              if not wanted or label == "bf16" or any(w in label for w in wanted)}
+    if wanted and len(chosen) == 1:
+        raise SystemExit(f"--rows {words!r} names none of the rows: {', '.join(rows)}")
+    return chosen
 
 
 def beside_llama_main(args) -> None:

@@ -192,3 +192,15 @@ def test_llama_perplexity_runs_again_when_its_output_lost_a_window(tmp_path, mon
     (tmp_path / "llama-perplexity").touch(mode=0o755)
     got = llama_cpp.perplexity(llama, tmp_path / "m.gguf", tmp_path / "t.txt", ctx=256, chunks=3, log=tmp_path / "l")
     assert len(runs) == 2 and got["chunks"] == 3 and got["ppl"] == 5.5
+
+
+def test_quality_rows_are_chosen_by_words_and_a_word_naming_none_is_refused():
+    """bench.quality --rows: the rows whose label holds a word, bf16 always (the others' reference);
+    words that name no row stop the run instead of scoring bf16 alone."""
+    from bench.quality import BESIDE_LLAMA, chosen_rows
+
+    chosen = chosen_rows(BESIDE_LLAMA, "int3")
+    assert "bf16" in chosen and len(chosen) > 1 and all("int3" in label for label in chosen if label != "bf16")
+    assert chosen_rows(BESIDE_LLAMA, None) == BESIDE_LLAMA
+    with pytest.raises(SystemExit, match="names none"):
+        chosen_rows(BESIDE_LLAMA, "int5")
