@@ -7,6 +7,7 @@ kernel call runs the XLA reference instead.
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -18,10 +19,24 @@ def ffi_include_dir() -> str:
     return os.path.join(os.path.dirname(jaxlib.__file__), "include")
 
 
+def compiling_sources_at_once(compiler) -> None:
+    """Compile an extension's sources side by side (each a compiler process of its own; setuptools
+    compiles one after another): the two translation units take about 35 s and 15 s alone."""
+    one_by_one = compiler.compile
+
+    def compile(sources, *args, **kwargs):
+        with ThreadPoolExecutor(max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            parts = pool.map(lambda source: one_by_one([source], *args, **kwargs), sources)
+            return [obj for objects in parts for obj in objects]
+
+    compiler.compile = compile
+
+
 class OptionalBuildExt(build_ext):
     def build_extensions(self):
         for ext in self.extensions:
             ext.include_dirs.append(ffi_include_dir())
+        compiling_sources_at_once(self.compiler)
         try:
             super().build_extensions()
         except Exception as e:  # no compiler, or headers missing: jmoe runs the XLA reference
@@ -36,7 +51,9 @@ native = Extension(
              "cpu_kernels/src/int8_dot_avx2.inc",
              "cpu_kernels/src/attention_body.inc", "cpu_kernels/src/parallel.h", "cpu_kernels/src/isa.h"],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-Wno-psabi", "-Wno-attributes",
+    # -g0: Python's own flags ask for debug info, which takes a quarter of the build's time and
+    # most of the object's size; the symbol table (what a profiler names functions by) stays
+    extra_compile_args=["-O3", "-g0", "-std=c++17", "-Wno-psabi", "-Wno-attributes",
                         "-Wno-return-type"],
 )
 
