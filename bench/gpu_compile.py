@@ -48,6 +48,8 @@ topology's client. Each must compile to: its stores in host memory in the entry 
 asynchronous slice of host memory per fetch slot (as many as its FetchSpec implies), nothing run on
 the host (no host-compute annotations left, no "converted into host compute" warning), no
 conditional, the whole step in one command buffer, and no while loop without a known trip count.
+These steps share XLA's kernel cache: a kernel is compiled, and its registers read, in the first
+step that has it.
 
 The int4 decode kernels written for Pallas' Mosaic GPU backend (kernel_backend="mosaic") compile
 at every real shape they support (not GPT-OSS-20B's 2880-wide projections); their PTX comes from
@@ -888,9 +890,13 @@ def compile_offloaded_step(model: str, case: str, policy_name: str, tier: str, o
                                   record_bytes={t: l.nbytes for t, l in zip(spec.tiers, spec.layouts)}),
                   pool_slots={t: n + spec.extra_slots() for t, n in zip(spec.tiers, spec.cache_slots)},
                   expected_fetches=fetches, expected_chains=chains, expected_conditionals=links)
-    result = compile_and_read(step, args, decode=True, whole_step=True,
-                              build=functools.partial(compile_from_cpu_trace, step, args, device),
-                              read_dump=read_offloaded_step)
+    # XLA's kernel cache, shared by this run's offloaded steps: a model's three steps share most of
+    # their fusions, each otherwise a ptxas process of its own (about 270 a step); its checks read
+    # the HLO and the thunks. A cached kernel's register count was read, and checked, where it was
+    # first compiled; a record's `kernels` lists those it compiled.
+    options = {"xla_gpu_kernel_cache_file": os.path.join(tempfile.gettempdir(), "offloaded-steps.kernels")}
+    build = lambda extra: compile_from_cpu_trace(step, args, device, dict(extra, **options))  # noqa: E731
+    result = compile_and_read(step, args, decode=True, whole_step=True, build=build, read_dump=read_offloaded_step)
     if "dump" not in result:
         return dict(record, **result)
     found = result.pop("dump")
