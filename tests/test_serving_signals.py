@@ -1,4 +1,4 @@
-"""`jmoe serve` as a process: SIGTERM and SIGINT stop it while a request runs, every time (started
+"""`jmoe serve` as a process: SIGTERM and SIGINT each stop it while a request runs (started
 with SIGINT ignored, as a shell starts a background job): the request is drained (it ends as it
 would have), and the process exits with 128 + the signal well within the drain bound."""
 
@@ -16,7 +16,7 @@ import httpx
 from jmoe.launch import free_port
 
 DRAIN = 10.0  # --drain-timeout: the bound a stop takes at most (plus the process's own exit)
-ROUNDS = [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT]
+ROUNDS = [signal.SIGTERM, signal.SIGINT]
 # `python -c IGNORING_SIGINT ARGS`: jmoe ARGS, started with SIGINT ignored (as a shell starts "cmd &")
 IGNORING_SIGINT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                    "from jmoe.cli import main; sys.exit(main(sys.argv[1:]))")
