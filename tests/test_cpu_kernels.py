@@ -89,6 +89,7 @@ def test_narrower_instruction_sets_compute_the_same(isa):
             for m, k, n in ((3, 200, 100), (40, 96, 64)):  # int3's fused and panel paths (small: quick)
                 test_matmul_matches_float64("int3", m, k, n)
                 test_int8_dot_matmul_multiplies_the_int8_inputs("int3", m, k, n)
+            int3_int8_dot_at_a_real_width()
             for case in attention_tests.NATIVE_CASES:
                 if case[6] in ("int8", "bfloat16") and case[5] in (32, 64):
                     attention_tests.test_native_attention_equals_the_materialised_softmax(case)
@@ -97,6 +98,22 @@ def test_narrower_instruction_sets_compute_the_same(isa):
         with native.using_isa("sse9"):
             pass
     assert native.isa() == widest
+
+
+def int3_int8_dot_at_a_real_width():
+    """Three-bit codes in groups of 32 (one pass) and 64 (two, each half of the low rows with its
+    high quad), [K, N] and tiled, few rows and a panel's many: x on its per-group int8 grid times
+    the weight."""
+    rng = np.random.default_rng(7)
+    run = jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))
+    for fmt in (FORMATS["int3"], QuantFormat(3, 64, False)):
+        w = _weight(rng, 2048, 768, fmt)
+        for rows in (1, 2, 40):
+            x = rng.standard_normal((rows, 2048)).astype(np.float32)
+            ref = _groups_int8(x, fmt.group_size).astype(np.float64) @ _dense(w)
+            for weight in (w, tile(w)):
+                y = np.asarray(run(jnp.asarray(x), weight))
+                assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), (fmt.group_size, rows)
 
 
 def test_the_int8_dot_unpacks_codes_by_shifts_as_it_does_with_gfni():
