@@ -7,8 +7,8 @@
    (bench/lib/gpu_model.py), for uniform int4, uniform int2, DyMoE 4/2 and 4/0 at several r, a
    random assignment of DyMoE 4/2's share of int2 uses (does importance beat chance?), DynaExq at
    several hi copies per layer, and static placement strategies (per-layer hit rates).
-2. Workload shift: prose -> code -> math, `--shift-tokens` each, token by token; DynaExq (8 of 32
-   experts per layer at int4), static placement and LRU at the same device budget, against uniform
+2. Workload shift: prose -> code -> math, `--shift-tokens` each, token by token; DynaExq (8 int4
+   copies per layer on average), static placement and LRU at the same device budget, against uniform
    int4 and int2: perplexity and bytes over time (plot), and how much of the int2-to-int4 gap
    DynaExq closes.
 3. DyMoE ablation (its Table 3) on a synthetic Qwen3-30B-A3B-shaped model at two budgets:
@@ -16,8 +16,9 @@
 
 4. With --streams N [N ...]: DynaExq on the three rotations of the domain order, each stream from
    its own place in the dev texts, N tokens per domain: the gap closed per stream and over all of
-   them, at the default hotness horizon, two shorter ones, with router counts and with the shift
-   detector (`shift`: a layer whose recent routing departs from its hotness takes it as its hotness).
+   them, at the default hotness horizon, two shorter ones, with router counts, with the shift
+   detector (`shift`: a layer whose recent routing departs from its hotness takes it as its hotness)
+   and with hi sets per layer (`allocation="layer"`) in place of the model-wide one.
    With --stream-offsets, the prose -> code -> math stream from each of several places in the dev
    texts instead: a stream of 250 tokens a domain is scored in three 256-token windows, so one
    stream's share moves by tens of points with the place it starts; the median over places says
@@ -267,7 +268,8 @@ STREAMS = {"prose -> code -> math": (("prose", "code", "math"), 0),
            "math -> prose -> code": (("math", "prose", "code"), 5000)}
 STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dict(alpha=0.7),
                    "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count"),
-                   "DynaExq 8/32, shift 3": dict(shift=3.0)}
+                   "DynaExq 8/32, shift 3": dict(shift=3.0),
+                   "DynaExq 8/32, hi sets per layer": dict(allocation="layer")}
 
 
 class Hindsight(DynaExq):

@@ -140,7 +140,7 @@ def add_model_options(p) -> None:
     p.add_argument("--hi", default=None, help="dymoe/dynaexq: the high tier (default: --tier, else int4)")
     p.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips)")
     p.add_argument("--r", type=float, default=None, help="dymoe: mean share of routed experts at --hi (0.5-1)")
-    p.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer (default: budget)")
+    p.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer on average (default: budget)")
     p.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
                    help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
                         "layer-wise (host between layers), or one jit with replay (resident)")

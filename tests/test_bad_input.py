@@ -409,6 +409,7 @@ ROWS = [
     Row("policy-dynaexq-hotness", lambda c: DynaExq(hotness="heat"), InputError, "hotness"),
     Row("policy-dynaexq-shift-negative", lambda c: DynaExq(shift=-1.0), InputError, "shift"),
     Row("policy-dynaexq-fast-alpha", lambda c: DynaExq(fast_alpha=2.0), InputError, "fast_alpha"),
+    Row("policy-dynaexq-allocation", lambda c: DynaExq(allocation="global"), InputError, "allocation"),
     Row("policy-placement-strategy", lambda c: StaticPlacement(np.zeros((4, 2, 2), int), strategy="best"),
         InputError, "strategy"),
     # ---- generate

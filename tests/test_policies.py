@@ -14,6 +14,7 @@ from convert import convert_checkpoint
 from jmoe.layers.experts import ExpertState, Routing, Selection, expert_importance, run_experts
 from jmoe.policies import DyMoE, DynaExq, make_policy
 from jmoe.policies.dymoe import critical_share, depth_schedule
+from jmoe.policies.dynaexq import refill_hi_set
 from jmoe.runtime.loader import memory_plan
 from jmoe.quant import ExpertWeights
 from jmoe.tiers import TIER_CODES
@@ -228,6 +229,56 @@ def test_hot_set_follows_hotness_with_hysteresis():
     policy.hot[0] = [0.30, 0.10, 0.26, 0.15, 0.15, 0.04]  # by more than the margin: they swap
     policy._update_members()
     assert set(np.flatnonzero(policy.members[0])) == {0, 2}
+
+
+def test_the_hi_set_goes_where_routing_is_concentrated():
+    """Model-wide (the default), the hottest experts of all layers share the hi copies: a layer that
+    sends most tokens to three experts holds three, a layer that spreads them evenly holds one; per
+    layer, each holds two. Neither holds more than its slots."""
+    concentrated = [0.40, 0.30, 0.20, 0.04, 0.03, 0.03, 0.0, 0.0]
+    even = [0.14, 0.13, 0.125, 0.125, 0.12, 0.12, 0.12, 0.12]
+    for allocation, want in (("model", [{0, 1, 2}, {0}]), ("layer", [{0, 1}, {0, 1}])):
+        policy = DynaExq(allocation=allocation)
+        policy._start(2, 8, 2)
+        policy.hot[:] = [concentrated, even]
+        policy._update_members()
+        assert [set(np.flatnonzero(m)) for m in policy.members] == want, allocation
+        assert policy.members.sum() == 4
+
+
+def one_swap_at_a_time(hot, members, room, margin) -> bool:
+    """The hi set's update as the rule reads: fill free places with the hottest outsider, then swap
+    the weakest member for the hottest outsider while it wins by more than the margin."""
+    changed = False
+    while members.sum() < room and (~members).any():
+        best = np.flatnonzero(~members)[np.argmax(hot[~members])]
+        if hot[best] <= 0:
+            break
+        members[best] = changed = True
+    while members.any() and (~members).any():
+        weakest = np.flatnonzero(members)[np.argmin(hot[members])]
+        strongest = np.flatnonzero(~members)[np.argmax(hot[~members])]
+        if hot[strongest] <= hot[weakest] + margin:
+            break
+        members[weakest], members[strongest] = False, True
+        changed = True
+    return changed
+
+
+def test_the_hi_set_update_swaps_at_once_as_one_at_a_time():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n = int(rng.integers(1, 40))
+        room = int(rng.integers(0, n + 1))
+        hot = rng.random(n) * (rng.random(n) > 0.2)
+        if rng.random() < 0.3:
+            hot = np.round(hot, 1)  # ties
+        members = np.zeros(n, bool)
+        members[rng.choice(n, min(room, int(rng.integers(0, n + 1))), replace=False)] = True
+        margin = float(rng.choice([0.0, 0.01, 0.1]))
+        want, got = members.copy(), members.copy()
+        assert refill_hi_set(hot, got, room, margin) == one_swap_at_a_time(hot, want, room, margin)
+        assert np.array_equal(got, want)
 
 
 def routed(policy: DynaExq, probs: np.ndarray, tokens: int, rng) -> None:

@@ -1,14 +1,16 @@
 """DynaExq: long-horizon hotness decides which experts run at a high tier; the rest stay low.
 
 Every expert is resident at `lo` (loaded at start: the lo pool is sized for all of them first,
-when the budget allows). What the budget leaves holds `hi` copies: n_l per layer (the hi pool's
-slots over the layers, or `hi_per_layer`; on a mesh, per layer and expert shard, each shard's hi
-set chosen among its own experts). Hotness is router counts per (layer, expert) over an
-interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
+when the budget allows). What the budget leaves holds `hi` copies: n_l per layer on average (the hi
+pool's slots over the layers, or `hi_per_layer`). Hotness is router counts per (layer, expert) over
+an interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
 a share of the layer's total, folded into an EMA (hot = alpha * hot + (1 - alpha) * share) when
-the interval ends. Each layer's hi set is its top
-n_l experts by hotness, with hysteresis: an outsider enters only when it beats the weakest member
-by `margin`, and a member leaves only when an outsider beats it by `margin`.
+the interval ends. The hi set is the hottest experts of the whole model, n_l x layers of them
+(allocation="model"): a layer whose routing is concentrated holds more hi copies and one whose
+routing is spread out fewer, as a token's share of work at hi is what the copies buy; with
+allocation="layer", each layer's top n_l. On a mesh the same within each expert shard, each
+shard's hi set chosen among its own experts. Hysteresis: an outsider enters only when it beats
+the weakest member by `margin`, and a member leaves only when an outsider beats it by `margin`.
 
 With `shift` (a number of standard deviations), a layer notices when its routing moves: a second,
 fast EMA (`fast_alpha` per interval) follows the recent routing, and when its distance from the
@@ -40,6 +42,29 @@ def _shares(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(x.sum(axis=1, keepdims=True), 1e-12)
 
 
+def refill_hi_set(hot: np.ndarray, members: np.ndarray, room: int, margin: float) -> bool:
+    """Fill `members` (bool, changed in place) up to `room` with the hottest outsiders, then swap the
+    weakest member for the hottest outsider while it wins by more than `margin`; whether it changed.
+
+    The swaps at once: members weakest first (m), outsiders hottest first (o); after i swaps the
+    weakest member is min(m[i], o[i-1]) and no member swapped out can win back, so swap i happens
+    when o[i] beats that and every swap before it happened."""
+    outsiders = np.flatnonzero(~members)
+    free = max(room - int(members.sum()), 0)  # fill free places with the hottest
+    best = outsiders[np.argsort(-hot[outsiders], kind="stable")[:free]]
+    best = best[hot[best] > 0]
+    members[best] = True
+    inside, outside = np.flatnonzero(members), np.flatnonzero(~members)
+    weak = inside[np.argsort(hot[inside], kind="stable")]
+    strong = outside[np.argsort(-hot[outside], kind="stable")]
+    n = min(len(weak), len(strong))
+    m, o = hot[weak[:n]], hot[strong[:n]]
+    wins = o > np.minimum(m, np.concatenate([[np.inf], o[:-1]])) + margin
+    swaps = n if wins.all() else int(np.argmin(wins))
+    members[weak[:swaps]], members[strong[:swaps]] = False, True
+    return len(best) + swaps > 0
+
+
 class DynaExq(Policy):
     # Defaults from the tiny model's shifting streams (bench/policies.py --streams: the three orders
     # of its dev domains, 250 and 2,048 tokens a domain; int4/int2, 8 of 32 experts a layer at
@@ -48,10 +73,12 @@ class DynaExq(Policy):
     # shift; the lo copy serves while a promotion is in flight, so churn costs bytes, not waits).
     # Over the three streams together 0.9 closed 81% and 78% of the int2 -> int4 gap where 0.7
     # (a half-life of 31 tokens) closed 65% and 74%; a single stream's share moves more with the
-    # stream than with the horizon.
+    # stream than with the horizon. The model-wide hi set (allocation="model") took that to 83% and
+    # 81% (bench/results/policies/dynaexq_allocation_zen4_cpu.json).
     def __init__(self, hi: str = "int4", lo: str = "int2", interval: int = 16, alpha: float = 0.9,
                  margin: float = 0.0, hi_per_layer: int | None = None, hotness: str = "gate",
-                 shift: float | None = None, fast_alpha: float = 0.5, name: str = "dynaexq"):
+                 shift: float | None = None, fast_alpha: float = 0.5, allocation: str = "model",
+                 name: str = "dynaexq"):
         validate.choice("hi", hi, TIER_NAMES)
         validate.choice("lo", lo, TIER_NAMES)
         if TIER_CODES[lo] >= TIER_CODES[hi]:
@@ -64,6 +91,7 @@ class DynaExq(Policy):
         self.hotness = validate.choice("hotness", hotness, ("count", "gate"))
         self.shift = None if shift is None else validate.real("shift", shift, minimum=0.0)
         self.fast_alpha = validate.real("fast_alpha", fast_alpha, minimum=0.0, maximum=1.0)
+        self.allocation = validate.choice("allocation", allocation, ("model", "layer"))
         super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode", "verify"),
                          pool_shares={hi: 0.5, lo: 0.5})
         self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
@@ -143,26 +171,24 @@ class DynaExq(Policy):
         mean[usual] = new_mean[usual]
 
     def _update_members(self) -> None:
-        """Each layer's (and shard's) top n by hotness, with hysteresis (see the module docstring)."""
+        """The hi set: each group's top experts by hotness, with hysteresis (see the module docstring)."""
         changed = False
-        L, E = self.hot.shape
-        groups_hot = self.hot.reshape(L * self.shards, E // self.shards)
-        groups = self.members.reshape(L * self.shards, E // self.shards)  # a view: changes land in members
-        for hot, members in zip(groups_hot, groups):
-            while members.sum() < self.n_hi and (~members).any():  # fill free places with the hottest
-                best = np.flatnonzero(~members)[np.argmax(hot[~members])]
-                if hot[best] <= 0:
-                    break
-                members[best] = changed = True
-            while members.any() and (~members).any():
-                weakest = np.flatnonzero(members)[np.argmin(hot[members])]
-                strongest = np.flatnonzero(~members)[np.argmax(hot[~members])]
-                if hot[strongest] <= hot[weakest] + self.margin:
-                    break
-                members[weakest], members[strongest] = False, True
-                changed = True
+        for group, room in self._groups():
+            members = self.members[group].ravel()  # a copy, written back below
+            changed |= refill_hi_set(self.hot[group].ravel(), members, room, self.margin)
+            self.members[group] = members.reshape(self.members[group].shape)
         if changed:
             self._codes = None
+
+    def _groups(self):
+        """(index into [L, E], hi copies) of each set of experts that share hi slots: per expert shard,
+        its experts of all layers (allocation="model") or of each layer."""
+        L, E = self.hot.shape
+        width = E // self.shards
+        shards = [slice(s * width, (s + 1) * width) for s in range(self.shards)]
+        if self.allocation == "model":
+            return [((slice(None), cols), self.n_hi * L) for cols in shards]
+        return [((layer, cols), self.n_hi) for layer in range(L) for cols in shards]
 
     # -- planning
 
@@ -200,4 +226,4 @@ class DynaExq(Policy):
     def __repr__(self) -> str:
         return (f"DynaExq(hi={self.hi!r}, lo={self.lo!r}, interval={self.interval}, alpha={self.alpha:g}, "
                 f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer}, hotness={self.hotness!r}, "
-                f"shift={self.shift}, fast_alpha={self.fast_alpha:g})")
+                f"shift={self.shift}, fast_alpha={self.fast_alpha:g}, allocation={self.allocation!r})")
