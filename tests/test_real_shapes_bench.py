@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 
 from bench.lib.random_checkpoint import MODELS, RealModel, write_checkpoint
@@ -204,3 +206,23 @@ def test_quality_rows_are_chosen_by_words_and_a_word_naming_none_is_refused():
     assert chosen_rows(BESIDE_LLAMA, None) == BESIDE_LLAMA
     with pytest.raises(SystemExit, match="names none"):
         chosen_rows(BESIDE_LLAMA, "int5")
+
+
+def test_decode_bytes_count_the_dense_checkpoint_and_a_tokens_experts(short_hf_dir, tmp_path):
+    """What a decode token reads: the dense arrays load() places (the tiny model's embedding table is
+    its LM head, so all of them), and top_k experts a MoE layer, the mixed mode between its two tiers."""
+    import jmoe
+    from bench.decode_bytes import jmoe_bytes
+    from convert import convert_checkpoint
+
+    path = convert_checkpoint(short_hf_dir, tmp_path / "m", tiers="int4,int2", progress=False)
+    got = jmoe_bytes(path, [0.75, 0.5])
+    model = jmoe.load(path, tier="int4")
+    cfg = model.config
+    placed = sum(int(a.nbytes) for a in jax.tree.leaves(nnx.to_pure_dict(model.dense)))
+    assert cfg.tie_word_embeddings  # the tiny model's head is its embedding table: read whole
+    assert got["dense_bytes_read"] == placed and got["embedding_bytes"] == 0
+    rows = got["bytes_per_token"]
+    records = {t: model.store.record_nbytes(t) for t in ("int4", "int2")}
+    assert rows["int4 experts"] - rows["int2 experts"] == cfg.top_k * cfg.num_moe_layers * (records["int4"] - records["int2"])
+    assert rows["int4 experts"] > rows["int4/int2 at r = 0.75"] > rows["int4/int2 at r = 0.5"] > rows["int2 experts"]
