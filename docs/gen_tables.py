@@ -1274,6 +1274,7 @@ TABLES = {
     "quality-vs-llama-dense-s8-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dynaexq-allocation-zen4": lambda: dynaexq_streams("policies/dynaexq_allocation_zen4_cpu.json"),
+    "dynaexq-hindsight-allocation-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_allocation_zen4_cpu.json"),
     "dynaexq-stream-offsets-allocation-zen4": lambda: dynaexq_stream_offsets(
         "policies/dynaexq_stream_offsets_allocation_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
