@@ -141,6 +141,9 @@ def add_model_options(p) -> None:
     p.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips)")
     p.add_argument("--r", type=float, default=None, help="dymoe: mean share of routed experts at --hi (0.5-1)")
     p.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer on average (default: budget)")
+    p.add_argument("--hi-sets", default=None, choices=["model", "layer"],
+                   help="dynaexq: the hottest experts of the whole model share the hi copies (model, the default), "
+                        "or each layer holds --hi-per-layer of them (layer)")
     p.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
                    help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
                         "layer-wise (host between layers), or one jit with replay (resident)")
@@ -429,21 +432,26 @@ def cli_speculative(args):
     return SpeculativeOptions.parse({"draft": args.speculative, "k": "auto" if args.draft_k is None else args.draft_k})
 
 
+FLAGS = {"allocation": "hi_sets"}  # a policy option whose flag has another name
+
+
 def cli_policy(args):
     """The policy the flags describe: a name, or DyMoE / DynaExq built from their options."""
     from jmoe.errors import InputError
     from jmoe.policies import make_policy
 
-    dynamic = {"hi": args.hi, "lo": args.lo, "r": args.r, "hi_per_layer": args.hi_per_layer}
+    dynamic = {"hi": args.hi, "lo": args.lo, "r": args.r, "hi_per_layer": args.hi_per_layer,
+               "allocation": args.hi_sets}
     given = {k: v for k, v in dynamic.items() if v is not None}
     if args.policy not in ("dymoe", "dynaexq"):
         if given:
-            raise InputError(f"--{'/--'.join(k.replace('_', '-') for k in given)} only apply to --policy dymoe/dynaexq")
+            raise InputError(f"--{'/--'.join(FLAGS.get(k, k).replace('_', '-') for k in given)} only apply to "
+                             "--policy dymoe/dynaexq")
         return args.policy
-    allowed = {"dymoe": ("hi", "lo", "r"), "dynaexq": ("hi", "lo", "hi_per_layer")}[args.policy]
+    allowed = {"dymoe": ("hi", "lo", "r"), "dynaexq": ("hi", "lo", "hi_per_layer", "allocation")}[args.policy]
     wrong = [k for k in given if k not in allowed]
     if wrong:
-        raise InputError(f"--{wrong[0].replace('_', '-')} does not apply to --policy {args.policy}")
+        raise InputError(f"--{FLAGS.get(wrong[0], wrong[0]).replace('_', '-')} does not apply to --policy {args.policy}")
     if given.get("lo") == "none" and args.policy == "dymoe":
         given["lo"] = None
     hi = given.pop("hi", args.tier)

@@ -336,3 +336,13 @@ def test_promotions_ride_in_decode_steps_and_no_step_waits_for_one(int4_int2):
     state = stats["policy_state"]
     assert state["promoting"] == 0 and 0 < state["resident_hi"] <= model.config.num_moe_layers * 8
     model.residency.cache.check()
+
+
+def test_the_cli_builds_dynaexq_with_the_hi_sets_it_names():
+    from argparse import Namespace
+
+    from jmoe.cli import cli_policy
+
+    args = dict(policy="dynaexq", hi=None, lo=None, r=None, hi_per_layer=8, tier=None)
+    assert cli_policy(Namespace(**args, hi_sets="layer")).allocation == "layer"
+    assert cli_policy(Namespace(**args, hi_sets=None)).allocation == "model"
