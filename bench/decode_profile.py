@@ -34,6 +34,7 @@ import jax  # noqa: E402
 from bench.lib.common import result_name, write_result  # noqa: E402
 
 SCOPE = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
+TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 def instruction_scopes(dump: str) -> dict[str, str]:
@@ -45,6 +46,8 @@ def instruction_scopes(dump: str) -> dict[str, str]:
             m = SCOPE.match(line)
             if m:
                 scope = re.sub(r"^jit\([^)]*\)/", "", m.group(2))
+                target = TARGET.search(line)  # a native call: which kernel
+                scope += f" [{target.group(1)}]" if target else ""
                 scopes[m.group(1)] = re.sub(r"layer_\d+", "layer_L", scope)
     return scopes
 
