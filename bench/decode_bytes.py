@@ -14,26 +14,25 @@ layer at short depths) and activations are left out on both sides.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from bench.lib.common import result_name, write_result
-from bench.lib.llama_cpp import find_llama_cpp
+from bench.lib.llama_cpp import EXPERT_TENSOR, find_llama_cpp, gguf_module
 from jmoe.config import ModelConfig
 from jmoe.manifest import read_manifest
 
 MIB = 2**20
 
 
-def jmoe_dense_bytes(root: Path, tied: bool) -> dict[str, int]:
+def jmoe_dense_bytes(dense_dir: Path, tied: bool) -> dict[str, int]:
     """The dense checkpoint's bytes, from orbax's metadata: what a token reads, and the embedding
     table's rows it does not (none where the table is also the LM head: `tied`)."""
     import orbax.checkpoint as ocp
 
-    meta = ocp.PyTreeCheckpointer().metadata((root / read_manifest(root)["dense"]["dir"]).absolute())
+    meta = ocp.PyTreeCheckpointer().metadata(dense_dir.absolute())
     meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
     out = {"embedding": 0, "read_per_token": 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(meta)[0]:
@@ -48,30 +47,24 @@ def jmoe_bytes(root: Path, ratios: list[float]) -> dict:
     cfg = ModelConfig.from_dict(manifest["config"])
     uses = cfg.top_k * cfg.num_moe_layers  # routed experts a token runs
     record = {tier: t["record_nbytes"] for tier, t in manifest["tiers"].items()}
-    dense = jmoe_dense_bytes(root, cfg.tie_word_embeddings)
+    dense = jmoe_dense_bytes(root / manifest["dense"]["dir"], cfg.tie_word_embeddings)
     rows = {f"{tier} experts": dense["read_per_token"] + uses * n for tier, n in record.items()}
     tiers = sorted(record, key=lambda t: -record[t])
     for hi, lo in zip(tiers, tiers[1:]):
         for r in ratios:
             rows[f"{hi}/{lo} at r = {r:g}"] = dense["read_per_token"] + uses * (r * record[hi] + (1 - r) * record[lo])
     return {"dense_bytes_read": dense["read_per_token"], "embedding_bytes": dense["embedding"],
-            "expert_record_bytes": record, "expert_uses_per_token": uses, "bytes_per_token": rows}
+            "expert_record_bytes": record, "top_k": cfg.top_k, "expert_uses_per_token": uses,
+            "bytes_per_token": rows}
 
 
-def gguf_bytes(path: Path, top_k: int) -> dict:
-    llama = find_llama_cpp()
-    import sys
-
-    sys.path.insert(0, str(llama.src_dir / "gguf-py"))
-    try:
-        import gguf as gguf_py
-    finally:
-        sys.path.pop(0)
+def gguf_bytes(gguf, path: Path, top_k: int) -> dict:
+    """What a token reads of the GGUF at `path` (`gguf`: llama.cpp's gguf-py module)."""
     dense = experts = 0
-    for tensor in gguf_py.GGUFReader(str(path)).tensors:
+    for tensor in gguf.GGUFReader(str(path)).tensors:
         if tensor.name == "token_embd.weight":
             continue
-        if re.search(r"ffn_(gate|up|down|gate_up)_exps", tensor.name):
+        if EXPERT_TENSOR.search(tensor.name):
             experts += int(tensor.n_bytes) * top_k // int(tensor.shape[-1])  # [.., .., experts]
         else:
             dense += int(tensor.n_bytes)
@@ -86,8 +79,8 @@ def main() -> None:
     parser.add_argument("--name", type=result_name, required=True)
     args = parser.parse_args()
     ours = jmoe_bytes(args.model, args.r)
-    top_k = ModelConfig.from_dict(read_manifest(args.model)["config"]).top_k
-    theirs = {name: gguf_bytes(Path(p), top_k) for name, p in (g.split("=", 1) for g in args.gguf)}
+    gguf = gguf_module(find_llama_cpp()) if args.gguf else None
+    theirs = {name: gguf_bytes(gguf, Path(p), ours["top_k"]) for name, p in (g.split("=", 1) for g in args.gguf)}
     ratios = {f"{g} / jmoe {row}": t["bytes_per_token"] / n
               for g, t in theirs.items() for row, n in ours["bytes_per_token"].items()}
     for row, n in ours["bytes_per_token"].items():

@@ -122,14 +122,23 @@ def source_from_build(bin_dir: Path) -> Path | None:
     return None
 
 
-def vocab_gguf_fields(llama: LlamaCpp, name: str) -> dict:
-    """The tokenizer fields of one of llama.cpp's vocabulary files (models/ggml-vocab-<name>.gguf)."""
+# A GGUF's routed-expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps, ffn_gate_up_exps)
+EXPERT_TENSOR = re.compile(r"ffn_(gate|up|down|gate_up)_exps")
+
+
+def gguf_module(llama: LlamaCpp):
+    """llama.cpp's own gguf-py package, from its source tree (the version its tools write)."""
     sys.path.insert(0, str(llama.src_dir / "gguf-py"))
     try:
         import gguf
     finally:
         sys.path.pop(0)
-    reader = gguf.GGUFReader(str(llama.src_dir / "models" / f"ggml-vocab-{name}.gguf"))
+    return gguf
+
+
+def vocab_gguf_fields(llama: LlamaCpp, name: str) -> dict:
+    """The tokenizer fields of one of llama.cpp's vocabulary files (models/ggml-vocab-<name>.gguf)."""
+    reader = gguf_module(llama).GGUFReader(str(llama.src_dir / "models" / f"ggml-vocab-{name}.gguf"))
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
 
 
@@ -370,16 +379,11 @@ def read_perplexity(out: str, text: str) -> dict:
 def weight_bits(llama: LlamaCpp, gguf: Path) -> dict[str, float]:
     """Bits per weight in a GGUF, whatever types the quantizer chose: of the routed experts (its
     ffn_*_exps tensors) and of the rest of its matrices ("dense"; norms left out)."""
-    sys.path.insert(0, str(llama.src_dir / "gguf-py"))
-    try:
-        import gguf as gguf_py
-    finally:
-        sys.path.pop(0)
     sums = {"expert_bits": [0, 0], "dense_bits": [0, 0]}
-    for tensor in gguf_py.GGUFReader(str(gguf)).tensors:
+    for tensor in gguf_module(llama).GGUFReader(str(gguf)).tensors:
         if len(tensor.shape) < 2:
             continue
-        kind = "expert_bits" if re.search(r"ffn_(gate|up|down|gate_up)_exps", tensor.name) else "dense_bits"
+        kind = "expert_bits" if EXPERT_TENSOR.search(tensor.name) else "dense_bits"
         sums[kind][0] += 8 * int(tensor.n_bytes)
         sums[kind][1] += int(tensor.n_elements)
     return {kind: bits / weights for kind, (bits, weights) in sums.items()}
