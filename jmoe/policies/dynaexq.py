@@ -174,9 +174,10 @@ class DynaExq(Policy):
         """The hi set: each group's top experts by hotness, with hysteresis (see the module docstring)."""
         changed = False
         for group, room in self._groups():
-            members = self.members[group].ravel()  # a copy, written back below
+            view = self.members[group]
+            members = view.ravel()  # a copy where the group spans layers: written back below
             changed |= refill_hi_set(self.hot[group].ravel(), members, room, self.margin)
-            self.members[group] = members.reshape(self.members[group].shape)
+            view[...] = members.reshape(view.shape)
         if changed:
             self._codes = None
 
