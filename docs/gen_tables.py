@@ -90,12 +90,6 @@ def decode_row(run: dict, name: str, ours: str, theirs: str, what: str) -> list[
     return [what, f"{f(mine)} vs {f(other)} ({ratio:.2f}×)", machine(run), source(name)]
 
 
-# The newest run at equal bits (int4 + dense int4 against Q4_0 alone) beside a run that also timed the
-# mixed mode: the headline's int4 row reads it.
-EQUAL_BITS_NEWEST = {"real_shapes/real_shapes_mixed_r_zen4_cpu.json":
-                     "real_shapes/real_shapes_equal_bits_7_rounds_zen4_cpu.json"}
-
-
 def headline() -> str:
     ppl = load("perplexity/perplexity_tiny_cpu.json")
     quality = load("quality/quality_tiny_cpu.json")
@@ -139,15 +133,19 @@ def headline() -> str:
         machine(beside), source(beside_name),
     ])
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
-    # keeps its output matrix at Q6_K), the newest run per machine; every other run is in docs/benchmarks.md.
-    for name, where in [("real_shapes/real_shapes_mixed_r_zen4_cpu.json", "on an AVX-512 EPYC (Zen 4)"),
-                        ("real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json", "on an AVX-512 EPYC (Zen 5)")]:
+    # keeps its output matrix at Q6_K) and in the mixed mode, the newest run of each per machine; every
+    # other run is in docs/benchmarks.md.
+    zen4_mixed = "real_shapes/real_shapes_mixed_r_zen4_cpu.json"
+    zen5 = "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"
+    for name, equal_name, where in [
+        (zen4_mixed, "real_shapes/real_shapes_equal_bits_7_rounds_zen4_cpu.json", "on an AVX-512 EPYC (Zen 4)"),
+        (zen5, zen5, "on an AVX-512 EPYC (Zen 5)"),
+    ]:
         run = load(name)
         r = run["settings"].get("mixed_r") or [0.75]
         mixed = "jmoe DyMoE int4/int2 + dense int4 resident, int8 dot" if r == [0.75] else \
             f"jmoe DyMoE int4/int2 r={min(r):g} + dense int4 resident, int8 dot"  # the most int2 a run timed
         at_r = "" if r == [0.75] else f" at r = {min(r):g}"
-        equal_name = EQUAL_BITS_NEWEST.get(name, name)  # a later run of int4 alone, where there is one
         equal = load(equal_name)
         for ours, label, from_run, from_name in [
             ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(equal)} LM head",
