@@ -6,8 +6,9 @@ first: a compile inside a timed window fails the run), in alternating rounds. Ea
 the 16 requests at once (a system prompt from the prose dev text, then a question of its own) for
 `--new-tokens` greedy tokens, with an empty prefix store, so the first request prefills the system
 prompt and the others may reuse it. Reported per mode: the median (and 90th percentile) time to
-first token over the 16 requests of a round, the round's wall time, the prompt tokens reused; and
-whether both modes gave the same tokens.
+first token over the 16 requests of a round, the round's wall time, the prompt tokens reused, the
+most KV pages of 64 slots held at once (rows sharing the system prompt's pages hold them once);
+and whether both modes gave the same tokens.
 
     python -m bench.prefix_sharing [--rounds 3] [--new-tokens 16]
 """
@@ -26,13 +27,15 @@ SYSTEM_TOKENS = 1000
 
 
 class FirstTokens:
-    """The engine's observer: each stream's time from submit to its first token."""
+    """The engine's observer: each stream's time from submit to its first token, and the most KV
+    pages the engine's pool had handed out at a decode step."""
 
-    def __init__(self):
+    def __init__(self, pool):
         self.ttft: dict[int, float] = {}
+        self.pool, self.peak_pages = pool, 0
 
     def step(self, seconds: float, rows: int) -> None:
-        pass
+        self.peak_pages = max(self.peak_pages, self.pool.pages - self.pool.free)
 
     def token(self, stream, seconds: float) -> None:
         self.ttft.setdefault(id(stream), seconds)
@@ -42,22 +45,23 @@ class FirstTokens:
 
 
 def run_round(engine, model, prompts, new_tokens: int) -> dict:
-    from jmoe.decoding.prefixes import PrefixCache
     from jmoe.serving import Request
     from jmoe.serving.compiles import no_compiles
 
-    if model.prefixes is not None:  # an empty store: the first request prefills the system prompt
-        model.prefixes = PrefixCache(model.prefixes.capacity, model.prefixes.block_nbytes)
-    observer = engine.observer = FirstTokens()
+    if engine.prefixes is not None:  # an empty store: the first request prefills the system prompt
+        engine.prefixes.clear()
+    reused_before = model.prefixes.stats.reused_tokens if model.prefixes is not None else 0
+    observer = engine.observer = FirstTokens(engine.pool)
     with no_compiles(f"{len(prompts)} requests"):
         start = time.perf_counter()
         streams = [engine.submit(Request(p, max_tokens=new_tokens, as_text=False)) for p in prompts]
         outputs = [list(s) for s in streams]
         wall = time.perf_counter() - start
     ttft = sorted(observer.ttft[id(s)] for s in streams)
-    reused = model.prefixes.stats.reused_tokens if model.prefixes is not None else 0
+    reused = model.prefixes.stats.reused_tokens - reused_before if model.prefixes is not None else 0
     return {"ttft_median_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-            "wall_s": wall, "reused_prompt_tokens": reused, "outputs": outputs}
+            "wall_s": wall, "reused_prompt_tokens": reused, "peak_kv_pages_held": observer.peak_pages,
+            "outputs": outputs}
 
 
 def main() -> None:
@@ -93,7 +97,8 @@ def main() -> None:
                 rounds[mode].append(run_round(engines[mode], models[mode], prompts, args.new_tokens))
                 r = rounds[mode][-1]
                 print(f"{mode:6s}: time to first token median {r['ttft_median_s']:.2f} s, p90 {r['ttft_p90_s']:.2f} s, "
-                      f"wall {r['wall_s']:.2f} s, reused prompt tokens {r['reused_prompt_tokens']}", flush=True)
+                      f"wall {r['wall_s']:.2f} s, reused prompt tokens {r['reused_prompt_tokens']}, "
+                      f"peak KV pages {r['peak_kv_pages_held']}", flush=True)
     finally:
         for engine in engines.values():
             engine.close()

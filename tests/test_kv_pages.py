@@ -32,9 +32,28 @@ def test_the_pool_hands_out_pages_lowest_first_and_takes_every_one_back(short_mo
     pool.release(a[0])
     assert a[0].tolist() == [NO_PAGE] * 4 and pool.free == 3
     assert pool.take(b[0], 0, 200) and b[0].tolist() == [3, 4, 0, 1]  # the lowest free first
-    b[0, 3] = 3  # a page held twice
-    with pytest.raises(AssertionError, match="two rows"):
+    b[0, 3] = 3  # a page held twice, counted once (and page 1 held by no one)
+    with pytest.raises(AssertionError, match="holders"):
         pool.check([b])
+
+
+def test_a_shared_page_is_free_only_once_its_last_holder_lets_go(short_model):
+    pool = PagePool(short_model, pages=4, context=128, page=64)
+    a, b = pool.new_table(1), pool.new_table(1)
+    assert pool.take(a[0], 0, 128) and a[0].tolist() == [0, 1]
+    pool.share(b[0], 0, 0)  # b's first page is a's
+    assert pool.take(b[0], 64, 100) and b[0].tolist() == [0, 2]
+    assert pool.holders(0) == 2 and pool.free == 1
+    pool.check([a, b])
+    pool.release(a[0])
+    assert pool.free == 2 and pool.holders(0) == 1  # page 1 back, page 0 still b's
+    pool.check([a, b])
+    pool.release(b[0])
+    assert pool.free == 4
+    pool.check([a, b])
+    pool.hold(3)  # a holder nobody's table names
+    with pytest.raises(AssertionError, match="page 3 has 0 holders"):
+        pool.check([a, b])
 
 
 def test_rows_sharing_a_pool_smaller_than_their_contexts_get_what_they_get_alone(short_model):

@@ -1,7 +1,9 @@
-"""Shared prompt prefixes (jmoe/decoding/prefixes.py): a serving engine and batched generate keep
-the blocks of each prompt they prefilled and a later prompt starting with the same tokens copies
-them in instead of prefilling them; its tokens do not change, the kept bytes stay within the reservation, the least
-recently used blocks go first and nothing compiles on the request path."""
+"""Shared prompt prefixes (jmoe/decoding/prefixes.py, jmoe/serving/kv_prefixes.py): a serving engine
+and batched generate keep the blocks of each prompt they prefilled, and a later prompt starting
+with the same tokens reuses them instead of prefilling them: in the engine its row reads the kept
+pages in place, in generate they are copied in. Its tokens do not change, the kept bytes stay
+within the reservation, the least recently used blocks go first, the engine's pool takes back the
+pages only the store holds when rows need them, and nothing compiles on the request path."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from jmoe.decoding.prefixes import PREFIX_BLOCK, PrefixCache
 from jmoe.errors import InputError
 from jmoe.serving import BatchEngine, Request
 from jmoe.serving.compiles import CompileCounter
+from jmoe.serving.kv_pages import PagePool
+from jmoe.serving.kv_prefixes import PagePrefixes
 from tests.conftest import dev_text
 
 
@@ -52,6 +56,56 @@ def test_the_least_recently_used_leaf_goes_first_and_the_store_keeps_its_bytes()
     assert tiny.lookup(a) == ["a0"] and tiny.nbytes == 8
 
 
+def test_a_block_can_go_only_with_every_block_kept_after_it():
+    store = PrefixCache(capacity=10 * 8, block_nbytes=8, block=4)
+    store.keep(tokens(4, 13), lambda j: f"a{j}")  # a0 <- a1 <- a2
+    assert store.evictable(lambda b: True) == 3
+    assert store.evictable(lambda b: b != "a1") == 1  # a2 only: a1 stays, and a0 before it
+    assert store.evictable(lambda b: b != "a2") == 0
+    assert not store.evict(lambda b: b != "a2") and store.evict(lambda b: b != "a1")
+    assert store.blocks() == ["a0", "a1"]
+
+
+def test_the_engines_store_keeps_pages_in_place_shares_them_and_gives_back_only_its_own(short_model):
+    pool = PagePool(short_model, pages=6, context=256, page=PREFIX_BLOCK)
+    store = PagePrefixes(pool, blocks=3, shared=PrefixCache(capacity=3, block_nbytes=1))
+    first = pool.new_table(1)
+    prompt = tokens(5, 2 * PREFIX_BLOCK + 5)
+    assert pool.take(first[0], 0, len(prompt))  # pages 0, 1, 2, prefilled from slot 0
+    store.keep(prompt, first[0], key_start=0)  # its two full blocks, in place
+    assert sorted(store.pages()) == [0, 1] and pool.holders(0) == pool.holders(1) == 2
+    assert store.reclaimable() == 0  # the row still reads them
+    pool.check([first])
+    pool.release(first[0])
+    assert pool.free == 4 and store.reclaimable() == 2
+    # a prompt starting with both blocks: placed from slot 0, the first page shared, the second
+    # copied (the prefill's 32-token bucket starts inside it), the rest its own
+    later = prompt[:2 * PREFIX_BLOCK] + tokens(6, 30)
+    second = pool.new_table(1)
+    assert pool.take(second[0], 0, len(later))
+    assert store.place(later, second[0]) == len(later) - 32
+    assert second[0, 0] == 0 and pool.holders(0) == 2 and second[0, 1] not in (1, -1)
+    pool.check([second])
+    # a third row wanting a whole context (4 pages) with 2 free: the store gives back the page only
+    # it holds, not the one the second row reads, and that is not enough
+    third = pool.new_table(1)
+    assert pool.free == 2 and store.reclaimable() == 1
+    assert not pool.take(third[0], 0, 4 * PREFIX_BLOCK) and third[0].tolist() == [-1] * 4
+    assert store.pages() == [0] and pool.free == 3
+    pool.release(second[0])
+    assert pool.take(third[0], 0, 4 * PREFIX_BLOCK) and store.pages() == [0]  # free pages first
+    fourth = pool.new_table(1)
+    assert pool.take(fourth[0], 0, 2 * PREFIX_BLOCK) and store.pages() == []  # then the store's last
+    pool.check([second, third, fourth])
+    # blocks off page boundaries (behind padding) are copied onto free pages, while there are any
+    pool.release(third[0])
+    pool.release(fourth[0])
+    assert pool.take(third[0], 10, 10 + len(prompt))
+    store.keep(prompt, third[0], key_start=10)
+    assert len(store.pages()) == 2 and all(pool.holders(p) == 1 for p in store.pages())
+    pool.check([third])
+
+
 def test_the_reservation_is_planned_and_checked(short_converted):
     plan = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=512, prefix_cache="auto")
     plain = jmoe.memory_plan(short_converted, compute_dtype="float32", max_seq_len=512)
@@ -70,14 +124,56 @@ def test_prompts_sharing_a_prefix_reuse_its_blocks_and_get_what_they_get_alone(s
     prompts.append(system[:PREFIX_BLOCK + 1])  # one kept block and one token
     alone = [jmoe.generate(plain, p, max_new_tokens=12) for p in prompts]
     with BatchEngine(model, max_batch=3, context=512, warm_up=True) as engine:
+        engine.observer = shared = SharedPages(engine)
         compiles = CompileCounter.count()
         texts = [engine.submit(Request(p, max_tokens=12, as_text=False)) for p in prompts]
         assert [list(s) for s in texts] == alone
-        assert CompileCounter.count() == compiles  # copying blocks in and out was compiled by warm_up
+        assert CompileCounter.count() == compiles  # the page copies were compiled by warm_up
+        assert shared.most >= 2  # running rows read the kept system prompt's pages in place
+        engine.pool.check([engine.table])  # every page counted by its rows and the store
+        assert len(engine.prefixes.pages()) <= model.memory["prefix_cache"] // model.prefixes.block_nbytes
     stats = jmoe.stats(model)["prefix_cache"]
     assert stats["lookups"] == len(prompts) and stats["hits"] == len(prompts) - 1
     assert stats["reused_tokens"] == 4 * 3 * PREFIX_BLOCK + PREFIX_BLOCK  # the first prompt prefilled all of it
-    assert model.prefixes.nbytes <= model.memory["prefix_cache"]
+    assert model.prefixes.nbytes == 0  # the engine's blocks are pages of its pool
+
+
+class SharedPages:
+    """An engine observer: the most pages held by two or more running rows at one decode step."""
+
+    def __init__(self, engine):
+        self.engine, self.most = engine, 0
+
+    def step(self, seconds, rows) -> None:
+        held = self.engine.table[self.engine.table >= 0]
+        self.most = max(self.most, int((np.bincount(held) >= 2).sum()) if held.size else 0)
+
+    def token(self, stream, seconds) -> None:
+        pass
+
+    def finished(self, stream) -> None:
+        pass
+
+
+def test_rows_get_the_pages_only_the_store_holds_when_the_pool_runs_short(short_converted):
+    """Four slots of 256 tokens over a pool of 4 row pages and 8 kept-block pages: once the store
+    holds 8 blocks, two long requests together need pages only it holds, and get them without
+    either being set aside; every answer is generate's."""
+    model = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=512, prefix_cache="auto")
+    plain = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=512)
+    fill = [tokens(20 + i, 2 * PREFIX_BLOCK + 9) for i in range(4)]
+    long = [tokens(30 + i, 100) for i in range(2)]
+    with BatchEngine(model, max_batch=4, context=256, kv_pages=4) as engine:
+        assert engine.pool.pages == 4 + 8
+        for p in fill:  # one at a time: each keeps its two blocks
+            assert list(engine.submit(Request(p, max_tokens=4, as_text=False))) == jmoe.generate(plain, p, max_new_tokens=4)
+        assert len(engine.prefixes.pages()) == 8 and engine.pool.free == 4
+        streams = [engine.submit(Request(p, max_tokens=120, as_text=False)) for p in long]
+        outputs = [list(s) for s in streams]
+        assert [len(o) for o in outputs] == [120, 120]  # 4 pages each: more than the 4 free
+        assert engine.preemptions == 0 and len(engine.prefixes.pages()) < 8
+        engine.pool.check([engine.table])
+    assert outputs == [jmoe.generate(plain, p, max_new_tokens=120) for p in long]
 
 
 def test_batched_generate_reuses_kept_prefixes_row_by_row(short_converted):

@@ -20,6 +20,7 @@ a reused block holds what the new prompt's own prefill would have computed.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -128,9 +129,11 @@ class PrefixCache:
     block_nbytes: int
     block: int = PREFIX_BLOCK
     stats: PrefixStats = field(default_factory=PrefixStats)
+    # told of each block dropped (a serving engine's store gives its page back)
+    on_evict: Callable[[object], None] | None = None
 
     def __post_init__(self):
-        self.lock = threading.Lock()  # engines on one model share its store
+        self.lock = threading.RLock()  # engines on one model share its store (and its stats)
         self._nodes: dict[tuple, _Node] = {}
         self._by_id: dict[int, _Node] = {}
         self._clock = 0
@@ -188,8 +191,11 @@ class PrefixCache:
             if node is None:
                 if len(self._nodes) >= self.max_blocks and not self._evict(protect=path):
                     break
+                block = take(j)
+                if block is None:  # no room for its copy
+                    break
                 self._ids += 1
-                node = self._nodes[key] = self._by_id[self._ids] = _Node(key, self._ids, take(j))
+                node = self._nodes[key] = self._by_id[self._ids] = _Node(key, self._ids, block)
                 if parent:
                     self._by_id[parent].children += 1
                 self.stats.kept_blocks += 1
@@ -204,9 +210,38 @@ class PrefixCache:
             self._clock += 1
             node.used = self._clock
 
-    def _evict(self, protect: list[_Node]) -> bool:
-        """Drop the least recently used leaf outside `protect`: False if there is none."""
-        leaves = [n for n in self._nodes.values() if n.children == 0 and n not in protect]
+    def blocks(self) -> list:
+        """Every kept block."""
+        with self.lock:
+            return [node.block for node in self._nodes.values()]
+
+    def clear(self) -> None:
+        """Drop every kept block."""
+        with self.lock:
+            while self._evict(protect=[]):
+                pass
+
+    def evictable(self, can_go: Callable[[object], bool]) -> int:
+        """How many blocks evict(can_go) would drop, one after another, until none is left: those
+        that can go with every block kept after them (a block goes only once it is a leaf)."""
+        with self.lock:
+            stuck = set()
+            for node in self._nodes.values():
+                if not can_go(node.block):
+                    while node is not None and node.id not in stuck:  # it and every block before it
+                        stuck.add(node.id)
+                        node = self._by_id.get(node.key[0])
+            return len(self._nodes) - len(stuck)
+
+    def evict(self, can_go: Callable[[object], bool]) -> bool:
+        """Drop the least recently used leaf whose block can go: False if there is none."""
+        with self.lock:
+            return self._evict(protect=[], can_go=can_go)
+
+    def _evict(self, protect: list[_Node], can_go: Callable[[object], bool] | None = None) -> bool:
+        """Drop the least recently used leaf outside `protect` (whose block can go): False if there is none."""
+        leaves = [n for n in self._nodes.values() if n.children == 0 and n not in protect
+                  and (can_go is None or can_go(n.block))]
         if not leaves:
             return False
         victim = min(leaves, key=lambda n: n.used)
@@ -214,4 +249,6 @@ class PrefixCache:
         if victim.key[0]:
             self._by_id[victim.key[0]].children -= 1
         self.stats.evicted_blocks += 1
+        if self.on_evict is not None:
+            self.on_evict(victim.block)
         return True

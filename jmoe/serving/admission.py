@@ -6,11 +6,14 @@ runs short (see batcher.py's module docstring)."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 
+from jmoe.decoding.engine import KV_PAGE
 from jmoe.decoding.generation import RowText
 from jmoe.decoding.sampling import Sampler, prompt_history
 from jmoe.errors import InputError
 from jmoe.serving.kv_pages import NO_PAGE, PagePool
+from jmoe.serving.kv_prefixes import PagePrefixes
 from jmoe.serving.kv_rows import Prefill, prompt_geometry
 from jmoe.serving.logits import token_logprobs
 from jmoe.serving.requests import Stream
@@ -23,10 +26,15 @@ class Admission:
     and writes the engine's queues (waiting, set_aside, prefilling), slots and pool."""
 
     def _new_pool(self) -> PagePool:
-        pool = PagePool(self.model, self.kv_pages, self.context)
-        if pool.row_pages > pool.pages:
-            raise InputError(f"the KV pool's {pool.pages} pages of {pool.page} slots do not hold one "
+        """The rows' kv_pages, and on top the pages the model reserved for kept prompt blocks (the
+        engine's prefix store, self.prefixes)."""
+        shared = self.model.prefixes
+        kept = shared.max_blocks if shared is not None and self.context > KV_PAGE else 0
+        pool = PagePool(self.model, self.kv_pages + kept, self.context)
+        if pool.row_pages > self.kv_pages:
+            raise InputError(f"the KV pool's {self.kv_pages} pages of {pool.page} slots do not hold one "
                              f"{self.context}-token context; give the KV cache more bytes or lower the context")
+        self.prefixes = PagePrefixes(pool, kept, shared) if kept else None
         return pool
 
     @property
@@ -61,7 +69,7 @@ class Admission:
         """How many waiting requests (after the rows set aside) the next admission starts: oldest
         first, while a slot is free and the pool has pages for the prompt."""
         free_rows = self.max_batch - self.running - len(self.prefilling)
-        free_pages = self.pool.free
+        free_pages = self.pool.available
         for _, prompt, _ in self.set_aside:
             free_rows -= 1
             free_pages -= self._prompt_pages(len(prompt))
@@ -115,7 +123,8 @@ class Admission:
         if not self.pool.take(table[0], key_start, prompt_len):
             return False
         try:
-            self.prefilling.append(Prefill(self.model, stream, self.context, self.pool, table, prompt, resumed))
+            self.prefilling.append(Prefill(self.model, stream, self.context, self.pool, table, prompt, resumed,
+                                           self.prefixes))
         except BaseException:
             self.pool.release(table[0])
             raise
@@ -165,9 +174,9 @@ class Admission:
     def _take(self, b: int, first: int, end: int) -> bool:
         """Slot b's pages for slots [first, end), as PagePool.take (the device's tables sent again if
         it took any)."""
-        free = self.pool.free
+        before = self.table[b].copy()
         taken = self.pool.take(self.table[b], first, end)
-        if self.pool.free != free:
+        if not np.array_equal(before, self.table[b]):
             self._tables.clear()
         return taken
 

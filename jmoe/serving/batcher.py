@@ -52,7 +52,7 @@ from jmoe import validate
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, PREFILL_CHUNK
 from jmoe.decoding.generation import stop_strings
-from jmoe.decoding.prefixes import PREFIX_BLOCK, put_block, take_block
+from jmoe.decoding.prefixes import PREFIX_BLOCK
 from jmoe.decoding.sampling import ALL_FILTERS, HISTORY_DTYPE, Sampler, SamplingOptions
 from jmoe.decoding.speculative import SpeculativeOptions
 from jmoe.errors import InputError
@@ -151,18 +151,17 @@ class BatchEngine(Admission, Stepping, Endings):
 
     def warm_up(self) -> None:
         """Compile, before any request, what requests will run: a step at every batch bucket (all
-        rows padding), a prefill at every prompt-length bucket, and a kept prompt block's copies out
-        of and into a row."""
+        rows padding), a prefill at every prompt-length bucket, and the page copies of kept prompt
+        blocks (jmoe/serving/kv_prefixes.py)."""
         prompt_len = MIN_PROMPT_BUCKET
         while prompt_len < self.context:
             table = self.pool.new_table(1)
             self.pool.take(table[0], 0, max(prompt_len, PREFIX_BLOCK))
             decoder = Decoder(self.model, [[self.pad] * prompt_len], prompt_len, self.context, self.pool, table)
             greedy_jit(decoder.prefill())
-            if prompt_len == MIN_PROMPT_BUCKET and self.model.prefixes is not None and self.context > PREFIX_BLOCK:
-                zero = np.int32(0)
-                block = take_block(decoder.cache, zero, PREFIX_BLOCK, zero)
-                decoder.cache = put_block(decoder.cache, block, zero, zero)
+            if prompt_len == MIN_PROMPT_BUCKET and self.prefixes is not None:
+                self.pool.copy_page(int(table[0, 0]), int(table[0, 0]))
+                self.pool.copy_slots(table[0], 1, int(table[0, 0]))
             self.pool.release(table[0])
             prompt_len *= 2
         n = 1

@@ -1,5 +1,6 @@
 """A waiting prompt on its way into the batch: prefilled alone, in chunks, into pages of the
-engine's pool (jmoe/serving/kv_pages.py) that its row then keeps."""
+engine's pool (jmoe/serving/kv_pages.py) that its row then keeps, sharing those of the kept
+prompt blocks it starts with (jmoe/serving/kv_prefixes.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import numpy as np
 
 from jmoe.decoding.decoder import Decoder
 from jmoe.decoding.engine import MIN_PROMPT_BUCKET, bucket
-from jmoe.decoding.prefixes import copy_in, keep_prompts
 from jmoe.runtime.stats import RequestClock
 from jmoe.serving.requests import Stream
 
@@ -27,19 +27,21 @@ class Prefill:
     keys and values go straight into pages of the engine's pool (`table`, taken by the caller for
     the prompt's real tokens), which the row keeps when it starts.
 
-    With the model's prefix store (jmoe/decoding/prefixes.py), the first advance() copies in the
-    kept blocks the prompt starts with and prefills only the rest; once all in, the prompt's blocks
-    are kept for later prompts. `resumed`: a row taken off its slot to free pages, whose prompt is
-    its request's and the tokens it had generated (all but the last, which its next step takes)."""
+    With the engine's prefix store (`prefixes`, jmoe/serving/kv_prefixes.py), the first advance()
+    looks the prompt up: where it starts with kept blocks, the prompt is placed from slot 0 on
+    their pages and only the rest is prefilled. Once all in, the prompt's blocks are kept for later
+    prompts. `resumed`: a row taken off its slot to free pages, whose prompt is its request's and
+    the tokens it had generated (all but the last, which its next step takes)."""
 
     def __init__(self, model, stream: Stream, context: int, pool, table: np.ndarray, prompt: list[int],
-                 resumed=None):
+                 resumed=None, prefixes=None):
         prompt_len, _ = prompt_geometry(len(prompt), context)
         self.stream, self.table, self.resumed = stream, table, resumed
+        self.model, self.context, self.pool = model, context, pool
         self.prompt = prompt
         self.clock = RequestClock() if resumed is None else resumed.clock  # time to first token counts the prefill
         self.decoder = Decoder(model, [prompt], prompt_len, context, pool, table)
-        self.prefixes = model.prefixes
+        self.prefixes = prefixes
         self._chunks = None  # started by the first advance(): a prefix kept meanwhile is found
         self.logits = None
 
@@ -50,9 +52,12 @@ class Prefill:
     def advance(self) -> int:
         """Prefill the next chunk: its tokens."""
         if self._chunks is None:
-            first = copy_in(self.decoder, self.prefixes, [self.prompt]) if self.prefixes else 0
+            first = self.prefixes.place(self.prompt, self.table[0]) if self.prefixes is not None else 0
+            if first:  # placed from slot 0, on kept pages: no padding
+                self.decoder = Decoder(self.model, [self.prompt], len(self.prompt), self.context, self.pool,
+                                       self.table)
             self._chunks = self.decoder.prefill_chunks(first)
         taken, self.logits = next(self._chunks)
-        if self.done and self.prefixes:
-            keep_prompts(self.decoder, self.prefixes, [self.prompt])
+        if self.done and self.prefixes is not None:
+            self.prefixes.keep(self.prompt, self.table[0], int(self.decoder.key_start[0]))
         return taken
