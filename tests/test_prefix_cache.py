@@ -166,7 +166,8 @@ def test_rows_get_the_pages_only_the_store_holds_when_the_pool_runs_short(short_
     with BatchEngine(model, max_batch=4, context=256, kv_pages=4) as engine:
         assert engine.pool.pages == 4 + 8
         for p in fill:  # one at a time: each keeps its two blocks
-            assert list(engine.submit(Request(p, max_tokens=4, as_text=False))) == jmoe.generate(plain, p, max_new_tokens=4)
+            answer = list(engine.submit(Request(p, max_tokens=4, as_text=False)))
+            assert answer == jmoe.generate(plain, p, max_new_tokens=4)
         assert len(engine.prefixes.pages()) == 8 and engine.pool.free == 4
         streams = [engine.submit(Request(p, max_tokens=120, as_text=False)) for p in long]
         outputs = [list(s) for s in streams]
