@@ -1181,9 +1181,11 @@ def prefix_sharing() -> str:
         rows.append([i, f"{f(alone['ttft_median_s'], 2)} / {f(alone['ttft_p90_s'], 2)}",
                      f"{f(shared['ttft_median_s'], 2)} / {f(shared['ttft_p90_s'], 2)}",
                      f"{alone['ttft_median_s'] / shared['ttft_median_s']:.1f}x",
-                     f"{f(alone['wall_s'], 1)} → {f(shared['wall_s'], 1)}", f"{shared['reused_prompt_tokens']:,}"])
+                     f"{f(alone['wall_s'], 1)} → {f(shared['wall_s'], 1)}", f"{shared['reused_prompt_tokens']:,}",
+                     f"{alone['peak_kv_pages_held']} → {shared['peak_kv_pages_held']}"])
     out = table(["round", "TTFT median / p90 s, no sharing", "TTFT median / p90 s, shared prefix",
-                 "median TTFT ratio", "all 16 answered, s", "prompt tokens reused"], rows)
+                 "median TTFT ratio", "all 16 answered, s", "prompt tokens reused",
+                 "most KV pages held at a step"], rows)
     return out + (f"\n\n{data['requests']} concurrent requests, a {data['system_tokens']:,}-token system prompt and a "
                   f"question each, {data['new_tokens']} greedy tokens, the tiny model; same tokens with and without "
                   f"sharing: {'yes' if data['same_tokens'] else 'no'}. Machine: {machine(data)} ({source(name)}).")

@@ -56,6 +56,18 @@ def test_a_shared_page_is_free_only_once_its_last_holder_lets_go(short_model):
         pool.check([a, b])
 
 
+def test_pages_promised_to_an_admitted_prompt_go_to_no_one_else(short_model):
+    pool = PagePool(short_model, pages=3, context=128, page=64)
+    assert pool.reserve(2) and pool.available == 1 and not pool.reserve(2)
+    a = pool.new_table(1)
+    assert not pool.take(a[0], 0, 128) and a[0].tolist() == [NO_PAGE] * 2  # two wanted, one unpromised
+    assert pool.take(a[0], 0, 64) and pool.spare_page() is None
+    pool.unreserve(2)  # the prompt's prefill starts: it takes what it was promised
+    assert pool.take(a[0], 64, 128) and pool.spare_page() == 2
+    pool.drop(2)
+    pool.check([a])
+
+
 def test_rows_sharing_a_pool_smaller_than_their_contexts_get_what_they_get_alone(short_model):
     """Four slots of 256 tokens over 6 pages of 64 (a quarter of four contexts): prompts wait for
     pages, rows grow a page at a time, and the newest rows are set aside and resumed; every greedy
@@ -66,7 +78,7 @@ def test_rows_sharing_a_pool_smaller_than_their_contexts_get_what_they_get_alone
         texts = [s.text() for s in streams]
         assert engine.running == 0 and not engine.prefilling and not engine.set_aside
         assert engine.preemptions > 0  # the pool did run short
-        assert engine.pool.free == 6
+        assert engine.pool.free == 6 and engine.pool.reserved == 0
         engine.pool.check([engine.table])
     assert texts == alone
     assert all(s.finish_reason in ("length", "stop") and s.error is None for s in streams)

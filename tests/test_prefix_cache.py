@@ -82,7 +82,6 @@ def test_the_engines_store_keeps_pages_in_place_shares_them_and_gives_back_only_
     # copied (the prefill's 32-token bucket starts inside it), the rest its own
     later = prompt[:2 * PREFIX_BLOCK] + tokens(6, 30)
     second = pool.new_table(1)
-    assert pool.take(second[0], 0, len(later))
     assert store.place(later, second[0]) == len(later) - 32
     assert second[0, 0] == 0 and pool.holders(0) == 2 and second[0, 1] not in (1, -1)
     pool.check([second])

@@ -61,7 +61,7 @@ class Admission:
                 self.pos[src], self.key_start[src] = 0, self.context
 
     def _prompt_pages(self, prompt_tokens: int) -> int:
-        """Pages a prompt of this many tokens takes when admitted (its real tokens' slots)."""
+        """Pages promised to a prompt of this many tokens when admitted (its real tokens' slots)."""
         prompt_len, key_start = prompt_geometry(prompt_tokens, self.context)
         return len(self.pool.pages_for(key_start, prompt_len))
 
@@ -112,21 +112,20 @@ class Admission:
                     self.prefilling.popleft()
                     self._start(self.running, p)
             except Exception as error:  # noqa: BLE001 - this request fails, not the engine
-                self.pool.release(p.table[0])  # none left once its row holds them
+                p.release()  # none left once its row holds them
                 self._request_failed(p.stream, error)
 
     def _start_prefill(self, stream: Stream, prompt: list[int], resumed: "Row | None" = None) -> bool:
-        """Take the pages of `prompt`'s real tokens and queue its prefill: False (nothing done) if
-        the pool has too few free."""
-        prompt_len, key_start = prompt_geometry(len(prompt), self.context)
-        table = self.pool.new_table(1)
-        if not self.pool.take(table[0], key_start, prompt_len):
+        """Promise `prompt` the pages of its real tokens and queue its prefill: False (nothing done)
+        if the pool has too few."""
+        pages = self._prompt_pages(len(prompt))
+        if not self.pool.reserve(pages):
             return False
         try:
-            self.prefilling.append(Prefill(self.model, stream, self.context, self.pool, table, prompt, resumed,
-                                           self.prefixes))
+            self.prefilling.append(Prefill(self.model, stream, self.context, self.pool, self.pool.new_table(1), prompt,
+                                           resumed, self.prefixes, reserved=pages))
         except BaseException:
-            self.pool.release(table[0])
+            self.pool.unreserve(pages)
             raise
         return True
 

@@ -84,7 +84,7 @@ class Endings:
                 self._free(b, reason, error)
         while self.prefilling:
             p = self.prefilling.popleft()
-            self.pool.release(p.table[0])
+            p.release()
             self._end(p.stream, reason, error)
         while self.set_aside:
             self._end(self.set_aside.popleft()[0], reason, error)
@@ -135,7 +135,7 @@ class Endings:
     def _drop_prefill(self, p: Prefill) -> None:
         """A prompt leaves the prefill queue unfinished: its pages go back."""
         self.prefilling.remove(p)
-        self.pool.release(p.table[0])
+        p.release()
 
     def _ending(self, stream: Stream, now: float, running: bool = False) -> str | None:
         """Why `stream` should end now, if it should."""

@@ -1,9 +1,9 @@
 """The serving engine's KV cache: one pool of pages that every row, and every prompt being
 prefilled, draws from (jmoe/layers/attention.py describes the paged layout).
 
-A row holds the pages its slots have reached, no more: a prompt takes the pages of its real tokens
-(left padding takes none) when it is admitted, and a row takes its next page when its position
-reaches it. So the bytes load() reserves for the KV cache ("kv_cache") bound the tokens held by all
+A row holds the pages its slots have reached, no more: a prompt is counted the pages of its real
+tokens (left padding takes none) when it is admitted and takes them when its prefill starts
+(fewer where it shares kept ones), and a row takes its next page when its position reaches it. So the bytes load() reserves for the KV cache ("kv_cache") bound the tokens held by all
 rows together, not max_batch full contexts. Pages are handed out lowest first and every decision
 is a function of the engine's own state, so the processes of a job (jmoe/serving/mirror.py) hold
 the same pages for the same rows.
@@ -44,6 +44,7 @@ class PagePool:
         self._free = list(range(pages - 1, -1, -1))  # a stack: the lowest free page is taken first
         self._holders = np.zeros(pages, np.int32)  # rows and the prefix store holding each page
         self.store = None  # the prefix store whose pages take() may reclaim (kv_prefixes.PagePrefixes)
+        self.reserved = 0  # pages promised to admitted prompts whose prefill has not started
 
     @property
     def free(self) -> int:
@@ -51,8 +52,21 @@ class PagePool:
 
     @property
     def available(self) -> int:
-        """Pages take() can hand out: the free ones and those only the prefix store holds."""
-        return self.free + (self.store.reclaimable() if self.store is not None else 0)
+        """Pages take() can hand out: the free ones and those only the prefix store holds, less
+        those reserved."""
+        return self.free + (self.store.reclaimable() if self.store is not None else 0) - self.reserved
+
+    def reserve(self, pages: int) -> bool:
+        """Promise `pages` pages to a prompt whose prefill starts later: False (nothing promised)
+        if fewer are available. take() hands out no promised page until unreserve()."""
+        if pages > self.available:
+            return False
+        self.reserved += pages
+        return True
+
+    def unreserve(self, pages: int) -> None:
+        self.reserved -= pages
+        assert self.reserved >= 0
 
     def holders(self, page: int) -> int:
         return int(self._holders[page])
@@ -65,18 +79,22 @@ class PagePool:
         """Give table_row the pages it lacks for slots [first, end): False (nothing taken) if the
         pool has too few, even with the prefix store's own pages given back."""
         missing = [j for j in self.pages_for(first, end) if table_row[j] == NO_PAGE]
-        if len(missing) > len(self._free) and self.store is not None:
-            self.store.reclaim(len(missing) - len(self._free))
-        if len(missing) > len(self._free):
+        if len(missing) > self._spare() and self.store is not None:
+            self.store.reclaim(len(missing) - self._spare())
+        if len(missing) > self._spare():
             return False
         for j in missing:
-            table_row[j] = self.take_page()
+            table_row[j] = self._pop()
         return True
 
-    def take_page(self) -> int | None:
-        """A free page for one holder, None if none is free (nothing reclaimed)."""
-        if not self._free:
-            return None
+    def spare_page(self) -> int | None:
+        """A free, unpromised page for one holder, None if there is none (nothing reclaimed)."""
+        return self._pop() if self._spare() > 0 else None
+
+    def _spare(self) -> int:
+        return len(self._free) - self.reserved
+
+    def _pop(self) -> int:
         page = self._free.pop()
         self._holders[page] = 1
         return page
@@ -137,6 +155,7 @@ class PagePool:
         assert all(self._holders[page] == 0 for page in self._free), "a held page is also free"
         leaked = self.pages - len(self._free) - int(np.count_nonzero(self._holders))
         assert leaked == 0, f"{leaked} pages leaked"
+        assert 0 <= self.reserved <= len(self._free) + (self.store.reclaimable() if self.store is not None else 0)
 
 
 @partial(jax.jit, donate_argnums=0)

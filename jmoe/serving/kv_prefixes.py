@@ -61,10 +61,9 @@ class PagePrefixes:
         self.tree.clear()
 
     def place(self, prompt: list[int], table_row: np.ndarray) -> int:
-        """Look `prompt` up; where kept blocks save a prefill chunk, give table_row (the pages the
-        prompt took when admitted, for its padded placement) the pages of the prompt placed from
-        slot 0 instead, kept ones shared: the slot its prefill starts from, else 0 (table_row
-        untouched)."""
+        """Look `prompt` up; where kept blocks save a prefill chunk, give table_row (which holds no
+        page) the pages of the prompt placed from slot 0, kept ones shared: the slot its prefill
+        starts from, else 0 (table_row untouched)."""
         page = self.pool.page
         pages = self.tree.lookup(prompt)
         chunk = min(len(prompt), prefill_chunk(1))
@@ -72,15 +71,19 @@ class PagePrefixes:
         self.tree.count(len(prompt), -(-first // page))
         if first == 0:
             return 0
-        # the padded placement's pages are at least as many as those the prompt lacks here
-        self.pool.release(table_row)
         whole, part = divmod(first, page)
         for j in range(whole):
             self.pool.share(table_row, j, pages[j])
-        if not self.pool.take(table_row, first, len(prompt)):
-            raise RuntimeError("a prompt placed on kept pages found fewer free pages than it gave back")
-        if part:  # its first slots are the kept block's, the rest the prefill's
-            self.pool.copy_page(pages[whole], int(table_row[whole]))
+        if part:  # held while the row's own pages are taken: reclaiming must not give it away
+            self.pool.hold(pages[whole])
+        try:
+            if not self.pool.take(table_row, first, len(prompt)):
+                raise RuntimeError("a prompt placed on kept pages found fewer pages than it was promised")
+            if part:  # its first slots are the kept block's, the rest the prefill's
+                self.pool.copy_page(pages[whole], int(table_row[whole]))
+        finally:
+            if part:
+                self.pool.drop(pages[whole])
         return first
 
     def keep(self, prompt: list[int], table_row: np.ndarray, key_start: int) -> None:
@@ -92,7 +95,7 @@ class PagePrefixes:
             if slot % page == 0:  # in place
                 self.pool.hold(int(table_row[slot // page]))
                 return int(table_row[slot // page])
-            copy = self.pool.take_page()
+            copy = self.pool.spare_page()
             if copy is not None:
                 self.pool.copy_slots(table_row, slot, copy)
             return copy
