@@ -3,7 +3,8 @@ prefilled, draws from (jmoe/layers/attention.py describes the paged layout).
 
 A row holds the pages its slots have reached, no more: a prompt is counted the pages of its real
 tokens (left padding takes none) when it is admitted and takes them when its prefill starts
-(fewer where it shares kept ones), and a row takes its next page when its position reaches it. So the bytes load() reserves for the KV cache ("kv_cache") bound the tokens held by all
+(fewer where it shares kept ones), and a row takes its next page when its position reaches it. So
+the bytes load() reserves for the KV cache ("kv_cache") bound the tokens held by all
 rows together, not max_batch full contexts. Pages are handed out lowest first and every decision
 is a function of the engine's own state, so the processes of a job (jmoe/serving/mirror.py) hold
 the same pages for the same rows.
