@@ -205,3 +205,36 @@ def test_batched_generate_reuses_kept_prefixes_row_by_row(short_converted):
     fourth = [ask(5), tokens(10, 230)]
     assert jmoe.generate(model, fourth, max_new_tokens=6) == jmoe.generate(plain, fourth, max_new_tokens=6)
     assert (stats.lookups, stats.hits) == (12, 7)
+
+
+def test_rows_sharing_kept_pages_under_a_small_pool_get_what_they_get_alone(short_converted):
+    """Twelve requests over three shared prefixes (one off page boundaries) and a pool that runs
+    short: rows read kept pages, are set aside and resumed (finding their own kept blocks), and
+    the store gives back pages; every greedy answer is generate's, every page is counted by its
+    holders throughout, and none is promised or held by a row at the end."""
+    model = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=256, prefix_cache="auto")
+    plain = jmoe.load(short_converted, compute_dtype="float32", max_seq_len=256)
+    prefixes = [tokens(40, 70), tokens(41, 130), tokens(42, 2 * PREFIX_BLOCK)]
+    prompts = [prefixes[i % 3] + tokens(50 + i, 5 + 3 * i) for i in range(12)]  # none reaches the context's end
+    with BatchEngine(model, max_batch=4, context=256, kv_pages=7) as engine:
+        engine.observer = checked = CheckedPool(engine)
+        streams = [engine.submit(Request(p, max_tokens=30 + 5 * (i % 4), as_text=False)) for i, p in enumerate(prompts)]
+        outputs = [list(s) for s in streams]
+        assert engine.preemptions > 0 and checked.steps > 0
+        assert model.prefixes.stats.hits >= 6
+        engine.pool.check([engine.table])
+        assert engine.pool.reserved == 0 and (engine.table == -1).all()
+        assert engine.pool.free + len(engine.prefixes.pages()) == engine.pool.pages
+    assert outputs == [jmoe.generate(plain, p, max_new_tokens=30 + 5 * (i % 4)) for i, p in enumerate(prompts)]
+
+
+class CheckedPool(SharedPages):
+    """An engine observer checking the pool's holder counts at every decode step."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.steps = 0
+
+    def step(self, seconds, rows) -> None:
+        self.engine.pool.check([self.engine.table] + [p.table for p in self.engine.prefilling])
+        self.steps += 1

@@ -74,16 +74,13 @@ class PagePrefixes:
         whole, part = divmod(first, page)
         for j in range(whole):
             self.pool.share(table_row, j, pages[j])
-        if part:  # held while the row's own pages are taken: reclaiming must not give it away
-            self.pool.hold(pages[whole])
-        try:
-            if not self.pool.take(table_row, first, len(prompt)):
-                raise RuntimeError("a prompt placed on kept pages found fewer pages than it was promised")
-            if part:  # its first slots are the kept block's, the rest the prefill's
-                self.pool.copy_page(pages[whole], int(table_row[whole]))
-        finally:
-            if part:
-                self.pool.drop(pages[whole])
+        # the promise covers the shared pages and the row's own, not the copied block's page too:
+        # take() may give that page back to the pool (and even to this row), which leaves its
+        # contents as they are until a step writes it, and no step runs before the copy
+        if not self.pool.take(table_row, first, len(prompt)):
+            raise RuntimeError("a prompt placed on kept pages found fewer pages than it was promised")
+        if part:  # its first slots are the kept block's, the rest the prefill's
+            self.pool.copy_page(pages[whole], int(table_row[whole]))
         return first
 
     def keep(self, prompt: list[int], table_row: np.ndarray, key_start: int) -> None:
