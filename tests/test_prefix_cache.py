@@ -19,6 +19,7 @@ from jmoe.serving import BatchEngine, Request
 from jmoe.serving.compiles import CompileCounter
 from jmoe.serving.kv_pages import PagePool
 from jmoe.serving.kv_prefixes import PagePrefixes
+from jmoe.serving.metrics import EngineMetrics
 from tests.conftest import dev_text
 
 
@@ -173,6 +174,9 @@ def test_rows_get_the_pages_only_the_store_holds_when_the_pool_runs_short(short_
         assert [len(o) for o in outputs] == [120, 120]  # 4 pages each: more than the 4 free
         assert engine.preemptions == 0 and len(engine.prefixes.pages()) < 8
         engine.pool.check([engine.table])
+        exposition = EngineMetrics(engine).exposition()[0].decode()
+        assert f"jmoe_prefix_cache_pages {float(len(engine.prefixes.pages()))}" in exposition
+        assert f"jmoe_kv_pages_free {float(engine.pool.free)}" in exposition
     assert outputs == [jmoe.generate(plain, p, max_new_tokens=120) for p in long]
 
 

@@ -37,8 +37,8 @@ class EngineMetrics:
         Gauge("jmoe_requests_waiting", "Requests in the queue (or set aside for want of KV pages)",
               registry=registry).set_function(lambda: engine.queued)
         Gauge("jmoe_kv_pages", "Pages of the KV pool", registry=registry).set_function(lambda: engine.pool.pages)
-        Gauge("jmoe_kv_pages_free", "Pages of the KV pool no row holds", registry=registry).set_function(
-            lambda: engine.pool.free)
+        Gauge("jmoe_kv_pages_free", "Pages of the KV pool no row and no kept prompt block holds",
+              registry=registry).set_function(lambda: engine.pool.free)
         Gauge("jmoe_kv_preemptions", "Requests that gave their KV pages back to be resumed later",
               registry=registry).set_function(lambda: engine.preemptions)
         Gauge("jmoe_compiles", "XLA compilations in this process", registry=registry).set_function(CompileCounter.count)
@@ -48,8 +48,10 @@ class EngineMetrics:
             lambda: stats(engine.model).get("bytes_h2d") or 0)
         prefixes = engine.model.prefixes
         if prefixes is not None:  # kept prompt blocks (jmoe/decoding/prefixes.py)
-            Gauge("jmoe_prefix_cache_reused_tokens", "Prompt tokens copied from kept prefix blocks, not prefilled",
+            Gauge("jmoe_prefix_cache_reused_tokens", "Prompt tokens read from kept prefix blocks, not prefilled",
                   registry=registry).set_function(lambda: prefixes.stats.reused_tokens)
+            Gauge("jmoe_prefix_cache_pages", "KV pages holding kept prompt blocks (rows starting with them read them)",
+                  registry=registry).set_function(lambda: len(engine.prefixes.pages()) if engine.prefixes else 0)
             Gauge("jmoe_prefix_cache_hit_rate", "Prompt tokens reused / prompt tokens looked up (NaN: none yet)",
                   registry=registry).set_function(lambda: _or_nan(prefixes.stats.summary()["token_hit_rate"]))
             Gauge("jmoe_prefix_cache_hits", "Prompts that reused at least one kept block",
