@@ -232,7 +232,10 @@ NATIVE_CASES = [(1, 4, 8, 1, 704, 128, "float32", None, False, 64, False),
                 (1, 1, 4, 1, 1104, 64, "bfloat16", None, True, 16, False),
                 (3, 2, 4, 2, 300, 32, "int8", 50, True, 20, False),
                 (2, 1, 3, 2, 70, 24, "float32", 9, True, 7, False),
-                (3, 2, 4, 1, 320, 32, "int8", None, True, 4, True)]
+                (3, 2, 4, 1, 320, 32, "int8", None, True, 4, True),
+                # prompt chunks of a model with few, narrow heads (jmoe.kernels.attention.native_tokens)
+                (2, 2, 2, 64, 320, 32, "float32", None, False, 64, False),
+                (3, 2, 2, 48, 256, 32, "int8", 40, True, 16, True)]
 
 
 def attention_case(case):
@@ -381,12 +384,12 @@ def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
 
 
 def test_the_attention_entry_point_tries_the_kernels_in_order_and_falls_back_to_the_formulation(monkeypatch):
-    """jmoe/kernels/attention.py: two score terms (MLA) or more than MAX_KERNEL_TOKENS current tokens
+    """jmoe/kernels/attention.py: two score terms (MLA) or more current tokens than native_tokens
     go to the formulation; otherwise the native CPU kernel runs them; where it refuses (the native
     kernels not in use), the Pallas kernel is chosen only when lowered for CUDA, so on the CPU the
     formulation runs."""
     import cpu_kernels.ops
-    from jmoe.kernels.attention import MAX_KERNEL_TOKENS, decode_attention
+    from jmoe.kernels.attention import MAX_KERNEL_TOKENS, decode_attention, native_tokens
 
     B, K, G, S, w = 2, 2, 4, 64, 32
     rng = np.random.default_rng(4)
@@ -401,10 +404,13 @@ def test_the_attention_entry_point_tries_the_kernels_in_order_and_falls_back_to_
         return decode_attention((q,) * terms, (keys,) * terms, values, start, key_start, table, num_tokens=tokens,
                                 **kw)
 
+    assert native_tokens(8, 128) == MAX_KERNEL_TOKENS  # Qwen3-30B-A3B's heads: decode and verification
+    most = native_tokens(G, w)
+    assert most == 64  # these few, narrow heads: prompt chunks of up to 64 tokens too
     assert attend(1, terms=2) is formulation
-    assert attend(MAX_KERNEL_TOKENS + 1) is formulation
-    out, (top, norm) = attend(MAX_KERNEL_TOKENS)  # the native kernel
-    assert out.shape == (B, K, G * MAX_KERNEL_TOKENS, w) and top.shape == norm.shape == (B, K, G, MAX_KERNEL_TOKENS)
+    assert attend(most + 1) is formulation
+    out, (top, norm) = attend(most)  # the native kernel
+    assert out.shape == (B, K, G * most, w) and top.shape == norm.shape == (B, K, G, most)
     monkeypatch.setattr(cpu_kernels.ops, "available", lambda: False)
     with pytest.raises(NotImplementedError):
         cpu_kernels.ops.attention(jnp.zeros((B, K, G, w)), keys, values, start, key_start, table, groups=G,

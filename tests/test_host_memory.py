@@ -237,7 +237,9 @@ WORKSPACE_CASES = {
 
 def compiled_temporaries(path: Path, monkeypatch, max_batch: int) -> tuple[dict, int]:
     """(the plan, the largest temporary buffers of any step) after generating from prompts of 700
-    tokens and fewer (a whole prefill chunk, then a partial one) with max_batch rows."""
+    tokens and fewer (a whole prefill chunk, then a partial one) with max_batch rows, and from one
+    of them alone (the plan's larger of the two: a batch's chunks, and one row's 512-token chunk, as
+    the server prefills)."""
     monkeypatch.setenv(step_cache.ENV, str(path / "steps"))  # its steps are kept: their buffers can be read
     engine.clear_compiled()
     try:
@@ -247,6 +249,8 @@ def compiled_temporaries(path: Path, monkeypatch, max_batch: int) -> tuple[dict,
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(3, 200, 700 - 97 * row)] for row in range(max_batch)]
         jmoe.generate(model, prompts if max_batch > 1 else prompts[0], max_new_tokens=3)
+        if max_batch > 1:
+            jmoe.generate(model, prompts[0], max_new_tokens=3)
         temps = engine.compiled_temp_bytes()
         assert len(temps) >= 2  # a prefill and a decode step
         return plan, max(temps.values())

@@ -2,7 +2,7 @@
 (decode, speculative verification, prompt chunks), and where none takes them, the XLA formulation.
 
 The kernels, in the order they are tried: the native CPU kernel (cpu_kernels.attention) for a few
-current tokens where the native kernels are in use, then on a GPU the Pallas kernel
+current tokens (native_tokens) where the native kernels are in use, then on a GPU the Pallas kernel
 (pallas_kernels/decode_attention.py) for any number of them (a prompt chunk in tiles), chosen when
 the step is lowered for CUDA (`lax.platform_dependent`; any other platform lowers the XLA
 formulation). Each refuses what it cannot take with NotImplementedError before it traces anything;
@@ -19,13 +19,26 @@ import jax
 import cpu_kernels
 import pallas_kernels.decode_attention as pallas_attention
 
-# At most this many current tokens a row go to the native CPU kernel (decode, speculative
-# verification: up to 8 per row); longer prompt chunks multiply enough queries per key for XLA's
-# batched dots (measured at Qwen3-30B-A3B's heads over 4,096 keys: native 1.7-2.8x faster at 8
-# tokens, 0.6-1.1x at 16). On a GPU the Pallas kernel takes prompt chunks too: XLA's loop there
-# visits every block of the cache (its trip count known when compiled), the kernel only the blocks
-# each tile of tokens reaches.
+# Current tokens a row that go to the native CPU kernel: at least MAX_KERNEL_TOKENS (decode,
+# speculative verification: up to 8 per row), and more while the multiply-adds per cached key and
+# cache head (query heads per cache head x tokens x width) stay within NATIVE_KEY_WORK; longer prompt
+# chunks multiply enough queries per key for XLA's batched dots. Over 4,096 keys (one layer,
+# bench.cpu_attention, bench/results/kernels/cpu_attention_*_heads_chunks_zen4_cpu.json) the native
+# kernel against XLA's formulation: at Qwen3-30B-A3B's heads (8 query heads a cache head, width
+# 128) 1.7-2.8x at 8 tokens (8,192 a key), 0.6-1.1x at 16; at GPT-OSS-20B's (8, width 64) 2.1x at 8,
+# 1.3-1.4x at 16 (8,192), 1.0-1.1x at 32; at Mixtral-8x7B's (4, width 128) 2.5x at 8, 1.8-2.0x at 16
+# (8,192), 1.0-1.5x at 32; at the tiny model's (2, width 32) 1.0-1.2x at 64 and 128 (8,192) tokens.
+# On a GPU the Pallas kernel takes prompt chunks too: XLA's loop there visits every block
+# of the cache (its trip count known when compiled), the kernel only the blocks each tile of tokens
+# reaches.
 MAX_KERNEL_TOKENS = 8
+NATIVE_KEY_WORK = 8 * 8 * 128
+
+
+def native_tokens(groups: int, width: int) -> int:
+    """Most current tokens a row for which the native CPU kernel runs attention (groups query heads
+    a cache head, keys `width` wide)."""
+    return max(MAX_KERNEL_TOKENS, NATIVE_KEY_WORK // (groups * width))
 
 
 def may_lower_for_a_gpu() -> bool:
@@ -46,7 +59,7 @@ def decode_attention(queries, keys, values, start, key_start, table, *, num_toke
         return reference()
     args = (queries[0], keys[0], values, start, key_start, table)
     kw = dict(groups=groups, scale=scale, window=window, sink=sink)
-    if num_tokens <= MAX_KERNEL_TOKENS:
+    if num_tokens <= native_tokens(groups, queries[0].shape[-1]):
         try:
             out, top, norm = cpu_kernels.attention(*args, **kw)
             return out, (top, norm)

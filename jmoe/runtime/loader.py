@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import cpu_kernels
+
 from jmoe import validate
 from jmoe.config import ModelConfig
 from jmoe.decoding.engine import KV_PAGE, PREFILL_CHUNK, Engine, cache_nbytes, prefill_chunk
@@ -42,6 +44,7 @@ from jmoe.runtime.trace import Trace
 from jmoe.tiers import TIER_NAMES
 from jmoe.tokenizer import load_tokenizer
 from jmoe.kernels import BACKENDS
+from jmoe.kernels.attention import native_tokens
 
 DEFAULT_MAX_SEQ_LEN = 4096
 log = logging.getLogger("jmoe.runtime")
@@ -292,11 +295,23 @@ def all_expert_bytes(cfg: ModelConfig, record_nbytes: int) -> int:
     return record_nbytes * cfg.num_moe_layers * cfg.num_experts
 
 
-def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, dtype) -> int:
+def native_attention(cfg: ModelConfig, tokens: int, kv_dtype) -> bool:
+    """Whether a step's attention of `tokens` current tokens a row runs in the native CPU kernel
+    here (jmoe/kernels/attention.py), which streams the cached keys and holds no block of scores."""
+    query_terms, _ = attention_head_widths(cfg)
+    cache_heads = cache_spec(cfg, 0)[0][0]
+    return (len(query_terms) == 1 and cpu_kernels.available() and jnp.dtype(kv_dtype) in NATIVE_CACHE_DTYPES
+            and tokens <= native_tokens(cfg.num_heads // cache_heads, query_terms[0]))
+
+
+NATIVE_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8))
+
+
+def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, dtype, kv_dtype=None) -> int:
     """Peak activation memory of one step over `tokens` tokens in each of `rows` rows: per row one
     block of attention scores and the block of values they weigh (never the whole context:
-    jmoe/layers/attention.py), the activations of the larger of a layer's two halves beside
-    its residual stream, and the logits.
+    jmoe/layers/attention.py; none where the native CPU kernel runs the attention), the
+    activations of the larger of a layer's two halves beside its residual stream, and the logits.
 
     As compiled (a prefill chunk's temporaries, tests/test_host_memory.py): the attention holds its
     queries and about three float32 copies of its output at once (summed, normalised, moved back to
@@ -307,6 +322,8 @@ def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, d
     scores = attention_scores_nbytes(cfg.num_heads, tokens, cache_len, len(query_terms))
     cache_heads = cache_spec(cfg, 0)[0][0]  # the values' block is gathered (the keys' fuses into the scores)
     value_block = key_block(cfg.num_heads, tokens, cache_len) * cache_heads * output_width * 4
+    if native_attention(cfg, tokens, dtype if kv_dtype is None else kv_dtype):
+        scores = value_block = 0
     attention = cfg.num_heads * (sum(query_terms) + 3 * output_width)
     routed = 3 * (cfg.top_k * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
     ffn = max(routed, 3 * cfg.dense_intermediate_size)
@@ -321,8 +338,8 @@ def fixed_memory(cfg: ModelConfig, abstract_state, dtype, max_seq_len: int, max_
     compute dtype: kv_bytes, else max_batch rows of max_seq_len tokens in whole pages), workspace
     (the larger of a batch's prefill step, at most PREFILL_CHUNK prompt tokens in all, and one row's
     prompt chunk, as the server prefills)."""
-    batch = workspace_nbytes(cfg, max_batch, min(max_seq_len, prefill_chunk(max_batch)), max_seq_len, dtype)
-    one_row = workspace_nbytes(cfg, 1, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype)
+    batch = workspace_nbytes(cfg, max_batch, min(max_seq_len, prefill_chunk(max_batch)), max_seq_len, dtype, kv_dtype)
+    one_row = workspace_nbytes(cfg, 1, min(max_seq_len, PREFILL_CHUNK), max_seq_len, dtype, kv_dtype)
     row_slots = -(-max_seq_len // KV_PAGE) * KV_PAGE
     return {
         "dense": tree_nbytes(abstract_state),
