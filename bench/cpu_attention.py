@@ -1,5 +1,6 @@
 """Decode attention on the CPU: the native kernel (cpu_kernels.attention) against the blocked XLA
-formulation it replaced, at Qwen3-30B-A3B's heads (32 query heads on 4 cache heads of 128). The
+formulation it replaced, at Qwen3-30B-A3B's heads (32 query heads on 4 cache heads of 128) or
+another model's (`--heads`). The
 native kernel reads a paged cache (pages of 64 slots in shuffled order, as a page table leaves them
 after sequences come and go), XLA the same data contiguous.
 
@@ -9,7 +10,8 @@ caches are read from memory as in a decode step, not from the last level of cach
 alternate within each round; medians [min-max] over rounds. Fails if anything compiles in a timed
 window.
 
-    python -m bench.cpu_attention [--depths 4096,16384] [--rounds 3] [--tag zen5]
+    python -m bench.cpu_attention [--depths 4096,16384] [--tokens 1,4] [--heads 32,4,128]
+                                  [--caches float32,bfloat16,int8] [--rounds 3] [--tag zen5]
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ CACHES = ("float32", "bfloat16", "int8")
 PAGE = 64
 
 
-def caches(kind: str, layers: int, depth: int, table: np.ndarray, rng) -> tuple[list, list]:
+def caches(kind: str, layers: int, depth: int, table: np.ndarray, rng, cache_heads: int = CACHE_HEADS,
+           width: int = WIDTH) -> tuple[list, list]:
     """Per layer, (keys, values) contiguous [1, K, depth, w] and the same as pages [n, K, PAGE, w]:
     the row's page p at table[0, p]."""
     def one():
-        k, v = (rng.normal(size=(1, CACHE_HEADS, depth, WIDTH)).astype(np.float32) for _ in range(2))
+        k, v = (rng.normal(size=(1, cache_heads, depth, width)).astype(np.float32) for _ in range(2))
         if kind == "int8":
             return quantize_rows(jnp.asarray(k)), quantize_rows(jnp.asarray(v))
         return jnp.asarray(k, kind), jnp.asarray(v, kind)
@@ -71,24 +74,28 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="distinct caches a chain cycles through")
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--heads", default=f"{HEADS},{CACHE_HEADS},{WIDTH}",
+                        help="query heads, cache heads, width (default Qwen3-30B-A3B's)")
+    parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--tag", default=None, help="the result file's name: cpu_attention_<tag>")
     args = parser.parse_args()
+    heads, cache_heads, width = (int(x) for x in args.heads.split(","))
     if not cpu_kernels.available():
         raise SystemExit("the native CPU kernels are not loaded")
     rng = np.random.default_rng(0)
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         table = rng.permutation(depth // PAGE).astype(np.int32)[None]
-        for kind in CACHES:
-            contiguous, paged = caches(kind, args.layers, depth, table, rng)
+        for kind in args.caches.split(","):
+            contiguous, paged = caches(kind, args.layers, depth, table, rng, cache_heads, width)
             cache_bytes = sum(x.nbytes for x in jax.tree.leaves(contiguous[0]))
             for tokens in (int(t) for t in args.tokens.split(",")):
-                groups = HEADS // CACHE_HEADS
-                q = jnp.asarray(rng.normal(size=(1, CACHE_HEADS, groups * tokens, WIDTH)).astype(np.float32))
+                groups = heads // cache_heads
+                q = jnp.asarray(rng.normal(size=(1, cache_heads, groups * tokens, width)).astype(np.float32))
                 start = jnp.array([depth - tokens], jnp.int32)
                 meta = AttentionMeta(start, jnp.zeros((1,), jnp.int32), jnp.zeros((1, tokens, 2)),
                                      jnp.zeros((1, tokens, 2)), jnp.zeros((1, 1), jnp.int32))  # one page a row
-                kw = dict(groups=groups, scale=WIDTH**-0.5, window=None, precision=None)
+                kw = dict(groups=groups, scale=width**-0.5, window=None, precision=None)
                 forms = {
                     "native": lambda q, k, v: cpu_kernels.attention(q, k, v, meta.start, meta.key_start, table,
                                                                     groups=groups, scale=kw["scale"], window=None)[0],
@@ -114,7 +121,7 @@ def main() -> None:
                       f"x{row['speedup']['median']:.2f} [{row['speedup']['min']:.2f}-{row['speedup']['max']:.2f}]",
                       flush=True)
     write_result("kernels", f"cpu_attention_{args.tag}" if args.tag else "cpu_attention", {
-        "shapes": f"Qwen3-30B-A3B attention: {HEADS} query heads on {CACHE_HEADS} cache heads of {WIDTH}",
+        "shapes": f"{heads} query heads on {cache_heads} cache heads of {width}",
         "layers": args.layers, "calls": args.calls, "rounds": args.rounds, "rows": rows})
 
 
