@@ -1024,7 +1024,8 @@ def long_context_files() -> list[tuple[str, str]]:
             for r in range(1, LONG_CONTEXT_ROUNDS + 1)]
 
 
-LONG_CONTEXT_PLAN_NOW = "long_context/long_context_plan_widths_cpu.json"  # the workspace as compiled steps hold it
+# the workspace as compiled steps hold it, none for the scores of chunks the native CPU attention runs
+LONG_CONTEXT_PLAN_NOW = "long_context/long_context_plan_native_chunks_cpu.json"
 
 
 def long_context_plan() -> str:
@@ -1037,7 +1038,9 @@ def long_context_plan() -> str:
     out = table(["model", "compute dtype", "max_seq_len", "max_batch", "KV cache", "workspace, before → after",
                  "workspace now"], rows)
     return out + (f"\n\nComputed by `jmoe/runtime/loader.py` ({source(before_name, after_name)}); "
-                  f"now: with every query head's width and the cache block read, below ({source(LONG_CONTEXT_PLAN_NOW)}).")
+                  f"now: with every query head's width and the cache block read, below, and no block of scores "
+                  f"for the prompt chunks the native CPU attention runs (the tiny model's batch chunks of 32 "
+                  f"tokens a row) ({source(LONG_CONTEXT_PLAN_NOW)}).")
 
 
 def long_context_workspace() -> str:
