@@ -21,16 +21,17 @@ import pallas_kernels.decode_attention as pallas_attention
 
 # Current tokens a row that go to the native CPU kernel: at least MAX_KERNEL_TOKENS (decode,
 # speculative verification: up to 8 per row), and more while the multiply-adds per cached key and
-# cache head (query heads per cache head x tokens x width) stay within NATIVE_KEY_WORK; longer prompt
-# chunks multiply enough queries per key for XLA's batched dots. Over 4,096 keys (one layer,
-# bench.cpu_attention, bench/results/kernels/cpu_attention_*_heads_chunks_zen4_cpu.json) the native
-# kernel against XLA's formulation: at Qwen3-30B-A3B's heads (8 query heads a cache head, width
-# 128) 1.7-2.8x at 8 tokens (8,192 a key), 0.6-1.1x at 16; at GPT-OSS-20B's (8, width 64) 2.1x at 8,
-# 1.3-1.4x at 16 (8,192), 1.0-1.1x at 32; at Mixtral-8x7B's (4, width 128) 2.5x at 8, 1.8-2.0x at 16
-# (8,192), 1.0-1.5x at 32; at the tiny model's (2, width 32) 1.0-1.2x at 64 and 128 (8,192) tokens.
-# On a GPU the Pallas kernel takes prompt chunks too: XLA's loop there visits every block
-# of the cache (its trip count known when compiled), the kernel only the blocks each tile of tokens
-# reaches.
+# cache head (query heads per cache head x tokens x width) stay within NATIVE_KEY_WORK; longer
+# prompt chunks multiply enough queries per key for XLA's batched dots. Over 4,096 keys (one layer,
+# bench.cpu_attention, bench/results/kernels/cpu_attention_*_heads_chunks_zen4_cpu.json) the
+# native kernel against XLA's formulation, float32 and int8 caches:
+# - Qwen3-30B-A3B's heads (8 query heads a cache head, width 128): 1.8-1.9x at 8 tokens (8,192 a
+#   key), 1.05-1.1x at 16 (on a Zen 5 earlier: 0.6-1.1x);
+# - GPT-OSS-20B's (8, width 64): 2.1x at 8, 1.3-1.4x at 16 (8,192), 1.0-1.1x at 32;
+# - Mixtral-8x7B's (4, width 128): 2.5x at 8, 1.8-2.0x at 16 (8,192), 1.0-1.5x at 32;
+# - the tiny model's (2, width 32): 1.0-1.2x at 64 and 128 (8,192) tokens.
+# On a GPU the Pallas kernel takes prompt chunks too: XLA's loop there visits every block of the
+# cache (its trip count known when compiled), the kernel only the blocks each tile of tokens reaches.
 MAX_KERNEL_TOKENS = 8
 NATIVE_KEY_WORK = 8 * 8 * 128
 
