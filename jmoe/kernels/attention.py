@@ -26,7 +26,7 @@ import pallas_kernels.decode_attention as pallas_attention
 # bench.cpu_attention, bench/results/kernels/cpu_attention_*_heads_chunks_zen4_cpu.json) the
 # native kernel against XLA's formulation, float32 and int8 caches:
 # - Qwen3-30B-A3B's heads (8 query heads a cache head, width 128): 1.8-1.9x at 8 tokens (8,192 a
-#   key), 1.05-1.1x at 16 (on a Zen 5 earlier: 0.6-1.1x);
+#   key), 1.05-1.1x at 16 (an earlier measurement of this kernel: 0.6-1.1x);
 # - GPT-OSS-20B's (8, width 64): 2.1x at 8, 1.3-1.4x at 16 (8,192), 1.0-1.1x at 32;
 # - Mixtral-8x7B's (4, width 128): 2.5x at 8, 1.8-2.0x at 16 (8,192), 1.0-1.5x at 32;
 # - the tiny model's (2, width 32): 1.0-1.2x at 64 and 128 (8,192) tokens.
