@@ -192,14 +192,14 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
     return y.astype(h.dtype)
 
 
-_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+ATTENTION_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))  # attention reads
 
 
 def attention_reads(keys, values) -> bool:
     """Whether the native attention reads these caches as they lie, so `attention` takes them without a
     copy: keys and values of one kind, float32, bfloat16, or int8 values with float32 scales."""
     kind = lambda cache: (jnp.dtype(getattr(cache, "values", cache).dtype), hasattr(cache, "scales"))  # noqa: E731
-    return kind(keys) == kind(values) and kind(keys)[0] in _CACHE_DTYPES
+    return kind(keys) == kind(values) and kind(keys)[0] in ATTENTION_CACHE_DTYPES
 
 
 def attention(q, keys, values, start, key_start, table, *, groups: int, scale: float, window: int | None,

@@ -300,11 +300,9 @@ def native_attention(cfg: ModelConfig, tokens: int, kv_dtype) -> bool:
     here (jmoe/kernels/attention.py), which streams the cached keys and holds no block of scores."""
     query_terms, _ = attention_head_widths(cfg)
     cache_heads = cache_spec(cfg, 0)[0][0]
-    return (len(query_terms) == 1 and cpu_kernels.available() and jnp.dtype(kv_dtype) in NATIVE_CACHE_DTYPES
+    return (len(query_terms) == 1 and cpu_kernels.available()
+            and jnp.dtype(kv_dtype) in cpu_kernels.ops.ATTENTION_CACHE_DTYPES
             and tokens <= native_tokens(cfg.num_heads // cache_heads, query_terms[0]))
-
-
-NATIVE_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8))
 
 
 def workspace_nbytes(cfg: ModelConfig, rows: int, tokens: int, cache_len: int, dtype, kv_dtype=None) -> int:

@@ -68,6 +68,8 @@ class Admission:
     def _admissible(self) -> int:
         """How many waiting requests (after the rows set aside) the next admission starts: oldest
         first, while a slot is free and the pool has pages for the prompt."""
+        if not self.waiting:  # (the pool's available pages walk the prefix store: not every step)
+            return 0
         free_rows = self.max_batch - self.running - len(self.prefilling)
         free_pages = self.pool.available
         for _, prompt, _ in self.set_aside:

@@ -156,7 +156,7 @@ class PagePool:
         assert all(self._holders[page] == 0 for page in self._free), "a held page is also free"
         leaked = self.pages - len(self._free) - int(np.count_nonzero(self._holders))
         assert leaked == 0, f"{leaked} pages leaked"
-        assert 0 <= self.reserved <= len(self._free) + (self.store.reclaimable() if self.store is not None else 0)
+        assert self.reserved >= 0 and self.available >= 0, "more pages promised than the pool can hand out"
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -31,14 +31,11 @@ class PagePrefixes:
 
     def __init__(self, pool: PagePool, blocks: int, shared: PrefixCache):
         self.pool = pool
+        # the tree's capacity counted in blocks (a block a page), not bytes
         self.tree = PrefixCache(capacity=blocks, block_nbytes=1, block=pool.page, stats=shared.stats,
                                 on_evict=pool.drop)
         self.tree.lock = shared.lock  # one lock for the statistics both count into
         pool.store = self
-
-    @property
-    def stats(self):
-        return self.tree.stats
 
     def pages(self) -> list[int]:
         """The pages of every kept block (one holder each: the store)."""
