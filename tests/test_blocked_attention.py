@@ -235,7 +235,10 @@ NATIVE_CASES = [(1, 4, 8, 1, 704, 128, "float32", None, False, 64, False),
                 (3, 2, 4, 1, 320, 32, "int8", None, True, 4, True),
                 # prompt chunks of a model with few, narrow heads (jmoe.kernels.attention.native_tokens)
                 (2, 2, 2, 64, 320, 32, "float32", None, False, 64, False),
-                (3, 2, 2, 48, 256, 32, "int8", 40, True, 16, True)]
+                (3, 2, 2, 48, 256, 32, "int8", 40, True, 16, True),
+                # queries as lanes (16 or more a cache head): bfloat16, and a ragged last block of lanes
+                (1, 2, 4, 16, 512, 64, "bfloat16", None, False, 64, False),
+                (2, 1, 3, 7, 140, 24, "float32", 30, True, 20, False)]
 
 
 def attention_case(case):

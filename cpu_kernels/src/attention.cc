@@ -7,7 +7,9 @@
 // first; here each task streams one (row, cache head)'s keys and values once, page by page, every
 // query head of its group at a time, with an online softmax (no score matrix held beyond 32 keys).
 // Long ranges are cut into chunks whose partial softmaxes are merged at the end (flash-decoding), so
-// one row's few heads still use every thread.
+// one row's few heads still use every thread. Where a head has 16 queries or more (a prompt chunk of
+// a model with few, narrow heads; a verification at Qwen3's), the queries are vector lanes instead
+// (attend_chunk_lanes): each pass is then two small matrix products, 1.1-1.6x faster there.
 
 #include <algorithm>
 #include <cmath>
