@@ -38,11 +38,13 @@ def dev_prompts(tokenizer, n_tokens: int = 48) -> list[list[int]]:
 def machine() -> dict:
     dev = jax.devices()[0]
     cpu = platform.processor() or platform.machine()
-    family = None
+    family = model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("cpu family"):
                 family = int(line.split(":", 1)[1])
+            if line.startswith("model\t") or line.startswith("model :"):
+                model = int(line.split(":", 1)[1])
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
@@ -57,6 +59,7 @@ def machine() -> dict:
         # a VM may name only the brand ("AMD EPYC"): the family and the kernels' instruction set
         # tell one generation from another
         "cpu_family": family,
+        "cpu_model": model,  # with the family, the generation (6/207: Xeon Emerald Rapids; 25/17: EPYC Zen 4)
         "cpu_kernels_isa": native.isa(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
