@@ -41,12 +41,13 @@ def machine() -> dict:
     family = model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu family"):
-                family = int(line.split(":", 1)[1])
-            if line.startswith("model\t") or line.startswith("model :"):
-                model = int(line.split(":", 1)[1])
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "cpu family":
+                family = int(value)
+            elif key == "model":
+                model = int(value)
+            elif key == "model name":
+                cpu = value
                 break
     except (OSError, ValueError):
         pass
