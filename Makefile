@@ -58,10 +58,15 @@ DOCS_LOG ?= docs.log
 README_LOG ?= readme-check.log
 TEST_LOG ?= test.log
 BESIDE := gpu-compile:$(GPU_COMPILE_LOG) docs:$(DOCS_LOG) readme-check:$(README_LOG)
+# The H100 compile check beside the tests: every kernel case, each whole-step case for one model (the
+# models in turn), into a file of its own; `make gpu-compile` compiles every step of every model into
+# bench/results/gpu_compile/.
+TEST_GPU_COMPILE_ARGS ?= --steps-in-turn --out gpu-compile.json
 test: $(STAMP)
 	@echo "beside the tests, in turn: make gpu-compile, docs and readme-check; their logs: $(GPU_COMPILE_LOG), $(DOCS_LOG), $(README_LOG)"
 	@for job in $(BESIDE); do \
-		$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) $${job%%:*} > $${job#*:} 2>&1; \
+		$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) GPU_COMPILE_ARGS="$(TEST_GPU_COMPILE_ARGS)" \
+			$${job%%:*} > $${job#*:} 2>&1; \
 		echo "$$?" > $${job#*:}.rc; \
 	done & beside=$$!; \
 	{ PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest $(TEST_ARGS); echo "$$?" > $(TEST_LOG).rc; } \
@@ -105,7 +110,8 @@ gpu-dry-run: $(STAMP)
 # beside the running tests. Registers, spills, shared memory, grids and decode-loop checks per
 # kernel, and the offloaded decode step's checks (pinned-host stores, async host slices, one command
 # buffer), to bench/results/gpu_compile/gpu_compile_h100.json. Fails on any spill, compile error or
-# failed check (part of `make test`).
+# failed check. `make test` runs it beside the tests with each step case for one model
+# (TEST_GPU_COMPILE_ARGS).
 GPU_AOT_VENV ?= .venv-gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT_VENV)/.installed
 # What a compile-only venv holds besides the project: $(call gpu_aot_wheels,JAX_VERSION)
@@ -124,7 +130,7 @@ $(GPU_AOT_STAMP): $(STAMP)
 	touch $(GPU_AOT_STAMP)
 
 gpu-compile: $(GPU_AOT_STAMP)
-	PYTHONPATH=. JAX_PLATFORMS=cpu $(GPU_AOT_VENV)/bin/python -m bench.gpu_compile
+	PYTHONPATH=. JAX_PLATFORMS=cpu $(GPU_AOT_VENV)/bin/python -m bench.gpu_compile $(GPU_COMPILE_ARGS)
 
 # The same against the GPU machines' versions (jax 0.11.2, CUDA 13): jaxlib 0.11 has no wheel for
 # Python 3.11, so this needs a Python 3.12 (PYTHON312; with pyenv: PYENV_VERSION=3.12.1). Not part of
@@ -141,4 +147,4 @@ gpu-compile-jax0.11: $(GPU_AOT_NEXT_VENV)/.installed
 		--out bench/results/gpu_compile/gpu_compile_h100_jax0.11.2.json
 
 clean:
-	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out site .pytest_cache $(GPU_COMPILE_LOG) $(TEST_LOG) $(TEST_LOG).rc
+	rm -rf $(VENV) $(GPU_AOT_VENV) $(GPU_AOT_NEXT_VENV) out site .pytest_cache $(GPU_COMPILE_LOG) gpu-compile.json $(TEST_LOG) $(TEST_LOG).rc

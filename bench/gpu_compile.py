@@ -60,6 +60,7 @@ A canary case compiles a block that is known to spill (float32 rows on the dot p
 check itself is broken and the run fails.
 
     make gpu-compile                         # builds .venv-gpu-aot once, then runs this
+    make gpu-compile GPU_COMPILE_ARGS="--steps-in-turn --out gpu-compile.json"   # what `make test` runs
     python -m bench.gpu_compile --out bench/results/gpu_compile/gpu_compile_h100.json
 
     python -m bench.gpu_compile --only-offload --models qwen3-30b-a3b --out /tmp/offload.json
@@ -978,8 +979,17 @@ def kernel_and_step_runs(args, models: list[str], device) -> list:
     runs += [functools.partial(compile_mosaic_case, name, shapes[name], device) for name in models]
     runs += attention_runs(models, device)
     if args.steps:
-        runs += [functools.partial(compile_step, name, *case, device=device) for name in models for case in STEP_CASES]
+        runs += [functools.partial(compile_step, name, *case, device=device)
+                 for name, case in step_pairs(models, STEP_CASES, args.steps_in_turn)]
     return runs
+
+
+def step_pairs(models: list[str], cases: tuple, in_turn: bool) -> list[tuple[str, tuple]]:
+    """(model, case) for every whole-step case: for every model, or (in_turn) each case for one
+    model, the models taken in turn, so every case and every model is still compiled at least once."""
+    if not in_turn:
+        return [(name, case) for name in models for case in cases]
+    return [(models[i % len(models)], case) for i, case in enumerate(cases)]
 
 
 def attention_runs(models: list[str], device) -> list:
@@ -997,6 +1007,10 @@ def main(argv=None) -> int:
                         help="leave out the whole jitted steps of 2-layer model slices")
     parser.add_argument("--no-offload", dest="offload", action="store_false",
                         help="leave out the offloaded decode steps (experts fetched from pinned-host stores)")
+    parser.add_argument("--steps-in-turn", action="store_true",
+                        help="compile each whole-step and offloaded-step case for one model, the models in "
+                             "turn, rather than for every model (the kernel cases stay at every shape): "
+                             "what `make test` runs, a quarter of the steps' compile time")
     parser.add_argument("--only-offload", action="store_true",
                         help="only the offloaded decode steps (no kernel cases, other steps or spill canary)")
     parser.add_argument("--only-attention", action="store_true",
@@ -1011,8 +1025,8 @@ def main(argv=None) -> int:
     else:
         runs = [] if args.only_offload else kernel_and_step_runs(args, models, device)
     if (args.offload or args.only_offload) and not args.only_attention:
-        runs += [functools.partial(compile_offloaded_step, name, *case, device) for name in models
-                 for case in OFFLOAD_CASES]
+        runs += [functools.partial(compile_offloaded_step, name, *case, device)
+                 for name, case in step_pairs(models, OFFLOAD_CASES, args.steps_in_turn)]
     results = []
     for run in runs:
         r = run()

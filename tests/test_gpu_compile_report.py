@@ -5,7 +5,7 @@ from __future__ import annotations
 from bench.gpu_compile import (branches_and_loops, command_buffers, decode_loop_barriers, decode_loop_check,
                                 expected_fetches, failure_kind, host_arrays_in_entry_layout, host_async_slices,
                                 host_compute, modelled_decode_bandwidth, offload_canary_caught, offload_checks,
-                                parse_ptxas, parse_thunks, read_offloaded_step, slice_launches)
+                                parse_ptxas, parse_thunks, read_offloaded_step, slice_launches, step_pairs)
 
 PTXAS_LOG = """\
 I1124 05:08:28.298485    7164 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
@@ -56,6 +56,17 @@ $L__BB0_2:
 \t@%p1 bra $L__BB0_2;
 \tst.global.b32 [ %rd5 + 0 ], { %r10 };
 """
+
+
+def test_steps_in_turn_compile_every_case_and_every_model_once_at_least():
+    models, cases = ["a", "b", "c", "d"], tuple(f"case {i}" for i in range(6))
+    every = step_pairs(models, cases, in_turn=False)
+    assert len(every) == 24 and len(set(every)) == 24
+    in_turn = step_pairs(models, cases, in_turn=True)
+    assert [case for _, case in in_turn] == list(cases)
+    assert {name for name, _ in in_turn} == set(models)
+    assert set(in_turn) <= set(every)
+    assert {name for name, _ in step_pairs(models, cases[:3], in_turn=True)} == {"a", "b", "c"}
 
 
 def test_thunk_sequence_gives_each_kernels_launch():
