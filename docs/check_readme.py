@@ -11,7 +11,8 @@ In a temporary directory holding a copy of `examples/`, this converts the bundle
 demo` does (`out/tiny-qwen3-moe`, bf16 only), then runs each runnable block from that directory:
 ```bash blocks with `bash -euo pipefail`, ```python blocks with this interpreter, the `jmoe` and
 `python` beside this interpreter first on PATH (as after `source .venv/bin/activate`). Port 8000
-in a block becomes a free port, so a server a block starts does not collide with another one.
+in a block becomes a free port, so a server a block starts does not collide with another one. The
+blocks share an XLA compilation cache of their own in the temporary directory, empty at the start.
 Any non-zero exit, or a block past its time limit, fails the check (exit status 1).
 
     python docs/check_readme.py            # README.md, then docs/tutorial.md
@@ -89,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     bin_dir = str(Path(sys.executable).parent)
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
     work = Path(tempfile.mkdtemp(prefix="jmoe-readme-check-"))
+    # The blocks share a compilation cache of their own, empty at the start, as on a new user's
+    # machine: the user's cache would make the check's time (and what it compiles) depend on
+    # whatever ran on this machine before.
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1",
+               JMOE_COMPILATION_CACHE=str(work / "xla-cache"))
     start = time.monotonic()
     failed = []
     try:
