@@ -176,6 +176,17 @@ def test_llama_perplexity_is_read_when_a_stream_lost_its_last_lines():
         read_perplexity("", "")
 
 
+def test_a_llama_cpp_run_killed_by_an_illegal_instruction_says_so(tmp_path):
+    """A build for instructions the machine does not run (AMX in a virtual machine that lists it)
+    dies of SIGILL: the error names the signal and the likeliest cause, not a bare negative code."""
+    from bench.lib.llama_cpp import run_measured
+
+    with pytest.raises(RuntimeError, match="SIGILL: .*AMX"):
+        run_measured(["sh", "-c", "kill -ILL $$"], log=tmp_path / "log")
+    with pytest.raises(RuntimeError, match=r"exit status 3"):
+        run_measured(["sh", "-c", "exit 3"], log=tmp_path / "log")
+
+
 def test_llama_perplexity_runs_again_when_its_output_lost_a_window(tmp_path, monkeypatch):
     """A run whose streams both lost their last lines shows fewer windows than asked for: it is run
     again (llama-perplexity is deterministic), and the complete run's figures are kept."""

@@ -21,6 +21,9 @@ was measured with; 20-40 minutes on 2 cores):
         -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \\
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
     cmake --build build -j 2 --target llama-bench llama-quantize llama-perplexity llama-tokenize
+    # where the CPU lists AMX but the machine does not run it (a virtual machine: llama-bench's
+    # prompt runs then die of SIGILL in the Q4_0 path), configure with AMX off as well:
+    #   "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" (and the same CMAKE_CXX_FLAGS)
     export JMOE_LLAMA_CPP=~/llama-build/build/bin
     # Mixtral only: an interpreter that sees jmoe's packages, plus sentencepiece
     python3 -m venv venv
@@ -46,6 +49,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -223,6 +227,20 @@ def gguf_source(llama: LlamaCpp, checkpoint: Path, out: Path) -> Path:
     return out
 
 
+def exit_reason(returncode: int) -> str:
+    """A failed run's exit code in words; an illegal instruction names its likeliest cause."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGILL:
+        return (f"{name}: the build uses an instruction this machine does not run, most often AMX "
+                "in a virtual machine whose CPU flags list it; rebuild with AMX off (module docstring)")
+    return name
+
+
 def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None,
                  log: Path | None = None) -> tuple[str, float, int]:
     """Run cmd; return (stdout, seconds, peak RSS bytes of that process alone, from wait4)."""
@@ -235,7 +253,7 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = 
     seconds = time.perf_counter() - t
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log and log.exists() else ""
-        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... failed ({proc.returncode}):\n{tail}")
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... failed ({exit_reason(proc.returncode)}):\n{tail}")
     return out, seconds, usage.ru_maxrss * 1024
 
 
