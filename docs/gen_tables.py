@@ -137,9 +137,11 @@ def headline() -> str:
     # other run is in docs/benchmarks.md.
     zen4_mixed = "real_shapes/real_shapes_mixed_r_zen4_cpu.json"
     zen5 = "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"
+    emr = "real_shapes/real_shapes_mixed_r_emr_cpu.json"
     for name, equal_name, where in [
         (zen4_mixed, "real_shapes/real_shapes_equal_bits_7_rounds_zen4_cpu.json", "on an AVX-512 EPYC (Zen 4)"),
         (zen5, zen5, "on an AVX-512 EPYC (Zen 5)"),
+        (emr, emr, "on an AVX-512 Xeon (Emerald Rapids)"),
     ]:
         run = load(name)
         r = run["settings"].get("mixed_r") or [0.75]
@@ -777,12 +779,13 @@ TIERS = ("bf16", "int8", "int4", "int2")
 
 # The newest equal-bits run of each family on each machine (bench.real_shapes, int6 head against Q4_0).
 EQUAL_BITS_RUNS = [
-    ("Zen 4", "real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
-    ("Zen 4", "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
-    ("Zen 4", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
-    ("Zen 5", "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"),
-    ("Zen 5", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
-    ("Zen 5", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
+    ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
+    ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
+    ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixed_r_emr_cpu.json"),
 ]
 
 
@@ -793,7 +796,7 @@ def equal_bits_summary() -> str:
         d = load(name)
         r = d["ratios"][f"{ours} / {theirs}"]
         rss = " vs ".join(f"{d['summary'][k]['rss_over_loaded']['median']:.2f}x" for k in (ours, theirs))
-        rows.append([f"{d['model']['name']}, {d['model']['layers']} layers", f"AMD EPYC ({cpu})",
+        rows.append([f"{d['model']['name']}, {d['model']['layers']} layers", cpu,
                      ratio(r["prefill_tok_s"]), ratio(r["decode_tok_s@0"]), ratio(r["decode_tok_s@512"]), rss,
                      f"{d['settings']['rounds']} ({source(name)})"])
     return table(["slice (random weights)", "CPU, 2 cores", "prefill (512)", "decode (depth 0)", "decode (depth 512)",
@@ -1277,6 +1280,7 @@ TABLES = {
     "dynaexq-streams": dynaexq_streams,
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
+    "real-shapes-mixed-r-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
     "expert-tiers-gfni-all-widths": lambda: expert_mixed_tiers("kernels/expert_tiers_gfni_all_widths_zen4_cpu.json"),
