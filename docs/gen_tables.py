@@ -1134,22 +1134,12 @@ def depth_rows(data: dict) -> list[list[str]]:
     return rows
 
 
-def depth_vs_llama() -> str:
-    name = "long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json"
+def depth_vs_llama(name: str = "long_context/depth_vs_llama_qwen3-30b-a3b_2L_cpu.json") -> str:
     data = load(name)
     out = table(DEPTH_HEADER, depth_rows(data))
     return out + (f"\n\n{data['model']}; jmoe {data['jmoe']}; llama.cpp {data['llama_cpp']}; {data['new_tokens']} new "
                   f"tokens; medians of {data['rounds']} alternating rounds, ratios within a round [min–max]. "
                   f"Machine: {machine(data)} ({source(name)}).")
-
-
-def depth_vs_llama_emr() -> str:
-    """The 2-layer slice at depth beside llama.cpp on the Xeon (Emerald Rapids), native attention."""
-    name = "long_context/depth_vs_llama_qwen3-30b-a3b_2L_emr_cpu.json"
-    data = load(name)
-    out = table([*DEPTH_HEADER, "rounds"], [[*row, data["rounds"]] for row in depth_rows(data)])
-    return out + (f"\n\n{data['model']}; jmoe {data['jmoe']}; llama.cpp {data['llama_cpp']}; {data['new_tokens']} new "
-                  f"tokens; ratios within a round [min–max]. Machine: {machine(data)} ({source(name)}).")
 
 
 def expert_mixed_tiers(name: str = "kernels/expert_mixed_tiers_cpu.json") -> str:
@@ -1263,7 +1253,7 @@ TABLES = {
     "kv-pages": kv_pages,
     "depth-vs-llama": depth_vs_llama,
     "depth-vs-llama-native-zen5": depth_vs_llama_native,
-    "depth-vs-llama-emr": depth_vs_llama_emr,
+    "depth-vs-llama-emr": lambda: depth_vs_llama("long_context/depth_vs_llama_qwen3-30b-a3b_2L_emr_cpu.json"),
     "cpu-attention-zen5": lambda: cpu_attention("kernels/cpu_attention_zen5_cpu.json"),
     "perplexity": perplexity,
     "quality": quality,
