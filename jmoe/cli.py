@@ -13,7 +13,7 @@ import time
 
 from jmoe import validate
 from jmoe.errors import InputError, JmoeError
-from jmoe.runtime.collector import freeze_start_up
+from jmoe.runtime.collector import freeze_start_up, import_runtime
 from jmoe.tokenizer import first_line
 
 API_KEY_ENV = "JMOE_API_KEY"  # serve's API key when --api-key is not given
@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already reported in one line
         return e.code if isinstance(e.code, int) else 2
+    import_runtime()
     try:
         commands = {"convert": cmd_convert, "generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat,
                     "bench": cmd_bench, "info": cmd_info}

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from jmoe.distributed.processes import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jmoe.job_env import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 GRACE_SECONDS = 10.0  # how long the others get to stop by themselves after one failed
 STOP_GRACE_SECONDS = 30.0  # how long the processes get to stop after a forwarded signal (past serve's drain)

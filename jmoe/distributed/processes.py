@@ -23,10 +23,8 @@ import numpy as np
 
 from jmoe import validate
 from jmoe.errors import InputError
+from jmoe.job_env import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PEER_TIMEOUT, ENV_PROCESS_ID
 
-ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JMOE_COORDINATOR", "JMOE_NUM_PROCESSES", "JMOE_PROCESS_ID"
-ENV_LOCAL_DEVICES = "JMOE_LOCAL_DEVICES"  # CPU devices per process (XLA:CPU has one unless told)
-ENV_PEER_TIMEOUT = "JMOE_PEER_TIMEOUT"  # seconds without a peer's heartbeat before stopping
 DEFAULT_PEER_TIMEOUT = 15.0
 HEARTBEAT_INTERVAL = 0.5
 PEER_LOST = 3  # exit status when another process of the job died
