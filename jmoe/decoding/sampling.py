@@ -106,9 +106,10 @@ class SamplingOptions:
             if token >= vocab_size:
                 raise InputError(f"logit_bias token {token} is not in the vocabulary (size {vocab_size})")
 
-    def device_params(self, vocab_size: int) -> tuple[jax.Array, ...]:
+    def device_params(self, vocab_size: int, where=None) -> tuple[jax.Array, ...]:
         """(temperature, top_k, 1 - top_p, penalty, min_p, bias [vocab_size], presence, frequency) as
-        the jitted sampler takes them (one transfer each, no executable).
+        the jitted sampler takes them (one transfer each, no executable), committed to `where` (a
+        sharding) when given.
 
         1 - top_p is computed here in double precision, as transformers does in Python, and only
         then rounded to float32, so the top-p cut compares against the same float32 threshold.
@@ -126,7 +127,7 @@ class SamplingOptions:
             bias,
             np.float32(self.presence_penalty),
             np.float32(self.frequency_penalty),
-        )))
+        ), where))
 
     def rng(self) -> jax.Array:
         """A PRNG key from all 64 bits of the seed (seeds below 2**32 give jax.random.key(seed)), made
@@ -320,10 +321,14 @@ class Sampler:
     (advance() takes its new key and history), and a draw can be made again from corrected logits
     with the key and history it started from, so a corrected step samples what an exact one would."""
 
-    def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray):
+    def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray, where=None):
+        """where: the sharding of the model's small arrays (its placement's `replicated`). The
+        sampler's arrays are committed there, as the draws' outputs are: a jitted function given an
+        uncommitted array and later a committed one compiles twice (the serving engine's first
+        draw, then every later one)."""
         self.engine, self.greedy, self.filters = engine, sampling.greedy, sampling.filters
-        self.params = sampling.device_params(seen.shape[-1])
-        self.rng, self.seen = sampling.rng(), jax.device_put(seen)
+        self.params = sampling.device_params(seen.shape[-1], where)
+        self.rng, self.seen = jax.device_put((sampling.rng(), seen), where)
 
     def __call__(self, logits):
         """Next tokens [B] from logits [B, V]."""

@@ -185,9 +185,9 @@ class BatchEngine(Admission, Stepping, Endings):
             SamplingOptions(temperature=1.0, **{name: switched_on[name] for name in names})
             for n in range(len(ALL_FILTERS) + 1) for names in itertools.combinations(ALL_FILTERS, n)]
         for sampling in samplings:
-            sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), HISTORY_DTYPE))
-            for _ in range(2):  # the first draw takes host arrays, later ones the device's it returned
-                sampler(row_jit(logits, np.int32(0)))
+            sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), HISTORY_DTYPE),
+                              self.model.placement.replicated)
+            sampler(row_jit(logits, np.int32(0)))  # later draws take the arrays it returns: the same executable
 
     # ------------------------------------------------------------------ public
 

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jmoe.decoding.generation import RowText
@@ -134,7 +133,9 @@ class Stepping:
         [n, T, V] with last_only=False (tokens [n, T]). `residency`: the draft's experts."""
         n = len(tokens)
         cache = self.pool.view(self._table(n))
-        logits, cache, pending = self.model.step(jnp.asarray(tokens), cache, pos, key_start, last_only=last_only,
+        if not isinstance(tokens, jax.Array):  # committed, as a step's own tokens are: one executable for both
+            tokens = self.model.put(np.asarray(tokens))
+        logits, cache, pending = self.model.step(tokens, cache, pos, key_start, last_only=last_only,
                                                  phase=phase, residency=residency, defer=True)
         if pending is not None:
             corrected, cache = self.model.settle(pending, cache)
