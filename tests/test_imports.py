@@ -114,3 +114,15 @@ def test_neither_kernel_package_imports_the_other_or_the_core():
     assert packages_imported(edges, "cpu_kernels") == {"kernel_formats"}
     assert packages_imported(edges, "kernel_formats") == set()
     assert {"pallas_kernels", "cpu_kernels", "kernel_formats"} <= packages_imported(edges, "jmoe")  # read
+
+
+def test_the_package_and_the_launcher_start_without_jax():
+    """`import jmoe` and `python -m jmoe.launch` import no jax (the launcher only starts processes);
+    a name of jmoe's that needs it imports it on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jmoe, jmoe.launch, jmoe.cli\nassert 'jax' not in sys.modules, 'jax imported at start'\n"
+            "jmoe.load\nassert 'jax' in sys.modules and callable(jmoe.load) and 'load' in dir(jmoe)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -348,3 +348,26 @@ def test_what_a_sampler_costs_the_host_is_what_it_moves(seed):
     cost = Sampler.cost(opts, history)
     assert (moved.executions, moved.transfers, moved.transfer_bytes) == (cost["executions"], cost["transfers"],
                                                                          cost["nbytes"])
+
+
+def test_a_samplers_later_draws_run_the_executable_of_its_first():
+    """A sampler's arrays committed to the model's device, its first draw (arrays made on the host)
+    and the later ones (given the arrays each draw returned) run one executable: an uncommitted
+    array and a committed one would make jit compile it twice (docs/design.md)."""
+    from jmoe.decoding.engine import _sample_jit
+    from jmoe.decoding.sampling import Sampler
+    from jmoe.serving.compiles import CompileCounter
+
+    class Engine:
+        sample = _sample_jit
+
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    logits = jax.device_put(np.linspace(-3, 3, 2 * 333, dtype=np.float32).reshape(2, 333), where)  # as a step's
+    sampler = Sampler(Engine, SamplingOptions(temperature=0.9, top_k=5, seed=11), np.zeros((2, 333), HISTORY_DTYPE),
+                      where)
+    before = CompileCounter.count()
+    first = np.asarray(sampler(logits))
+    compiled = CompileCounter.count() - before
+    later = [np.asarray(sampler(logits)) for _ in range(2)]
+    assert compiled >= 1 and CompileCounter.count() - before == compiled
+    assert all(t.shape == (2,) and ((0 <= t) & (t < 333)).all() for t in [first, *later])
