@@ -325,7 +325,10 @@ class Sampler:
         """where: the sharding of the model's small arrays (its placement's `replicated`). The
         sampler's arrays are committed there, as the draws' outputs are: a jitted function given an
         uncommitted array and later a committed one compiles twice (the serving engine's first
-        draw, then every later one)."""
+        draw, then every later one). In a job of several processes they stay uncommitted (a key made
+        on this process's device cannot be placed on the job's global devices by device_put)."""
+        if where is not None and not where.is_fully_addressable:
+            where = None
         self.engine, self.greedy, self.filters = engine, sampling.greedy, sampling.filters
         self.params = sampling.device_params(seen.shape[-1], where)
         self.rng, self.seen = jax.device_put((sampling.rng(), seen), where)
