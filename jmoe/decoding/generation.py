@@ -86,7 +86,7 @@ def token_steps(model, prompts: list[list[int]], lengths: Lengths, sampling: Sam
     B = len(prompts)
     decoder = Decoder(model, prompts, lengths.prompt, lengths.cache)
     seen = prompt_history(prompts, cfg.vocab_size, sampling)
-    sample = Sampler(model.engine, sampling, seen, model.placement.replicated)
+    sample = Sampler(model.engine, sampling, seen, model.placement.commit_to)
     model.count(**Sampler.cost(sampling, seen), phase="prefill")
     clock = RequestClock()
     current = sample(prefixes.prefill(decoder, model.prefixes, prompts))  # token 1, on the device

@@ -322,13 +322,9 @@ class Sampler:
     with the key and history it started from, so a corrected step samples what an exact one would."""
 
     def __init__(self, engine, sampling: SamplingOptions, seen: np.ndarray, where=None):
-        """where: the sharding of the model's small arrays (its placement's `replicated`). The
-        sampler's arrays are committed there, as the draws' outputs are: a jitted function given an
-        uncommitted array and later a committed one compiles twice (the serving engine's first
-        draw, then every later one). In a job of several processes they stay uncommitted (a key made
-        on this process's device cannot be placed on the job's global devices by device_put)."""
-        if where is not None and not where.is_fully_addressable:
-            where = None
+        """where: the model's placement's `commit_to`. The sampler's arrays are committed there, as
+        the draws' outputs are: a jitted function given an uncommitted array and later a committed
+        one compiles twice (the serving engine's first draw, then every later one)."""
         self.engine, self.greedy, self.filters = engine, sampling.greedy, sampling.filters
         self.params = sampling.device_params(seen.shape[-1], where)
         self.rng, self.seen = jax.device_put((sampling.rng(), seen), where)

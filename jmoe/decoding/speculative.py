@@ -209,7 +209,7 @@ def speculative_steps(model, prompts: list[list[int]], lengths, sampling: Sampli
         key = (options.draft, options.k, k_max, options.max_cycle_s, B)
         governor = model.governors.setdefault(key, Governor(k_max, options.k, max_cycle_s=options.max_cycle_s))
     seen = prompt_history(prompts, cfg.vocab_size, sampling)
-    sample = Sampler(model.engine, sampling, seen, model.placement.replicated)
+    sample = Sampler(model.engine, sampling, seen, model.placement.commit_to)
     model.count(**Sampler.cost(sampling, seen), phase="prefill")
     clock = RequestClock()
     last = sample(prefixes.prefill(decoder, model.prefixes, prompts))  # on the device

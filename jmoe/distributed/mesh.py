@@ -100,6 +100,14 @@ class Placement:
         return 1 if self.mesh is None else self.mesh.shape[EP]
 
     @property
+    def commit_to(self):
+        """Where the host arrays a step or a sampler takes are committed, as the steps' outputs are
+        (jit compiles a function given an uncommitted array apart from one given a committed one):
+        `replicated`, or None in a job of several processes, where device_put cannot place an array
+        made on this process's device (a sampler's key) on the job's devices: they stay uncommitted."""
+        return self.replicated if self.replicated.is_fully_addressable else None
+
+    @property
     def expert_parallel(self) -> ExpertParallel | None:
         return None if self.mesh is None else ExpertParallel(self.mesh)
 

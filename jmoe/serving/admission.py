@@ -139,7 +139,7 @@ class Admission:
         if prefill.resumed is None:
             sampler = Sampler(model.engine, request.sampling,
                               prompt_history([request.prompt], model.config.vocab_size, request.sampling),
-                              model.placement.replicated)
+                              model.placement.commit_to)
             text = RowText(model.tokenizer, request.stop, request.special_tokens) if request.as_text else None
             constraint = None if request.grammar is None else Constraint(
                 request.grammar, model.tokenizer, model.config.vocab_size, self.eos)

@@ -186,7 +186,7 @@ class BatchEngine(Admission, Stepping, Endings):
             for n in range(len(ALL_FILTERS) + 1) for names in itertools.combinations(ALL_FILTERS, n)]
         for sampling in samplings:
             sampler = Sampler(self.model.engine, sampling, np.zeros((1, vocab), HISTORY_DTYPE),
-                              self.model.placement.replicated)
+                              self.model.placement.commit_to)
             sampler(row_jit(logits, np.int32(0)))  # later draws take the arrays it returns: the same executable
 
     # ------------------------------------------------------------------ public

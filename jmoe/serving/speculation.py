@@ -26,7 +26,7 @@ class Speculation:
         self.draft = model.draft(options.draft)
         self.k = options.k or DEFAULT_ENGINE_DRAFT_K
         # what the acceptance takes for a plain greedy row: no bias or penalty, an empty history
-        self._params = SamplingOptions().device_params(model.config.vocab_size, model.placement.replicated)
+        self._params = SamplingOptions().device_params(model.config.vocab_size, model.placement.commit_to)
         self._rng = jax.random.key(0)  # unused by greedy acceptance
         self._seen: dict[int, jax.Array] = {}  # rows -> an empty history [rows, V]
 
