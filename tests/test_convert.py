@@ -254,3 +254,30 @@ def test_cpu_layout_stores_plain_bf16_projections_and_head_in_tiles_that_compute
     models = [jmoe.load(p, compute_dtype="float32") for p in (plain, tiled)]
     assert np.array_equal(*(np.asarray(jmoe.forward(m, ids)) for m in models))
     assert jmoe.generate(models[0], ids, max_new_tokens=6) == jmoe.generate(models[1], ids, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_small_models_experts_are_quantized_on_one_blas_thread(small_hf, tmp_path, monkeypatch, small):
+    """OpenBLAS's pool costs more than a small model's matrices and spins for the cores another
+    process needs (GPTQ of the bundled model: 61 s instead of 16 s beside one busy core), so a small
+    model's experts are quantized on one BLAS thread; a wide model's keep the pool's own count."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from convert import pipeline
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+    seen = []
+    write_experts = pipeline.write_experts
+
+    def recording(reader, cfg, *args, **kwargs):
+        seen.append(blas_threads())
+        return write_experts(reader, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_experts", recording)
+    monkeypatch.setattr(pipeline, "SMALL_WIDTH", 1 << 30 if small else 0)  # the model is small, or wide
+    with threadpool_limits(2, user_api="blas"):  # a pool of 2, whatever the suite's own setting
+        convert_checkpoint(small_hf, tmp_path / "out", tiers="int4", progress=False)
+        assert blas_threads() == {2}  # restored
+    assert seen == [{1} if small else {2}]
