@@ -130,7 +130,8 @@ def refit_groups(w, hessian, codes, scales, offsets, fmt: QuantFormat, dead):
     wp = np.zeros((kp, n))
     wp[:k] = w
     q = codes.astype(np.float64)  # [Kp, N]
-    h32 = h.astype(np.float32)
+    # [g', Kp, G]: H's columns of group g', contiguous for the batched product below
+    h_blocks = np.ascontiguousarray(h.astype(np.float32).reshape(kp, ng, group).transpose(1, 0, 2))
     hw = h @ wp  # [Kp, N]
     h_members = h.reshape(kp, ng, group).sum(axis=2)  # [Kp, ng]: H times each group's indicator
     a11 = h_members.reshape(ng, group, ng).sum(axis=1)  # [ng, ng]
@@ -139,16 +140,18 @@ def refit_groups(w, hessian, codes, scales, offsets, fmt: QuantFormat, dead):
         cols = slice(c0, min(n, c0 + REFIT_COLUMNS))
         qc = q[:, cols]  # [Kp, c]
         c = qc.shape[1]
-        # h_q[i, c, g] = sum over j in group g of H[i, j] q[j, c] (one batched product per group)
+        q32 = np.ascontiguousarray(qc, np.float32)
+        # h_q[g', i, c] = sum over j in group g' of H[i, j] q[j, c] (one batched product per group)
         # (float32: codes are small integers and the refit is stored in float16; twice as fast as float64)
-        h_q = np.matmul(h32.reshape(kp, ng, group).transpose(1, 0, 2),
-                        qc.astype(np.float32).reshape(ng, group, c)).astype(np.float64)  # [g', Kp, c]
+        h_q = np.matmul(h_blocks, q32.reshape(ng, group, c))  # [g', Kp, c]
         by_group = lambda x: x.reshape(ng, group, *x.shape[1:]).sum(axis=1)  # noqa: E731 - sum rows per group
         q_rows = qc.reshape(ng, group, c).transpose(0, 2, 1)  # [g, c, j]: column c's codes in group g
         a = np.empty((c, 2 * ng, 2 * ng))
-        # q_g^T H q_g' and q_g^T H 1_g': products over each group's rows, batched (no [Kp, c, g] scratch)
-        hq_rows = h_q.reshape(ng, ng, group, c).transpose(1, 3, 2, 0)  # [g, c, j, g']
-        a[:, :ng, :ng] = np.matmul(q_rows[:, :, None, :], hq_rows)[:, :, 0, :].transpose(1, 0, 2)
+        # q_g^T H q_g' = sum over i in group g of q[i, c] h_q[g', i, c]: elementwise, then summed per group
+        # (in float64), where a [1, G] x [G, g'] product per (group, column) spent more in calls than work
+        h_q *= q32
+        a[:, :ng, :ng] = h_q.reshape(ng, ng, group, c).sum(axis=2, dtype=np.float64).transpose(2, 1, 0)
+        # q_g^T H 1_g'
         a[:, :ng, ng:] = np.matmul(q_rows, h_members.reshape(ng, group, ng)).transpose(1, 0, 2)
         a[:, ng:, :ng] = a[:, :ng, ng:].transpose(0, 2, 1)
         a[:, ng:, ng:] = a11
