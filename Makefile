@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.tier_bytes
 	$(BIN)/python -m bench.kernels
 	$(BIN)/python -m bench.convert_memory
+	$(BIN)/python -m bench.convert_speed
 	$(BIN)/python -m bench.quality
 	$(BIN)/python -m bench.offload_decode
 	$(BIN)/python -m bench.paper_headlines
