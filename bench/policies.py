@@ -23,12 +23,15 @@
    texts instead: a stream of 250 tokens a domain is scored in three 256-token windows, so one
    stream's share moves by tens of points with the place it starts; the median over places says
    more. With --hindsight, also DynaExq told the routing of the next 64, 256 or 1,024 tokens at
-   every interval: what no estimate from past routing can beat at this budget.
+   every interval: what no estimate from past routing can beat at this budget. With --int3-lo, the
+   default beside DynaExq in the same budget with every expert at int3 (the rest in int4 copies), and
+   uniform int3.
 
     python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
     python -m bench.policies --streams 250 2048 [--streams-name dynaexq_streams]
     python -m bench.policies --streams 250 --stream-offsets 0 1500 3000 4500 6000 7500 \
         --streams-name dynaexq_stream_offsets
+    python -m bench.policies --streams 250 2048 --int3-lo --streams-name dynaexq_int3_lo
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ class RandomLow(Policy):
         return Plan.wanting(np.where(low, TIER_CODES["int2"], TIER_CODES["int4"]))
 
 
-def convert_tiny(root: Path, calib_sequences: int) -> Path:
-    return convert_checkpoint(TINY_HF, root / "tiny-gptq", tiers="int4,int2", method="gptq",
+def convert_tiny(root: Path, calib_sequences: int, tiers: str = "int4,int2") -> Path:
+    return convert_checkpoint(TINY_HF, root / "tiny-gptq", tiers=tiers, method="gptq",
                               calib=[str(p) for p in CALIB_FILES], calib_sequences=calib_sequences, progress=False)
 
 
@@ -256,9 +259,10 @@ def stream_perplexity(windows: list[dict]) -> float:
 
 
 def gap_closed(perplexity: dict[str, float]) -> dict[str, float]:
-    """How much of the uniform int2 -> uniform int4 perplexity gap each DynaExq run closed."""
+    """How much of the uniform int2 -> uniform int4 perplexity gap each DynaExq run (and uniform int3,
+    where it ran) closed."""
     p4, p2 = perplexity["uniform int4"], perplexity["uniform int2"]
-    return {k: (p2 - p) / (p2 - p4) for k, p in perplexity.items() if k.startswith("DynaExq")}
+    return {k: (p2 - p) / (p2 - p4) for k, p in perplexity.items() if k.startswith("DynaExq") or k == "uniform int3"}
 
 
 # Streams of the three dev domains in each rotation of their order, each from its own place in the
@@ -266,6 +270,10 @@ def gap_closed(perplexity: dict[str, float]) -> dict[str, float]:
 STREAMS = {"prose -> code -> math": (("prose", "code", "math"), 0),
            "code -> math -> prose": (("code", "math", "prose"), 3000),
            "math -> prose -> code": (("math", "prose", "code"), 5000)}
+# With --int3-lo: the default beside the int3 tier in DynaExq 8/32's budget (every expert at int3, the
+# budget's rest in int4 copies: 8 of the tiny model's 256) and uniform int3.
+INT3_LO = "DynaExq 8/32's budget, int3 lo"
+INT3_POLICIES = {"DynaExq 8/32 (defaults)": {}, INT3_LO: {"lo": "int3", "hi_per_layer": None}}
 STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dict(alpha=0.7),
                    "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count"),
                    "DynaExq 8/32, shift 3": dict(shift=3.0),
@@ -320,21 +328,26 @@ def offset_streams(offsets: list[int]) -> dict:
     return {f"prose -> code -> math from token {skip}": (("prose", "code", "math"), skip) for skip in offsets}
 
 
-def shift_streams(path: Path, tokens: int, streams: dict | None = None, hindsight: bool = False) -> dict:
+def shift_streams(path: Path, tokens: int, streams: dict | None = None, hindsight: bool = False,
+                  int3_lo: bool = False) -> dict:
     """DynaExq's share of the int2 -> int4 gap on several shifting streams (STREAMS, or `streams`),
     beside uniform int4 and int2: how much one stream's figure says about another's, and how it
     moves with the hotness horizon. Also the gap closed over all streams together (the sum of what
     each closed over the sum of their gaps) and each policy's median and range over the streams.
-    With `hindsight`, also the ceilings of Hindsight at HINDSIGHT_HORIZONS."""
+    With `hindsight`, also the ceilings of Hindsight at HINDSIGHT_HORIZONS. With `int3_lo`, INT3_POLICIES
+    and uniform int3 instead of STREAM_POLICIES (the model must hold int3)."""
     tokenizer = jmoe.load(path, tier="int2").tokenizer
     budget = dynaexq_budget(path)
     tracer = jmoe.load(path, compute_dtype="float32", tier="int4") if hindsight else None
-    names = [*STREAM_POLICIES, *(hindsight_name(h) for h in HINDSIGHT_HORIZONS if hindsight)]
+    policies = INT3_POLICIES if int3_lo else STREAM_POLICIES
+    names = [*(["uniform int3"] if int3_lo else []), *policies,
+             *(hindsight_name(h) for h in HINDSIGHT_HORIZONS if hindsight)]
     out = {}
     for name, (order, skip) in (streams or STREAMS).items():
         stream = domain_stream(tokenizer, order, tokens, skip)
         runs = {"uniform int4": ("lru", "int4", None), "uniform int2": ("lru", "int2", None),
-                **{k: (DynaExq(hi_per_layer=8, **kw), None, budget) for k, kw in STREAM_POLICIES.items()}}
+                **({"uniform int3": ("lru", "int3", None)} if int3_lo else {}),
+                **{k: (DynaExq(**{"hi_per_layer": 8, **kw}), None, budget) for k, kw in policies.items()}}
         if hindsight:  # the windows score the stream in order, each WINDOW tokens from a fresh cache
             routing, weights = trace_routing(tracer, stream, WINDOW, with_weights=True)
             runs.update({hindsight_name(h): (Hindsight(routing, h, weights, hi_per_layer=8), None, budget)
@@ -446,17 +459,22 @@ def main() -> None:
     parser.add_argument("--stream-offsets", type=int, nargs="+", metavar="TOKEN",
                         help="with --streams: the prose -> code -> math stream from each of these dev-token "
                              "offsets, in place of the three rotations of the order")
+    parser.add_argument("--int3-lo", action="store_true",
+                        help="with --streams: DynaExq's default beside every expert at int3 and int4 copies in the "
+                             "same budget, and uniform int3 (converts int3 too)")
     parser.add_argument("--hindsight", action="store_true",
                         help="with --streams: also DynaExq told the routing of the tokens to come (a ceiling for "
                              "any hotness estimate at this budget)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        path = convert_tiny(root, args.calib_sequences)
+        path = convert_tiny(root, args.calib_sequences, "int4,int3,int2" if args.int3_lo else "int4,int2")
         if args.streams:
             streams = offset_streams(args.stream_offsets) if args.stream_offsets else None
-            write_result("policies", args.streams_name, {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
-                                                          "runs": [shift_streams(path, n, streams, args.hindsight)
+            tiers = "int4 + int3 + int2" if args.int3_lo else "int4 + int2"
+            write_result("policies", args.streams_name, {"model": f"tiny-qwen3-moe (GPTQ {tiers})",
+                                                          "runs": [shift_streams(path, n, streams, args.hindsight,
+                                                                                 args.int3_lo)
                                                                    for n in args.streams]})
             return
         if args.only_importance:

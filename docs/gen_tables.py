@@ -1291,6 +1291,7 @@ TABLES = {
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
     "dynaexq-allocation-zen4": lambda: dynaexq_streams("policies/dynaexq_allocation_zen4_cpu.json"),
     "dynaexq-hindsight-allocation-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_allocation_zen4_cpu.json"),
+    "dynaexq-int3-lo-emr": lambda: dynaexq_streams("policies/dynaexq_int3_lo_emr_cpu.json"),
     "dynaexq-stream-offsets-allocation-zen4": lambda: dynaexq_stream_offsets(
         "policies/dynaexq_stream_offsets_allocation_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,

@@ -138,7 +138,8 @@ def add_model_options(p) -> None:
                    help="expert residency: resident, ondemand, lru, lru+prefetch, lru+cpu, lru+prefetch+cpu, "
                         "dymoe, dynaexq (default: resident if every expert fits the budget, else lru+prefetch)")
     p.add_argument("--hi", default=None, help="dymoe/dynaexq: the high tier (default: --tier, else int4)")
-    p.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips)")
+    p.add_argument("--lo", default=None, help="dymoe/dynaexq: the low tier (default int2; dymoe: 'none' skips; "
+                   "dynaexq: int3 where the budget holds every expert at int3 closes more of the gap to hi)")
     p.add_argument("--r", type=float, default=None, help="dymoe: mean share of routed experts at --hi (0.5-1)")
     p.add_argument("--hi-per-layer", type=int, default=None, help="dynaexq: hi copies per layer on average (default: budget)")
     p.add_argument("--hi-sets", default=None, choices=["model", "layer"],
