@@ -47,17 +47,15 @@ def matrix_case(k: int, n: int, tier: str, repeat: int, rng) -> dict:
     hessian = x.T @ x
     w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
     u, dead = gptq.inverse_hessian_cholesky(hessian, 0.01)
-    kb = -(-k // 128) * 128
-    w_padded, u_padded = np.zeros((kb, n), np.float32), np.eye(kb, dtype=np.float32)
-    w_padded[:k], u_padded[:k, :k] = w, u
-    w_padded, u_padded = jax.numpy.asarray(w_padded), jax.numpy.asarray(u_padded)
-    codes, scales, offsets = (np.asarray(a) for a in jax.block_until_ready(gptq._gptq_blocks(w_padded, u_padded, fmt, 128)))
+    w_padded, u_padded, block = gptq.padded_blocks(w, u, fmt, 128)
+    codes, scales, offsets = (np.asarray(a) for a in jax.block_until_ready(gptq._gptq_blocks(w_padded, u_padded, fmt,
+                                                                                            block)))
     groups = k // fmt.group_size
     return {
         "shape": [k, n], "tier": tier,
         "whole": seconds(lambda: gptq.gptq_quantize(w, hessian, fmt), repeat),
         "cholesky": seconds(lambda: gptq.inverse_hessian_cholesky(hessian, 0.01), repeat),
-        "rounding_pass": seconds(lambda: jax.block_until_ready(gptq._gptq_blocks(w_padded, u_padded, fmt, 128)),
+        "rounding_pass": seconds(lambda: jax.block_until_ready(gptq._gptq_blocks(w_padded, u_padded, fmt, block)),
                                  repeat),
         "refit": seconds(lambda: gptq.refit_groups(w, hessian, codes[:k], scales[:groups], offsets[:groups], fmt,
                                                    dead), repeat),

@@ -60,17 +60,9 @@ def gptq_quantize(w, hessian, fmt: QuantFormat, *, damp: float = 0.01, block_siz
     u, dead = inverse_hessian_cholesky(hessian, damp)  # [K, K], [K]
     w = np.where(dead[:, None], 0.0, w).astype(np.float32)  # dead inputs: any weight is free, use 0
 
-    group = fmt.group_size
-    block = max(group, block_size // group * group)  # groups never straddle blocks
-    kp = fmt.padded_k(k)
-    kb = -(-kp // block) * block
-    # Padding rows are dead inputs: zero weight, identity rows of U (no error flows in or out).
-    w_padded = np.zeros((kb, n), np.float32)
-    w_padded[:k] = w
-    u_padded = np.eye(kb, dtype=np.float32)
-    u_padded[:k, :k] = u
-
-    w_padded, u_padded = jnp.asarray(w_padded), jnp.asarray(u_padded)
+    group, kp = fmt.group_size, fmt.padded_k(k)
+    w_padded, u_padded, block = padded_blocks(w, u, fmt, block_size)
+    kb = w_padded.shape[0]
     codes, scales, offsets = _gptq_blocks(w_padded, u_padded, fmt, block)
     codes, scales, offsets = codes[:kp], scales[: kp // group], offsets[: kp // group]
     if searches(fmt):
@@ -82,6 +74,21 @@ def gptq_quantize(w, hessian, fmt: QuantFormat, *, damp: float = 0.01, block_siz
                 grid[0][: kp // group], grid[1][: kp // group] = scales, offsets
                 codes = _gptq_blocks(w_padded, u_padded, fmt, block, tuple(map(jnp.asarray, grid)))[0][:kp]
     return to_qarray(codes, scales, offsets, fmt, k, act_scale)
+
+
+def padded_blocks(w: np.ndarray, u: np.ndarray, fmt: QuantFormat, block_size: int):
+    """(w [Kb, N], u [Kb, Kb] on the device, block): w (dead inputs zeroed) and its Cholesky factor u
+    padded to whole blocks of rows for _gptq_blocks, the block rounded to whole groups."""
+    k, n = w.shape
+    group = fmt.group_size
+    block = max(group, block_size // group * group)  # groups never straddle blocks
+    kb = -(-fmt.padded_k(k) // block) * block
+    # Padding rows are dead inputs: zero weight, identity rows of U (no error flows in or out).
+    w_padded = np.zeros((kb, n), np.float32)
+    w_padded[:k] = w
+    u_padded = np.eye(kb, dtype=np.float32)
+    u_padded[:k, :k] = u
+    return jnp.asarray(w_padded), jnp.asarray(u_padded), block
 
 
 def inverse_hessian_cholesky(hessian, damp: float) -> tuple[np.ndarray, np.ndarray]:
