@@ -265,19 +265,19 @@ def test_a_small_models_experts_are_quantized_on_one_blas_thread(small_hf, tmp_p
 
     from convert import pipeline
 
-    def blas_threads():
+    def pool_sizes():  # the BLAS libraries' thread counts now
         return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
 
     seen = []
     write_experts = pipeline.write_experts
 
     def recording(reader, cfg, *args, **kwargs):
-        seen.append(blas_threads())
+        seen.append(pool_sizes())
         return write_experts(reader, cfg, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "write_experts", recording)
     monkeypatch.setattr(pipeline, "SMALL_WIDTH", 1 << 30 if small else 0)  # the model is small, or wide
     with threadpool_limits(2, user_api="blas"):  # a pool of 2, whatever the suite's own setting
         convert_checkpoint(small_hf, tmp_path / "out", tiers="int4", progress=False)
-        assert blas_threads() == {2}  # restored
+        assert pool_sizes() == {2}  # restored
     assert seen == [{1} if small else {2}]
