@@ -203,6 +203,15 @@ TOKENIZER_FOR_ARCH = {
 }
 
 
+def gguf_config(cfg: dict) -> dict:
+    """The config.json llama.cpp's converter reads. llama.cpp knows DeepSeek-V2-Lite's full query
+    projection (no q_lora_rank) only by its layer count (26 or 27) and otherwise requires the rank's
+    key, so a slice with fewer layers states the rank as 0 (none), which it reads the same way."""
+    if cfg["architectures"][0] == "DeepseekV2ForCausalLM" and cfg.get("q_lora_rank") is None:
+        return dict(cfg, q_lora_rank=0)
+    return cfg
+
+
 def gguf_source(llama: LlamaCpp, checkpoint: Path, out: Path) -> Path:
     """A directory llama.cpp's converter accepts: links to the checkpoint's weights and config,
     and a tokenizer it reads (see the module docstring)."""
@@ -220,8 +229,9 @@ def gguf_source(llama: LlamaCpp, checkpoint: Path, out: Path) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     for f in checkpoint.iterdir():
-        if f.suffix == ".safetensors" or f.name in ("model.safetensors.index.json", "config.json"):
+        if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
             (out / f.name).symlink_to(f)
+    (out / "config.json").write_text(json.dumps(gguf_config(cfg), indent=1))
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return out
