@@ -195,15 +195,17 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
 ATTENTION_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))  # attention reads
 
 
-def attention_reads(keys, values) -> bool:
+def attention_reads(keys, values, keys2=None) -> bool:
     """Whether the native attention reads these caches as they lie, so `attention` takes them without a
-    copy: keys and values of one kind, float32, bfloat16, or int8 values with float32 scales."""
+    copy: keys, values (and a second term's keys) of one kind, float32, bfloat16, or int8 values with
+    float32 scales."""
     kind = lambda cache: (jnp.dtype(getattr(cache, "values", cache).dtype), hasattr(cache, "scales"))  # noqa: E731
-    return kind(keys) == kind(values) and kind(keys)[0] in ATTENTION_CACHE_DTYPES
+    same = kind(keys) == kind(values) and (keys2 is None or kind(keys2) == kind(keys))
+    return same and kind(keys)[0] in ATTENTION_CACHE_DTYPES
 
 
 def attention(q, keys, values, start, key_start, table, *, groups: int, scale: float, window: int | None,
-              sink=None):
+              sink=None, keys2=None):
     """Softmax attention of a few current tokens over a paged heads-major cache, in one native call.
 
     q [B, K, groups * T, w] (query heads of each cache head, then tokens); keys [P, K, page, w] and
@@ -214,16 +216,20 @@ def attention(q, keys, values, start, key_start, table, *, groups: int, scale: f
     [key_start[b], start[b] + t], the last `window` of them if set; sink [K, groups] or None. Returns
     (out [B, K, groups * T, wv] float32, top, norm [B, K, groups, T]): the normalised attention, and the
     softmax's maximum and normaliser (-inf and 0 for a query with no key and no sink, whose output is
-    0). NotImplementedError (before anything is traced) where the native kernels are not in use or
-    do not read these caches as they lie (attention_reads)."""
+    0). keys2 [P, K, page, w2] or None: a second score term (latent attention's rotary keys), the
+    query's last w2 columns times these keys added to the first columns times `keys` (then
+    [P, K, page, w - w2]). NotImplementedError (before anything is traced) where the native kernels
+    are not in use or do not read these caches as they lie (attention_reads)."""
     if not available():
         raise NotImplementedError("the native CPU kernels are not loaded, or the computation does not run on the CPU")
-    if not attention_reads(keys, values):
+    if not attention_reads(keys, values, keys2):
         raise NotImplementedError("the native attention does not read these caches as they lie")
     B, K, M, _ = q.shape
     wv = getattr(values, "values", values).shape[-1]
 
     def operands(cache):
+        if cache is None:  # no second term
+            return native.empty(np.float32), native.empty(np.float32)
         if hasattr(cache, "scales"):
             return cache.values, cache.scales.astype(jnp.float32)
         return cache, native.empty(np.float32)
@@ -232,7 +238,7 @@ def attention(q, keys, values, start, key_start, table, *, groups: int, scale: f
     sink = no_sink if sink is None else sink.astype(jnp.float32).reshape(-1)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     out, top, norm = native.call(native.ATTENTION, (f32(B, K, M, wv), f32(B, K, M), f32(B, K, M)),
-                                 q.astype(jnp.float32), *operands(keys), *operands(values),
+                                 q.astype(jnp.float32), *operands(keys), *operands(keys2), *operands(values),
                                  start.astype(jnp.int32), key_start.astype(jnp.int32), table.astype(jnp.int32), sink,
                                  groups=np.int64(groups), scale=np.float32(scale), window=np.int64(window or 0))
     T = M // groups

@@ -302,6 +302,53 @@ def test_native_attention_equals_the_materialised_softmax(case):
     check_attention(got, want)
 
 
+# (B, G, T, S, key width, second term's width, cache, page): latent attention's shapes scaled down,
+# one cache head for every query head, the first term's keys also the values: decode and a
+# verification of 3 tokens at 16 query heads (queries as lanes), and fewer heads (a query at a time).
+TWO_TERM_CASES = [(2, 16, 1, 300, 64, 16, "bfloat16", 16), (1, 16, 3, 200, 64, 16, "int8", 24),
+                  (2, 4, 1, 150, 40, 8, "float32", 7), (2, 4, 2, 90, 32, 16, "int8", 16)]
+
+
+@pytest.mark.parametrize("case", TWO_TERM_CASES, ids=lambda c: f"{c[6]}-G{c[1]}-T{c[2]}")
+def test_native_attention_with_two_score_terms_equals_the_materialised_softmax(case):
+    """cpu_kernels.attention with a second score term (latent attention's rotary keys: the query's last
+    columns times their own cache), the first term's cache read as the values too, against the float64
+    softmax of the summed scores over what each cache holds (an int8 row times its own scale): outputs,
+    maxima and normalisers."""
+    import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("native kernels switched off or not built")
+    B, G, T, S, kw, w2, cache, page = case
+    rng = np.random.default_rng(S)
+    queries = [rng.normal(size=(B, 1, G * T, w)).astype(np.float32) for w in (kw, w2)]
+    keys = [rng.normal(size=(B, 1, S, w)).astype(np.float32) for w in (kw, w2)]
+    if cache == "int8":
+        cached = [quantize_rows(k) for k in keys]
+        keys = [np.asarray(dequantize_rows(c, jnp.float32), np.float64) for c in cached]
+    else:
+        cached = [jnp.asarray(k, cache) for k in keys]
+        keys = [np.asarray(c, np.float64) for c in cached]
+    pools = [paged(c, page, np.random.default_rng(7))[0] for c in cached]  # the same pages for both
+    table = paged(cached[0], page, np.random.default_rng(7))[1]
+    start = np.array([S - T - 5 * b for b in range(B)], np.int32)
+    key_start = np.array([0, 3][:B], np.int32)
+    heads = {"groups": G, "scale": 0.1, "window": None}
+
+    def attend(q, latent, rotary):  # the latent keys are the values too
+        return cpu_kernels.attention(q, latent, latent, start, key_start, table, keys2=rotary, **heads)
+
+    q = np.concatenate(queries, axis=-1)
+    out, top, norm = (np.asarray(a) for a in jax.jit(attend)(q, *pools))
+    want, _, valid = materialised([x.astype(np.float64) for x in queries], keys, keys[0], start, key_start, T,
+                                  sink=None, **heads)
+    want_top, want_norm = _softmax_stats(q, np.concatenate(keys, axis=-1), start, key_start, T, sink=None, **heads)
+    has_key = np.broadcast_to(valid[:, None, None], (B, 1, G, T)).reshape(B, 1, G * T)
+    np.testing.assert_allclose(out[has_key], want[has_key], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(top.reshape(want_top.shape), want_top, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(norm.reshape(want_norm.shape), want_norm, rtol=1e-5, atol=1e-6)
+
+
 # The Pallas kernel takes widths that are powers of two (>= 16): NATIVE_CASES' others, and float32 with
 # a window over pages of 7 slots, absent pages in the padding, 3 query heads of 2 tokens (6 query rows
 # padded to 16); and fp8 caches (float8_e4m3fn, which the native kernel does not take).
@@ -387,10 +434,10 @@ def test_a_decode_step_on_the_cpu_runs_attention_in_one_native_call():
 
 
 def test_the_attention_entry_point_tries_the_kernels_in_order_and_falls_back_to_the_formulation(monkeypatch):
-    """jmoe/kernels/attention.py: two score terms (MLA) or more current tokens than native_tokens
-    go to the formulation; otherwise the native CPU kernel runs them; where it refuses (the native
-    kernels not in use), the Pallas kernel is chosen only when lowered for CUDA, so on the CPU the
-    formulation runs."""
+    """jmoe/kernels/attention.py: more current tokens than native_tokens (of both score terms' width
+    where there are two, as MLA's) go to the formulation; otherwise the native CPU kernel runs them;
+    where it refuses (the native kernels not in use), the Pallas kernel is chosen only when lowered for
+    CUDA, so on the CPU the formulation runs."""
     import cpu_kernels.ops
     from jmoe.kernels.attention import MAX_KERNEL_TOKENS, decode_attention, native_tokens
 
@@ -410,7 +457,9 @@ def test_the_attention_entry_point_tries_the_kernels_in_order_and_falls_back_to_
     assert native_tokens(8, 128) == MAX_KERNEL_TOKENS  # Qwen3-30B-A3B's heads: decode and verification
     most = native_tokens(G, w)
     assert most == 64  # these few, narrow heads: prompt chunks of up to 64 tokens too
-    assert attend(1, terms=2) is formulation
+    out, _ = attend(1, terms=2)  # two score terms: the native kernel too
+    assert out.shape == (B, K, G, w)
+    assert attend(native_tokens(G, 2 * w) + 1, terms=2) is formulation
     assert attend(most + 1) is formulation
     out, (top, norm) = attend(most)  # the native kernel
     assert out.shape == (B, K, G * most, w) and top.shape == norm.shape == (B, K, G, most)

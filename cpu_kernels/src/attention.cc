@@ -1,5 +1,9 @@
 // Decode attention over a paged heads-major KV cache, read where it lies.
 //
+// A score may be the sum of two terms, each a query part times its own cached keys (latent
+// attention's latent and rotary keys): the query is both parts side by side and a key row the two
+// arrays' rows, made float32 side by side before the dot (each int8 row times its own scale).
+//
 // A few current tokens (decode, speculative verification) attend to the keys each may reach in the
 // cache: a pool of pages [P, K, page, w] (float32, bfloat16 or int8 with a scale per slot) and a
 // page table [B, n], row b's logical slot s at pool[table[b, s / page], :, s % page]. XLA:CPU ran
@@ -41,8 +45,11 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
 struct AttentionChunk {
   const float* q;  // [M, w], query m is head m / T's token m % T
   int64_t M, T, w, wv;
-  const void* keys;            // page 0's [page, w] of this head; page p's page_stride rows further
+  int64_t kw;                  // the keys' width: w, or less where a second term holds the rest
+  const void* keys;            // page 0's [page, kw] of this head; page p's page_stride rows further
   const float* key_scales;     // [page] likewise (int8 keys) or null
+  const void* keys2;           // the second score term's keys [page, w - kw] likewise, or null
+  const float* key2_scales;    // [page] (int8) or null
   const void* values;          // [page, wv]
   const float* value_scales;   // [page] (int8 values) or null
   ffi::DataType type;           // of keys and values alike
@@ -93,36 +100,45 @@ constexpr int64_t kMinChunkKeys = 256;  // a chunk shorter than this costs more 
 
 static bool cache_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16 || t == ffi::S8; }
 
-// q [B, K, M, w] (M = groups x T, head-major) against the pages of keys [P, K, page, w] and values
+// q [B, K, M, w] (M = groups x T, head-major) against the pages of keys [P, K, page, kw] and values
 // [P, K, page, wv] (int8 ones with scales [P, K, page, 1]; float ones with empty scales) that table
 // [B, n] gives each row, S = n * page logical slots a row (pages outside [0, P): absent slots). Token t
 // of row b at slot start[b] + t attends to slots [key_start[b], start[b] + t], within `window` slots
 // when window > 0.
+// keys2 [P, K, page, w - kw] (and its scales) or empty: a second score term, whose query is q's last
+// w - kw columns (kw = w without one).
 // sink [K * groups] or empty: a logit per query head that joins the normaliser without a value.
 // Out: the normalised attention [B, K, M, wv], and per query the softmax's maximum and normaliser
 // [B, K, M] (-inf and 0 where a query has no key and no sink; its output is then 0).
 static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
-                                 ffi::Buffer<ffi::F32> key_scales, ffi::AnyBuffer values,
+                                 ffi::Buffer<ffi::F32> key_scales, ffi::AnyBuffer keys2,
+                                 ffi::Buffer<ffi::F32> key2_scales, ffi::AnyBuffer values,
                                  ffi::Buffer<ffi::F32> value_scales, ffi::Buffer<ffi::S32> start,
                                  ffi::Buffer<ffi::S32> key_start, ffi::Buffer<ffi::S32> table,
                                  ffi::Buffer<ffi::F32> sink,
                                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> top_out,
                                  ffi::ResultBuffer<ffi::F32> norm_out, int64_t groups, float scale, int64_t window) {
   const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), td = table.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || groups < 1 || qd[2] % groups != 0)
-    return ffi::Error::InvalidArgument("attention wants q [B, K, groups * T, w], keys [P, K, page, w], "
-                                       "values [P, K, page, wv] and table [B, n]");
-  const int64_t B = qd[0], K = qd[1], M = qd[2], w = qd[3], T = M / groups, wv = vd[3];
+  const bool two_terms = keys2.element_count() != 0;
+  const auto k2d = keys2.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || (two_terms && k2d.size() != 4) ||
+      groups < 1 || qd[2] % groups != 0)
+    return ffi::Error::InvalidArgument("attention wants q [B, K, groups * T, w], keys [P, K, page, kw], "
+                                       "keys2 [P, K, page, w - kw] or empty, values [P, K, page, wv] and table [B, n]");
+  const int64_t B = qd[0], K = qd[1], M = qd[2], w = qd[3], T = M / groups, wv = vd[3], kw = kd[3];
   const int64_t P = kd[0], page = kd[2], n = td[1], S = n * page;
-  if (kd[1] != K || kd[3] != w || vd[0] != P || vd[1] != K || vd[2] != page || td[0] != B ||
+  const bool keys2_fit = two_terms ? k2d[0] == P && k2d[1] == K && k2d[2] == page && kw + k2d[3] == w : kw == w;
+  if (kd[1] != K || !keys2_fit || vd[0] != P || vd[1] != K || vd[2] != page || td[0] != B ||
       start.element_count() != static_cast<size_t>(B) || key_start.element_count() != static_cast<size_t>(B))
     return ffi::Error::InvalidArgument("attention: queries, keys, values, table and positions disagree on their "
                                        "shapes");
-  if (!cache_type(keys.element_type()) || values.element_type() != keys.element_type())
+  if (!cache_type(keys.element_type()) || values.element_type() != keys.element_type() ||
+      (two_terms && keys2.element_type() != keys.element_type()))
     return ffi::Error::InvalidArgument("attention reads float32, bfloat16 or int8 caches, keys and values alike");
   const bool int8 = keys.element_type() == ffi::S8;
   const size_t slots = static_cast<size_t>(P * K * page);
-  if (key_scales.element_count() != (int8 ? slots : 0) || value_scales.element_count() != (int8 ? slots : 0))
+  if (key_scales.element_count() != (int8 ? slots : 0) || value_scales.element_count() != (int8 ? slots : 0) ||
+      key2_scales.element_count() != (int8 && two_terms ? slots : 0))
     return ffi::Error::InvalidArgument("attention: int8 caches want a scale per slot, float caches none");
   if (sink.element_count() != 0 && sink.element_count() != static_cast<size_t>(K * groups))
     return ffi::Error::InvalidArgument("attention: the sink has one logit per query head");
@@ -162,15 +178,18 @@ static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   std::vector<float> accs(tasks.size() * M * wv, 0.0f);
   const float* qp = q.typed_data();
   const auto* kp = static_cast<const uint8_t*>(keys.untyped_data());
+  const auto* k2p = two_terms ? static_cast<const uint8_t*>(keys2.untyped_data()) : nullptr;
   const auto* vp = static_cast<const uint8_t*>(values.untyped_data());
   const Attend attend = attend_for(current_isa());
   parallel_for(pool, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& task = tasks[i];
     const int64_t head = task.b * K + task.k;
     AttentionChunk c;
-    c.q = qp + head * M * w, c.M = M, c.T = T, c.w = w, c.wv = wv;
-    c.keys = kp + task.k * page * w * bytes, c.values = vp + task.k * page * wv * bytes;
+    c.q = qp + head * M * w, c.M = M, c.T = T, c.w = w, c.wv = wv, c.kw = kw;
+    c.keys = kp + task.k * page * kw * bytes, c.values = vp + task.k * page * wv * bytes;
     c.key_scales = int8 ? key_scales.typed_data() + task.k * page : nullptr;
+    c.keys2 = two_terms ? k2p + task.k * page * (w - kw) * bytes : nullptr;
+    c.key2_scales = int8 && two_terms ? key2_scales.typed_data() + task.k * page : nullptr;
     c.value_scales = int8 ? value_scales.typed_data() + task.k * page : nullptr;
     c.type = keys.element_type();
     c.table = table.typed_data() + task.b * n, c.pages = P, c.page = page, c.page_stride = K * page;
@@ -210,6 +229,8 @@ static ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuAttention, jmoe::attention_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
 import cpu_kernels
 import pallas_kernels.decode_attention as pallas_attention
@@ -42,6 +43,15 @@ def native_tokens(groups: int, width: int) -> int:
     return max(MAX_KERNEL_TOKENS, NATIVE_KEY_WORK // (groups * width))
 
 
+def head_major(q: jax.Array) -> jax.Array:
+    """A query term as [B, K, G*T, w] (query heads of each cache head, then tokens), from that or from
+    token-major [B, T, K, G, w]."""
+    if q.ndim == 4:
+        return q
+    B, T, K, G, w = q.shape
+    return q.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, w)
+
+
 def may_lower_for_a_gpu() -> bool:
     """Whether a step traced now may be lowered for a GPU, so that the GPU kernel's branch is traced:
     this process's backend is a GPU, or JMOE_TRACE_GPU_KERNELS=1 (lowering for CUDA from a CPU
@@ -53,19 +63,26 @@ def may_lower_for_a_gpu() -> bool:
 def decode_attention(queries, keys, values, start, key_start, table, *, num_tokens: int, reference, groups: int,
                      scale: float, window: int | None, sink=None, precision=None):
     """(out, (top, norm)) as cpu_kernels.attention returns them, from the first kernel that takes the
-    inputs, else reference() (called with no arguments). queries/keys: per score term (a kernel takes
-    one: not MLA's two) a [B, K, G*T, w] query array and its cached keys; values the cached values.
-    precision: the dots' on a GPU, as the reference's (the native CPU kernel multiplies in float32)."""
-    if len(queries) != 1 or queries[0].ndim != 4:
+    inputs, else reference() (called with no arguments). queries/keys: per score term a query array,
+    [B, K, G*T, w] or [B, T, K, G, w], and its cached keys (the native CPU kernel takes one or two
+    terms, latent attention's latent and rotary ones; the Pallas kernel one, head-major); values the
+    cached values. precision: the dots' on a GPU, as the reference's (the native CPU kernel multiplies
+    in float32)."""
+    if len(queries) > 2:
         return reference()
-    args = (queries[0], keys[0], values, start, key_start, table)
     kw = dict(groups=groups, scale=scale, window=window, sink=sink)
-    if num_tokens <= native_tokens(groups, queries[0].shape[-1]):
+    width = sum(q.shape[-1] for q in queries)
+    if num_tokens <= native_tokens(groups, width):
         try:
-            out, top, norm = cpu_kernels.attention(*args, **kw)
+            q = jnp.concatenate([head_major(q) for q in queries], axis=-1) if len(queries) == 2 else queries[0]
+            out, top, norm = cpu_kernels.attention(q, keys[0], values, start, key_start, table,
+                                                   keys2=keys[1] if len(keys) == 2 else None, **kw)
             return out, (top, norm)
         except NotImplementedError:
             pass
+    if len(queries) != 1 or queries[0].ndim != 4:
+        return reference()
+    args = (queries[0], keys[0], values, start, key_start, table)
     if not may_lower_for_a_gpu() or not pallas_attention.supports(*args[:3], groups):
         return reference()
 
