@@ -99,6 +99,37 @@ def test_latent_cache_is_what_the_budget_counts():
     assert expanded / latent > 8
 
 
+def test_on_the_cpu_latent_attention_holds_its_up_projections_as_its_products_read_them(tmp_path):
+    """Loaded on the CPU, each latent attention holds kv_b as W_uk [H, nope, r] and W_uv [H, r, v] in
+    the compute dtype, not kv_b's int4 codes (which each step otherwise dequantized and transposed),
+    and both load's reservation and memory_plan count what it holds; it decodes."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import jmoe
+    from convert import convert_checkpoint
+    from jmoe.runtime.budget import tree_nbytes
+    from tests.hf_models import make_checkpoint
+
+    overrides = DEEPSEEK_V2["lite-greedy"]
+    make_checkpoint("deepseek_v2", tmp_path / "hf", overrides=overrides, randomize=RANDOMIZED)
+    out = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="int4", dense_tier="int4", progress=False)
+    model = jmoe.load(out, compute_dtype="float32")
+    cfg = model.config
+    heads, nope, rank, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(model.dense))}
+    held = {name: leaf for name, leaf in flat.items() if "w_uk" in name or "w_uv" in name}
+    layers = cfg.num_layers
+    assert len(held) == 2 * layers and not any("kv_b_proj" in name for name in flat)
+    assert all(leaf.dtype == np.float32 for leaf in held.values())
+    assert {leaf.shape for name, leaf in held.items() if "w_uk" in name} == {(heads, nope, rank)}
+    assert {leaf.shape for name, leaf in held.items() if "w_uv" in name} == {(heads, rank, v)}
+    assert model.memory["dense"] == tree_nbytes(model.dense) == jmoe.memory_plan(out, compute_dtype="float32")["dense"]
+    assert len(jmoe.generate(model, [5, 17, 99, 3], max_new_tokens=4)) == 4
+
+
 # ---------------------------------------------------------------- downstream: tiers, policies, paths
 
 # each with one offloaded execution path (both run on the tiny model and every other family)

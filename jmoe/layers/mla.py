@@ -5,12 +5,19 @@ latent [kv_lora_rank] and the shared rotary key [rope_dim]; the up-projection of
 the queries (q_nope @ W_uk gives a query in latent space) and the one of values is applied after
 the weighted sum of latents, so attention reads kv_lora_rank + rope_dim numbers per cached token
 instead of heads * (2 * head widths).
+
+Both up-projections multiply per head, the keys' one transposed (q_nope @ W_uk[h]^T), which the
+integer kernels do not do: the step reads kv_b's weight whole. On the CPU, load holds it already as
+those products read it (`absorb_up_projections`: W_uk [H, nope, r] and W_uv [H, r, v] in the compute
+dtype, kv_b dropped). Dequantized and transposed inside each step instead, it took 8-11 ms a layer
+at DeepSeek-V2-Lite's shapes (an int4 dense tier), two thirds of a decode token's time.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -76,6 +83,25 @@ class LatentAttention(nnx.Module):
         self.rope_interleaved = cfg.rope_interleaved
         self.cache_layout = self.cache_spec(cfg, layer_idx)
         self.dtype = dtype
+        self.w_uk = self.w_uv = None  # kv_b as the absorbed products read it, once absorbed (absorb)
+
+    def absorb(self, dtype) -> None:
+        """Hold kv_b's up-projections per head as the products read them, in `dtype`: W_uk [H, nope, r]
+        and W_uv [H, r, v]; kv_b itself is dropped."""
+        H, r = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight(dtype).reshape(r, H, self.nope + self.v_dim)
+        self.w_uk = nnx.data(nnx.Param(jnp.transpose(w[..., : self.nope], (1, 2, 0))))
+        self.w_uv = nnx.data(nnx.Param(jnp.transpose(w[..., self.nope :], (1, 0, 2))))
+        self.kv_b_proj = None
+
+    def _up_projections(self):
+        """(W_uk, W_uv, the einsum subscripts of each): [H, nope, r] and [H, r, v] once absorbed, else
+        views of kv_b's weight [r, H, nope] and [r, H, v] in the compute dtype."""
+        if self.kv_b_proj is None:
+            return self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype), "hnr", "hrv"
+        # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
+        w = self.kv_b_proj.weight(self.dtype).reshape(self.kv_lora_rank, self.num_heads, self.nope + self.v_dim)
+        return w[..., : self.nope], w[..., self.nope :], "rhn", "rhv"
 
     def _query(self, x):
         if self.q_proj is not None:
@@ -94,18 +120,35 @@ class LatentAttention(nnx.Module):
         k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)
         latent_cache, new_latent = write_cache(cache[0], latent[:, None], meta)  # [P, 1, page, r]
         rot_cache, new_rot = write_cache(cache[1], k_rot.transpose(0, 2, 1, 3), meta)  # [P, 1, page, rope]
-        # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
-        w = self.kv_b_proj.weight(self.dtype).reshape(r, H, self.nope + self.v_dim)
-        w_k, w_v = w[..., : self.nope], w[..., self.nope :]
-        q_latent = jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
+        w_k, w_v, k_axes, v_axes = self._up_projections()
+        q_latent = jnp.einsum(f"bthn,{k_axes}->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
         # one cache head shared by every query head: the latent query head-major [B, 1, H*T, r], the
         # rotary one token-major [B, T, 1, H, rope], as the projection gives it
         queries = (q_latent.reshape(B, 1, H * T, r), q_rot.reshape(B, T, 1, H, self.rope))
         kw = dict(groups=H, scale=self.scale, window=self.window, precision=prec)
         context, softmax = blocked_attention(queries, (latent_cache, rot_cache), latent_cache, meta, **kw)
         context = context.astype(self.dtype).reshape(B, H, T, r)
-        out = jnp.einsum("bhtr,rhv->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
+        out = jnp.einsum(f"bhtr,{v_axes}->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
         importance = None
         if want_importance:
             importance = current_importance(queries, (new_latent, new_rot), meta, softmax, **kw)
         return self.o_proj(out), (latent_cache, rot_cache), importance
+
+
+def absorb_up_projections(graphdef, state, dtype):
+    """(graphdef, state) with every latent attention's kv_b held as its absorbed products read it
+    (LatentAttention.absorb), in `dtype`; the same where the model has none. `state` may hold
+    arrays or ShapeDtypeStructs (then so does the result: what the prepared weights take)."""
+    holder = {}
+
+    def absorbed(state):
+        model = nnx.merge(graphdef, state)
+        modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, LatentAttention) and m.kv_b_proj is not None]
+        for module in modules:
+            module.absorb(dtype)
+        holder["graphdef"], new_state = nnx.split(model)
+        return new_state
+
+    concrete = all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
+    new_state = absorbed(state) if concrete else jax.eval_shape(absorbed, state)
+    return holder["graphdef"], new_state

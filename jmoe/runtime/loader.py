@@ -27,6 +27,7 @@ from jmoe.distributed.mesh import Placement
 from jmoe.errors import BudgetError, FormatError, InputError
 from jmoe.layers.attention import attention_scores_nbytes, key_block
 from jmoe.layers.linear import Embed, Linear, use_tiled_kernels
+from jmoe.layers.mla import absorb_up_projections
 from jmoe.layers.modules import attention_head_widths, cache_spec
 from jmoe.layers.transformer import abstract_model
 from jmoe.manifest import check_files, dense_format, head_format, inside, read_manifest, tiled_kernels
@@ -444,7 +445,9 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     apply_miss_mode(chosen, misses)
     chosen.check()
     store = ExpertStore(root, manifest, cfg)
-    _, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest))
+    graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest))
+    if jax.default_backend() == "cpu":  # as load() holds them there
+        _, abstract_state = absorb_up_projections(graphdef, abstract_state, dtype)
     shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
     max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     plan = reservations(store, abstract_state, dtype, max_seq_len, max_batch, draft, chosen, shards, kv,
@@ -600,9 +603,12 @@ def load(
                         "the XLA reference's untiling (slower); convert without it for a GPU")
         graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest), int8_dot,
                                                   tiled)
+        # on the CPU latent attention's up-projections are held as its products read them (jmoe/layers/mla.py)
+        absorb = device_is_host(device)
+        held = absorb_up_projections(graphdef, abstract_state, dtype)[1] if absorb else abstract_state
         prefix_bytes = resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv)
         kv_bytes = resolve_kv_cache(kv_cache, cfg, max_seq_len, kv)
-        memory = reservations(store, abstract_state, dtype, max_seq_len, max_batch,
+        memory = reservations(store, held, dtype, max_seq_len, max_batch,
                               None if draft is None else check_draft(manifest, draft), None, placement.shards, kv,
                               prefix_bytes, kv_bytes)
         all_experts = all_expert_bytes(cfg, store.record_nbytes(tier)) // placement.shards  # per device
@@ -637,6 +643,8 @@ def load(
         for purpose, nbytes in memory.items():
             tracker.reserve(purpose, nbytes)
         dense = restore_dense(root / manifest["dense"]["dir"], abstract_state, placement.replicated)
+        if absorb:
+            graphdef, dense = absorb_up_projections(graphdef, dense, dtype)
         if chosen.everything_resident:
             if budget is not None and fixed + all_experts > budget:
                 raise BudgetError(
