@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     import jmoe
     from jmoe.bench import decode_seconds, random_prompt
 
-    model = jmoe.load(args.model, tier=args.tier, cpu_dot=args.cpu_dot, max_seq_len=256, policy=args.policy)
+    max_seq_len = max(256, args.prompt + args.tokens + 8)  # room for the prompt (a decode at depth)
+    model = jmoe.load(args.model, tier=args.tier, cpu_dot=args.cpu_dot, max_seq_len=max_seq_len, policy=args.policy)
     prompts = [random_prompt(model, args.prompt, 0)]
 
     def decode() -> tuple[float, int]:
