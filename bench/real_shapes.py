@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="layers to keep (default 8; 1 with --quick)")
     p.add_argument("--tiers", default="bf16,int4", help="expert tiers to convert and run (default bf16,int4)")
     p.add_argument("--cpu-dots", default="float,int8",
-                   help="load(cpu_dot=...) settings to run quantized tiers with (default float,int8; bf16 runs once)")
+                   help="load(cpu_dot=...) settings to run quantized tiers with (default float,int8; bf16 runs once, with float inputs)")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)".replace("%", "%%"))
     p.add_argument("--llama-types", default=",".join(llama_cpp.QUANT_TYPES),
@@ -257,7 +257,7 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
             fraction = PLACEMENTS[placement]
             policy = "resident" if fraction is None else OFFLOAD_POLICY
             where = "resident" if fraction is None else f"pools {placement}"
-            for dot in args.cpu_dots if tier != "bf16" else args.cpu_dots[:1]:
+            for dot in args.cpu_dots if tier != "bf16" else ["float"]:  # nothing of bf16 is integer
                 spec = dict(base, path=str(main), tier=tier, policy=policy, cpu_dot=dot,
                             budget=budget_for(main, tier, fraction, max_seq_len))
                 jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {where}{DOT_SUFFIX[dot]}", "spec": spec,
