@@ -79,6 +79,9 @@ FAMILY_HEADLINES = [
     ("real_shapes/real_shapes_mixtral_many_rows_zen4_cpu.json",
      ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json",
+     ("DeepSeek-V2-Lite shapes (8 of 27 layers: latent attention, 2 shared experts), decode tok/s on an AVX-512 Xeon "
+      "(Emerald Rapids), int4 experts and dense weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
 ]
 
 
@@ -326,6 +329,8 @@ def real_shapes_avx2() -> str:
 
 XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks are left out)
     ("jmoe bf16 resident", "jmoe bf16 experts, bf16 dense"),
+    # runs before bench.real_shapes ran bf16 with float inputs whatever --cpu-dots said (nothing of it is integer)
+    ("jmoe bf16 resident, int8 dot", "jmoe bf16 experts, bf16 dense"),
     ("llama.cpp BF16", "llama.cpp BF16"),
     ("jmoe int4 resident, int8 dot", "jmoe int4 experts, bf16 dense, `cpu_dot=\"int8\"`"),
     ("jmoe int2 resident, int8 dot", "jmoe int2 experts, bf16 dense, `cpu_dot=\"int8\"`"),
@@ -786,6 +791,7 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixed_r_emr_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
 ]
 
 
@@ -1281,6 +1287,7 @@ TABLES = {
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     "real-shapes-mixed-r-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_emr_cpu.json"),
+    "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
     "expert-tiers-gfni-all-widths": lambda: expert_mixed_tiers("kernels/expert_tiers_gfni_all_widths_zen4_cpu.json"),
