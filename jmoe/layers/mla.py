@@ -137,8 +137,10 @@ class LatentAttention(nnx.Module):
 
 def absorb_up_projections(graphdef, state, dtype):
     """(graphdef, state) with every latent attention's kv_b held as its absorbed products read it
-    (LatentAttention.absorb), in `dtype`; the same where the model has none. `state` may hold
-    arrays or ShapeDtypeStructs (then so does the result: what the prepared weights take)."""
+    (LatentAttention.absorb), in `dtype`; the same objects where the model has none. `state` may
+    hold arrays or ShapeDtypeStructs (then so does the result: what the prepared weights take)."""
+    if not any(getattr(node, "type", None) is LatentAttention for node in graphdef.nodes):
+        return graphdef, state
     holder = {}
 
     def absorbed(state):
