@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     for scope, seconds in top:
         print(f"  {ms(seconds):7.3f} ms  {scope}")
     write_result("kernels", f"decode_profile_{args.name or args.model.name}", {
-        "model": str(args.model.name), "tier": args.tier, "cpu_dot": args.cpu_dot, "decode_steps": steps,
+        "model": str(args.model.name), "tier": args.tier, "cpu_dot": args.cpu_dot, "prompt": args.prompt,
+        "decode_steps": steps,
         "ms_per_token_untraced": ms(untraced), "ms_per_token_traced": ms(traced),
         "ms_per_token_by_kind": {k: ms(v) for k, v in per_kind.items()},
         "ms_per_token_by_scope": {k: ms(v) for k, v in top}})
