@@ -88,11 +88,14 @@ class LatentAttention(nnx.Module):
     def absorb(self, dtype) -> None:
         """Hold kv_b's up-projections per head as the products read them, in `dtype`: W_uk [H, nope, r]
         and W_uv [H, r, v]; kv_b itself is dropped."""
-        H, r = self.num_heads, self.kv_lora_rank
-        w = self.kv_b_proj.weight(dtype).reshape(r, H, self.nope + self.v_dim)
+        w = self._kv_b_weight(dtype)
         self.w_uk = nnx.data(nnx.Param(jnp.transpose(w[..., : self.nope], (1, 2, 0))))
         self.w_uv = nnx.data(nnx.Param(jnp.transpose(w[..., self.nope :], (1, 0, 2))))
         self.kv_b_proj = None
+
+    def _kv_b_weight(self, dtype):
+        """kv_b's weight as [r, H, nope + v] in `dtype`."""
+        return self.kv_b_proj.weight(dtype).reshape(self.kv_lora_rank, self.num_heads, self.nope + self.v_dim)
 
     def _up_projections(self):
         """(W_uk, W_uv, the einsum subscripts of each): [H, nope, r] and [H, r, v] once absorbed, else
@@ -100,7 +103,7 @@ class LatentAttention(nnx.Module):
         if self.kv_b_proj is None:
             return self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype), "hnr", "hrv"
         # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
-        w = self.kv_b_proj.weight(self.dtype).reshape(self.kv_lora_rank, self.num_heads, self.nope + self.v_dim)
+        w = self._kv_b_weight(self.dtype)
         return w[..., : self.nope], w[..., self.nope :], "rhn", "rhv"
 
     def _query(self, x):
