@@ -74,7 +74,8 @@ def decode_attention(queries, keys, values, start, key_start, table, *, num_toke
     width = sum(q.shape[-1] for q in queries)
     if num_tokens <= native_tokens(groups, width):
         try:
-            q = jnp.concatenate([head_major(q) for q in queries], axis=-1) if len(queries) == 2 else queries[0]
+            parts = [head_major(q) for q in queries]
+            q = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
             out, top, norm = cpu_kernels.attention(q, keys[0], values, start, key_start, table,
                                                    keys2=keys[1] if len(keys) == 2 else None, **kw)
             return out, (top, norm)

@@ -446,9 +446,11 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
     chosen.check()
     store = ExpertStore(root, manifest, cfg)
     graphdef, abstract_state = abstract_split(cfg, dtype, dense_format(manifest), head_format(manifest))
-    if jax.default_backend() == "cpu":  # as load() holds them there
+    threads.limit_threads_if_not_started()  # as load() does, before the device query starts the backend
+    placement = Placement.for_mesh(mesh)
+    if device_is_host(placement.device):  # as load() holds them there
         _, abstract_state = absorb_up_projections(graphdef, abstract_state, dtype)
-    shards = Placement.for_mesh(mesh).shards if mesh is not None else 1
+    shards = placement.shards
     max_seq_len = resolve_max_seq_len(cfg, max_seq_len)
     plan = reservations(store, abstract_state, dtype, max_seq_len, max_batch, draft, chosen, shards, kv,
                         resolve_prefix_cache(prefix_cache, cfg, max_seq_len, kv),
