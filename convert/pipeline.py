@@ -85,6 +85,7 @@ def convert_checkpoint(
     calib_sequences: int = 64,
     calib_seq_len: int = 256,
     group_size: int | None = None,
+    head_group_size: int | None = None,
     symmetric: bool | None = None,
     scale_bits: int | None = None,
     w8a8: bool = False,
@@ -104,14 +105,17 @@ def convert_checkpoint(
       dense_tier: "bf16", "int8" or "int4": the attention projections, dense MLPs and shared experts
         at that tier (RTN on the integer tiers' grid, group_size and symmetric apply); norms,
         routers and biases stay bf16.
-      head_tier: the LM head and embedding table's tier, "bf16", "int8" or "int4" (default: int8
-        beside an int4 dense tier, else the dense tier).
+      head_tier: the LM head and embedding table's tier, "bf16", "int8", "int6" or "int4" (default:
+        int8 beside an int4 dense tier, else the dense tier).
       method: quantizer for the integer tiers: "rtn", "gptq" or "haq" (the last two calibrate, and
         then integer dense weights and LM head are quantized by GPTQ too: convert/dense_gptq.py).
       calib: calibration text file(s) (comma-separated string or list); needed by gptq and haq.
       calib_sequences, calib_seq_len: how many token windows of what length to calibrate on.
       group_size: group size along K for every integer tier (default: 128 for int8, 32 for int4 dense
         weights, 64 otherwise).
+      head_group_size: the LM head and embedding table's group size along K where it differs from
+        group_size's (int6 in groups of 32 stores 7.5 bits per weight where 64 stores 6.75, for less
+        error on every logit: bench/quality.py).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       scale_bits: 8 or 16, how the asymmetric expert tiers store each group's scale and offset: 8-bit
         codes on per-column bases or float16 (default: int2 and int3 8-bit, int4 float16; symmetric tiers and the
@@ -134,8 +138,9 @@ def convert_checkpoint(
         raise InputError(f"method {method!r} calibrates: pass calibration text with calib=... / --calib")
     calib_sequences = validate.integer("calib_sequences", calib_sequences, minimum=1, maximum=1 << 16)
     calib_seq_len = validate.integer("calib_seq_len", calib_seq_len, minimum=2)
-    if group_size is not None:
-        validate.choice("group_size", group_size, (32, 64, 128))
+    for name, size in (("group_size", group_size), ("head_group_size", head_group_size)):
+        if size is not None:
+            validate.choice(name, size, (32, 64, 128))
     if symmetric is not None:
         validate.boolean("symmetric", symmetric)
     if scale_bits is not None:
@@ -148,7 +153,9 @@ def convert_checkpoint(
     formats = {t: tier_format(t, group_size=group_size, symmetric=symmetric, w8a8=w8a8, smooth=method == "haq",
                               scale_bits=scale_bits) for t in tiers}
     dense_fmt = dense_format(dense_tier, group_size=group_size, symmetric=symmetric)
-    head_fmt = dense_format(head_tier, group_size=group_size, symmetric=symmetric)
+    if head_group_size is not None and head_tier == "bf16":
+        raise InputError("head_group_size sets an integer head tier's groups: the head tier is bf16")
+    head_fmt = dense_format(head_tier, group_size=head_group_size or group_size, symmetric=symmetric)
     if cpu_layout:  # integer dense weights, LM head and embedding table too (a decode step reads them all)
         dense_fmt, head_fmt = (None if f is None else dataclasses.replace(f, tiled=True) for f in (dense_fmt, head_fmt))
     out = absolute(validate.path("output", out))

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--calib-sequences", type=int, default=64, help="calibration windows (default 64)")
     conv.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
     conv.add_argument("--group-size", type=int, default=None, help="group size along K (32, 64, 128)")
+    conv.add_argument("--head-group-size", type=int, default=None,
+                      help="the LM head and embedding table's group size along K (32, 64, 128; default: --group-size's, "
+                           "else the head tier's: int6 64)")
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--scale-bits", type=int, default=None,
                       help="8 or 16: the asymmetric expert tiers' scales and offsets as 8-bit codes or float16 "
@@ -216,7 +219,7 @@ def cmd_convert(args) -> None:
     out = convert_checkpoint(args.source, args.output, tiers=args.tiers, dense_tier=args.dense_tier,
                              head_tier=args.head_tier, method=args.method, calib=calib,
                              calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
-                             group_size=args.group_size, symmetric=args.symmetric, scale_bits=args.scale_bits,
+                             group_size=args.group_size, head_group_size=args.head_group_size, symmetric=args.symmetric, scale_bits=args.scale_bits,
                              w8a8=args.w8a8, cpu_layout=args.cpu_layout,
                              overwrite=args.force, progress=not args.no_progress)
     print(f"wrote {out}", file=sys.stderr)

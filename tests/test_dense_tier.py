@@ -289,6 +289,32 @@ def test_gptq_writes_an_int6_weight_as_its_planes():
     np.testing.assert_array_equal(np.asarray(dequantize(got)), np.asarray(dequantize(whole)))
 
 
+def test_head_group_size_sets_the_head_and_embedding_groups_alone(qwen2_hf, tmp_path, capsys):
+    """--head-group-size 32 with an int6 head: the LM head and embedding table in groups of 32 (7.5
+    bits per weight: 4 + 2 bits of codes, two float16 scales and an offset a group), every other
+    dense weight at its own groups; refused for a bf16 head and for a size no kernel reads."""
+    hf = tmp_path / "untied"
+    make_checkpoint("qwen2_moe", hf, overrides=dict(tie_word_embeddings=False))
+    assert cli_main(["convert", str(hf), "-o", str(tmp_path / "m"), "--dense-tier", "int4", "--head-tier", "int6",
+                     "--head-group-size", "32", "--no-progress"]) == 0
+    model = jmoe.load(tmp_path / "m")
+    for path in (("lm_head", "kernel"), ("embed_tokens", "embedding")):
+        head = leaf(model, *path)
+        assert head.fmt.bits == 6 and head.fmt.group_size == 32
+        assert 8 * tree_nbytes(head) / (head.k * head.n) == pytest.approx(7.5)
+    assert leaf(model, "layers", 1, "self_attn", "q_proj", "kernel").fmt.group_size == 32
+    default = jmoe.load(convert_checkpoint(hf, tmp_path / "d", dense_tier="int4", head_tier="int6", progress=False))
+    assert leaf(default, "lm_head", "kernel").fmt.group_size == 64
+    assert len(jmoe.generate(model, [3, 4, 5], max_new_tokens=3)) == 3
+    with pytest.raises(InputError, match="the head tier is bf16"):
+        convert_checkpoint(hf, tmp_path / "out", dense_tier="int4", head_tier="bf16", head_group_size=32,
+                           progress=False)
+    assert cli_main(["convert", str(hf), "-o", str(tmp_path / "out"), "--dense-tier", "int4",
+                     "--head-group-size", "48"]) == 2
+    assert "head_group_size must be one of 32, 64, 128" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_dense_tier_is_refused(qwen2_hf, tmp_path, capsys):
     for bad in ("int2", "fp8", 4, None, ["int4"]):
         with pytest.raises(InputError, match="dense_tier must be one of bf16, int8, int6, int4"):
