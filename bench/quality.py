@@ -15,7 +15,7 @@ BF16, as jmoe's expert tiers leave it), each scored by llama-perplexity, and jmo
 tiers (RTN), int4 and int3 with dense int4 under the int8 dot, and the per-token mixed mode (DyMoE int4/int2,
 both tiers whole, scored token by token as it decodes), RTN and GPTQ (experts and LM head, calibrated
 on the train splits), with the LM head at int8 (the default beside dense int4), int6 (the bytes of
-llama.cpp's Q6_K output matrix) or int4, scored by jmoe on the same windows with the
+llama.cpp's Q6_K output matrix; also in groups of 32, 7.5 bits) or int4, scored by jmoe on the same windows with the
 same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexity(..., context=ctx // 2)).
 Each side's figures are relative to its own bf16. Needs a llama.cpp build with llama-perplexity and
 llama-tokenize (bench/lib/llama_cpp.py says how; build those two targets beside llama-bench).
@@ -144,6 +144,11 @@ BESIDE_LLAMA = {
     "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token": ("gptq-dense-int4-head-int6",
                                                                            dict(policy="mixed", cpu_dot="int8"),
                                                                            "decode"),
+    # the int6 head in groups of 32 (7.5 bits a weight): less error on every logit for 0.75 bit more
+    "GPTQ: int4 experts + dense int4 (int6 head in groups of 32), int8 dot": (
+        "gptq-dense-int4-head-int6-g32", dict(tier="int4", cpu_dot="int8"), "prefill"),
+    "GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token": (
+        "gptq-dense-int4-head-int6-g32", dict(policy="mixed", cpu_dot="int8"), "decode"),
     # three-bit experts with Q4_0's other bytes: the quality side of reading fewer expert bytes (Q3_K_M's)
     "int3 experts + dense int4 (int6 head), int8 dot": ("dense-int4-head-int6", dict(tier="int3", cpu_dot="int8"),
                                                         "prefill"),
@@ -174,6 +179,8 @@ CONVERSIONS = {  # each with the converter's defaults otherwise
     "gptq-dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4", **CALIBRATED),
     "dense-int4-head-int6": dict(tiers="int4,int3", dense_tier="int4", head_tier="int6"),
     "gptq-dense-int4-head-int6": dict(tiers="int4,int3,int2", dense_tier="int4", head_tier="int6", **CALIBRATED),
+    "gptq-dense-int4-head-int6-g32": dict(tiers="int4,int2", dense_tier="int4", head_tier="int6", head_group_size=32,
+                                          **CALIBRATED),
 }
 # K-quants need rows of 256: on the tiny model (rows of 96 and 128) llama-quantize falls back to
 # other types for those tensors (Q2_K becomes Q4_0 throughout), so their bits are read from the GGUF.
