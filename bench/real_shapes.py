@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-tier", choices=("bf16", "int8", "int6", "int4"), default=None,
                    help="LM head tier of the dense-int4 and mixed conversions (default: the converter's, int8 beside "
                         "dense int4; directories named ...-head-<tier>)")
+    p.add_argument("--head-group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="the LM head's group size along K in those conversions (default: the head tier's; "
+                        "directories named ...-head-<tier>-g<size>)")
     p.add_argument("--cpu-layout", action="store_true",
                    help="convert jmoe's models with --cpu-layout (their directories named ...-cpu)")
     p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")
@@ -192,13 +195,14 @@ def stale_dense_formats(path: Path, extra: list[str]) -> str | None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--dense-tier", default="bf16")
     parser.add_argument("--head-tier", default=None)
+    parser.add_argument("--head-group-size", type=int, default=None)
     known, _ = parser.parse_known_args(extra)
     head_tier = known.head_tier or default_head_tier(known.dense_tier)
     held = dense_tiers(path)
     strip = lambda fmt: None if fmt is None else {k: v for k, v in fmt.items() if k != "tiled"}  # noqa: E731
-    for what, tier, fmt in (("dense", known.dense_tier, held["dense_format"]),
-                            ("head", head_tier, held["head_format"])):
-        want = dense_format(tier)
+    for what, tier, fmt, group in (("dense", known.dense_tier, held["dense_format"], None),
+                                   ("head", head_tier, held["head_format"], known.head_group_size)):
+        want = dense_format(tier, group_size=group)
         if strip(fmt) != strip(None if want is None else want.to_json()):
             return f"its {what} format is {fmt}, this converter writes {tier} as {want}"
     return None
@@ -349,6 +353,8 @@ def main(argv=None) -> None:
     name = f"{args.model}-{args.layers}L"
     layout, suffix = (["--cpu-layout"], "-cpu") if args.cpu_layout else ([], "")
     head, head_suffix = (["--head-tier", args.head_tier], f"-head-{args.head_tier}") if args.head_tier else ([], "")
+    if args.head_group_size:
+        head, head_suffix = [*head, "--head-group-size", str(args.head_group_size)], f"{head_suffix}-g{args.head_group_size}"
     conversions = {}
     if not args.dense_int4_only:
         conversions["jmoe"] = convert_jmoe(src, args.data / f"jmoe-{name}{suffix}", args.tiers, layout, args.reuse,
@@ -401,6 +407,7 @@ def main(argv=None) -> None:
                      "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens,
                      "llama_threads": args.llama_threads,
                      "quick": args.quick, "method": "rtn", "cpu_layout": args.cpu_layout, "head_tier": args.head_tier,
+                     "head_group_size": args.head_group_size,
                      "mixed_r": args.mixed_r if args.mixed else None,
                      "llama_cpp": llama.version() if llama else None},
         "conversions": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in conversions.items()},

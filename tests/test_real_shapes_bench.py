@@ -160,6 +160,7 @@ def test_a_conversion_whose_dense_formats_are_not_the_converters_is_not_reused(t
     assert again["seconds"] is not None and again["head_format"]["group_size"] == 64
     kept = real_shapes.convert_jmoe(src, out, ["int4"], options, True, tmp_path / "convert.log")
     assert kept["seconds"] is None and kept["head_tier"] == "int6"
+    assert "group_size': 64" in real_shapes.stale_dense_formats(out, [*options, "--head-group-size", "32"])
 
 
 def test_llama_perplexity_is_read_when_a_stream_lost_its_last_lines():
