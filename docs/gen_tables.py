@@ -135,16 +135,27 @@ def headline() -> str:
         f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('jmoe', mixed_r_half)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
         machine(beside), source(beside_name),
     ])
+    g32_name = "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json"  # the mixed mode at Q4_0's quality
+    g32 = {(r["runtime"], r["label"]): r["over_bf16"] for r in load(g32_name)["rows"]}
+    rows.append([
+        ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ "
+         "DyMoE int4/int2 per token (r = 0.75) + dense int4 + int6 head in groups of 32 (7.5 bits); llama.cpp "
+         "Q4_0 (its head at Q8_0 on this model)"),
+        f"{pct(g32[('jmoe', 'GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token')])}; "
+        f"{pct(g32[('llama.cpp', 'Q4_0')])}",
+        machine(load(g32_name)), source(g32_name),
+    ])
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
     # keeps its output matrix at Q6_K) and in the mixed mode, the newest run of each per machine; every
     # other run is in docs/benchmarks.md.
     zen4_mixed = "real_shapes/real_shapes_mixed_r_zen4_cpu.json"
     zen5 = "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"
     emr = "real_shapes/real_shapes_mixed_r_emr_cpu.json"
+    emr_g32 = "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"  # the mixed mode with the quality row's head
     for name, equal_name, where in [
         (zen4_mixed, "real_shapes/real_shapes_equal_bits_7_rounds_zen4_cpu.json", "on an AVX-512 EPYC (Zen 4)"),
         (zen5, zen5, "on an AVX-512 EPYC (Zen 5)"),
-        (emr, emr, "on an AVX-512 Xeon (Emerald Rapids)"),
+        (emr_g32, emr, "on an AVX-512 Xeon (Emerald Rapids)"),
     ]:
         run = load(name)
         r = run["settings"].get("mixed_r") or [0.75]
@@ -153,9 +164,10 @@ def headline() -> str:
         at_r = "" if r == [0.75] else f" at r = {min(r):g}"
         equal = load(equal_name)
         for ours, label, from_run, from_name in [
-            ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(equal)} LM head",
+            ("jmoe int4 + dense int4 resident, int8 dot", f"int4 experts and dense weights, {head_tier(equal)} LM head{head_groups(equal)}",
              equal, equal_name),
-            (mixed, f"DyMoE int4/int2{at_r} per token (both tiers resident), {head_tier(run)} LM head", run, name),
+            (mixed, f"DyMoE int4/int2{at_r} per token (both tiers resident), {head_tier(run)} LM head{head_groups(run)}", run,
+             name),
         ]:
             rows.append(decode_row(from_run, from_name, ours, "llama.cpp Q4_0", f"Qwen3-30B-A3B shapes (8 of 48 "
                                    f"layers), decode tok/s {where}, {label}, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0"))
@@ -359,6 +371,12 @@ def head_tier(d: dict) -> str:
     return d["conversions"].get("jmoe dense int4", {}).get("head_tier", "int4")
 
 
+def head_groups(d: dict) -> str:
+    """" in groups of G" where a real-shapes run set the LM head's group size (--head-group-size)."""
+    group = d["settings"].get("head_group_size")
+    return f" in groups of {group}" if group else ""
+
+
 def shapes_on_avx512(name: str) -> str:
     """A real-shapes run on an AVX-512 machine: every configuration it has, then its ratios to llama.cpp."""
     d = load(name)
@@ -367,7 +385,7 @@ def shapes_on_avx512(name: str) -> str:
     for key, label in XEON_LABELS[:-LLAMA_ROWS] + mixed_ratio_labels(d) + XEON_LABELS[-LLAMA_ROWS:]:  # llama.cpp last
         if key not in d["summary"]:
             continue
-        label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head)")
+        label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head{head_groups(d)})")
         if d["settings"].get("cpu_layout") and key.startswith("jmoe"):
             label += ", `--cpu-layout`"
         r = d["summary"][key]
@@ -1287,6 +1305,10 @@ TABLES = {
     "dynaexq-stream-offsets": dynaexq_stream_offsets,
     "real-shapes-mixed-r-zen4": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     "real-shapes-mixed-r-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_r_emr_cpu.json"),
+    "real-shapes-mixed-head-int6-g32-emr": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"),
+    "quality-vs-llama-head-int6-g32-emr": lambda: quality_vs_llama(
+        "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
