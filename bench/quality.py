@@ -146,9 +146,9 @@ BESIDE_LLAMA = {
                                                                            "decode"),
     # the int6 head in groups of 32 (7.5 bits a weight): less error on every logit for 0.75 bit more
     "GPTQ: int4 experts + dense int4 (int6 head in groups of 32), int8 dot": (
-        "gptq-dense-int4-head-int6-g32", dict(tier="int4", cpu_dot="int8"), "prefill"),
+        "gptq-dense-int4-head-int6-g32", {"tier": "int4", "cpu_dot": "int8"}, "prefill"),
     "GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token": (
-        "gptq-dense-int4-head-int6-g32", dict(policy="mixed", cpu_dot="int8"), "decode"),
+        "gptq-dense-int4-head-int6-g32", {"policy": "mixed", "cpu_dot": "int8"}, "decode"),
     # three-bit experts with Q4_0's other bytes: the quality side of reading fewer expert bytes (Q3_K_M's)
     "int3 experts + dense int4 (int6 head), int8 dot": ("dense-int4-head-int6", dict(tier="int3", cpu_dot="int8"),
                                                         "prefill"),

@@ -141,8 +141,8 @@ def headline() -> str:
         ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ "
          "DyMoE int4/int2 per token (r = 0.75) + dense int4 + int6 head in groups of 32 (7.5 bits); llama.cpp "
          "Q4_0 (its head at Q8_0 on this model)"),
-        f"{pct(g32[('jmoe', 'GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token')])}; "
-        f"{pct(g32[('llama.cpp', 'Q4_0')])}",
+        (f"{pct(g32[('jmoe', 'GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token')])}; "
+         f"{pct(g32[('llama.cpp', 'Q4_0')])}"),
         machine(load(g32_name)), source(g32_name),
     ])
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which

@@ -294,7 +294,7 @@ def test_head_group_size_sets_the_head_and_embedding_groups_alone(qwen2_hf, tmp_
     bits per weight: 4 + 2 bits of codes, two float16 scales and an offset a group), every other
     dense weight at its own groups; refused for a bf16 head and for a size no kernel reads."""
     hf = tmp_path / "untied"
-    make_checkpoint("qwen2_moe", hf, overrides=dict(tie_word_embeddings=False))
+    make_checkpoint("qwen2_moe", hf, overrides={"tie_word_embeddings": False})
     assert cli_main(["convert", str(hf), "-o", str(tmp_path / "m"), "--dense-tier", "int4", "--head-tier", "int6",
                      "--head-group-size", "32", "--no-progress"]) == 0
     model = jmoe.load(tmp_path / "m")
