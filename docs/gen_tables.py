@@ -73,12 +73,18 @@ def ratio(stat: dict) -> str:
 
 # Other families' shapes beside llama.cpp in the headline: (result, row label).
 FAMILY_HEADLINES = [
-    ("real_shapes/real_shapes_gpt_oss_many_rows_zen4_cpu.json",  # the newest run of each family
+    ("real_shapes/real_shapes_gpt_oss_many_rows_zen4_cpu.json",  # the newest run of each family on each machine
      ("GPT-OSS-20B shapes (2 of 24 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
     ("real_shapes/real_shapes_mixtral_many_rows_zen4_cpu.json",
      ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json",
+     ("GPT-OSS-20B shapes (2 of 24 layers), decode tok/s on an AVX-512 Xeon (Emerald Rapids), int4 experts and dense "
+      "weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json",
+     ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 Xeon (Emerald Rapids), int4 experts and dense "
+      "weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
     ("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json",
      ("DeepSeek-V2-Lite shapes (8 of 27 layers: latent attention, 2 shared experts), decode tok/s on an AVX-512 Xeon "
       "(Emerald Rapids), int4 experts and dense weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
@@ -809,6 +815,8 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixed_r_emr_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
 ]
 
@@ -1309,6 +1317,8 @@ TABLES = {
         "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"),
     "quality-vs-llama-head-int6-g32-emr": lambda: quality_vs_llama(
         "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json"),
+    "gpt-oss-shapes-head-int6-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json"),
+    "mixtral-shapes-head-int6-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
