@@ -99,6 +99,16 @@ def decode_row(run: dict, name: str, ours: str, theirs: str, what: str) -> list[
     return [what, f"{f(mine)} vs {f(other)} ({ratio:.2f}×)", machine(run), source(name)]
 
 
+def quality_row(name: str, what: str, labels: list[tuple[str, str]]) -> list[str]:
+    """A headline row from one `bench.quality --llama-cpp` run: the perplexity over its own runtime's
+    bf16 (prose / code / math) of each (runtime, row label), in turn."""
+    d = load(name)
+    over = {(r["runtime"], r["label"]): r["over_bf16"] for r in d["rows"]}
+    figures = "; ".join(" / ".join(f"{100 * over[key][dom]:+.2f}%" for dom in ("prose", "code", "math"))
+                        for key in labels)
+    return [what, figures, machine(d), source(name)]
+
+
 def headline() -> str:
     ppl = load("perplexity/perplexity_tiny_cpu.json")
     quality = load("quality/quality_tiny_cpu.json")
@@ -128,29 +138,20 @@ def headline() -> str:
         source("quality/quality_tiny_cpu.json", "quality/quality_tiny_int3_cpu.json",
                "quality/quality_tiny_int2_cpu.json"),
     ])
-    beside_name = "quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"  # the modes the Zen 4 speed rows time
-    beside = load(beside_name)
-    by_label = {(r["runtime"], r["label"]): r["over_bf16"] for r in beside["rows"]}
-    ours = "GPTQ: int4 experts + dense int4 (int6 head), int8 dot"
-    mixed_r_half = "GPTQ: DyMoE int4/int2 r=0.5 + dense int4 (int6 head), int8 dot, per token"
-    pct = lambda over: " / ".join(f"{100 * over[d]:+.2f}%" for d in ("prose", "code", "math"))  # noqa: E731
-    rows.append([
+    rows.append(quality_row(  # the modes the Zen 4 speed rows time
+        "quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json",
         ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ int4 "
          "experts + dense int4 + int6 head (Q4_0's bytes); the same with DyMoE int4/int2 per token at r = 0.5; "
          "llama.cpp Q4_0"),
-        f"{pct(by_label[('jmoe', ours)])}; {pct(by_label[('jmoe', mixed_r_half)])}; {pct(by_label[('llama.cpp', 'Q4_0')])}",
-        machine(beside), source(beside_name),
-    ])
-    g32_name = "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json"  # the mixed mode at Q4_0's quality
-    g32 = {(r["runtime"], r["label"]): r["over_bf16"] for r in load(g32_name)["rows"]}
-    rows.append([
+        [("jmoe", "GPTQ: int4 experts + dense int4 (int6 head), int8 dot"),
+         ("jmoe", "GPTQ: DyMoE int4/int2 r=0.5 + dense int4 (int6 head), int8 dot, per token"), ("llama.cpp", "Q4_0")]))
+    rows.append(quality_row(  # the mixed mode at Q4_0's quality
+        "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json",
         ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ "
          "DyMoE int4/int2 per token (r = 0.75) + dense int4 + int6 head in groups of 32 (7.5 bits); llama.cpp "
          "Q4_0 (its head at Q8_0 on this model)"),
-        (f"{pct(g32[('jmoe', 'GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token')])}; "
-         f"{pct(g32[('llama.cpp', 'Q4_0')])}"),
-        machine(load(g32_name)), source(g32_name),
-    ])
+        [("jmoe", "GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token"),
+         ("llama.cpp", "Q4_0")]))
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
     # keeps its output matrix at Q6_K) and in the mixed mode, the newest run of each per machine; every
     # other run is in docs/benchmarks.md.
@@ -181,15 +182,11 @@ def headline() -> str:
     rows.append(decode_row(load(int3_name), int3_name, "jmoe int3 + dense int4 resident, int8 dot", "llama.cpp Q3_K_M",
                            "Qwen3-30B-A3B shapes (8 of 48 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int3 experts "
                            "and dense int4, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q3_K_M"))
-    int3_quality_name = "quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"
-    int3_quality = {(r["runtime"], r["label"]): r["over_bf16"] for r in load(int3_quality_name)["rows"]}
-    rows.append([
+    rows.append(quality_row(
+        "quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json",
         ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ int3 "
          "experts + dense int4 + int6 head; llama.cpp Q3_K_M"),
-        f"{pct(int3_quality[('jmoe', 'GPTQ: int3 experts + dense int4 (int6 head), int8 dot')])}; "
-        f"{pct(int3_quality[('llama.cpp', 'Q3_K_M')])}",
-        machine(load(int3_quality_name)), source(int3_quality_name),
-    ])
+        [("jmoe", "GPTQ: int3 experts + dense int4 (int6 head), int8 dot"), ("llama.cpp", "Q3_K_M")]))
     for name, what in FAMILY_HEADLINES:
         rows.append(decode_row(load(name), name, "jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0", what))
     avx2 = "kernels/thread_scaling_qwen3-30b-a3b_8L_head_int4_cpu_layout_cpu.json"
