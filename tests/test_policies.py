@@ -338,6 +338,20 @@ def test_promotions_ride_in_decode_steps_and_no_step_waits_for_one(int4_int2):
     model.residency.cache.check()
 
 
+def test_a_dynaexq_step_takes_no_miss_slots(int4_int2):
+    """Every expert keeps a published version, so a step that degrades never fetches a miss: no miss
+    slots, no scratch for them in the pools."""
+    from jmoe.config import ModelConfig
+    from jmoe.manifest import read_manifest
+    from jmoe.runtime.fetching import fetch_slots
+
+    cfg = ModelConfig.from_dict(read_manifest(int4_int2)["config"])
+    cpu = jax.devices("cpu")[0]
+    slots = fetch_slots(cfg, DynaExq(), cpu, rows=1, degrade=True)
+    assert slots.misses == 0 and slots.lookahead == 0 and slots.extra == 1 and slots.requests == 4
+    assert fetch_slots(cfg, DyMoE(), cpu, rows=1, degrade=True).misses == cfg.top_k  # a cache can lack one
+
+
 def test_the_cli_builds_dynaexq_with_the_hi_sets_it_names():
     from argparse import Namespace
 

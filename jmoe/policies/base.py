@@ -153,6 +153,9 @@ class Policy:
     # fetching it (exact), except in these phases ("prefill", "decode", "verify"), where the step is kept and
     # the expert is fetched for later steps (counted as degraded or skipped).
     degrade_phases: tuple[str, ...] = ()
+    # Every expert keeps a published version from load on (DynaExq's lo floor): a step that degrades
+    # never lacks one, so it gets no slots to fetch misses into (nor their scratch in the pools).
+    never_missing: bool = False
     # Device pools, tier -> share of the expert budget. None: one pool, of the run tier. A policy
     # whose plans ask for several tiers needs a pool for each of them.
     pool_shares: dict[str, float] | None = None

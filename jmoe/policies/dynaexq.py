@@ -93,7 +93,7 @@ class DynaExq(Policy):
         self.fast_alpha = validate.real("fast_alpha", fast_alpha, minimum=0.0, maximum=1.0)
         self.allocation = validate.choice("allocation", allocation, ("model", "layer"))
         super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode", "verify"),
-                         pool_shares={hi: 0.5, lo: 0.5})
+                         pool_shares={hi: 0.5, lo: 0.5}, never_missing=True)
         self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
         self.window: np.ndarray | None = None  # [L, E] counts of the current interval
         self.recent: np.ndarray | None = None  # [L, E] the fast EMA (with `shift`)

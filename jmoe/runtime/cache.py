@@ -283,15 +283,16 @@ class CacheManager:
 
     # -- slots a step fills itself (jmoe/layers/fetch.py)
 
-    def assign(self, key: Key, tier: str, kind: str = "prefetch") -> int | None:
+    def assign(self, key: Key, tier: str, kind: str = "prefetch", exact: bool = False) -> int | None:
         """A slot for the next step to fetch `key`'s `tier` version into, published now: every step
         that reads the tables from now on runs after that step wrote it (it takes the pools that step
-        returns). None when `key` needs no fetch or no slot can be freed."""
-        if self._has(key, tier, False) or key in self.inflight:
+        returns). None when `key` needs no fetch or no slot can be freed. `exact`: as for request (a
+        demotion loads the lower version, and the higher ones go as it is published)."""
+        if self._has(key, tier, exact) or key in self.inflight:
             return None
         slot = self._claim_slot(tier, key)
         if slot is not None:
-            self._place(key, tier, slot, kind)
+            self._place(key, tier, slot, kind, exact)
             if kind == "prefetch":
                 self.stats.prefetch_issued += 1
         return slot

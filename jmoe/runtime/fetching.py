@@ -85,6 +85,8 @@ def fetch_slots(cfg: ModelConfig, policy: Policy, device, rows: int, degrade: bo
     # a verification routes (draft tokens + 1) tokens per row: on the CPU its misses get slots too
     tokens = max(1, rows) * (draft_tokens + 1 if guarded and draft_tokens else 1)
     misses = min(chain, per_token * tokens) if miss_slots is None else min(E, miss_slots)
+    if degrade and policy.never_missing:
+        misses = 0
     lookahead = min(chain, per_token * max(int(policy.prefetch), draft_tokens + 1 if draft_tokens else 0))
     # requests carry what a policy asks for beyond the routing: its own plan's, degrade mode's
     own_plan = type(policy).plan is not Policy.plan
@@ -170,7 +172,9 @@ class InStepFetch:
         landing = np.full((len(spec.tiers), spec.landing), NO_SLOT, np.int32)
         keys = np.full_like(landing, -1)
         taken = []
-        wanted = min(spec.landing, int(np.ceil(2 * self.chosen_per_step)) + res.cfg.top_k)
+        # a step that can fetch nothing itself locks no slot (the policy's requests may need them all)
+        wanted = min(spec.landing, int(np.ceil(2 * self.chosen_per_step)) + res.cfg.top_k) \
+            if spec.misses or spec.lookahead else 0
         for i, tier in enumerate(spec.tiers):
             candidates = res.cache.landing_candidates(tier, wanted, keep_unlocked=min(res.cfg.top_k, E))
             for j, (slot, key) in enumerate(candidates):
@@ -244,7 +248,7 @@ class InStepFetch:
             if filled[t, layer] == spec.requests:
                 continue
             del self.wanted[(key, tier)]
-            slot = res.cache.assign(key, tier, kind)
+            slot = res.cache.assign(key, tier, kind, exact=kind == "transition")
             if slot is None:
                 continue
             ids[t, layer, filled[t, layer]], slots[t, layer, filled[t, layer]] = key[1], slot
