@@ -148,6 +148,9 @@ def add_model_options(p) -> None:
     p.add_argument("--hi-sets", default=None, choices=["model", "layer"],
                    help="dynaexq: the hottest experts of the whole model share the hi copies (model, the default), "
                         "or each layer holds --hi-per-layer of them (layer)")
+    p.add_argument("--keep-lo", action="store_true", default=None,
+                   help="dynaexq: keep every expert's lo version under its hi one (a demotion then copies "
+                        "nothing, but the budget holds fewer hi experts than with one version each, the default)")
     p.add_argument("--execution", default="auto", choices=["auto", "layerwise", "resident"],
                    help="offloaded step: one jit per step falling back to layer-wise on a miss (auto), "
                         "layer-wise (host between layers), or one jit with replay (resident)")
@@ -445,14 +448,14 @@ def cli_policy(args):
     from jmoe.policies import make_policy
 
     dynamic = {"hi": args.hi, "lo": args.lo, "r": args.r, "hi_per_layer": args.hi_per_layer,
-               "allocation": args.hi_sets}
+               "allocation": args.hi_sets, "keep_lo": args.keep_lo}
     given = {k: v for k, v in dynamic.items() if v is not None}
     if args.policy not in ("dymoe", "dynaexq"):
         if given:
             raise InputError(f"--{'/--'.join(FLAGS.get(k, k).replace('_', '-') for k in given)} only apply to "
                              "--policy dymoe/dynaexq")
         return args.policy
-    allowed = {"dymoe": ("hi", "lo", "r"), "dynaexq": ("hi", "lo", "hi_per_layer", "allocation")}[args.policy]
+    allowed = {"dymoe": ("hi", "lo", "r"), "dynaexq": ("hi", "lo", "hi_per_layer", "allocation", "keep_lo")}[args.policy]
     wrong = [k for k in given if k not in allowed]
     if wrong:
         raise InputError(f"--{FLAGS.get(wrong[0], wrong[0]).replace('_', '-')} does not apply to --policy {args.policy}")

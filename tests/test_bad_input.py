@@ -416,6 +416,7 @@ ROWS = [
     Row("policy-dynaexq-shift-negative", lambda c: DynaExq(shift=-1.0), InputError, "shift"),
     Row("policy-dynaexq-fast-alpha", lambda c: DynaExq(fast_alpha=2.0), InputError, "fast_alpha"),
     Row("policy-dynaexq-allocation", lambda c: DynaExq(allocation="global"), InputError, "allocation"),
+    Row("policy-dynaexq-keep-lo-string", lambda c: DynaExq(keep_lo="no"), InputError, "keep_lo"),
     Row("policy-placement-strategy", lambda c: StaticPlacement(np.zeros((4, 2, 2), int), strategy="best"),
         InputError, "strategy"),
     # ---- generate
@@ -552,6 +553,8 @@ ROWS = [
                                            "--hi-sets", "layer"], CLI, "hi-sets does not apply"),
     Row("cli-hi-sets-without-dynaexq", lambda c: ["generate", str(c.tiny), "x", "--hi-sets", "model"], CLI,
         "--hi-sets only apply"),
+    Row("cli-keep-lo-on-dymoe", lambda c: ["generate", str(c.tiny), "x", "--policy", "dymoe", "--keep-lo"], CLI,
+        "keep-lo does not apply"),
     Row("cli-hi-and-tier-differ", lambda c: ["generate", str(c.tiny), "x", "--policy", "dymoe", "--tier", "int8",
                                              "--hi", "int4"], CLI, "differs"),
     Row("cli-draft-k-without-speculative", lambda c: ["generate", str(c.tiny), "x", "--draft-k", "3"], CLI,

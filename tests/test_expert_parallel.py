@@ -10,7 +10,7 @@ import pytest
 import jmoe
 from convert import convert_checkpoint
 from jmoe.errors import InputError
-from jmoe.policies import DyMoE
+from jmoe.policies import DyMoE, DynaExq
 from jmoe.runtime.loader import memory_plan
 from tests.hf_models import make_checkpoint
 from tests.test_family_deepseek import DEEPSEEK_V3, RANDOMIZED
@@ -106,16 +106,18 @@ def test_dymoe_on_a_mesh_gives_one_device_tokens(tiny_tiers):
     assert jmoe.generate(model, PROMPT, max_new_tokens=TOKENS) == whole
 
 
-def test_dynaexq_keeps_a_hi_set_per_shard(tiny_tiers):
+@pytest.mark.parametrize("keep_lo", [True, False])
+def test_dynaexq_keeps_a_hi_set_per_shard(tiny_tiers, keep_lo):
     budget = offload_budget(tiny_tiers, 4, tier="int4", share=1, policy="dynaexq")
-    model = load(tiny_tiers, mesh="ep=4", policy="dynaexq", tier="int4", device_budget=budget)
+    model = load(tiny_tiers, mesh="ep=4", policy=DynaExq(keep_lo=keep_lo), tier="int4", device_budget=budget)
     text = jmoe.generate(model, PROMPT * 4, max_new_tokens=TOKENS)
     assert text
     policy, cache = model.policy, model.residency.cache
     cache.check()
     layers = model.config.num_moe_layers
     members = policy.members.reshape(layers, 4, -1)
-    assert (members.sum(axis=(0, 2)) <= policy.n_hi * layers).all()  # each shard's own hi set, over its layers
+    assert (members.sum(axis=(0, 2)) <= policy.n_model).all()  # each shard's own hi set, over its layers
+    assert policy.n_model >= policy.n_hi * layers
     assert policy.members.any()
     assert all(n <= cache.pools["int4"].shard_slots for n in shard_occupancy(model)["int4"])
 

@@ -338,6 +338,54 @@ def test_promotions_ride_in_decode_steps_and_no_step_waits_for_one(int4_int2):
     model.residency.cache.check()
 
 
+def dynaexq_budget(path, hi_per_layer: int) -> int:
+    """A device budget with every expert at int2 and `hi_per_layer` int4 copies per layer beside them."""
+    from jmoe.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    cfg = manifest["config"]
+    layers, experts = sum(cfg["moe_layers"]), cfg["num_experts"]
+    plan = memory_plan(path, compute_dtype="float32", policy=DynaExq(hi_per_layer=hi_per_layer))
+    record = {tier: manifest["tiers"][tier]["record_nbytes"] for tier in ("int4", "int2")}
+    fixed = sum(v for k, v in plan.items() if k != "all_experts")
+    return fixed + layers * experts * record["int2"] + layers * hi_per_layer * record["int4"], record
+
+
+def test_one_version_an_expert_holds_more_hi_experts_and_always_has_one(int4_int2):
+    """keep_lo=False: in the budget of every expert at int2 plus 8 int4 copies a layer, an expert
+    holds its int4 or its int2 version, so the hi experts are those the budget buys at what int4 adds
+    over int2. Promotions and demotions (now a copy of the int2 version) ride in the decode steps:
+    every expert has one published version after every token, no step waits and none skips one."""
+    budget, record = dynaexq_budget(int4_int2, 8)
+    kept = jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(hi_per_layer=8, keep_lo=True), device_budget=budget)
+    layers = kept.config.num_moe_layers
+    total = layers * kept.config.num_experts
+    assert {t: p.slots for t, p in kept.residency.pools.items()} == {"int2": total, "int4": 8 * layers}
+
+    policy = DynaExq(interval=4, keep_lo=False)
+    model = jmoe.load(int4_int2, compute_dtype="float32", policy=policy, device_budget=budget)
+    slots = {t: p.slots for t, p in model.residency.pools.items()}
+    swap = DynaExq.SWAP_SLOTS
+    hi = (8 * layers * record["int4"] - swap * (record["int4"] + record["int2"])) // (record["int4"] - record["int2"])
+    assert slots == {"int2": total - hi + swap, "int4": hi + swap} and hi >= 2 * 8 * layers
+    cache = model.residency.cache
+    prompts = [IDS, [900, 14, 77, 3000, 5, 5, 61, 2048], [1, 2, 3, 4, 3999, 3998, 17]]
+    for prompt in prompts:  # different text routes differently: the hi set moves
+        for _ in jmoe.generate(model, prompt, max_new_tokens=24, temperature=1.0, seed=3, stream=True):
+            assert all(len(v) == 1 for v in cache.resident.values()) and len(cache.resident) == total
+    stats = jmoe.stats(model)
+    assert stats["promotions"] > 0 and stats["demotions"] > 0 and stats["skipped"] == 0
+    assert stats["bytes_h2d_by_tier"].get("int2", 0) > 0  # a demotion copies its int2 version in
+    decode = stats["host"]["decode"]
+    assert decode["reads"] == decode["executions"] == stats["tokens"] - len(prompts)
+    assert policy.members.sum() == hi
+    cache.check()
+
+    every_lo = budget - 8 * layers * record["int4"]  # room for every int2 version, none for a copy in flight
+    with pytest.raises(jmoe.errors.InputError, match="copies in flight"):
+        jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(), device_budget=every_lo)
+
+
 def test_a_dynaexq_step_takes_no_miss_slots(int4_int2):
     """Every expert keeps a published version, so a step that degrades never fetches a miss: no miss
     slots, no scratch for them in the pools."""
@@ -347,8 +395,9 @@ def test_a_dynaexq_step_takes_no_miss_slots(int4_int2):
 
     cfg = ModelConfig.from_dict(read_manifest(int4_int2)["config"])
     cpu = jax.devices("cpu")[0]
-    slots = fetch_slots(cfg, DynaExq(), cpu, rows=1, degrade=True)
-    assert slots.misses == 0 and slots.lookahead == 0 and slots.extra == 1 and slots.requests == 4
+    for keep_lo in (True, False):
+        slots = fetch_slots(cfg, DynaExq(keep_lo=keep_lo), cpu, rows=1, degrade=True)
+        assert slots.misses == 0 and slots.lookahead == 0 and slots.extra == 1 and slots.requests == 4
     assert fetch_slots(cfg, DyMoE(), cpu, rows=1, degrade=True).misses == cfg.top_k  # a cache can lack one
 
 
@@ -358,5 +407,7 @@ def test_the_cli_builds_dynaexq_with_the_hi_sets_it_names():
     from jmoe.cli import cli_policy
 
     args = dict(policy="dynaexq", hi=None, lo=None, r=None, hi_per_layer=8, tier=None)
-    assert cli_policy(Namespace(**args, hi_sets="layer")).allocation == "layer"
-    assert cli_policy(Namespace(**args, hi_sets=None)).allocation == "model"
+    assert cli_policy(Namespace(**args, hi_sets="layer", keep_lo=None)).allocation == "layer"
+    assert cli_policy(Namespace(**args, hi_sets=None, keep_lo=None)).allocation == "model"
+    assert not cli_policy(Namespace(**args, hi_sets=None, keep_lo=None)).keep_lo
+    assert cli_policy(Namespace(**args, hi_sets=None, keep_lo=True)).keep_lo

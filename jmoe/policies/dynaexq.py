@@ -1,9 +1,14 @@
 """DynaExq: long-horizon hotness decides which experts run at a high tier; the rest stay low.
 
-Every expert is resident at `lo` (loaded at start: the lo pool is sized for all of them first,
-when the budget allows). What the budget leaves holds `hi` copies: n_l per layer on average (the hi
-pool's slots over the layers, or `hi_per_layer`). Hotness is router counts per (layer, expert) over
-an interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
+Each expert holds one version, `hi` or `lo` (the default, keep_lo=False): the budget must hold
+every expert at `lo`, and what it leaves buys hi experts at what hi adds over lo each: n_l per
+layer on average (or `hi_per_layer`), less two slots per pool (SWAP_SLOTS) kept free for the
+copies in flight. With keep_lo=True every expert keeps its lo version under a hi copy, so a hi copy
+costs its whole record: in DynaExq 8/32's budget on the tiny model (every expert at int2 and 8 int4
+copies a layer) one version an expert holds 156 int4 experts of 256 where keep_lo holds 64
+(bench/results/policies/dynaexq_one_version_emr_cpu.json).
+
+Hotness is router counts per (layer, expert) over an interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
 a share of the layer's total, folded into an EMA (hot = alpha * hot + (1 - alpha) * share) when
 the interval ends. The hi set is the hottest experts of the whole model, n_l x layers of them
 (allocation="model"): a layer whose routing is concentrated holds more hi copies and one whose
@@ -19,12 +24,14 @@ standard deviations, the layer takes the recent estimate as its hotness: its hi 
 workload within a few intervals instead of the slow EMA's horizon. Off by default: on the tiny
 model's shifting streams the long horizon did better (docs/benchmarks.md).
 
-Promotions and demotions run in the background as plan transitions: an expert entering the set is
-copied in at `hi` while its `lo` version keeps serving (steps never wait for it: the policy
-degrades in both phases, so a step whose wanted hi copy is still in flight runs the lo one); the
-hi copy is published only when complete. An expert leaving the set just drops its hi copy (its lo
-version is resident all along). A promotion needs a free hi slot: the policy evicts only hi copies
-of experts outside the set, and otherwise the promotion waits for a later step.
+Promotions and demotions run in the background as plan transitions: the version an expert has
+keeps serving while the other is copied in (steps never wait for it: the policy degrades in every
+phase, so a step whose wanted hi version is still in flight runs the lo one), and it is published
+only when complete; then the old version's slot is freed. So a promotion copies hi in and frees
+the lo slot, a demotion copies lo in and frees the hi slot, and an expert always has a version.
+Nothing is evicted: a transition that finds no free slot waits for a later step. With keep_lo, an
+expert leaving the set just drops its hi copy (its lo version is resident all along), and a
+promotion evicts only hi copies of experts outside the set.
 """
 
 from __future__ import annotations
@@ -74,11 +81,12 @@ class DynaExq(Policy):
     # Over the three streams together 0.9 closed 81% and 78% of the int2 -> int4 gap where 0.7
     # (a half-life of 31 tokens) closed 65% and 74%; a single stream's share moves more with the
     # stream than with the horizon. The model-wide hi set (allocation="model") took that to 83% and
-    # 81% (bench/results/policies/dynaexq_allocation_zen4_cpu.json).
+    # 81% (bench/results/policies/dynaexq_allocation_zen4_cpu.json), and one version an expert
+    # (keep_lo=False) in the same budget to 96% and 97% (dynaexq_one_version_emr_cpu.json).
     def __init__(self, hi: str = "int4", lo: str = "int2", interval: int = 16, alpha: float = 0.9,
                  margin: float = 0.0, hi_per_layer: int | None = None, hotness: str = "gate",
                  shift: float | None = None, fast_alpha: float = 0.5, allocation: str = "model",
-                 name: str = "dynaexq"):
+                 keep_lo: bool = False, name: str = "dynaexq"):
         validate.choice("hi", hi, TIER_NAMES)
         validate.choice("lo", lo, TIER_NAMES)
         if TIER_CODES[lo] >= TIER_CODES[hi]:
@@ -92,7 +100,8 @@ class DynaExq(Policy):
         self.shift = None if shift is None else validate.real("shift", shift, minimum=0.0)
         self.fast_alpha = validate.real("fast_alpha", fast_alpha, minimum=0.0, maximum=1.0)
         self.allocation = validate.choice("allocation", allocation, ("model", "layer"))
-        super().__init__(name=name, tier=hi, keep_lower=True, degrade_phases=("prefill", "decode", "verify"),
+        self.keep_lo = validate.boolean("keep_lo", keep_lo)
+        super().__init__(name=name, tier=hi, keep_lower=self.keep_lo, degrade_phases=("prefill", "decode", "verify"),
                          pool_shares={hi: 0.5, lo: 0.5}, never_missing=True)
         self.hot: np.ndarray | None = None  # [L, E] EMA of routed share
         self.window: np.ndarray | None = None  # [L, E] counts of the current interval
@@ -107,32 +116,55 @@ class DynaExq(Policy):
 
     # -- sizing and start
 
+    SWAP_SLOTS = 2  # keep_lo=False: free slots per pool (and shard) beyond its share, for copies in flight
+
     def size_pools(self, left, slot_nbytes, num_layers, num_experts):
         total = num_layers * num_experts
         hi_bytes, lo_bytes = slot_nbytes[self.hi], slot_nbytes[self.lo]
+        swap = 0 if self.keep_lo else self.SWAP_SLOTS * (hi_bytes + lo_bytes)
         if left is None:
             per_layer = num_experts
-        elif total * lo_bytes > left:
-            raise InputError(f"policy {self.name!r} keeps every expert at {self.lo} ({total} x {lo_bytes} bytes), "
+        elif total * lo_bytes + swap > left:
+            raise InputError(f"policy {self.name!r} keeps every expert at {self.lo} ({total} x {lo_bytes} bytes"
+                             f"{f', and {self.SWAP_SLOTS} slots of each tier for copies in flight' if swap else ''}), "
                              f"which needs more than the {left} bytes the budget leaves for experts")
-        else:
+        elif self.keep_lo:
             per_layer = (left - total * lo_bytes) // hi_bytes // num_layers
+        else:  # a hi expert gives its lo slot back
+            per_layer = (left - total * lo_bytes - swap) // max(hi_bytes - lo_bytes, 1) / num_layers
         if self.hi_per_layer is not None:
             per_layer = min(per_layer, self.hi_per_layer)
-        self._start(num_layers, num_experts * self.shards, int(min(per_layer, num_experts)))
-        return {self.lo: total, self.hi: max(self.n_hi, 1) * num_layers}
+        per_layer = min(per_layer, num_experts)
+        if self.keep_lo:
+            self._start(num_layers, num_experts * self.shards, int(per_layer))
+            return {self.lo: total, self.hi: max(self.n_hi, 1) * num_layers}
+        # with one version an expert the model-wide set's size need not be a multiple of the layers
+        n = int(per_layer * num_layers) if self.allocation == "model" else int(per_layer) * num_layers
+        lo_least = num_experts  # the lo pool keeps a layer's experts' room (a step's working set) however many are hi
+        if total - n + self.SWAP_SLOTS < lo_least:
+            fits = n if left is None else (left - lo_least * lo_bytes) // hi_bytes - self.SWAP_SLOTS
+            n = max(0, min(n, fits))
+        self._start(num_layers, num_experts * self.shards, min(int(per_layer), n // num_layers), n)
+        return {self.lo: max(total - n + self.SWAP_SLOTS, lo_least), self.hi: n + self.SWAP_SLOTS}
 
-    def _start(self, num_layers: int, num_experts: int, n_hi: int) -> None:
+    def _start(self, num_layers: int, num_experts: int, n_hi: int, n_model: int | None = None) -> None:
+        """Fresh books for hi sets of `n_hi` experts per layer (per shard), or `n_model` over the model."""
         shape = (num_layers, num_experts)
         self.hot, self.window, self.recent = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         self.drift, self.intervals, self.shifts = np.zeros((2, num_layers)), 0, 0
+        self.n_hi, self.tokens, self._codes = n_hi, 0, None
+        self.n_model = n_hi * num_layers if n_model is None else n_model
         # room for every expert of a shard: all of them from the start
         self.members = np.full(shape, n_hi >= num_experts // self.shards)
-        self.n_hi, self.tokens, self._codes = n_hi, 0, None
+        if not self.keep_lo:  # the hi slots hold someone from the start, spread over the layers
+            width = num_experts // self.shards
+            rank = (np.arange(num_experts) % width)[None, :] * num_layers + np.arange(num_layers)[:, None]
+            self.members |= rank < self.n_model
 
     def preload(self, num_layers: int, num_experts: int) -> list[tuple[Key, str]]:
         keys = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
-        return [(key, self.lo) for key in keys] + [(key, self.hi) for key in keys if self.members[key]]
+        lo = keys if self.keep_lo else [key for key in keys if not self.members[key]]
+        return [(key, self.lo) for key in lo] + [(key, self.hi) for key in keys if self.members[key]]
 
     # -- learning hotness
 
@@ -188,7 +220,7 @@ class DynaExq(Policy):
         width = E // self.shards
         shards = [slice(s * width, (s + 1) * width) for s in range(self.shards)]
         if self.allocation == "model":
-            return [((slice(None), cols), self.n_hi * L) for cols in shards]
+            return [((slice(None), cols), self.n_model) for cols in shards]
         return [((layer, cols), self.n_hi) for layer in range(L) for cols in shards]
 
     # -- planning
@@ -200,18 +232,18 @@ class DynaExq(Policy):
             self._codes = np.where(self.members, TIER_CODES[self.hi], TIER_CODES[self.lo]).astype(np.int32)
         hi_resident, hi_moving = view.resident(self.hi), view.in_flight(self.hi)
         promote = np.argwhere(self.members & ~hi_resident & ~hi_moving)
-        demote = np.argwhere(~self.members & hi_resident)
+        demote = np.argwhere(~self.members & hi_resident & ~view.in_flight(self.lo))
         transitions = [((int(layer), int(e)), self.lo) for layer, e in demote]  # free hi slots first
         transitions += [((int(layer), int(e)), self.hi) for layer, e in promote]
         return Plan.wanting(self._codes, transitions=transitions)
 
     def evictable(self, tier: str, key: Key) -> bool:
         # never a member's hi copy (a promotion that finds no other slot waits for a later step),
-        # never a lo copy (every expert keeps its lo version)
-        return tier == self.hi and (self.members is None or not self.members[key])
+        # never a lo copy (every expert keeps its lo version); with one version an expert, nothing
+        return self.evicts_from(tier) and (self.members is None or not self.members[key])
 
     def evicts_from(self, tier: str) -> bool:
-        return tier == self.hi
+        return self.keep_lo and tier == self.hi
 
     def report(self, view_cache) -> dict[str, int]:
         """How many experts are Resident-Lo, Promoting, Resident-Hi and Demoting now."""
@@ -227,4 +259,5 @@ class DynaExq(Policy):
     def __repr__(self) -> str:
         return (f"DynaExq(hi={self.hi!r}, lo={self.lo!r}, interval={self.interval}, alpha={self.alpha:g}, "
                 f"margin={self.margin:g}, hi_per_layer={self.hi_per_layer}, hotness={self.hotness!r}, "
-                f"shift={self.shift}, fast_alpha={self.fast_alpha:g}, allocation={self.allocation!r})")
+                f"shift={self.shift}, fast_alpha={self.fast_alpha:g}, allocation={self.allocation!r}, "
+                f"keep_lo={self.keep_lo})")
