@@ -24,14 +24,20 @@
    stream's share moves by tens of points with the place it starts; the median over places says
    more. With --hindsight, also DynaExq told the routing of the next 64, 256 or 1,024 tokens at
    every interval: what no estimate from past routing can beat at this budget. With --int3-lo, the
-   default beside DynaExq in the same budget with every expert at int3 (the rest in int4 copies), and
-   uniform int3.
+   8/32 rows beside DynaExq in the same budget with every expert at int3 (the rest in int4 copies),
+   uniform int3, and the same budget held as one version an expert (keep_lo=False, the policy's
+   default) over int2 and over int3. The rows named "8/32" keep every int2 version under 8 int4
+   copies a layer (keep_lo=True), as the policy did before one version an expert was its default.
+5. With --one-version-cost ROUNDS: what one version an expert costs per decoded token beside the 8/32
+   rows' two (decode time, bytes copied in, promotions and demotions) on the prose -> code -> math
+   stream of --shift-tokens a domain, in alternating rounds.
 
     python -m bench.policies [--tokens 2048] [--shift-tokens 2048] [--skip-ablation]
     python -m bench.policies --streams 250 2048 [--streams-name dynaexq_streams]
     python -m bench.policies --streams 250 --stream-offsets 0 1500 3000 4500 6000 7500 \
         --streams-name dynaexq_stream_offsets
     python -m bench.policies --streams 250 2048 --int3-lo --streams-name dynaexq_int3_lo
+    python -m bench.policies --one-version-cost 3 [--shift-tokens 2048] [--streams-name NAME]
 """
 
 from __future__ import annotations
@@ -141,7 +147,7 @@ def quality_table(path: Path, tokens: int, calib_traces: np.ndarray, dev_traces:
     rows["random 4/2 (DyMoE r=0.75's int2 share)"] = evaluate(path, RandomLow(share), ids, budget=budget)
     rows.update(importance_vs_chance(path, ids))
     for n in (4, 8, 16):
-        rows[f"DynaExq {n}/32 at int4 (unbudgeted)"] = evaluate(path, DynaExq(hi_per_layer=n), ids)
+        rows[f"DynaExq {n}/32 at int4 (unbudgeted)"] = evaluate(path, DynaExq(hi_per_layer=n, keep_lo=True), ids)
     placements = {}
     for strategy in ("frequency", "paths", "two-stage"):
         policy = StaticPlacement(calib_traces, strategy=strategy, tier="int4")
@@ -177,13 +183,16 @@ def model_slot_bytes(path: Path, tier: str) -> int:
 
 
 DYNAEXQ_HI = 8  # int4 copies per layer of "DynaExq 8/32"
+# "DynaExq 8/32": every expert at int2 and 8 int4 copies a layer beside them (keep_lo, the policy's
+# only mode before one version an expert became its default; the rows so named keep that meaning)
+EIGHT_COPIES = {"hi_per_layer": DYNAEXQ_HI, "keep_lo": True}
 
 
 def dynaexq_budget(path: Path) -> int:
     """The device budget of DynaExq 8/32 on the tiny model: every reservation load makes for it
     (jmoe.memory_plan: dense, KV cache, workspace, staging, fetch slots), every expert at int2 and
     8 int4 copies per layer; checked by loading it (the pools it gets must be those)."""
-    policy = DynaExq(hi_per_layer=DYNAEXQ_HI)
+    policy = DynaExq(hi_per_layer=DYNAEXQ_HI, keep_lo=True)
     plan = jmoe.memory_plan(path, compute_dtype="float32", policy=policy)
     layers, experts = plan_shape(path)
     budget = (sum(v for k, v in plan.items() if k != "all_experts") + layers * experts * model_slot_bytes(path, "int2")
@@ -215,10 +224,10 @@ def workload_shift(path: Path, tokens: int, calib_traces: np.ndarray) -> dict:
     stream = domain_stream(tokenizer, ("prose", "code", "math"), tokens)
     budget = dynaexq_budget(path)
     runs = {"uniform int4": ("lru", {"tier": "int4"}), "uniform int2": ("lru", {"tier": "int2"}),
-            "DynaExq 8/32": (DynaExq(hi_per_layer=8), {"budget": budget}),
-            "DynaExq 8/32, alpha 0.7": (DynaExq(hi_per_layer=8, alpha=0.7), {"budget": budget}),
-            "DynaExq 8/32, count hotness": (DynaExq(hi_per_layer=8, hotness="count"), {"budget": budget}),
-            "DynaExq 8/32, the previous defaults": (DynaExq(hi_per_layer=8, hotness="count", alpha=0.5, margin=0.01),
+            "DynaExq 8/32": (DynaExq(**EIGHT_COPIES), {"budget": budget}),
+            "DynaExq 8/32, alpha 0.7": (DynaExq(**EIGHT_COPIES, alpha=0.7), {"budget": budget}),
+            "DynaExq 8/32, count hotness": (DynaExq(**EIGHT_COPIES, hotness="count"), {"budget": budget}),
+            "DynaExq 8/32, the previous defaults": (DynaExq(**EIGHT_COPIES, hotness="count", alpha=0.5, margin=0.01),
                                                     {"budget": budget}),
             "LRU int4 (same budget)": ("lru", {"tier": "int4", "budget": budget}),
             "placement two-stage int4 (same budget)": (StaticPlacement(calib_traces, tier="int4"), {"budget": budget})}
@@ -272,8 +281,14 @@ STREAMS = {"prose -> code -> math": (("prose", "code", "math"), 0),
            "math -> prose -> code": (("math", "prose", "code"), 5000)}
 # With --int3-lo: the default beside the int3 tier in DynaExq 8/32's budget (every expert at int3, the
 # budget's rest in int4 copies: 8 of the tiny model's 256) and uniform int3.
+# With it also the same budget held as one version an expert (keep_lo=False, the default now): an
+# int4 expert gives its int2 (or int3) slot back, so the budget holds more int4 experts.
 INT3_LO = "DynaExq 8/32's budget, int3 lo"
-INT3_POLICIES = {"DynaExq 8/32 (defaults)": {}, INT3_LO: {"lo": "int3", "hi_per_layer": None}}
+ONE_VERSION = "DynaExq 8/32's budget, one version an expert"
+INT3_POLICIES = {"DynaExq 8/32 (defaults)": {}, INT3_LO: {"lo": "int3", "hi_per_layer": None},
+                 ONE_VERSION: {"hi_per_layer": None, "keep_lo": False},
+                 "DynaExq 8/32's budget, int3 lo, one version an expert": {"lo": "int3", "hi_per_layer": None,
+                                                                            "keep_lo": False}}
 STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dict(alpha=0.7),
                    "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count"),
                    "DynaExq 8/32, shift 3": dict(shift=3.0),
@@ -347,10 +362,10 @@ def shift_streams(path: Path, tokens: int, streams: dict | None = None, hindsigh
         stream = domain_stream(tokenizer, order, tokens, skip)
         runs = {"uniform int4": ("lru", "int4", None), "uniform int2": ("lru", "int2", None),
                 **({"uniform int3": ("lru", "int3", None)} if int3_lo else {}),
-                **{k: (DynaExq(**{"hi_per_layer": 8, **kw}), None, budget) for k, kw in policies.items()}}
+                **{k: (DynaExq(**{**EIGHT_COPIES, **kw}), None, budget) for k, kw in policies.items()}}
         if hindsight:  # the windows score the stream in order, each WINDOW tokens from a fresh cache
             routing, weights = trace_routing(tracer, stream, WINDOW, with_weights=True)
-            runs.update({hindsight_name(h): (Hindsight(routing, h, weights, hi_per_layer=8), None, budget)
+            runs.update({hindsight_name(h): (Hindsight(routing, h, weights, **EIGHT_COPIES), None, budget)
                          for h in HINDSIGHT_HORIZONS})
         perplexity = {}
         for run, (policy, tier, device_budget) in runs.items():
@@ -365,6 +380,35 @@ def shift_streams(path: Path, tokens: int, streams: dict | None = None, hindsigh
     spread = {k: {"median": statistics.median(v), "min": v[0], "max": v[-1]} for k, v in each.items()}
     return {"tokens_per_domain": tokens, "budget_bytes": budget, "streams": out, "gap_closed_all_streams": pooled,
             "gap_closed_per_stream": spread}
+
+
+def one_version_cost(path: Path, tokens: int, rounds: int) -> dict:
+    """What one version an expert costs per decoded token beside keeping every lo version under 8 hi
+    copies a layer, in DynaExq 8/32's budget, on the issue's prose -> code -> math stream: decode time
+    (teacher-forced, token by token: every token a decode step), bytes copied in, promotions and
+    demotions, alternating the two in each round after one unmeasured pass of each."""
+    tokenizer = jmoe.load(path, tier="int2").tokenizer
+    budget = dynaexq_budget(path)
+    stream = domain_stream(tokenizer, ("prose", "code", "math"), tokens)
+    variants = {"8 int4 copies a layer over every int2 version": EIGHT_COPIES,
+                "one version an expert": {"hi_per_layer": None, "keep_lo": False}}
+    runs = {name: [] for name in variants}
+    for round_ in range(rounds + 1):
+        for name, options in variants.items():
+            model = jmoe.load(path, compute_dtype="float32", policy=DynaExq(**options), device_budget=budget)
+            started = time.perf_counter()
+            windows = score_stream(model, stream)
+            seconds = time.perf_counter() - started
+            stats = jmoe.stats(model)
+            if round_:  # the first round compiles each step shape
+                runs[name].append({"ms_per_token": 1e3 * seconds / (len(stream) - 1),
+                                   "bytes_h2d_per_token": stats["bytes_h2d"] / (len(stream) - 1),
+                                   "promotions": stats["promotions"], "demotions": stats["demotions"],
+                                   "degraded": stats["degraded"], "perplexity": stream_perplexity(windows)})
+        print(round_, {k: v[-1]["ms_per_token"] for k, v in runs.items() if v}, flush=True)
+    summary = {name: {key: {"median": statistics.median(r[key] for r in rs), "min": min(r[key] for r in rs),
+                            "max": max(r[key] for r in rs)} for key in rs[0]} for name, rs in runs.items()}
+    return {"tokens_per_domain": tokens, "budget_bytes": budget, "rounds": rounds, "summary": summary, "runs": runs}
 
 
 def plot_shift(shift: dict, path: Path) -> None:
@@ -465,9 +509,20 @@ def main() -> None:
     parser.add_argument("--hindsight", action="store_true",
                         help="with --streams: also DynaExq told the routing of the tokens to come (a ceiling for "
                              "any hotness estimate at this budget)")
+    parser.add_argument("--one-version-cost", type=int, metavar="ROUNDS",
+                        help="DynaExq's decode time and bytes per token with one version an expert against 8 int4 "
+                             "copies a layer over every int2 version, in alternating rounds (results: "
+                             "policies/dynaexq_one_version_cost_cpu.json)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.one_version_cost:
+            path = convert_tiny(root, args.calib_sequences)
+            write_result("policies", args.streams_name if args.streams_name != "dynaexq_streams" else
+                         "dynaexq_one_version_cost", {"model": "tiny-qwen3-moe (GPTQ int4 + int2)",
+                                                      **one_version_cost(path, args.shift_tokens,
+                                                                         args.one_version_cost)})
+            return
         path = convert_tiny(root, args.calib_sequences, "int4,int3,int2" if args.int3_lo else "int4,int2")
         if args.streams:
             streams = offset_streams(args.stream_offsets) if args.stream_offsets else None
