@@ -41,8 +41,8 @@ spill in any of this project's kernels fails a step, one in XLA's own fusions is
 The offloaded decode step (engine._decode as Engine.decode jits it, sampling, with the experts
 fetched inside the step from pinned-host stores: jmoe/layers/fetch.py) of each 2-layer slice, with
 the fetch slots an accelerator's steps get (jmoe.runtime.fetching.fetch_slots): an LRU cache (misses
-only), LRU with prefetch (look-ahead too) and DyMoE over bf16 and int4 pools (degrade mode: requests,
-look-ahead and misses). The compile-only H100 reports no memories, so these are traced with CPU
+only), LRU with prefetch (look-ahead too), DyMoE over bf16 and int4 pools (degrade mode: requests,
+look-ahead and misses) and DynaExq over the same pools (requests only: every expert keeps a version). The compile-only H100 reports no memories, so these are traced with CPU
 shardings that keep the stores' pinned_host memory kind, lowered for CUDA and compiled with the
 topology's client. Each must compile to: its stores in host memory in the entry layout (S(5)), one
 asynchronous slice of host memory per fetch slot (as many as its FetchSpec implies), nothing run on
@@ -618,6 +618,7 @@ OFFLOAD_CASES = (  # (name, policy, its tier, its options): fetch slots as an ac
     ("offloaded decode, lru int4", "lru", "int4", {}),
     ("offloaded decode, lru+prefetch int4", "lru+prefetch", "int4", {}),
     ("offloaded decode, DyMoE bf16+int4", "dymoe", "bf16", {"lo": "int4"}),
+    ("offloaded decode, DynaExq bf16+int4", "dynaexq", "bf16", {"lo": "int4"}),
 )
 OFFLOAD_CACHE_SHARE = 0.25  # each tier's pool caches a quarter of the slice's experts
 HOST_MEMORY_SPACE = "S(5)"  # how XLA's layouts mark host memory
