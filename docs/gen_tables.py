@@ -952,7 +952,9 @@ def workload_shift() -> str:
     return out + f"\n\nMachine: {machine(d)}; GPU times modelled ({source('policies/policies_cpu.json')})."
 
 
-def dynaexq_streams(name: str = "policies/dynaexq_streams_cpu.json") -> str:
+def dynaexq_streams(name: str = "policies/dynaexq_streams_cpu.json", labels: dict[str, str] | None = None) -> str:
+    """Each stream's share of the gap closed per policy, and all streams' together; `labels` names
+    some policies' columns (else the run's names, shortened)."""
     d = load(name)
     policies = list(d["runs"][0]["gap_closed_all_streams"])
     rows = []
@@ -964,7 +966,8 @@ def dynaexq_streams(name: str = "policies/dynaexq_streams_cpu.json") -> str:
         rows.append(["all three together", f"{run['tokens_per_domain']:,}", "", "",
                      *(f"{100 * run['gap_closed_all_streams'][k]:.0f}%" for k in policies)])
     header = ["stream", "tokens per domain", "from dev token", "perplexity, uniform int4 / int2",
-              *(k.replace("DynaExq 8/32", "DynaExq").replace("DynaExq, ", "") for k in policies)]
+              *((labels or {}).get(k) or k.replace("DynaExq 8/32", "DynaExq").replace("DynaExq, ", "")
+                for k in policies)]
     header = [h.replace("hindsight: the next", "foresight of").replace(" tokens", "") for h in header]
     return table(header, rows) + f"\n\nShare of the int2 -> int4 gap closed. Machine: {machine(d)} ({source(name)})."
 
@@ -1328,6 +1331,11 @@ TABLES = {
     "dynaexq-allocation-zen4": lambda: dynaexq_streams("policies/dynaexq_allocation_zen4_cpu.json"),
     "dynaexq-hindsight-allocation-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_allocation_zen4_cpu.json"),
     "dynaexq-int3-lo-emr": lambda: dynaexq_streams("policies/dynaexq_int3_lo_emr_cpu.json"),
+    "dynaexq-one-version-emr": lambda: dynaexq_streams("policies/dynaexq_one_version_emr_cpu.json", {
+        "DynaExq 8/32 (defaults)": "int2 + 8 int4 copies a layer (keep_lo)",
+        "DynaExq 8/32's budget, int3 lo": "int3 + int4 copies (keep_lo)",
+        "DynaExq 8/32's budget, one version an expert": "one version an expert, int2 lo (the default)",
+        "DynaExq 8/32's budget, int3 lo, one version an expert": "one version an expert, int3 lo"}),
     "dynaexq-stream-offsets-allocation-zen4": lambda: dynaexq_stream_offsets(
         "policies/dynaexq_stream_offsets_allocation_zen4_cpu.json"),
     "dymoe-ablation": dymoe_ablation,
