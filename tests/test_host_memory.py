@@ -102,6 +102,67 @@ def test_freed_heap_goes_back_to_the_system():
     assert last.sum() == 8 * 1024
 
 
+FREED_IN_A_THREAD = """
+import ctypes, threading
+import numpy as np
+from jmoe.runtime import host_memory
+
+class Mallinfo2(ctypes.Structure):  # glibc's counters, summed over every arena
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = Mallinfo2
+
+def freed(nbytes):  # what the heaps give the system back when a new thread frees a block it made
+    out = {}
+    def run():
+        block = np.ones(nbytes // 8)  # below the mmap threshold: from the thread's own arena
+        held = mallinfo2().arena
+        del block
+        out["returned"] = held - mallinfo2().arena
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out["returned"]
+
+with host_memory.heap_trimmed_while_loading():
+    inside = freed(24 << 20)
+print(inside, freed(24 << 20))
+"""
+
+
+def test_a_load_keeps_no_freed_heap_top_resident(monkeypatch):
+    """Inside heap_trimmed_while_loading (every jmoe.load) a thread's freed block at the top of its heap
+    goes back to the system at once; outside, glibc's settled thresholds keep such a block for the
+    next (glibc's own count of its heaps' bytes, in a fresh process). Where the user set glibc's own
+    tunables, it changes none of them."""
+    import ctypes
+
+    from jmoe.runtime import host_memory
+
+    if host_memory._mallopt() is None or not hasattr(ctypes.CDLL(None), "mallinfo2") or \
+            any(name in os.environ for name in host_memory._USER_TUNABLES):
+        pytest.skip("glibc's malloc (2.33 or later) with its defaults only")
+    run = subprocess.run([sys.executable, "-c", FREED_IN_A_THREAD], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    inside, after = map(int, run.stdout.split())
+    assert inside > 16 << 20 and after < 8 << 20, (inside, after)
+
+    calls = []
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: lambda *args: calls.append(args))
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # not one it sets
+    with host_memory.heap_trimmed_while_loading():
+        pass
+    assert calls == [(-3, 32 << 20), (-1, 4 << 20), (-1, 64 << 20)]
+    calls.clear()
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
+    with host_memory.heap_trimmed_while_loading():
+        pass
+    assert calls == []
+
+
 def test_store_reads_match_the_mapped_records_and_release_keeps_them(medium):
     model_store = expert_store(medium)
     for layer, expert in [(0, 0), (3, 31), (1, 17)]:

@@ -8,6 +8,7 @@ touching a memory map, adds nothing to the process's resident set but the buffer
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -80,6 +81,48 @@ def _malloc_trim():
         return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc
         return None
+
+
+# glibc's mallopt parameters, and where its dynamic thresholds settle on a 64-bit machine (the mmap
+# threshold grows to DEFAULT_MMAP_THRESHOLD_MAX as large blocks are freed, the trim threshold to twice it)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_SETTLED_MMAP_THRESHOLD = 32 << 20
+_SETTLED_TRIM_THRESHOLD = 2 * _SETTLED_MMAP_THRESHOLD
+_LOADING_TRIM_THRESHOLD = 4 << 20
+_USER_TUNABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+@contextlib.contextmanager
+def heap_trimmed_while_loading():
+    """Inside (a load), each thread's heap gives its free top back as it frees (also a decorator).
+
+    A load's reader threads (the dense restore's, the expert store's) each leave the top of their
+    malloc arena free but resident, tens of MiB each: glibc trims a thread arena's top only on a
+    free in it once the top passes the trim threshold, which its dynamic mmap threshold raises to
+    64 MiB, and malloc_trim never trims those tops. So inside the trim threshold is 4 MiB; after, the
+    thresholds stay where glibc's dynamic ones settle (mmap 32 MiB, trim 64 MiB), so prefill and
+    decode allocate as they did once warm. Nothing where malloc is not glibc's, or where the user
+    set glibc's own tunables."""
+    mallopt = _mallopt()
+    if mallopt is None or any(name in os.environ for name in _USER_TUNABLES):
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, _SETTLED_MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _LOADING_TRIM_THRESHOLD)
+    try:
+        yield
+    finally:
+        mallopt(_M_TRIM_THRESHOLD, _SETTLED_TRIM_THRESHOLD)
+
+
+@functools.cache
+def _mallopt():
+    try:
+        f = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return None
+    f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return f
 
 
 def device_is_host(device) -> bool:

@@ -36,7 +36,7 @@ from jmoe.runtime import compile_cache, threads
 from jmoe.runtime.budget import BudgetTracker, format_size, parse_size, tree_nbytes
 from jmoe.runtime.collector import collector_paused
 from jmoe.runtime.execution import PATHS, Executor
-from jmoe.runtime.host_memory import available_memory, device_is_host
+from jmoe.runtime.host_memory import available_memory, device_is_host, heap_trimmed_while_loading
 from jmoe.runtime.fetching import fetch_slots
 from jmoe.runtime.pools import plan_pools, slot_nbytes, staging_nbytes
 from jmoe.runtime.residency import AllResident, Offloaded
@@ -460,6 +460,7 @@ def memory_plan(path: str | Path, *, tier: str | None = None, compute_dtype: Any
 
 
 @collector_paused()  # a load allocates much and frees little (jmoe/runtime/collector.py)
+@heap_trimmed_while_loading()  # nor do its threads' heaps keep what they freed (jmoe/runtime/host_memory.py)
 def load(
     path: str | Path,
     *,
