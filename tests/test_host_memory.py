@@ -145,7 +145,7 @@ def test_a_load_keeps_no_freed_heap_top_resident(monkeypatch):
             any(name in os.environ for name in host_memory._USER_TUNABLES):
         pytest.skip("glibc's malloc (2.33 or later) with its defaults only")
     run = subprocess.run([sys.executable, "-c", FREED_IN_A_THREAD], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).parent.parent)
+                         check=False, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr
     inside, after = map(int, run.stdout.split())
     assert inside > 16 << 20 and after < 8 << 20, (inside, after)
