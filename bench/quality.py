@@ -17,11 +17,18 @@ both tiers whole, scored token by token as it decodes), RTN and GPTQ (experts an
 on the train splits), with the LM head at int8 (the default beside dense int4), int6 (the bytes of
 llama.cpp's Q6_K output matrix; also in groups of 32, 7.5 bits) or int4, scored by jmoe on the same windows with the
 same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexity(..., context=ctx // 2)).
+The rows "GPTQ experts with dense bf16" are every expert tier and precision policy of one GPTQ conversion:
+int4, int3 and int2, DyMoE int4/int2 per token, and DynaExq (one version an expert, and its lo
+versions kept under 8 int4 copies a layer) in the device budget of every expert at int2 and 8 int4
+copies a layer, the policies token by token. Every row is also scored on a shifting stream: the
+start of the prose, code and math dev texts in turn, --stream-tokens of each, in the same windows.
 Each side's figures are relative to its own bf16. Needs a llama.cpp build with llama-perplexity and
 llama-tokenize (bench/lib/llama_cpp.py says how; build those two targets beside llama-bench).
 
     python -m bench.quality --llama-cpp [--chunks 200] [--work DIR] [--mixed-r 0.75,0.625,0.5]
     python -m bench.quality --llama-cpp --rows int3 --llama-types Q4_0,Q3_K_M --result-name NAME
+    python -m bench.quality --llama-cpp --rows "GPTQ experts with dense bf16" --llama-types Q4_0,Q4_K_M,Q3_K_M \
+        --chunks 100 --result-name quality_policies_vs_llama_cpp
 
 With --server, it instead evaluates a running `jmoe serve` with EleutherAI's lm-evaluation-harness
 (`pip install 'lm-eval[api]'`, in the test extra) through its `local-completions` model, the path
@@ -40,6 +47,7 @@ split loglikelihood requests; the model's id and context are asked of the server
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -47,6 +55,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 import jmoe
 from bench.lib.common import CALIB_FILES, CORPUS, DOMAINS, ROOT, TINY_HF, dev_tokens, dymoe_ratios, write_result
@@ -119,6 +129,7 @@ def perplexities(path: Path, tier: str, tokens: dict, window: int, cpu_dot: str 
 
 
 # The rows scored beside llama.cpp: label -> (conversion, load keywords, mode).
+POLICY_ROWS = "GPTQ experts with dense bf16"  # every tier and precision policy of one conversion (--rows picks them)
 BESIDE_LLAMA = {
     "bf16": ("rtn", dict(tier="bf16"), "prefill"),
     "int8 experts": ("rtn", dict(tier="int8"), "prefill"),
@@ -154,6 +165,16 @@ BESIDE_LLAMA = {
                                                         "prefill"),
     "GPTQ: int3 experts + dense int4 (int6 head), int8 dot": ("gptq-dense-int4-head-int6",
                                                              dict(tier="int3", cpu_dot="int8"), "prefill"),
+    # every expert tier and precision policy of one GPTQ conversion (the rest bf16), the policies
+    # token by token; DynaExq in the budget of every expert at int2 and 8 int4 copies a layer
+    f"{POLICY_ROWS}: int4": ("gptq", {"tier": "int4"}, "prefill"),
+    f"{POLICY_ROWS}: int3": ("gptq", {"tier": "int3"}, "prefill"),
+    f"{POLICY_ROWS}: int2": ("gptq", {"tier": "int2"}, "prefill"),
+    f"{POLICY_ROWS}: DyMoE int4/int2 (r=0.75), per token": ("gptq", {"policy": "mixed"}, "decode"),
+    f"{POLICY_ROWS}: DynaExq int4/int2, one version an expert (DynaExq 8/32's budget), per token": (
+        "gptq", {"policy": "dynaexq"}, "decode"),
+    f"{POLICY_ROWS}: DynaExq int2 + 8 int4 copies a layer (keep_lo), per token": (
+        "gptq", {"policy": "dynaexq-keep-lo"}, "decode"),
 }
 MIXED_AT_OTHER_R = "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token"
 
@@ -173,6 +194,7 @@ def beside_llama_rows(mixed_r: list[float]) -> dict:
 CALIBRATED = dict(method="gptq", calib=[str(p) for p in CALIB_FILES])  # the experts and the LM head (convert/head.py)
 CONVERSIONS = {  # each with the converter's defaults otherwise
     "rtn": dict(tiers="bf16,int8,int4,int2"),
+    "gptq": {"tiers": "int4,int3,int2", **CALIBRATED},
     "dense-int4": dict(tiers="int4,int2", dense_tier="int4"),
     "dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4"),
     "gptq-dense-int4": dict(tiers="int4,int2", dense_tier="int4", **CALIBRATED),
@@ -225,7 +247,6 @@ def chosen_rows(rows: dict, words: str | None) -> dict:
 
 def beside_llama_main(args) -> None:
     from bench.lib import llama_cpp
-    from jmoe.policies import DyMoE
 
     llama = llama_cpp.find_llama_cpp()
     types = [t.strip() for t in args.llama_types.split(",") if t.strip()]
@@ -246,6 +267,13 @@ def beside_llama_main(args) -> None:
                                  "would not be of the same tokens")
             windows[domain] = min(len(ids) // args.ctx, args.chunks or len(ids))
             tokens[domain] = ids[: windows[domain] * args.ctx]
+        stream_file = work / "stream.txt"
+        stream_file.write_text(stream_text(tokenizer, args.stream_tokens))
+        stream = np.asarray(tokenizer.encode(stream_file.read_text()), np.int32)
+        if llama_cpp.tokenize(llama, Path(ggufs["BF16"]["path"]), stream_file) != stream.tolist():
+            raise SystemExit("llama.cpp tokenizes the stream differently from jmoe")
+        stream_windows = len(stream) // args.ctx
+        stream = stream[: stream_windows * args.ctx]
 
         rows = []
         for qtype in ["BF16", *types]:
@@ -258,35 +286,86 @@ def beside_llama_main(args) -> None:
                     raise SystemExit(f"llama-perplexity scored {got['chunks']} windows of {domain}, "
                                      f"not {windows[domain]}")
                 row[domain] = got["ppl"]
+            got = llama_cpp.perplexity(llama, gguf, stream_file, ctx=args.ctx, chunks=stream_windows,
+                                       log=work / f"perplexity-{qtype}-stream.log")
+            if got["chunks"] != stream_windows:
+                raise SystemExit(f"llama-perplexity scored {got['chunks']} windows of the stream, not {stream_windows}")
+            row["stream"] = got["ppl"]
             rows.append(row)
-            print(f"llama.cpp {qtype:7s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in DOMAINS), flush=True)
+            print(f"llama.cpp {qtype:7s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in (*DOMAINS, "stream")),
+                  flush=True)
 
         for label, (conversion, kwargs, mode) in rows_wanted.items():
-            kwargs = dict(kwargs)
-            mixed = kwargs.pop("policy", None) == "mixed"
-            if mixed:
-                kwargs["policy"] = DyMoE(hi="int4", lo="int2", r=kwargs.pop("r", DEFAULT_R))
-            model = jmoe.load(conversions[conversion], compute_dtype="float32", **kwargs)
-            cfg = model.config
+            path = conversions[conversion]
             row = {"runtime": "jmoe", "label": label, "mode": mode,
-                   "expert_bits": mixed_bits(cfg, kwargs["policy"]) if mixed else expert_bits(cfg, kwargs["tier"]),
                    "dense": CONVERSIONS[conversion].get("dense_tier", "bf16"),
                    "method": CONVERSIONS[conversion].get("method", "rtn")}
             t = time.perf_counter()
-            for domain in DOMAINS:
-                row[domain] = jmoe.perplexity(model, tokens[domain], window=args.ctx, mode=mode, context=half)
+            for domain, ids in [*tokens.items(), ("stream", stream)]:  # each from a fresh load: a policy's own start
+                model = jmoe.load(path, compute_dtype="float32", **row_load_options(path, kwargs))
+                row[domain] = jmoe.perplexity(model, ids, window=args.ctx, mode=mode, context=half)
+            row["expert_bits"] = row_expert_bits(model, kwargs)
             row["seconds"] = time.perf_counter() - t
             rows.append(row)
             del model
-            print(f"jmoe {label:50s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in DOMAINS), flush=True)
+            print(f"jmoe {label:50s} " + "  ".join(f"{d} {row[d]:8.4f}" for d in (*DOMAINS, "stream")), flush=True)
 
     for row in rows:  # each runtime against its own bf16
         base = next(r for r in rows if r["runtime"] == row["runtime"] and r["label"] in ("bf16", "BF16"))
-        row["over_bf16"] = {d: row[d] / base[d] - 1 for d in DOMAINS}
+        row["over_bf16"] = {d: row[d] / base[d] - 1 for d in (*DOMAINS, "stream")}
     write_result("quality", args.result_name, {
         "model": "tiny-qwen3-moe", "ctx": args.ctx, "scored": "the second half of each window",
         "windows": windows, "scored_tokens": {d: windows[d] * (args.ctx - 1 - half) for d in DOMAINS},
+        "stream": {"order": list(STREAM_ORDER), "tokens_per_domain": args.stream_tokens, "windows": stream_windows,
+                   "scored_tokens": stream_windows * (args.ctx - 1 - half)},
         "llama_cpp": llama.version(), "rows": rows})
+
+
+STREAM_ORDER = ("prose", "code", "math")  # the shifting stream: each domain's dev text in turn
+
+
+def stream_text(tokenizer, tokens_per_domain: int) -> str:
+    """The start of each domain's dev text in STREAM_ORDER, about `tokens_per_domain` tokens of each,
+    cut at a line's end: a workload that shifts, as text both runtimes tokenize (checked)."""
+    parts = []
+    for domain in STREAM_ORDER:
+        text = (CORPUS / f"{domain}.dev.txt").read_text()
+        chars = len(text) * tokens_per_domain // max(len(tokenizer.encode(text)), 1)
+        cut = text.rfind("\n", 0, chars) + 1 or chars
+        parts.append(text[:cut])
+    return "".join(parts)
+
+
+def row_load_options(path: Path, kwargs: dict) -> dict:
+    """jmoe.load's keywords for a row: its tier, or its policy (DyMoE int4/int2, both tiers whole;
+    DynaExq in the device budget of every expert at int2 and 8 int4 copies a layer)."""
+    from jmoe.policies import DyMoE, DynaExq
+
+    kwargs = dict(kwargs)
+    policy = kwargs.pop("policy", None)
+    if policy == "mixed":
+        kwargs["policy"] = DyMoE(hi="int4", lo="int2", r=kwargs.pop("r", DEFAULT_R))
+    elif policy in ("dynaexq", "dynaexq-keep-lo"):
+        keep = policy == "dynaexq-keep-lo"
+        kwargs.update(policy=DynaExq(hi_per_layer=8 if keep else None, keep_lo=keep), device_budget=budget_of(path))
+    return kwargs
+
+
+@functools.cache
+def budget_of(path: Path) -> int:
+    """DynaExq 8/32's device budget for a conversion (bench/policies.py: checked by loading it)."""
+    from bench.policies import dynaexq_budget
+
+    return dynaexq_budget(path)
+
+
+def row_expert_bits(model, kwargs: dict) -> float | None:
+    """Bits per expert weight a row's decode token reads: its tier's, DyMoE's mix; None for DynaExq
+    (what its hi experts serve moves with the routing)."""
+    policy = kwargs.get("policy")
+    if policy == "mixed":
+        return mixed_bits(model.config, model.policy)
+    return None if policy else expert_bits(model.config, kwargs["tier"])
 
 
 def main() -> None:
@@ -314,6 +393,8 @@ def main() -> None:
                                        "words (bf16 always), e.g. int3")
     beside.add_argument("--result-name", type=checked_name, default="quality_vs_llama_cpp",
                         help="the result's name under bench/results/quality (_cpu.json added)")
+    beside.add_argument("--stream-tokens", type=int, default=1024,
+                        help="tokens of each domain in the shifting prose -> code -> math stream (default 1024)")
     beside.add_argument("--work", help="keep the GGUFs, conversions and logs here (reused when present)")
     server = parser.add_argument_group("through a running server (lm-evaluation-harness)")
     server.add_argument("--server", help="evaluate the jmoe serve at this base URL (http://HOST:PORT) instead")

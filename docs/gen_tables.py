@@ -598,6 +598,34 @@ def quality_vs_llama(name: str = "quality/quality_vs_llama_cpp_cpu.json") -> str
         f"sides); llama.cpp {d['llama_cpp'].removeprefix('version: ')}. Machine: {machine(d)} ({source(name)}).")
 
 
+def quality_policies(name: str = "quality/quality_policies_vs_llama_cpp_emr_cpu.json") -> str:
+    """Every expert tier and precision policy of one GPTQ conversion beside llama.cpp's types, on the
+    three dev domains and the shifting stream (python -m bench.quality --llama-cpp --rows "GPTQ experts
+    with dense bf16"), and the share of the int2 -> int4 gap each jmoe row closes on the stream."""
+    d = load(name)
+    columns = ("prose", "code", "math", "stream")
+    prefix = "GPTQ experts with dense bf16: "
+    jmoe = {r["label"].removeprefix(prefix): r for r in d["rows"] if r["runtime"] == "jmoe"}
+    p4, p2 = jmoe["int4"]["stream"], jmoe["int2"]["stream"]
+    rows = []
+    for r in d["rows"]:
+        base = r["label"] in ("bf16", "BF16")
+        cells = [f"{r[c]:.3f}" if base else f"{100 * r['over_bf16'][c]:+.2f}%" for c in columns]
+        closed = "" if base or r["runtime"] != "jmoe" else f"{100 * (p2 - r['stream']) / (p2 - p4):.0f}%"
+        bits = "moves with the routing" if r.get("expert_bits") is None else f"{r['expert_bits']:.2f}"
+        rows.append([r["runtime"], r["label"].removeprefix(prefix), bits, *cells, closed])
+    scored = ", ".join(f"{d['scored_tokens'][c]:,} {c}" for c in columns[:3])
+    stream = d["stream"]
+    return table(["runtime", "experts", "bits per expert weight", *columns[:3],
+                  f"stream ({' -> '.join(stream['order'])})", "int2 -> int4 gap closed on the stream"], rows) + (
+        f"\n\nPerplexity of the bf16 rows, the others relative to their own runtime's bf16 (jmoe: GPTQ experts, "
+        f"dense weights and LM head bf16; the policies scored token by token, DynaExq in the budget of every expert at "
+        f"int2 and 8 int4 copies a layer). Windows of {d['ctx']} tokens, each scoring its second half ({scored} "
+        f"tokens scored; the stream: the start of each dev text in turn, about {stream['tokens_per_domain']:,} tokens "
+        f"of each, {stream['scored_tokens']:,} scored), the same token ids on both sides; llama.cpp "
+        f"{d['llama_cpp'].removeprefix('version: ')}. Machine: {machine(d)} ({source(name)}).")
+
+
 def offload_h200() -> str:
     """Exact offloaded decode on a lent H200: fixed miss slots (before) against chained fetches (after)."""
     name = "offload_decode/offload_decode_qwen3_2L_h200.json"
@@ -1290,6 +1318,7 @@ TABLES = {
     "perplexity": perplexity,
     "quality": quality,
     "quality-vs-llama": quality_vs_llama,
+    "quality-policies-emr": quality_policies,
     "quality-int2": quality_int2,
     "quality-tiers": quality_tiers,
     "decode-io": decode_io,
