@@ -42,12 +42,13 @@ The offloaded decode step (engine._decode as Engine.decode jits it, sampling, wi
 fetched inside the step from pinned-host stores: jmoe/layers/fetch.py) of each 2-layer slice, with
 the fetch slots an accelerator's steps get (jmoe.runtime.fetching.fetch_slots): an LRU cache (misses
 only), LRU with prefetch (look-ahead too), DyMoE over bf16 and int4 pools (degrade mode: requests,
-look-ahead and misses) and DynaExq over the same pools (requests only: every expert keeps a version). The compile-only H100 reports no memories, so these are traced with CPU
-shardings that keep the stores' pinned_host memory kind, lowered for CUDA and compiled with the
-topology's client. Each must compile to: its stores in host memory in the entry layout (S(5)), one
-asynchronous slice of host memory per fetch slot (as many as its FetchSpec implies), nothing run on
-the host (no host-compute annotations left, no "converted into host compute" warning), no
-conditional, the whole step in one command buffer, and no while loop without a known trip count.
+look-ahead and misses) and DynaExq over the same pools (requests only: every expert keeps a
+version). The compile-only H100 reports no memories, so these are traced with CPU shardings that
+keep the stores' pinned_host memory kind, lowered for CUDA and compiled with the topology's client.
+Each must compile to: its stores in host memory in the entry layout (S(5)), one asynchronous slice
+of host memory per fetch slot (as many as its FetchSpec implies), nothing run on the host (no
+host-compute annotations left, no "converted into host compute" warning), no conditional, the
+whole step in one command buffer, and no while loop without a known trip count.
 These steps share XLA's kernel cache: a kernel is compiled, and its registers read, in the first
 step that has it.
 

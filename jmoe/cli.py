@@ -455,7 +455,8 @@ def cli_policy(args):
             raise InputError(f"--{'/--'.join(FLAGS.get(k, k).replace('_', '-') for k in given)} only apply to "
                              "--policy dymoe/dynaexq")
         return args.policy
-    allowed = {"dymoe": ("hi", "lo", "r"), "dynaexq": ("hi", "lo", "hi_per_layer", "allocation", "keep_lo")}[args.policy]
+    allowed = {"dymoe": ("hi", "lo", "r"),
+               "dynaexq": ("hi", "lo", "hi_per_layer", "allocation", "keep_lo")}[args.policy]
     wrong = [k for k in given if k not in allowed]
     if wrong:
         raise InputError(f"--{FLAGS.get(wrong[0], wrong[0]).replace('_', '-')} does not apply to --policy {args.policy}")

@@ -357,7 +357,8 @@ def test_one_version_an_expert_holds_more_hi_experts_and_always_has_one(int4_int
     over int2. Promotions and demotions (now a copy of the int2 version) ride in the decode steps:
     every expert has one published version after every token, no step waits and none skips one."""
     budget, record = dynaexq_budget(int4_int2, 8)
-    kept = jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(hi_per_layer=8, keep_lo=True), device_budget=budget)
+    kept = jmoe.load(int4_int2, compute_dtype="float32", policy=DynaExq(hi_per_layer=8, keep_lo=True),
+                     device_budget=budget)
     layers = kept.config.num_moe_layers
     total = layers * kept.config.num_experts
     assert {t: p.slots for t, p in kept.residency.pools.items()} == {"int2": total, "int4": 8 * layers}

@@ -8,14 +8,15 @@ costs its whole record: in DynaExq 8/32's budget on the tiny model (every expert
 copies a layer) one version an expert holds 156 int4 experts of 256 where keep_lo holds 64
 (bench/results/policies/dynaexq_one_version_emr_cpu.json).
 
-Hotness is router counts per (layer, expert) over an interval of `interval` tokens (or, with hotness="gate", the gate weight the expert received), as
-a share of the layer's total, folded into an EMA (hot = alpha * hot + (1 - alpha) * share) when
-the interval ends. The hi set is the hottest experts of the whole model, n_l x layers of them
-(allocation="model"): a layer whose routing is concentrated holds more hi copies and one whose
-routing is spread out fewer, as a token's share of work at hi is what the copies buy; with
-allocation="layer", each layer's top n_l. On a mesh the same within each expert shard, each
-shard's hi set chosen among its own experts. Hysteresis: an outsider enters only when it beats
-the weakest member by `margin`, and a member leaves only when an outsider beats it by `margin`.
+Hotness is router counts per (layer, expert) over an interval of `interval` tokens (or, with
+hotness="gate", the gate weight the expert received), as a share of the layer's total, folded into
+an EMA (hot = alpha * hot + (1 - alpha) * share) when the interval ends. The hi set is the hottest
+experts of the whole model, n_l x layers of them (allocation="model"): a layer whose routing is
+concentrated holds more hi copies and one whose routing is spread out fewer, as a token's share of
+work at hi is what the copies buy; with allocation="layer", each layer's top n_l. On a mesh the same
+within each expert shard, each shard's hi set chosen among its own experts. Hysteresis: an outsider
+enters only when it beats the weakest member by `margin`, and a member leaves only when an outsider
+beats it by `margin`.
 
 With `shift` (a number of standard deviations), a layer notices when its routing moves: a second,
 fast EMA (`fast_alpha` per interval) follows the recent routing, and when its distance from the

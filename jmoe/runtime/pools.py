@@ -225,8 +225,9 @@ def plan_pools(store: ExpertStore, policy, fixed: int, budget: int | None,
     if any(n < working for n in slots.values()):
         need = max(-(-working * per_slot[t] // share) for t, share in shares.items())
         pools = ", ".join(f"{working} experts x {format_size(per_slot[t])} at {t}" for t in shares)
+        given = "(none)" if budget is None else format_size(budget)
         raise BudgetError(
-            f"device budget {'(none)' if budget is None else format_size(budget)} cannot hold the dense weights, KV cache and one layer's "
+            f"device budget {given} cannot hold the dense weights, KV cache and one layer's "
             f"working set: needs at least {format_size(fixed + staging + int(need))} ({format_size(fixed)} fixed + "
             f"{format_size(staging)} transfer staging and fetch slots + {pools})"
         )
