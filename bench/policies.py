@@ -186,6 +186,8 @@ DYNAEXQ_HI = 8  # int4 copies per layer of "DynaExq 8/32"
 # "DynaExq 8/32": every expert at int2 and 8 int4 copies a layer beside them (keep_lo, the policy's
 # only mode before one version an expert became its default; the rows so named keep that meaning)
 EIGHT_COPIES = {"hi_per_layer": DYNAEXQ_HI, "keep_lo": True}
+# The same budget held as one version an expert (the policy's default), as many int4 experts as it buys
+ONE_VERSION_OPTIONS = {"hi_per_layer": None, "keep_lo": False}
 
 
 def dynaexq_budget(path: Path) -> int:
@@ -286,9 +288,8 @@ STREAMS = {"prose -> code -> math": (("prose", "code", "math"), 0),
 INT3_LO = "DynaExq 8/32's budget, int3 lo"
 ONE_VERSION = "DynaExq 8/32's budget, one version an expert"
 INT3_POLICIES = {"DynaExq 8/32 (defaults)": {}, INT3_LO: {"lo": "int3", "hi_per_layer": None},
-                 ONE_VERSION: {"hi_per_layer": None, "keep_lo": False},
-                 "DynaExq 8/32's budget, int3 lo, one version an expert": {"lo": "int3", "hi_per_layer": None,
-                                                                            "keep_lo": False}}
+                 ONE_VERSION: ONE_VERSION_OPTIONS,
+                 "DynaExq 8/32's budget, int3 lo, one version an expert": {"lo": "int3", **ONE_VERSION_OPTIONS}}
 STREAM_POLICIES = {"DynaExq 8/32 (defaults)": {}, "DynaExq 8/32, alpha 0.7": dict(alpha=0.7),
                    "DynaExq 8/32, alpha 0.5": dict(alpha=0.5), "DynaExq 8/32, count hotness": dict(hotness="count"),
                    "DynaExq 8/32, shift 3": dict(shift=3.0),
@@ -391,7 +392,7 @@ def one_version_cost(path: Path, tokens: int, rounds: int) -> dict:
     budget = dynaexq_budget(path)
     stream = domain_stream(tokenizer, ("prose", "code", "math"), tokens)
     variants = {"8 int4 copies a layer over every int2 version": EIGHT_COPIES,
-                "one version an expert": {"hi_per_layer": None, "keep_lo": False}}
+                "one version an expert": ONE_VERSION_OPTIONS}
     runs = {name: [] for name in variants}
     for round_ in range(rounds + 1):
         for name, options in variants.items():

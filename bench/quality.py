@@ -339,6 +339,7 @@ def stream_text(tokenizer, tokens_per_domain: int) -> str:
 def row_load_options(path: Path, kwargs: dict) -> dict:
     """jmoe.load's keywords for a row: its tier, or its policy (DyMoE int4/int2, both tiers whole;
     DynaExq in the device budget of every expert at int2 and 8 int4 copies a layer)."""
+    from bench.policies import EIGHT_COPIES, ONE_VERSION_OPTIONS
     from jmoe.policies import DyMoE, DynaExq
 
     kwargs = dict(kwargs)
@@ -346,8 +347,8 @@ def row_load_options(path: Path, kwargs: dict) -> dict:
     if policy == "mixed":
         kwargs["policy"] = DyMoE(hi="int4", lo="int2", r=kwargs.pop("r", DEFAULT_R))
     elif policy in ("dynaexq", "dynaexq-keep-lo"):
-        keep = policy == "dynaexq-keep-lo"
-        kwargs.update(policy=DynaExq(hi_per_layer=8 if keep else None, keep_lo=keep), device_budget=budget_of(path))
+        options = EIGHT_COPIES if policy == "dynaexq-keep-lo" else ONE_VERSION_OPTIONS
+        kwargs.update(policy=DynaExq(**options), device_budget=budget_of(path))
     return kwargs
 
 

@@ -338,8 +338,9 @@ def test_promotions_ride_in_decode_steps_and_no_step_waits_for_one(int4_int2):
     model.residency.cache.check()
 
 
-def dynaexq_budget(path, hi_per_layer: int) -> int:
-    """A device budget with every expert at int2 and `hi_per_layer` int4 copies per layer beside them."""
+def dynaexq_budget(path, hi_per_layer: int) -> tuple[int, dict[str, int]]:
+    """A device budget with every expert at int2 and `hi_per_layer` int4 copies per layer beside them,
+    and the int4 and int2 records' bytes."""
     from jmoe.manifest import read_manifest
 
     manifest = read_manifest(path)
