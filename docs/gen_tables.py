@@ -79,10 +79,10 @@ FAMILY_HEADLINES = [
     ("real_shapes/real_shapes_mixtral_many_rows_zen4_cpu.json",
      ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
-    ("real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json",
+    ("real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json",
      ("GPT-OSS-20B shapes (2 of 24 layers), decode tok/s on an AVX-512 Xeon (Emerald Rapids), int4 experts and dense "
       "weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
-    ("real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json",
+    ("real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json",
      ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 Xeon (Emerald Rapids), int4 experts and dense "
       "weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
     ("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json",
@@ -839,9 +839,9 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
-    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixed_r_emr_cpu.json"),
-    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json"),
-    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
 ]
 
@@ -1348,6 +1348,11 @@ TABLES = {
         "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json"),
     "gpt-oss-shapes-head-int6-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json"),
     "mixtral-shapes-head-int6-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json"),
+    "qwen3-shapes-after-load-trim-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
+    "gpt-oss-shapes-after-load-trim-emr": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
+    "mixtral-shapes-after-load-trim-emr": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
