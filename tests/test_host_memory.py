@@ -396,7 +396,7 @@ def test_the_dense_restore_frees_orbax_buffers_before_the_experts_are_read(tmp_p
     from jmoe.runtime.collector import collector_paused
     from jmoe.runtime.loader import restore_dense
 
-    class Dense(nnx.Module):  # 36 MiB: above glibc's largest mmap threshold, so never 64-byte aligned (copied)
+    class Dense(nnx.Module):  # 36 MiB: mapped on its own by glibc, 16 bytes into a page, so XLA copies it
         def __init__(self, rngs):
             self.up = nnx.Linear(3072, 3072, rngs=rngs)
 
