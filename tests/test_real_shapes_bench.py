@@ -188,6 +188,20 @@ def test_a_llama_cpp_run_killed_by_an_illegal_instruction_says_so(tmp_path):
         run_measured(["sh", "-c", "exit 3"], log=tmp_path / "log")
 
 
+def test_a_quantized_gguf_is_reused_without_its_bf16_source(tmp_path):
+    """At real shapes the BF16 GGUF is the largest file: once the types asked for are there it may be
+    deleted, and a rerun neither converts again nor reports it; asked for, it is made again."""
+    from bench.lib.llama_cpp import LlamaCpp, convert
+
+    missing = tmp_path / "no-build"  # running any of its tools fails
+    llama = LlamaCpp(bin_dir=missing, src_dir=missing, python=str(missing / "python"))
+    (tmp_path / "model-Q4_0.gguf").write_bytes(b"q" * 10)
+    out = convert(llama, tmp_path / "hf", tmp_path, ["Q4_0"])
+    assert set(out) == {"Q4_0"} and out["Q4_0"]["bytes"] == 10
+    with pytest.raises((OSError, RuntimeError)):
+        convert(llama, tmp_path / "hf", tmp_path, ["BF16", "Q4_0"])
+
+
 def test_llama_perplexity_runs_again_when_its_output_lost_a_window(tmp_path, monkeypatch):
     """A run whose streams both lost their last lines shows fewer windows than asked for: it is run
     again (llama-perplexity is deterministic), and the complete run's figures are kept."""

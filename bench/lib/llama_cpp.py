@@ -295,7 +295,9 @@ KEEP_DENSE_BF16 = ["--token-embedding-type", "bf16", "--output-tensor-type", "bf
 def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES,
             pretokenizer: str | None = None) -> dict[str, dict]:
     """The checkpoint as GGUF at each type (BF16 converted, the rest quantized from it); reuses
-    files already there. Returns per type: path, seconds, peak RSS (None when reused).
+    files already there. Returns per type: path, seconds, peak RSS (None when reused). The BF16
+    file is made only while a type asked for is missing, and reported only when asked for: once the
+    quantized files are there, it may be deleted (at real shapes it is the largest of them).
 
     pretokenizer: convert with the checkpoint's own tokenizer, whose BPE pre-tokenizer llama.cpp
     knows by this name ("gpt-2", "qwen2", ...); without it the tokenizer is rebuilt from one of
@@ -303,7 +305,8 @@ def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES,
     work.mkdir(parents=True, exist_ok=True)
     bf16 = work / "model-BF16.gguf"
     made: dict[str, dict] = {}
-    if not bf16.is_file():
+    wanted = {qtype: bf16 if qtype == "BF16" else work / f"model-{qtype}.gguf" for qtype in types}
+    if not bf16.is_file() and not all(path.is_file() for path in wanted.values()):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(llama.src_dir / "gguf-py"), str(llama.src_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         tmp = work / "model-BF16.gguf.tmp"
@@ -317,10 +320,12 @@ def convert(llama: LlamaCpp, checkpoint: Path, work: Path, types=QUANT_TYPES,
         tmp.rename(bf16)
         made["BF16"] = {"seconds": seconds, "peak_rss_bytes": rss}
     out = {"BF16": {"path": str(bf16), **made.get("BF16", {"seconds": None, "peak_rss_bytes": None})}}
+    if not bf16.is_file():  # deleted after quantizing, and not asked for
+        del out["BF16"]
     for qtype in types:
         if qtype == "BF16":
             continue
-        path = work / f"model-{qtype}.gguf"
+        path = wanted[qtype]
         entry = {"seconds": None, "peak_rss_bytes": None}
         if not path.is_file():
             tmp = path.with_suffix(".gguf.tmp")
