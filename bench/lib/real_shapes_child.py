@@ -82,11 +82,13 @@ def main() -> None:
                       max_seq_len=spec["max_seq_len"], cpu_dot=spec.get("cpu_dot", "float"), progress=False)
     load_s = time.perf_counter() - t
     load_peak = status_bytes("VmHWM")
+    load_rss = status_bytes("VmRSS")
     ignore_eos(model)
     rng = np.random.default_rng(spec.get("seed", 0))
     prompt = rng.integers(0, model.config.vocab_size, spec["prompt"]).tolist()
     one = prompt[:1]
     out = {"mode": spec["mode"], "import_s": import_s, "load_s": load_s, "load_peak_rss_bytes": load_peak,
+           "load_rss_bytes": load_rss,
            "backend": jax.default_backend()}
 
     if spec["mode"] == "startup":
@@ -100,6 +102,7 @@ def main() -> None:
         # and the 1-token prompt's shapes, at the timed run's length (its cache is a power of two
         # above prompt + new tokens: 4 new tokens would warm another)
         stream_stamps(jmoe, model, one, new)
+        out["warm_rss_bytes"] = status_bytes("VmRSS")  # less the load's: what the steps' executables hold
         out["peak_reset"] = reset_peak_rss()
         with no_compiles(f"{spec['prompt']}-token prompt and {new} new tokens"):
             t0, stamps = stream_stamps(jmoe, model, prompt, new)
