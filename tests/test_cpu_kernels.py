@@ -90,6 +90,8 @@ def test_narrower_instruction_sets_compute_the_same(isa):
                 test_matmul_matches_float64("int3", m, k, n)
                 test_int8_dot_matmul_multiplies_the_int8_inputs("int3", m, k, n)
             int3_int8_dot_at_a_real_width()
+            for m, k, n in ((1, 2880, 32), (40, 96, 24)):  # a narrow float weight's vectors and column tail
+                test_narrow_plain_weights_match_float64(jnp.bfloat16, m, k, n)
             for case in attention_tests.NATIVE_CASES:  # every width: AVX2 holds 128 columns in two chunks
                 attention_tests.test_native_attention_equals_the_materialised_softmax(case)
     assert native.isa() == widest
@@ -169,6 +171,21 @@ def test_matmul_matches_float64(name, m, k, n):
     ref = x.astype(np.float64) @ _dense(w)
     assert y.dtype == np.float32 and y.shape == (m, n)
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max() + 1e-7
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 2880, 32), (1, 4096, 8), (2, 300, 1), (40, 96, 24), (3, 200, 100)])
+def test_narrow_plain_weights_match_float64(dtype, m, k, n):
+    """A float weight narrower than a 64-column tile (a router of 8 or 32 experts, a shared expert's
+    [D, 1] gate) is all ragged tile: whole 16-column vectors, then the rest column by column."""
+    rng = np.random.default_rng(k + n)
+    w = _weight(rng, k, n, None).astype(dtype)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(jax.jit(ops.matmul)(jnp.asarray(x), w))
+    ref = x.astype(np.float64) @ _dense(w)
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(_dense(w))  # float32 sums' error scales with it
+    assert y.shape == (m, n)
+    assert (np.abs(y - ref) <= 1e-6 * magnitude).all()
 
 
 def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
