@@ -22,6 +22,10 @@ from kernel_formats.qarray import (TILE, QArray, dequantize, int8_dot_applies, p
                                    untile_plain)
 
 
+# Float weights of at most this many bytes (a router's [D, E], a shared expert's gate) are multiplied
+# by XLA's dot, not the native kernel.
+SMALL_PLAIN_BYTES = 1 << 20
+
 # Set while tracing a computation placed on the host CPU device beside an accelerator (the CPU
 # executor's own jit on a GPU machine): the native kernels apply there too.
 _HOST_TRACE = contextvars.ContextVar("jmoe_host_trace", default=False)
@@ -82,6 +86,11 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
         if tiled:
             dense = untile_plain(dense)
         return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+    if not isinstance(w, QArray) and not tiled and k * n * jnp.dtype(w.dtype).itemsize <= SMALL_PLAIN_BYTES:
+        # a router-sized float weight: XLA's own dot in the calling thread costs less than a call
+        # across the kernels' thread pool (bench/results/router_matmul)
+        return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
