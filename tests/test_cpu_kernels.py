@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -177,15 +178,20 @@ def test_matmul_matches_float64(name, m, k, n):
 @pytest.mark.parametrize("m,k,n", [(1, 2880, 32), (1, 4096, 8), (2, 300, 1), (40, 96, 24), (3, 200, 100)])
 def test_narrow_plain_weights_match_float64(dtype, m, k, n):
     """A float weight narrower than a 64-column tile (a router of 8 or 32 experts, a shared expert's
-    [D, 1] gate) is all ragged tile: whole 16-column vectors, then the rest column by column."""
+    [D, 1] gate) is all ragged tile for the native kernel: whole 16-column vectors, then the rest
+    column by column. One of a router's size goes to XLA's dot instead; both give the product."""
     rng = np.random.default_rng(k + n)
     w = _weight(rng, k, n, None).astype(dtype)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    y = np.asarray(jax.jit(ops.matmul)(jnp.asarray(x), w))
     ref = x.astype(np.float64) @ _dense(w)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(_dense(w))  # float32 sums' error scales with it
-    assert y.shape == (m, n)
-    assert (np.abs(y - ref) <= 1e-6 * magnitude).all()
+    for small, native_call in ((ops.SMALL_PLAIN_BYTES, False), (0, True)):
+        with mock.patch.object(ops, "SMALL_PLAIN_BYTES", small):
+            run = jax.jit(lambda x, w: ops.matmul(x, w))  # a function of its own: traced afresh
+            assert (native.MATMUL in run.lower(jnp.asarray(x), w).as_text()) == native_call
+            y = np.asarray(run(jnp.asarray(x), w))
+        assert y.shape == (m, n)
+        assert (np.abs(y - ref) <= 1e-6 * magnitude).all()
 
 
 def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
@@ -245,6 +251,7 @@ def test_matmul_reads_plain_weights_in_the_cpu_layout(dtype, m, k, n, monkeypatc
     and the model's non-CPU matmul read it through untile_plain, and untile_plain undoes tile_plain."""
     from jmoe.layers import linear
 
+    monkeypatch.setattr(ops, "SMALL_PLAIN_BYTES", 0)  # the native kernel for [K, N] too, however small
     rng = np.random.default_rng(m * 5 + n)
     w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32), dtype)
     t = tile_plain(w)
