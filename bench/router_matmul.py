@@ -4,7 +4,7 @@ jitted chain of dependent calls (bench.lib.common.in_graph_seconds: no per-call 
 
 A router narrower than the kernels' 64-column tile (Mixtral's 8 experts, GPT-OSS's 32, PhiMoE's 16)
 is all ragged tile, which the native matmul once walked one weight at a time; cpu_kernels.ops now
-hands float weights of a router's size to XLA's dot (SMALL_PLAIN_BYTES), timed here beside it.
+hands float weights narrower than a tile to XLA's dot (XLA_DOT_COLUMNS), timed here beside it.
 
     python -m bench.router_matmul [--name NAME] [--calls 50]
 """
@@ -44,13 +44,13 @@ def main(argv=None) -> None:
         w = jnp.asarray((np.random.default_rng(d + e).standard_normal((d, e)) * 0.02).astype(jnp.bfloat16))
         x = jnp.ones((1, d), jnp.float32)
         # each call's output feeds the next call's input, so the chain cannot be reordered or merged;
-        # the native kernel even where ops.matmul hands a weight this small to XLA's dot
-        small, ops.SMALL_PLAIN_BYTES = ops.SMALL_PLAIN_BYTES, 0
+        # the native kernel even where ops.matmul hands a weight this narrow to XLA's dot
+        columns, ops.XLA_DOT_COLUMNS = ops.XLA_DOT_COLUMNS, 0
         try:
             native_s = in_graph_seconds(lambda h, w: h + ops.matmul(h, w)[:, :1] * 1e-9, (x, w), calls=args.calls,
                                         repeat=args.repeat)
         finally:
-            ops.SMALL_PLAIN_BYTES = small
+            ops.XLA_DOT_COLUMNS = columns
         xla_s = in_graph_seconds(lambda h, w: h + jnp.dot(h, w.astype(jnp.float32))[:, :1] * 1e-9, (x, w),
                                  calls=args.calls, repeat=args.repeat)
         rows.append({"model": model, "hidden": d, "experts": e, "weight_bytes": d * e * 2,

@@ -22,9 +22,9 @@ from kernel_formats.qarray import (TILE, QArray, dequantize, int8_dot_applies, p
                                    untile_plain)
 
 
-# Float weights of at most this many bytes (a router's [D, E], a shared expert's gate) are multiplied
-# by XLA's dot, not the native kernel.
-SMALL_PLAIN_BYTES = 1 << 20
+# Float weights with fewer columns than this (a router of 8 or 32 experts, a shared expert's [D, 1]
+# gate: narrower than the native kernel's 64-column tile) are multiplied by XLA's dot.
+XLA_DOT_COLUMNS = TILE
 
 # Set while tracing a computation placed on the host CPU device beside an accelerator (the CPU
 # executor's own jit on a GPU machine): the native kernels apply there too.
@@ -87,9 +87,9 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
             dense = untile_plain(dense)
         return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
-    if not isinstance(w, QArray) and not tiled and k * n * jnp.dtype(w.dtype).itemsize <= SMALL_PLAIN_BYTES:
-        # a router-sized float weight: XLA's own dot in the calling thread costs less than a call
-        # across the kernels' thread pool (bench/results/router_matmul)
+    if not isinstance(w, QArray) and not tiled and n < XLA_DOT_COLUMNS:
+        # no whole tile for the native kernel: XLA's own dot in the calling thread costs less than a
+        # call across the kernels' thread pool (bench/results/router_matmul)
         return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
     lead = x.shape[:-1]

@@ -179,14 +179,14 @@ def test_matmul_matches_float64(name, m, k, n):
 def test_narrow_plain_weights_match_float64(dtype, m, k, n):
     """A float weight narrower than a 64-column tile (a router of 8 or 32 experts, a shared expert's
     [D, 1] gate) is all ragged tile for the native kernel: whole 16-column vectors, then the rest
-    column by column. One of a router's size goes to XLA's dot instead; both give the product."""
+    column by column; ops.matmul hands it to XLA's dot instead. Both give the product."""
     rng = np.random.default_rng(k + n)
     w = _weight(rng, k, n, None).astype(dtype)
     x = rng.standard_normal((m, k)).astype(np.float32)
     ref = x.astype(np.float64) @ _dense(w)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(_dense(w))  # float32 sums' error scales with it
-    for small, native_call in ((ops.SMALL_PLAIN_BYTES, False), (0, True)):
-        with mock.patch.object(ops, "SMALL_PLAIN_BYTES", small):
+    for columns, native_call in ((ops.XLA_DOT_COLUMNS, n >= ops.XLA_DOT_COLUMNS), (0, True)):
+        with mock.patch.object(ops, "XLA_DOT_COLUMNS", columns):
             run = jax.jit(lambda x, w: ops.matmul(x, w))  # a function of its own: traced afresh
             assert (native.MATMUL in run.lower(jnp.asarray(x), w).as_text()) == native_call
             y = np.asarray(run(jnp.asarray(x), w))
@@ -251,7 +251,6 @@ def test_matmul_reads_plain_weights_in_the_cpu_layout(dtype, m, k, n, monkeypatc
     and the model's non-CPU matmul read it through untile_plain, and untile_plain undoes tile_plain."""
     from jmoe.layers import linear
 
-    monkeypatch.setattr(ops, "SMALL_PLAIN_BYTES", 0)  # the native kernel for [K, N] too, however small
     rng = np.random.default_rng(m * 5 + n)
     w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32), dtype)
     t = tile_plain(w)
