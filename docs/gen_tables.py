@@ -79,6 +79,15 @@ FAMILY_HEADLINES = [
     ("real_shapes/real_shapes_mixtral_many_rows_zen4_cpu.json",
      ("Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 4), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json",
+     ("GPT-OSS-20B shapes (6 of 24 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts and dense weights, "
+      "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_mixtral_4L_zen5_cpu.json",
+     ("Mixtral-8x7B shapes (4 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts and dense weights, "
+      "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
+    ("real_shapes/real_shapes_deepseek_v2_lite_16L_zen5_cpu.json",
+     ("DeepSeek-V2-Lite shapes (16 of 27 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts and dense "
+      "weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
     ("real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json",
      ("GPT-OSS-20B shapes (2 of 24 layers), decode tok/s on an AVX-512 Xeon (Emerald Rapids), int4 experts and dense "
       "weights, int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
@@ -404,6 +413,20 @@ def shapes_on_avx512(name: str) -> str:
                             "decode (depth 512)"], ratios)
     return out + (f"\n\n{d['model']['name']} shapes, {d['model']['layers']} layers, random weights. Machine: "
                   f"{machine(d)}; {d['settings']['rounds']} rounds, median [min–max] ({source(name)}).")
+
+
+def router_matmul() -> str:
+    """bench.router_matmul before and after the narrow-tile path: each family's router, one token."""
+    before, after = (load(f"router_matmul/router_matmul{tag}_zen5_cpu.json") for tag in ("_before", ""))
+    old = {r["model"]: r for r in before["rows"]}
+    rows = [[r["model"], f"{r['hidden']:,} x {r['experts']}", f"{old[r['model']]['native_us']:.1f}",
+             f"{r['native_us']:.1f}", f"{r['xla_dot_us']:.1f}", "XLA's dot" if r["experts"] < 64 else "native"]
+            for r in after["rows"]]
+    return table(["model", "router [D, E], bf16", "native kernel before (us)", "native kernel now (us)",
+                  "XLA's dot (us)", "the step uses"], rows) + (
+        f"\n\nOne token, inside a jitted chain of {after['calls']} dependent calls, median of {after['repeat']}. "
+        f"Machine: {machine(after)} ({source('router_matmul/router_matmul_before_zen5_cpu.json')}, "
+        f"{source('router_matmul/router_matmul_zen5_cpu.json')}).")
 
 
 def thread_scaling() -> str:
@@ -836,13 +859,14 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixed_head_int6_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_head_int6_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_head_int6_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_qwen3_8L_routers_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_16L_zen5_cpu.json"),
 ]
 
 
@@ -1353,6 +1377,11 @@ TABLES = {
         "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
     "mixtral-shapes-after-load-trim-emr": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
+    "gpt-oss-6L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json"),
+    "mixtral-4L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_4L_zen5_cpu.json"),
+    "router-matmul-zen5": router_matmul,
+    "qwen3-8L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_qwen3_8L_routers_zen5_cpu.json"),
+    "deepseek-16L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_16L_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
