@@ -79,18 +79,17 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
         k, n = w.k, w.n
     else:
         k, n = w.shape
-    if not available():
+    # XLA's dot where the native kernels do not run, and for a float weight with no whole tile (a
+    # router of 8 or 32 experts): in the calling thread it costs less than a call across the kernels'
+    # thread pool (bench/results/router_matmul)
+    narrow = not isinstance(w, QArray) and not tiled and n < XLA_DOT_COLUMNS
+    if not available() or narrow:
         if int8_dot:
             x = quantize_groups(x, w.fmt.group_size)
         dense = dequantize(w, jnp.float32) if isinstance(w, QArray) else w.astype(jnp.float32)
         if tiled:
             dense = untile_plain(dense)
         return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32)
-    if not isinstance(w, QArray) and not tiled and n < XLA_DOT_COLUMNS:
-        # no whole tile for the native kernel: XLA's own dot in the calling thread costs less than a
-        # call across the kernels' thread pool (bench/results/router_matmul)
-        return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)

@@ -102,7 +102,8 @@ def main() -> None:
         # and the 1-token prompt's shapes, at the timed run's length (its cache is a power of two
         # above prompt + new tokens: 4 new tokens would warm another)
         stream_stamps(jmoe, model, one, new)
-        out["warm_rss_bytes"] = status_bytes("VmRSS")  # less the load's: what the steps' executables hold
+        # less the load's: the step executables, and the KV cache and workspace the first steps allocated
+        out["warm_rss_bytes"] = status_bytes("VmRSS")
         out["peak_reset"] = reset_peak_rss()
         with no_compiles(f"{spec['prompt']}-token prompt and {new} new tokens"):
             t0, stamps = stream_stamps(jmoe, model, prompt, new)
