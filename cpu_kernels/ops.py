@@ -149,20 +149,34 @@ def expert_ffn(rows, block_slot, gate_up, down, *, block_rows: int, gate_up_bias
     return y.astype(rows.dtype)
 
 
+def _routed_result(h, token, weight):
+    """(the routed kernels' output shape, their weight operand): [A, D] and no weights, or with
+    combine weights [A] each token's weighted sum [N, D]."""
+    if weight is None:
+        return jax.ShapeDtypeStruct((token.shape[0], h.shape[1]), jnp.float32), native.empty(np.float32)
+    return jax.ShapeDtypeStruct(h.shape, jnp.float32), weight.astype(jnp.float32)
+
+
 def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_bias=None,
-                      activation: GatedActivation = SILU, int8_dot: bool = False):
+                      activation: GatedActivation = SILU, int8_dot: bool = False, weight=None):
     """Routed assignments, each expert run once over exactly its rows: h [N, D], token/slot [A]
-    (slot -1: inactive) -> [A, D] in h.dtype, row a = expert `slot[a]` applied to h[token[a]].
+    (slot -1: inactive) -> [A, D] in h.dtype, row a = expert `slot[a]` applied to h[token[a]]; with
+    combine weights `weight` [A], float32 [N, D]: row n = sum of weight[a] * row a over token n's
+    assignments, summed inside the kernel (no [A, D] array).
     The grouping happens inside the kernel (no padding to blocks, no weight gathered per block).
     NotImplementedError where the native kernel does not run them (see _native_operands)."""
     operands, attrs = _native_operands(gate_up, down, gate_up_bias, down_bias, activation, int8_dot)
-    if isinstance(gate_up, QArray) and gate_up.act_scale is not None:
-        x, token = _expert_inputs(h[token], gate_up, slot), jnp.arange(token.shape[0], dtype=jnp.int32)
-    else:
-        x = _expert_inputs(h, gate_up, None)
-    y = native.call(native.ROUTED_FFN, jax.ShapeDtypeStruct((token.shape[0], h.shape[1]), jnp.float32), *operands, x,
-                    token.astype(jnp.int32), slot.astype(jnp.int32), **attrs)
-    return y.astype(h.dtype)
+    if isinstance(gate_up, QArray) and gate_up.act_scale is not None:  # smoothed: one input row per assignment
+        x, rows = _expert_inputs(h[token], gate_up, slot), jnp.arange(token.shape[0], dtype=jnp.int32)
+        y = native.call(native.ROUTED_FFN, jax.ShapeDtypeStruct(x.shape, jnp.float32), *operands, x, rows,
+                        slot.astype(jnp.int32), native.empty(np.float32), **attrs)
+        if weight is None:
+            return y.astype(h.dtype)
+        return jnp.zeros(h.shape, jnp.float32).at[token].add(weight[:, None].astype(jnp.float32) * y)
+    result, weight_operand = _routed_result(h, token, weight)
+    y = native.call(native.ROUTED_FFN, result, *operands, _expert_inputs(h, gate_up, None), token.astype(jnp.int32),
+                    slot.astype(jnp.int32), weight_operand, **attrs)
+    return y if weight is not None else y.astype(h.dtype)
 
 
 # Attributes every pool of one layer shares; a multi-pool call numbers the others by pool.
@@ -175,10 +189,11 @@ def _multiplies_h_as_is(gate_up) -> bool:
 
 
 def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedActivation = SILU,
-                            int8_dot: bool = False):
+                            int8_dot: bool = False, weight=None):
     """routed_expert_ffn over several pools at once: assignment a runs expert slot[a] of
     pools[tier[a]] (each pool a (gate_up, down, gate_up_bias, down_bias) of one layer) on h[token[a]]
-    -> [A, D] in h.dtype. One native call runs every pool's experts in the same passes where each
+    -> [A, D] in h.dtype, or with combine weights [A] each token's weighted sum, float32 [N, D]
+    (as routed_expert_ffn). One native call runs every pool's experts in the same passes where each
     pool multiplies h as it is; otherwise (smoothed or W8A8 inputs) each pool runs natively on its
     own assignments and the results are added (each row is zero in all pools but its own).
     NotImplementedError where the native kernel does not run every pool (see _native_operands)."""
@@ -187,17 +202,17 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedAct
         out = None
         for t, (gate_up, down, gate_up_bias, down_bias) in enumerate(pools):
             y = routed_expert_ffn(h, token, jnp.where(tier == t, slot, -1), gate_up, down, gate_up_bias=gate_up_bias,
-                                  down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+                                  down_bias=down_bias, activation=activation, int8_dot=int8_dot, weight=weight)
             out = y if out is None else out + y
         return out
     operands, attrs = [], {}
     for t, (pool_operands, pool_attrs) in enumerate(native_pools):
         operands += pool_operands
         attrs.update({name if name in _SHARED_ATTRS else f"{name}{t}": value for name, value in pool_attrs.items()})
-    y = native.call(native.ROUTED_FFN_TIERS, jax.ShapeDtypeStruct((token.shape[0], h.shape[1]), jnp.float32),
-                    h.astype(jnp.float32), token.astype(jnp.int32), slot.astype(jnp.int32), tier.astype(jnp.int32),
-                    *operands, **attrs)
-    return y.astype(h.dtype)
+    result, weight_operand = _routed_result(h, token, weight)
+    y = native.call(native.ROUTED_FFN_TIERS, result, h.astype(jnp.float32), token.astype(jnp.int32),
+                    slot.astype(jnp.int32), tier.astype(jnp.int32), weight_operand, *operands, **attrs)
+    return y if weight is not None else y.astype(h.dtype)
 
 
 ATTENTION_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))  # attention reads

@@ -438,6 +438,41 @@ def _compare_tiers(h, token, slot, tier, pools, activation=SILU, int8_dot=False)
     return y
 
 
+@pytest.mark.parametrize("case", ["one pool", "int8 dot", "two pools", "smoothed"])
+def test_routed_ffn_sums_each_tokens_rows_with_their_combine_weights(case):
+    """With combine weights the routed kernels return each token's weighted sum of its assignments'
+    rows ([N, D], what the MoE layer adds), not the rows: k assignments per token in any order, some
+    inactive, more rows than one of the kernel's 512-row chunks, against the rows the kernel returns
+    without weights summed in float64."""
+    rng = np.random.default_rng(17)
+    D, F, S, N, k = 128, 64, 5, 300, 4
+    smoothed = case == "smoothed"
+    fmt = QuantFormat(4, 64, False, smooth=True) if smoothed else FORMATS["int4"]
+    pools = [(_pool(rng, S, D, 2 * F, fmt, smooth=smoothed), _pool(rng, S, F, D, FORMATS["int4"]), None, None)]
+    if case == "two pools":
+        pools.append((_pool(rng, S, D, 2 * F, FORMATS["int2"]), _pool(rng, S, F, D, FORMATS["int2"]), None, None))
+    h = jnp.asarray(rng.standard_normal((N, D)).astype(np.float32))
+    order = rng.permutation(N * k)
+    token = jnp.asarray((order // k).astype(np.int32))
+    slot = rng.integers(0, S, N * k)
+    slot[rng.random(N * k) < 0.1] = -1
+    slot = jnp.asarray(slot.astype(np.int32))
+    tier = jnp.asarray(rng.integers(0, len(pools), N * k).astype(np.int32))
+    weight = jnp.asarray(rng.random(N * k).astype(np.float32))
+    int8_dot = case == "int8 dot"
+    if case == "two pools":
+        run = jax.jit(lambda w: ops.routed_expert_ffn_tiers(h, token, slot, tier, pools, int8_dot=int8_dot, weight=w))
+    else:
+        gu, dn = pools[0][:2]
+        run = jax.jit(lambda w: ops.routed_expert_ffn(h, token, slot, gu, dn, int8_dot=int8_dot, weight=w))
+    rows = np.asarray(run(None), np.float64)
+    want = np.zeros((N, D))
+    np.add.at(want, np.asarray(token), np.asarray(weight, np.float64)[:, None] * rows)
+    got = np.asarray(run(weight))
+    assert got.shape == (N, D) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("int8_dot", [False, True])
 def test_routed_ffn_over_several_pools_runs_each_assignment_at_its_own(int8_dot):
     """One native call for every tier of a layer (DyMoE's and DynaExq's hi and lo pools): int4, int2

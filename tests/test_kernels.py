@@ -245,9 +245,15 @@ def test_each_kernel_refuses_what_it_cannot_run_and_the_next_in_order_runs_it(mo
     monkeypatch.setattr(cpu_kernels.ops, "available", lambda: False)  # the native kernels refuse
     with pytest.raises(NotImplementedError, match="not loaded"):
         cpu_kernels.ops.expert_ffn(rows, block_slot, gate_up, down, **call)
+    weight = jnp.asarray([0.5, 0.25, 2.0, 1.0], jnp.float32)
+    summed = np.zeros((rows.shape[0], rows.shape[1]), np.float32)  # each token's weighted rows (slot -1: zeros)
+    for a in range(4):
+        summed[int(token[a])] += float(weight[a]) * np.asarray(routed_reference[a], np.float32)
     for backend in ("cpu", "xla", "interpret"):
         np.testing.assert_array_equal(routed_expert_ffn(rows, token, slot, gate_up, down, backend=backend),
                                       routed_reference)
+        np.testing.assert_allclose(routed_expert_ffn(rows, token, slot, gate_up, down, backend=backend, weight=weight),
+                                   summed, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(expert_ffn(rows, block_slot, gate_up, down, backend="cpu", **call),
                                   expert_ffn_reference(rows, block_slot, gate_up, down, **call))
 

@@ -320,9 +320,18 @@ def _routed_sum(h, routing: Routing, chosen, token_valid, layer: LayerExperts, a
     for name, pool in layer.pools.items():
         active = (chosen == TIER_CODES[name]) & token_valid[:, None]
         slots = layer.slots[name][routing.ids]
+        weights = jnp.where(active, routing.weights, 0.0)
+        if routed:  # the kernel sums each token's rows with their weights itself
+            N, k = slots.shape
+            y = routed_expert_ffn(h, jnp.arange(N * k, dtype=jnp.int32) // k,
+                                  jnp.where(active, slots, NO_SLOT).reshape(-1), pool.gate_up, pool.down,
+                                  backend=layer.backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias,
+                                  activation=activation, int8_dot=layer.int8_dot, weight=weights.reshape(-1))
+            out = out + y
+            continue
         y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows,
                                activation, layer.int8_dot)  # [N, k, D]
-        out = out + weighted_sum(jnp.where(active, routing.weights, 0.0), y)
+        out = out + weighted_sum(weights, y)
     return out
 
 
@@ -364,9 +373,9 @@ def _routed_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerE
     tier, slot = _tiers_and_slots(routing, chosen, token_valid, layer)
     token = jnp.arange(N * k, dtype=jnp.int32) // k
     pools = [(p.gate_up, p.down, p.gate_up_bias, p.down_bias) for p in layer.pools.values()]
-    y = routed_expert_ffn_tiers(h, token, slot.reshape(-1), tier.reshape(-1), pools, backend=layer.backend,
-                                activation=activation, int8_dot=layer.int8_dot)  # [N * k, D]
-    return weighted_sum(jnp.where(slot != NO_SLOT, routing.weights, 0.0), y.reshape(N, k, -1))
+    weights = jnp.where(slot != NO_SLOT, routing.weights, 0.0).reshape(-1)  # summed per token by the kernel
+    return routed_expert_ffn_tiers(h, token, slot.reshape(-1), tier.reshape(-1), pools, backend=layer.backend,
+                                   activation=activation, int8_dot=layer.int8_dot, weight=weights)
 
 
 def _gathered_across_tiers(h, routing: Routing, chosen, token_valid, layer: LayerExperts,

@@ -138,27 +138,36 @@ def expert_ffn_tiers(rows, block_tier, block_slot, tiers, *, block_rows: int, ba
                             activation=activation, int8_dot=int8_dot)
 
 
+def combined(y, token, weight, tokens: int):
+    """Routed rows y [A, D] summed per token with their combine weights [A]: float32 [tokens, D]."""
+    out = jnp.zeros((tokens, y.shape[-1]), jnp.float32)
+    return out.at[token].add(weight[:, None].astype(jnp.float32) * y.astype(jnp.float32))
+
+
 def routed_expert_ffn(h, token, slot, gate_up, down, *, backend: str | None = None, gate_up_bias=None,
-                      down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False):
+                      down_bias=None, activation: GatedActivation = SILU, int8_dot: bool = False, weight=None):
     """Routed assignments: h [N, D], token/slot [A] (slot -1: inactive) -> [A, D] in h.dtype, row a
-    = expert slot[a] applied to h[token[a]]; the backend's routed kernel where it takes the inputs,
-    else the reference, one row per block."""
+    = expert slot[a] applied to h[token[a]]; with combine weights `weight` [A], each token's weighted
+    sum of its rows instead, float32 [N, D] (the CPU kernel sums them itself, holding no [A, D]
+    array). The backend's routed kernel where it takes the inputs, else the reference, one row per block."""
     backend = _backend(backend)
 
-    def reference(h, token, slot, gate_up, down, **kwargs):
-        return expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, **kwargs)
+    def reference(h, token, slot, gate_up, down, weight=None, **kwargs):
+        y = expert_ffn_reference(h[token], slot, gate_up, down, block_rows=1, **kwargs)
+        return y if weight is None else combined(y, token, weight, h.shape[0])
 
     kernels = (ROUTED_KERNELS[backend],) if backend in ROUTED_KERNELS else ()
     return _first_that_runs((*kernels, reference), h, token, slot, gate_up, down, gate_up_bias=gate_up_bias,
-                            down_bias=down_bias, activation=activation, int8_dot=int8_dot)
+                            down_bias=down_bias, activation=activation, int8_dot=int8_dot, weight=weight)
 
 
 def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, backend: str | None = None,
-                            activation: GatedActivation = SILU, int8_dot: bool = False):
+                            activation: GatedActivation = SILU, int8_dot: bool = False, weight=None):
     """routed_expert_ffn over several pools at once: assignment a runs expert slot[a] of
     pools[tier[a]] (each pool a (gate_up, down, gate_up_bias, down_bias) of one layer) on h[token[a]]
-    -> [A, D] in h.dtype; where the backend's kernel does not take them all, each pool runs on its
-    own assignments and the results are added (each row is zero in all pools but its own)."""
+    -> [A, D] in h.dtype, or with combine weights [A] each token's weighted sum, float32 [N, D];
+    where the backend's kernel does not take them all, each pool runs on its own assignments and the
+    results are added (each row is zero in all pools but its own)."""
     backend = _backend(backend)
 
     def each_pool(h, token, slot, tier, pools, **kwargs):
@@ -171,7 +180,7 @@ def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, backend: str | None 
 
     kernels = (ROUTED_TIERS_KERNELS[backend],) if backend in ROUTED_TIERS_KERNELS else ()
     return _first_that_runs((*kernels, each_pool), h, token, slot, tier, pools, activation=activation,
-                            int8_dot=int8_dot)
+                            int8_dot=int8_dot, weight=weight)
 
 
 def compile_error(backend: str | None, pools, int8_dot: bool = False) -> Exception | None:
