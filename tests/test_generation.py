@@ -23,6 +23,34 @@ def test_prompt_lengths_in_one_bucket_compile_once(tiny_model, tiny_tokenizer):
     assert (forward._cache_size(), sample._cache_size()) == compiled
 
 
+def test_a_shorter_request_reuses_a_larger_compiled_cache():
+    from jmoe.decoding.generation import CACHE_REUSE_FACTOR, plan_lengths
+
+    prompt = [[1] * 10]  # prompt bucket 16
+    assert plan_lengths(prompt, 20, 4096).cache == 64
+    assert plan_lengths(prompt, 20, 4096, used_caches=(512, 256, 32)).cache == 256  # the smallest larger one
+    assert plan_lengths(prompt, 20, 4096, used_caches=(CACHE_REUSE_FACTOR * 64 * 2,)).cache == 64  # too large
+    assert plan_lengths(prompt, 200, 4096, used_caches=(64, 128)).cache == 256  # never a smaller one
+    assert plan_lengths(prompt, 20, 100, used_caches=(128,)).cache == 64  # never past the context
+
+
+def test_shorter_requests_run_on_compiled_steps(tiny_converted):
+    """After a long request, a shorter one of as many rows takes its cache: nothing compiles, and
+    greedy decoding gives the long request's first tokens (its cache's extra slots are never read)."""
+    from jmoe.serving.compiles import no_compiles
+
+    model = jmoe.load(tiny_converted, compute_dtype="float32", max_seq_len=1024)
+    prompt = list(range(5, 15))
+    long = jmoe.generate(model, prompt, max_new_tokens=150)  # cache 256
+    assert model.cache_lengths == {1: {256}}
+    with no_compiles("a shorter request"):
+        short = jmoe.generate(model, prompt, max_new_tokens=20)  # cache 64 on its own
+    assert short == long[:20]
+    assert model.cache_lengths == {1: {256}}
+    jmoe.generate(model, [prompt, prompt], max_new_tokens=20)  # another batch size: its own bucket
+    assert model.cache_lengths == {1: {256}, 2: {64}}
+
+
 def test_batch_is_left_padded_correctly(tiny_model):
     prompts = ["def add(a, b):", "The tutorial", "12 + 30 = 42\n7 * 8 ="]
     batched = jmoe.generate(tiny_model, prompts, max_new_tokens=24)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +57,18 @@ def split_prompts(tokenizer, prompt: Any, vocab_size: int) -> Batch:
     return Batch(ids, batched=True, as_text=kinds == {"text"}, harmony=chat_format and all(is_chat(p) for p in prompt))
 
 
-def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> Lengths:
-    """Prompt bucket, cache length and the number of new tokens that fit."""
+# A request whose cache bucket is smaller than one an earlier request of as many rows used, by at most
+# this factor, takes that cache instead: its decode step is then one already compiled and held, where
+# a bucket of its own would compile another (seconds) and keep it for the process's life (tens of MiB
+# at real widths: docs/design.md). Attention reads only the slots a token reaches, so the longer
+# cache costs its zeroing and, within the KV reservation, its memory; the factor bounds both.
+CACHE_REUSE_FACTOR = 4
+
+
+def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int,
+                 used_caches: Iterable[int] = ()) -> Lengths:
+    """Prompt bucket, cache length and the number of new tokens that fit; `used_caches`: the cache
+    lengths earlier requests of as many rows ran with (see CACHE_REUSE_FACTOR)."""
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise InputError(f"the prompt has {longest} tokens; the context holds {max_seq_len} (leave room for output)")
@@ -66,6 +76,7 @@ def plan_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int
     if P + max_new_tokens > max_seq_len:  # near the context limit, padding would cost output room
         P = longest
     S = bucket(P + max_new_tokens, MIN_CACHE_BUCKET, max_seq_len)
+    S = min((s for s in used_caches if S < s <= min(CACHE_REUSE_FACTOR * S, max_seq_len)), default=S)
     fit = S - P
     if fit < max_new_tokens:
         log.warning("only %d new tokens fit in the %d-token context; generating that many", fit, max_seq_len)
@@ -204,8 +215,10 @@ def generate(model, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top
     batch = split_prompts(model.tokenizer, prompt, model.config.vocab_size)
     if stops and not batch.as_text:
         raise InputError("stop strings need text prompts; with token ids use max_new_tokens or EOS")
-    lengths = plan_lengths(batch.prompts, max_new_tokens, model.max_seq_len)
+    used = model.cache_lengths.setdefault(len(batch.prompts), set())
+    lengths = plan_lengths(batch.prompts, max_new_tokens, model.max_seq_len, tuple(used))  # a copy: threads add
     model.check_batch_fits(len(batch.prompts), lengths.cache)
+    used.add(lengths.cache)
     steps = stream(model, batch, lengths, sampling, stops, speculative)
     if stream_output:
         return _unbatch(steps, batch)

@@ -80,6 +80,9 @@ class JmoeModel(LoadedModel):
     governors: dict = field(default_factory=dict, repr=False, compare=False)
     # Kept prompt blocks that later prompts starting alike reuse (jmoe/decoding/prefixes.py), or None
     prefixes: PrefixCache | None = field(default=None, repr=False, compare=False)
+    # The cache lengths generate() has run with, by rows: a later, shorter request reuses one
+    # (jmoe.decoding.generation.CACHE_REUSE_FACTOR)
+    cache_lengths: dict[int, set[int]] = field(default_factory=dict, repr=False, compare=False)
     # Whether memory["kv_cache"] bounds a serving engine's KV pool (load's kv_cache, or a budget)
     kv_bounded: bool = field(default=False, repr=False, compare=False)
     # Serialises steps: threads sharing the model interleave step by step, never inside one
