@@ -861,7 +861,7 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_qwen3_8L_combine_7_rounds_second_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_7_rounds_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
@@ -1387,6 +1387,7 @@ TABLES = {
         "real_shapes/real_shapes_qwen3_8L_combine_7_rounds_zen5_cpu.json"),
     "qwen3-8L-combine-7-rounds-second-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_qwen3_8L_combine_7_rounds_second_zen5_cpu.json"),
+    "mixtral-4L-7-rounds-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_4L_7_rounds_zen5_cpu.json"),
     "mixed-qwen3-8L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_qwen3_8L_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
