@@ -866,7 +866,7 @@ EQUAL_BITS_RUNS = [
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_16L_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_16L_7_rounds_zen5_cpu.json"),
 ]
 
 
@@ -1388,6 +1388,8 @@ TABLES = {
     "qwen3-8L-combine-7-rounds-second-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_qwen3_8L_combine_7_rounds_second_zen5_cpu.json"),
     "mixtral-4L-7-rounds-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_4L_7_rounds_zen5_cpu.json"),
+    "deepseek-16L-7-rounds-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_deepseek_v2_lite_16L_7_rounds_zen5_cpu.json"),
     "mixed-qwen3-8L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_qwen3_8L_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
