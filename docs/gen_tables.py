@@ -1391,6 +1391,8 @@ TABLES = {
     "deepseek-16L-7-rounds-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_deepseek_v2_lite_16L_7_rounds_zen5_cpu.json"),
     "mixed-qwen3-8L-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixed_qwen3_8L_zen5_cpu.json"),
+    "mixed-qwen3-8L-combine-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_qwen3_8L_combine_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
