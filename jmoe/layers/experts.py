@@ -186,6 +186,18 @@ def block_layout(slots: jax.Array, active: jax.Array, block_rows: int, max_group
     return BlockLayout(row_source, block_slot, dest)
 
 
+def routed_assignments(h, slots, active, pool: ExpertWeights, backend: str | None, activation: GatedActivation,
+                       int8_dot: bool, weight=None) -> jax.Array:
+    """Every active (token, expert) assignment of slots/active [N, k] on the backend's routed kernel
+    (takes_assignments): [N * k, D] rows in h's dtype, or with combine weights [N * k] each token's
+    weighted sum, float32 [N, D]."""
+    N, k = slots.shape
+    token = jnp.arange(N * k, dtype=jnp.int32) // k
+    return routed_expert_ffn(h, token, jnp.where(active, slots, NO_SLOT).reshape(-1), pool.gate_up, pool.down,
+                             backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias,
+                             activation=activation, int8_dot=int8_dot, weight=weight)
+
+
 def grouped_expert_ffn(
     h: jax.Array, slots: jax.Array, active: jax.Array, pool: ExpertWeights, max_groups: int, backend: str | None = None,
     group_rows: int = 0, activation: GatedActivation = SILU, int8_dot: bool = False,
@@ -198,14 +210,11 @@ def grouped_expert_ffn(
     in blocks of that many rows.
     """
     N, k = slots.shape
+    if takes_assignments(backend):  # the kernel groups by expert itself, unpadded
+        return routed_assignments(h, slots, active, pool, backend, activation, int8_dot).reshape(N, k, -1)
     A = N * k
     token = jnp.arange(A, dtype=jnp.int32) // k
     slots, active = slots.reshape(A), active.reshape(A)
-    if takes_assignments(backend):  # the kernel groups by expert itself, unpadded
-        y = routed_expert_ffn(h, token, jnp.where(active, slots, NO_SLOT), pool.gate_up, pool.down, backend=backend,
-                              gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
-                              int8_dot=int8_dot)
-        return y.reshape(N, k, -1)
     extra = dict(backend=backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias, activation=activation,
                  int8_dot=int8_dot)
     if gathers(N, k, group_rows):
@@ -322,12 +331,8 @@ def _routed_sum(h, routing: Routing, chosen, token_valid, layer: LayerExperts, a
         slots = layer.slots[name][routing.ids]
         weights = jnp.where(active, routing.weights, 0.0)
         if routed:  # the kernel sums each token's rows with their weights itself
-            N, k = slots.shape
-            y = routed_expert_ffn(h, jnp.arange(N * k, dtype=jnp.int32) // k,
-                                  jnp.where(active, slots, NO_SLOT).reshape(-1), pool.gate_up, pool.down,
-                                  backend=layer.backend, gate_up_bias=pool.gate_up_bias, down_bias=pool.down_bias,
-                                  activation=activation, int8_dot=layer.int8_dot, weight=weights.reshape(-1))
-            out = out + y
+            out = out + routed_assignments(h, slots, active, pool, layer.backend, activation, layer.int8_dot,
+                                           weight=weights.reshape(-1))
             continue
         y = grouped_expert_ffn(h, slots, active, pool, num_experts, layer.backend, layer.group_rows,
                                activation, layer.int8_dot)  # [N, k, D]
