@@ -18,7 +18,7 @@ import numpy as np
 
 from cpu_kernels import native
 from kernel_formats.glu import SILU, GatedActivation
-from kernel_formats.qarray import (TILE, QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups,
+from kernel_formats.qarray import (TILE, QArray, QPlanes, dequantize, int8_dot_applies, prepare_input, quantize_groups,
                                    untile_plain)
 
 
@@ -68,9 +68,12 @@ def _weight_operands(w, tiled: bool = False):
 
 
 def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> jax.Array:
-    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray (smoothing and W8A8 applied).
-    int8_dot: a quantized w multiplies x on its per-group int8 grid (quantize_groups), in integers
-    where the CPU has VNNI. tiled: a plain w stored in the CPU layout (tile_plain; N a multiple of TILE)."""
+    """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array, a QArray (smoothing and W8A8 applied)
+    or a six-bit QPlanes. int8_dot: a quantized w multiplies x on its per-group int8 grid
+    (quantize_groups), in integers where the CPU has VNNI. tiled: a plain w stored in the CPU layout
+    (tile_plain; N a multiple of TILE)."""
+    if isinstance(w, QPlanes):
+        return _matmul_planes(x, w, int8_dot)
     if tiled and (isinstance(w, QArray) or w.shape[-1] % TILE):
         raise ValueError("tiled applies to a plain weight whose N is a multiple of 64")
     int8_dot = int8_dot and int8_dot_applies(w)
@@ -94,8 +97,25 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     operands, fmt = _weight_operands(w, tiled)
-    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands,
+    no_plane = (native.empty(np.uint8), native.empty(np.float16))
+    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands, *no_plane,
                     k=np.int64(k), n=np.int64(n), int8_dot=int8_dot, **fmt)
+    return y.reshape(*lead, n)
+
+
+def _matmul_planes(x: jax.Array, w: QPlanes, int8_dot: bool) -> jax.Array:
+    """x @ a six-bit weight. Under the int8 dot, one native call reads both planes' codes in one pass
+    with the low plane's scales (the high plane's are 16 times those, kernel_formats.qarray), where
+    the sum of the two planes' products reads both planes' scales and passes over the inputs twice;
+    the native call itself runs the two products where that one pass does not apply."""
+    if not (int8_dot and available()):
+        return matmul(x, w.low, int8_dot=int8_dot) + matmul(x, w.high, int8_dot=int8_dot)
+    lead, k, n = x.shape[:-1], w.k, w.n
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    (values, scales, offsets, bases), fmt = _weight_operands(w.low)
+    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, values, scales, offsets,
+                    bases, w.high.values, w.high.scales, k=np.int64(k), n=np.int64(n), int8_dot=True,
+                    **dict(fmt, bits=np.int64(6)))
     return y.reshape(*lead, n)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -26,8 +27,8 @@ from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.tiers import tier_format
 from kernel_formats.glu import SILU, GatedActivation
 from kernel_formats.optimised import optimised_jit
-from kernel_formats.qarray import (QuantFormat, dequantize, quantize_groups, take_columns, tile, tile_plain, untile,
-                                   untile_plain)
+from kernel_formats.qarray import (QuantFormat, dequantize, planes, quantize_groups, take_columns, tile, tile_plain,
+                                   untile, untile_plain)
 
 QWEN3, GPT_OSS = EXPERT_SHAPES["qwen3-30b-a3b"], EXPERT_SHAPES["gpt-oss-20b"]  # real models' widths
 
@@ -91,6 +92,7 @@ def test_narrower_instruction_sets_compute_the_same(isa):
                 test_matmul_matches_float64("int3", m, k, n)
                 test_int8_dot_matmul_multiplies_the_int8_inputs("int3", m, k, n)
             int3_int8_dot_at_a_real_width()
+            test_a_six_bit_weight_multiplies_as_the_sum_of_its_planes(64, 40, 256, 192)  # the two planes' products
             for m, k, n in ((1, 2880, 32), (40, 96, 24)):  # a narrow float weight's vectors and column tail
                 test_narrow_plain_weights_match_float64(jnp.bfloat16, m, k, n)
             for case in attention_tests.NATIVE_CASES:  # every width: AVX2 holds 128 columns in two chunks
@@ -570,6 +572,51 @@ def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
         ref_jnp = np.asarray(quantize_groups(jnp.asarray(x), FORMATS[name].group_size))
         # the XLA reference's grid: the same codes (its step may differ in the last bit)
         assert np.abs(ref_jnp - xq).max() <= 1e-6 * np.abs(xq).max()
+
+
+def _six_bit_weight(rng, k, n, group):
+    w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
+    return jax.tree.map(jnp.asarray, planes(quantize_rtn(w, QuantFormat(6, group, False))))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+# (1, 2048, 1536) and (5, 768, 2048): one row and the many-row path, [K, N] and tiled; (40, 256, 192): rows in
+# blocks; (3, 200, 100) and (1, 600, 4200): a ragged last tile (the two planes' products) and K not whole groups
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (5, 768, 2048), (40, 256, 192), (3, 200, 100), (1, 600, 4200)])
+def test_a_six_bit_weight_multiplies_as_the_sum_of_its_planes(group, m, k, n):
+    """A six-bit weight (the int6 head: an int4 and an int2 plane) under the int8 dot, in one pass over
+    both planes' codes, is x on its per-group int8 grid times the weight the two planes add up to; and
+    without the int8 dot, x times that weight."""
+    rng = np.random.default_rng(m * 10 + group)
+    w = _six_bit_weight(rng, k, n, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ref = _groups_int8(x, group).astype(np.float64) @ _dense(w)
+    exact = x.astype(np.float64) @ _dense(w)
+    for weight in (w, tile(w)):
+        y = np.asarray(jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))(jnp.asarray(x), weight))
+        assert y.shape == (m, n) and np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+        y = np.asarray(jax.jit(ops.matmul)(jnp.asarray(x), weight))
+        assert np.abs(y - exact).max() <= 2e-6 * np.abs(exact).max()
+
+
+def test_the_six_bit_pass_reads_the_low_planes_scales_only():
+    """Where the int8 dot takes every tile (AVX-512 VNNI), a six-bit weight is one pass that applies the
+    low plane's scales to the whole code (the high plane's are 16 times those): NaN in the high plane's
+    scales changes nothing there, where the two planes' products (a narrower CPU's path) read them."""
+    if not native.loaded() or native.isa() != "avx512-vnni":
+        pytest.skip("needs the native kernels on a CPU with AVX-512 VNNI")
+    rng = np.random.default_rng(3)
+    w = tile(_six_bit_weight(rng, 2048, 768, 64))
+    np.testing.assert_array_equal(np.asarray(w.high.scales, np.float32), 16 * np.asarray(w.low.scales, np.float32))
+    spoiled = dataclasses.replace(w, high=dataclasses.replace(w.high, scales=jnp.full_like(w.high.scales, jnp.nan)))
+    x = jnp.asarray(rng.standard_normal((2, 2048)).astype(np.float32))
+    run = jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))
+    np.testing.assert_array_equal(np.asarray(run(x, spoiled)), np.asarray(run(x, w)))
+    with native.using_isa("avx2"):
+        assert np.isnan(np.asarray(run(x, spoiled))).all()
+        avx2 = np.asarray(run(x, w))
+    ref = _groups_int8(np.asarray(x), 64).astype(np.float64) @ _dense(w)
+    assert np.abs(avx2 - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("tier", ["int8", "int4", "int3", "int2"])

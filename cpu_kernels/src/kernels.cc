@@ -53,7 +53,8 @@ struct Weight {
   const void* values;        // bf16/f32 [K, N] or uint8 codes [Kp / G * group_rows(), N]
   const uint8_t* scales;     // [Kp / G, N] (quantized only): float16, or uint8 codes (scale_bits 8)
   const uint8_t* offsets;    // [Kp / G, N] (asymmetric only): as scales
-  int bits;                  // 32, 16 (bf16), 8, 4, 3 or 2 (3: two sections per group, see low_rows())
+  int bits;                  // 32, 16 (bf16), 8, 6, 4, 3 or 2 (3: two sections per group, see low_rows();
+                             // 6: values the low plane, `high` the high one)
   int64_t group;             // G (quantized only)
   bool symmetric;
   int64_t k, n;              // logical K, N
@@ -63,14 +64,21 @@ struct Weight {
   int64_t tile_rows = 0, tile_groups = 0;  // tiled: byte rows (plain: K rows) and groups of the whole weight's tiles
   int64_t first_group = 0;                 // tiled: the group rows(k0, k1) starts at
   int64_t first_row = 0;                   // tiled plain: the K row rows(k0, k1) starts at
+  // Six bits (kernel_formats.qarray.QPlanes, the int8 dot only): values hold the codes' low four bits
+  // as int4 packs them (G / 2 byte rows a group), `high` their high two bits as int2 packs them (G / 4
+  // rows), both in the same layout; scales and offsets are the low plane's (offset + 32 scale), the
+  // high plane's scales, 16 times those, are not read. The high bits of low byte row r's field j are
+  // field 2j + r / (G / 4) of high row r % (G / 4).
+  const uint8_t* high = nullptr;
 
   bool quantized() const { return bits <= 8; }
   int64_t padded_k() const { return quantized() ? (k + group - 1) / group * group : k; }
   // Byte rows of codes per group. Three bits: the low two bits as int2 packs them (low_rows(), G / 4
   // rows), then the high bits eight to a byte (G / 8 rows); the high bits of low byte row r's field j
   // are bit 2j + r / (G / 8) of high row r % (G / 8) (kernel_formats/qarray.py).
-  int64_t group_rows() const { return group * bits / 8; }
-  int64_t low_rows() const { return bits == 3 ? group / 4 : group / (8 / bits); }
+  int64_t group_rows() const { return bits == 6 ? group / 2 : group * bits / 8; }
+  int64_t low_rows() const { return bits == 3 ? group / 4 : bits == 6 ? group / 2 : group / (8 / bits); }
+  int64_t high_group_rows() const { return group / 4; }  // six bits: the high plane's byte rows a group
   // Three bits: the group's byte row holding the high bits of low byte row r, and which bit of it
   // is field j's (2j + r / (G / 8)).
   int64_t high_row(int64_t r) const { return low_rows() + r % (low_rows() / 2); }
@@ -89,6 +97,7 @@ struct Weight {
     if (scales) w.scales = scales + s * scale_count() * scale_size();
     if (offsets) w.offsets = offsets + s * scale_count() * scale_size();
     if (bases) w.bases = bases + s * 2 * n;
+    if (high) w.high = high + s * padded_k() / group * high_group_rows() * n;
     return w;
   }
 
@@ -103,6 +112,7 @@ struct Weight {
     } else if (quantized()) {
       const int64_t g0 = k0 / group;
       w.values = static_cast<const uint8_t*>(values) + g0 * group_rows() * n;
+      if (high) w.high = high + g0 * high_group_rows() * n;
       if (scales) w.scales = scales + g0 * n * scale_size();
       if (offsets) w.offsets = offsets + g0 * n * scale_size();
     } else {
@@ -125,6 +135,7 @@ struct Weight {
     if (scales) w.scales = scales + (t * tile_groups + first_group) * kTile * scale_size();
     if (offsets) w.offsets = offsets + (t * tile_groups + first_group) * kTile * scale_size();
     if (bases) w.bases = bases + t * 2 * kTile;  // the bases' [2, N] in tiles of [2, kTile]
+    if (high) w.high = high + (t * tile_groups + first_group) * high_group_rows() * kTile;
     return w;
   }
 };
@@ -618,23 +629,51 @@ static ffi::Error describe(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::An
   return ffi::Error::Success();
 }
 
-// y [M, N] = x [M, K] @ W
+// Six bits (kernel_formats.qarray.QPlanes) as one weight: the low plane (values, scales, offsets)
+// with the high plane's codes beside it (Weight::high), where the int8 dot takes every tile (AVX-512
+// VNNI, N a multiple of 64); else null, and the two planes run as the int4 and int2 weights they are.
+static bool one_six_bit_weight(const Weight& low, const Weight& high, bool int8_dot, Weight* w) {
+  if (!int8_dot || low.n % kTile != 0 || current_isa() != Isa::kAvx512 || !avx512::has_vnni()) return false;
+  *w = low;
+  w->bits = 6;
+  w->high = static_cast<const uint8_t*>(high.values);
+  return true;
+}
+
+// y [M, N] = x [M, K] @ W; six bits (bits 6): values, scales and offsets the low plane's, high_values
+// and high_scales the high plane's (both empty otherwise).
 static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                               ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::AnyBuffer bases,
-                              ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, bool symmetric, int64_t k,
-                              int64_t n, bool int8_dot, bool tiled) {
-  Weight w;
-  if (auto err = describe(values, scales, offsets, bases, bits, group, symmetric, k, n, &w, tiled); err.failure())
+                              ffi::AnyBuffer high_values, ffi::AnyBuffer high_scales, ffi::ResultBuffer<ffi::F32> y,
+                              int64_t bits, int64_t group, bool symmetric, int64_t k, int64_t n, bool int8_dot,
+                              bool tiled) {
+  const bool six = bits == 6;
+  if (six && symmetric) return ffi::Error::InvalidArgument("six bits are asymmetric");
+  Weight w, high;
+  if (auto err = describe(values, scales, offsets, bases, six ? 4 : bits, group, symmetric, k, n, &w, tiled);
+      err.failure())
     return err;
   if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
     return ffi::Error::InvalidArgument("weight values do not match [K, N]");
+  if (six) {
+    if (auto err = describe(high_values, high_scales, offsets, bases, 2, group, true, k, n, &high, tiled); err.failure())
+      return err;
+    if (high_values.size_bytes() != static_cast<size_t>(high.value_bytes()))
+      return ffi::Error::InvalidArgument("the high plane's values do not match [K, N]");
+  }
   const auto dims = x.dimensions();
   if (dims.size() != 2 || dims[1] != k) return ffi::Error::InvalidArgument("x must be [M, K]");
   const int64_t M = dims[0];
   QuantizedInputs quantized;
   const Inputs in = quantized.of(x.typed_data(), k, M, k, w.group, int8_dot && w.quantized(), rows_on(pool));
   float* yp = y->typed_data();
-  run_products(pool, {Product{in, M, w, yp, n}});
+  if (!six || one_six_bit_weight(w, high, int8_dot, &w)) {
+    run_products(pool, {Product{in, M, w, yp, n}});
+    return ffi::Error::Success();
+  }
+  std::vector<float> high_part(M * n);
+  run_products(pool, {Product{in, M, w, yp, n}, Product{in, M, high, high_part.data(), n}});
+  for (int64_t i = 0; i < M * n; ++i) yp[i] += high_part[i];
   return ffi::Error::Success();
 }
 
@@ -1112,6 +1151,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

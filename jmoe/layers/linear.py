@@ -39,10 +39,10 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     """x [..., K] @ w [K, N] -> float32 [..., N]; w a plain array or a QArray. int8_dot (CPU only):
     a quantized w multiplies x on its per-group int8 grid (load's cpu_dot="int8"). tiled: a plain w
     stored in the CPU layout."""
+    if on_cpu():  # a QPlanes too: both planes in one pass under the int8 dot
+        return cpu_kernels.matmul(x, w, int8_dot=int8_dot, tiled=tiled)
     if isinstance(w, QPlanes):  # 6 bits: the low and high planes' products (kernel_formats.qarray)
         return matmul(x, w.low, int8_dot=int8_dot) + matmul(x, w.high, int8_dot=int8_dot)
-    if on_cpu():
-        return cpu_kernels.matmul(x, w, int8_dot=int8_dot, tiled=tiled)
     if tiled:
         w = untile_plain(w)
     if isinstance(w, QArray):
