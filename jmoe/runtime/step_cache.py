@@ -22,7 +22,10 @@ Entries live in <compilation cache dir>/steps, written whole (a temporary file r
 only by this user (the directory is private: a serialized executable is code). A step that cannot
 be serialized (constants closed over, say) is compiled as usual and not stored.
 JMOE_STEP_CACHE=off turns the cache off (steps are then plain jax.jit); JMOE_STEP_CACHE=<dir> puts
-it elsewhere. GPU backends do not use it yet.
+it elsewhere. GPU backends do not use it yet. The key sees the source files, not the running
+objects: a process that replaces a function at run time (a comparison of two variants in one
+process, a test's monkeypatch inside a traced step) must turn the cache off, or it runs the
+executable of whichever variant was stored first.
 """
 
 from __future__ import annotations
