@@ -82,7 +82,7 @@ FAMILY_HEADLINES = [
     ("real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json",
      ("GPT-OSS-20B shapes (6 of 24 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
-    ("real_shapes/real_shapes_mixtral_4L_7_rounds_zen5_cpu.json",
+    ("real_shapes/real_shapes_mixtral_4L_six_bit_pass_zen5_cpu.json",
      ("Mixtral-8x7B shapes (4 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 5), int4 experts and dense weights, "
       "int6 LM head, `cpu_dot=\"int8\"`, vs llama.cpp Q4_0")),
     ("real_shapes/real_shapes_deepseek_v2_lite_16L_six_bit_pass_zen5_cpu.json",
@@ -861,7 +861,7 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_qwen3_8L_six_bit_pass_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_7_rounds_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_six_bit_pass_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_gpt_oss_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
@@ -1397,6 +1397,8 @@ TABLES = {
         "real_shapes/real_shapes_qwen3_8L_six_bit_pass_zen5_cpu.json"),
     "deepseek-16L-six-bit-pass-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_deepseek_v2_lite_16L_six_bit_pass_zen5_cpu.json"),
+    "mixtral-4L-six-bit-pass-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_4L_six_bit_pass_zen5_cpu.json"),
     "mixed-qwen3-8L-six-bit-pass-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixed_qwen3_8L_six_bit_pass_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
