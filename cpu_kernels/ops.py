@@ -94,12 +94,17 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
             dense = untile_plain(dense)
         return jnp.dot(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).astype(jnp.float32)
     operands, fmt = _weight_operands(w, tiled)
     no_plane = (native.empty(np.uint8), native.empty(np.float16))
-    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands, *no_plane,
-                    k=np.int64(k), n=np.int64(n), int8_dot=int8_dot, **fmt)
+    return _native_matmul(x, k, n, (*operands, *no_plane), int8_dot=int8_dot, **fmt)
+
+
+def _native_matmul(x: jax.Array, k: int, n: int, operands: tuple, **attrs) -> jax.Array:
+    """x [..., K] times the weight the native matmul's operands describe -> float32 [..., N]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, *operands,
+                    k=np.int64(k), n=np.int64(n), **attrs)
     return y.reshape(*lead, n)
 
 
@@ -110,13 +115,9 @@ def _matmul_planes(x: jax.Array, w: QPlanes, int8_dot: bool) -> jax.Array:
     the native call itself runs the two products where that one pass does not apply."""
     if not (int8_dot and available()):
         return matmul(x, w.low, int8_dot=int8_dot) + matmul(x, w.high, int8_dot=int8_dot)
-    lead, k, n = x.shape[:-1], w.k, w.n
-    x2 = x.reshape(-1, k).astype(jnp.float32)
-    (values, scales, offsets, bases), fmt = _weight_operands(w.low)
-    y = native.call(native.MATMUL, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), x2, values, scales, offsets,
-                    bases, w.high.values, w.high.scales, k=np.int64(k), n=np.int64(n), int8_dot=True,
-                    **dict(fmt, bits=np.int64(6)))
-    return y.reshape(*lead, n)
+    operands, fmt = _weight_operands(w.low)
+    return _native_matmul(x, w.k, w.n, (*operands, w.high.values, w.high.scales), int8_dot=True,
+                          **dict(fmt, bits=np.int64(6)))
 
 
 def _pool_format(prefix: str, w, int8_dot: bool) -> tuple[tuple, dict]:

@@ -656,7 +656,8 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
     return ffi::Error::InvalidArgument("weight values do not match [K, N]");
   if (six) {
-    if (auto err = describe(high_values, high_scales, offsets, bases, 2, group, true, k, n, &high, tiled); err.failure())
+    if (auto err = describe(high_values, high_scales, offsets, bases, 2, group, true, k, n, &high, tiled);
+        err.failure())
       return err;
     if (high_values.size_bytes() != static_cast<size_t>(high.value_bytes()))
       return ffi::Error::InvalidArgument("the high plane's values do not match [K, N]");
