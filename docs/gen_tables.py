@@ -887,6 +887,33 @@ def equal_bits_summary() -> str:
         "median [min–max].")
 
 
+BF16_RUNS = [
+    ("Intel Xeon (model not recorded)", "real_shapes/real_shapes_bf16_xeon_cpu.json"),
+    ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_bf16_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
+]
+
+
+def bf16_summary() -> str:
+    """equal_bits_summary's table for bf16 against llama.cpp's BF16: every family's newest run."""
+    rows = []
+    for cpu, name in BF16_RUNS:
+        d = load(name)
+        key = next(k for k in d["ratios"] if k.startswith("jmoe bf16 resident") and k.endswith("/ llama.cpp BF16"))
+        r = d["ratios"][key]
+        rss = " vs ".join(f"{d['summary'][k]['rss_over_loaded']['median']:.2f}x" for k in key.split(" / "))
+        rows.append([f"{d['model']['name']}, {d['model']['layers']} layers", cpu,
+                     ratio(r["prefill_tok_s"]), ratio(r["decode_tok_s@0"]), ratio(r["decode_tok_s@512"]), rss,
+                     f"{d['settings']['rounds']} ({source(name)})"])
+    return table(["slice (random weights)", "CPU, 2 cores", "prefill (512)", "decode (depth 0)", "decode (depth 512)",
+                  "peak RSS / loaded, jmoe vs llama.cpp", "rounds"], rows) + (
+        "\n\njmoe: bf16 experts and dense weights (the Zen 5 runs with `--cpu-layout`: plain projections and LM head in "
+        "column tiles; a bf16 expert tier is not tiled); llama.cpp: its BF16 GGUF, `llama-bench -t 2`. Ratios taken "
+        "within each alternating round, median [min–max].")
+
+
 def grid_bits() -> str:
     name = "quality/grid_bits_cpu.json"
     d = load(name)
@@ -1407,6 +1434,9 @@ TABLES = {
     "expert-tiers-gfni-all-widths": lambda: expert_mixed_tiers("kernels/expert_tiers_gfni_all_widths_zen4_cpu.json"),
     "grid-bits": grid_bits,
     "equal-bits-summary": equal_bits_summary,
+    "bf16-summary": bf16_summary,
+    "gpt-oss-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
+    "mixtral-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
     "quality-vs-llama-dense-s8-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
