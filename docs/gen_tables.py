@@ -870,19 +870,26 @@ EQUAL_BITS_RUNS = [
 ]
 
 
-def equal_bits_summary() -> str:
-    ours, theirs = "jmoe int4 + dense int4 resident, int8 dot", "llama.cpp Q4_0"
+def ratio_summary(runs: list[tuple[str, str]], comparison, note: str) -> str:
+    """One row per run (CPU, results file) of jmoe against llama.cpp within each round: `comparison(run)`
+    names the ratio ("ours / theirs") it reads."""
     rows = []
-    for cpu, name in EQUAL_BITS_RUNS:
+    for cpu, name in runs:
         d = load(name)
-        r = d["ratios"][f"{ours} / {theirs}"]
-        rss = " vs ".join(f"{d['summary'][k]['rss_over_loaded']['median']:.2f}x" for k in (ours, theirs))
+        key = comparison(d)
+        r = d["ratios"][key]
+        rss = " vs ".join(f"{d['summary'][k]['rss_over_loaded']['median']:.2f}x" for k in key.split(" / "))
         rows.append([f"{d['model']['name']}, {d['model']['layers']} layers", cpu,
                      ratio(r["prefill_tok_s"]), ratio(r["decode_tok_s@0"]), ratio(r["decode_tok_s@512"]), rss,
                      f"{d['settings']['rounds']} ({source(name)})"])
     return table(["slice (random weights)", "CPU, 2 cores", "prefill (512)", "decode (depth 0)", "decode (depth 512)",
-                  "peak RSS / loaded, jmoe vs llama.cpp", "rounds"], rows) + (
-        "\n\njmoe: int4 experts, dense int4, int6 LM head, all in the CPU layout, `cpu_dot=\"int8\"`; llama.cpp: "
+                  "peak RSS / loaded, jmoe vs llama.cpp", "rounds"], rows) + "\n\n" + note
+
+
+def equal_bits_summary() -> str:
+    return ratio_summary(
+        EQUAL_BITS_RUNS, lambda d: "jmoe int4 + dense int4 resident, int8 dot / llama.cpp Q4_0",
+        "jmoe: int4 experts, dense int4, int6 LM head, all in the CPU layout, `cpu_dot=\"int8\"`; llama.cpp: "
         "Q4_0 (Q6_K output matrix), `llama-bench -t 2`. Ratios taken within each alternating round, "
         "median [min–max].")
 
@@ -898,18 +905,10 @@ BF16_RUNS = [
 
 def bf16_summary() -> str:
     """equal_bits_summary's table for bf16 against llama.cpp's BF16: every family's newest run."""
-    rows = []
-    for cpu, name in BF16_RUNS:
-        d = load(name)
-        key = next(k for k in d["ratios"] if k.startswith("jmoe bf16 resident") and k.endswith("/ llama.cpp BF16"))
-        r = d["ratios"][key]
-        rss = " vs ".join(f"{d['summary'][k]['rss_over_loaded']['median']:.2f}x" for k in key.split(" / "))
-        rows.append([f"{d['model']['name']}, {d['model']['layers']} layers", cpu,
-                     ratio(r["prefill_tok_s"]), ratio(r["decode_tok_s@0"]), ratio(r["decode_tok_s@512"]), rss,
-                     f"{d['settings']['rounds']} ({source(name)})"])
-    return table(["slice (random weights)", "CPU, 2 cores", "prefill (512)", "decode (depth 0)", "decode (depth 512)",
-                  "peak RSS / loaded, jmoe vs llama.cpp", "rounds"], rows) + (
-        "\n\njmoe: bf16 experts and dense weights (the Zen 5 runs with `--cpu-layout`: plain projections and LM head in "
+    return ratio_summary(
+        BF16_RUNS,
+        lambda d: next(k for k in d["ratios"] if k.startswith("jmoe bf16 resident") and k.endswith("/ llama.cpp BF16")),
+        "jmoe: bf16 experts and dense weights (the Zen 5 runs with `--cpu-layout`: plain projections and LM head in "
         "column tiles; a bf16 expert tier is not tiled); llama.cpp: its BF16 GGUF, `llama-bench -t 2`. Ratios taken "
         "within each alternating round, median [min–max].")
 
