@@ -311,11 +311,29 @@ def dense_int4_tiers(tiers: list[str]) -> list[str]:
     return [t for t in DENSE_INT4_TIERS if t in tiers] if "int4" in tiers else []
 
 
+def cpus_busy(seconds: float = 1.0) -> float | None:
+    """How many CPUs' worth of time the machine spent busy over the next `seconds` (/proc/stat; None
+    without it), while this process only waits: other work, right before a timed run. (The 1-minute
+    load average it replaces counted the bench's own runs of the last minute, so it read "busy" before
+    every round on a 2-core machine.)"""
+    def busy_and_total():
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+    try:
+        b0, t0 = busy_and_total()
+        time.sleep(seconds)
+        b1, t1 = busy_and_total()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
+
+
 def run_one(cfg: dict, round_no: int, args, llama, logs: Path, cache_dir: Path | None) -> dict:
     tag = cfg["label"].replace(" ", "_").replace("%", "pct").replace(",", "").replace("+", "plus").replace("/", "-")
     log = logs / f"r{round_no}-{tag}.log"
     record = {"kind": cfg["kind"], "label": cfg["label"], "round": round_no, "loaded_bytes": cfg.get("loaded_bytes"),
-              "load_average_before": os.getloadavg()[0]}  # other work on the machine skews timings
+              "cpus_busy_before": cpus_busy()}  # other work on the machine skews timings
     t = time.perf_counter()
     try:
         if cfg["kind"] == "llama.cpp":

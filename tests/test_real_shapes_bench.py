@@ -4,6 +4,7 @@ names and shapes, and the round statistics (medians, ranges, per-round ratios)."
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from safetensors import safe_open
 
 from bench.lib.random_checkpoint import MODELS, RealModel, write_checkpoint
 from bench.lib.real_shapes_report import markdown, ratios, summarize
+from bench.real_shapes import cpus_busy
 from jmoe.models import config_from_hf
 from jmoe.models.checkpoint import expert_tensor_names, fused_expert_names
 
@@ -88,6 +90,15 @@ def test_round_statistics():
     text = markdown(result)
     assert "| a | – | 3.00 [2.00–4.00] |" in text and "1.00 [0.50–1.50]" in text
     assert np.isfinite(r["median"])
+    assert "not idle" not in text
+    busy = dict(result, runs=[{"cpus_busy_before": 0.1}, {"cpus_busy_before": 0.9}])
+    assert "up to 0.9 CPUs busy" in markdown(busy)
+    assert "not idle" not in markdown(dict(result, runs=[{"cpus_busy_before": 0.1}, {"cpus_busy_before": None}]))
+
+
+def test_busy_cpus_are_measured_while_the_bench_waits():
+    idle = cpus_busy(0.2)
+    assert idle is not None and 0 <= idle <= (os.cpu_count() or 1)
 
 
 def test_the_mixed_mode_is_planned_against_llama_cpp_and_a_conversion_lacking_a_tier_is_not_reused(tmp_path):

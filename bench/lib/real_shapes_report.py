@@ -115,14 +115,19 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+# Other work, in CPUs' worth, above which a run's report says the machine was not idle (runs of earlier
+# versions recorded a load average instead, and are not flagged).
+BUSY_CPUS = 0.25
+
+
 def markdown(result: dict) -> str:
     s, layers = result["settings"], result["model"]["layers"]
     head = (f"{result['model']['name']} shapes, {plural(layers, 'layer')}, random weights; "
             f"{result['machine']['cpu']} ({result['machine']['cpu_count']} cores), {plural(s['rounds'], 'round')}"
             f"{' alternating jmoe and llama.cpp' if result.get('ratios') else ''}; median [min–max].")
-    busy = max((r.get("load_average_before") or 0 for r in result.get("runs", [])), default=0)
-    if busy > 1.0:
-        head += (f" The machine was not idle (1-minute load average up to {busy:.1f} before a run): timings, "
+    busy = max((r.get("cpus_busy_before") or 0 for r in result.get("runs", [])), default=0)
+    if busy > BUSY_CPUS:
+        head += (f" The machine was not idle (up to {busy:.1f} CPUs busy in the second before a run): timings, "
                  "llama.cpp's most of all, are not representative.")
     parts = [head, speed_table(result)]
     if result.get("ratios"):
