@@ -900,6 +900,7 @@ BF16_RUNS = [
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_bf16_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_bf16_zen5_cpu.json"),
 ]
 
 
@@ -1436,6 +1437,7 @@ TABLES = {
     "bf16-summary": bf16_summary,
     "gpt-oss-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
     "mixtral-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
+    "deepseek-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_bf16_zen5_cpu.json"),
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
     "quality-vs-llama-dense-s8-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"),
     "dynaexq-hindsight-zen4": lambda: dynaexq_streams("policies/dynaexq_hindsight_zen4_cpu.json"),
