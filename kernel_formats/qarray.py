@@ -41,8 +41,8 @@ and y = x @ low + x @ high runs on the int4 and int2 kernels as they are (Q6_K, 
 four and high two bits of its codes in separate arrays). On the CPU under the int8 dot one native
 pass reads both planes' codes as one code, low + 16 * high, with the low plane's scales (the high
 plane's are never read there: keep them 16 times the low plane's, as `planes` writes them).
-G = 64: 4.5 + 2.25 = 6.75 bits per weight, G = 128: 6.375. The quantizers work on the 6-bit grid itself, a QArray of one code per byte (pack
-1), which `planes` splits for storage.
+G = 64: 4.5 + 2.25 = 6.75 bits per weight, G = 128: 6.375. The quantizers work on the 6-bit grid
+itself, a QArray of one code per byte (pack 1), which `planes` splits for storage.
 
 The CPU layout (fmt.tiled, written by `jmoe convert --cpu-layout`): the same arrays, same shapes,
 with every row's columns regrouped into tiles of TILE: tile t (columns [TILE t, TILE t + TILE)) of
