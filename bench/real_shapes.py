@@ -317,7 +317,8 @@ def cpus_busy(seconds: float = 1.0) -> float | None:
     load average it replaces counted the bench's own runs of the last minute, so it read "busy" before
     every round on a 2-core machine.)"""
     def busy_and_total():
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        # user nice system idle iowait irq softirq steal (guest time follows, already counted in user)
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         return sum(fields) - idle, sum(fields)
     try:
