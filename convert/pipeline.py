@@ -49,7 +49,7 @@ from jmoe.models.checkpoint import checkpoint_names, expert_tensor_names, fused_
 from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
 from jmoe.tiers import TIER_NAMES, expert_template, tier_format
 from jmoe.tokenizer import first_line, load_tokenizer
-from kernel_formats.qarray import TILE, QArray, tile
+from kernel_formats.qarray import TILE, PlainTiles, is_quantized, tile, tile_plain
 
 log = logging.getLogger("jmoe.convert")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -122,7 +122,7 @@ def convert_checkpoint(
         dense weights keep float16). int4 with 8-bit scales stores 4.25 bits per weight instead of 4.5;
         the H100's Mosaic expert kernel reads float16 scales only, so keep float16 for a GPU.
       w8a8: make the int8 tier W8A8 (symmetric weights, per-token int8 activations at run time).
-      cpu_layout: store the integer expert tiers, the dense weights (plain bf16 projections and an
+      cpu_layout: store the expert tiers (bf16 too), the dense weights (plain bf16 projections and an
         untied bf16 LM head too) and an integer LM head and embedding table in the CPU layout
         (kernel_formats/qarray.py: column tiles of 64, which the CPU kernels stream; GPU kernels
         leave such experts to the XLA reference, so convert without it for a GPU).
@@ -165,7 +165,7 @@ def convert_checkpoint(
     cfg = config_from_hf(hf_config)
     source = TensorSource(root)
     check_layer_count(source, cfg)
-    stored = stored_formats(formats, cfg, cpu_layout)
+    stored, plain_tiled = stored_formats(formats, cfg, cpu_layout)
     calibrating = method != "rtn" and any(fmt is not None for fmt in formats.values())
     calibration = None
     if calibrating:
@@ -194,7 +194,8 @@ def convert_checkpoint(
         source.release()
         with blas_threads(cfg):
             layouts, checksums, alphas = write_experts(reader, cfg, tmp, formats, method, progress, calibration,
-                                                       release=source.release, stored=stored)
+                                                       release=source.release, stored=stored,
+                                                       plain_tiled=plain_tiled)
             if gptq_head:
                 dense_gptq.calibrated_head(source, cfg, dense, calibration.head_inputs(), progress)
                 dense_entry["head_method"] = "gptq"
@@ -222,7 +223,8 @@ def convert_checkpoint(
             "hf_config": hf_config,
             "quantization": quantization,
             "tiers": {
-                tier: {"format": fmt.to_json() if fmt else None, **layouts[tier].to_json()}
+                tier: {"format": fmt.to_json() if fmt else None,
+                       **({"tiled": True} if fmt is None and plain_tiled else {}), **layouts[tier].to_json()}
                 for tier, fmt in stored.items()
             },
             "dense": dense_entry,
@@ -352,22 +354,27 @@ def expert_reader(source: TensorSource, cfg: ModelConfig, used: set[str]) -> Exp
     return read
 
 
-def stored_formats(formats: dict, cfg: ModelConfig, cpu_layout: bool) -> dict:
-    """Each tier's format as written: with cpu_layout, integer tiers tiled where every expert
-    weight's width (2F and D) is a whole number of tiles (else written [K, N], with a warning)."""
+def stored_formats(formats: dict, cfg: ModelConfig, cpu_layout: bool) -> tuple[dict, bool]:
+    """(each tier's format as written, whether the bf16 tier is written tiled): with cpu_layout,
+    every tier in the CPU layout where every expert weight's width (2F and D) is a whole number of
+    tiles (else written [K, N], with a warning); an integer tier's format says so, the bf16 tier's
+    weights are written as PlainTiles."""
     if not cpu_layout:
-        return formats
+        return formats, False
     widths = (2 * cfg.moe_intermediate_size, cfg.hidden_size)
     if any(w % TILE for w in widths):
         log.warning("expert widths %s are not multiples of %d: experts are written in [K, N] layout", widths, TILE)
-        return formats
-    return {t: None if fmt is None else dataclasses.replace(fmt, tiled=True) for t, fmt in formats.items()}
+        return formats, False
+    return {t: None if fmt is None else dataclasses.replace(fmt, tiled=True) for t, fmt in formats.items()}, True
 
 
 def tile_version(version: ExpertWeights) -> ExpertWeights:
-    """One expert version's quantized weights in the CPU layout (biases as they are)."""
-    return version._replace(**{name: tile(w) for name, w in (("gate_up", version.gate_up), ("down", version.down))
-                               if isinstance(w, QArray)})
+    """One expert version's weights in the CPU layout (biases as they are): a QArray tiled, a plain
+    weight as PlainTiles."""
+    def tiled(w):
+        return tile(w) if is_quantized(w) else PlainTiles(tile_plain(w))
+
+    return version._replace(gate_up=tiled(version.gate_up), down=tiled(version.down))
 
 
 class LayerFiles:
@@ -413,16 +420,19 @@ def blas_threads(cfg: ModelConfig) -> threadpool_limits:
 
 def write_experts(reader: ExpertReader, cfg: ModelConfig, tmp: Path, formats: dict, method: str, progress: bool,
                   calibration: LayerwiseCalibration | None = None, release: Callable[[], None] = lambda: None,
-                  stored: dict | None = None):
+                  stored: dict | None = None, plain_tiled: bool = False):
     """One file per (MoE layer, tier), one record per expert, every tier in one pass.
 
     Without calibration (RTN) experts stream one at a time; with it (GPTQ, HAQ) one layer's
     experts are held while the calibration hidden states pass through that layer. `stored`: the
     formats as written (stored_formats; default `formats`): experts are quantized in `formats`.
+    plain_tiled: the bf16 tier is written in the CPU layout (stored_formats).
     """
     stored = formats if stored is None else stored
-    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier, fmt)) for tier, fmt in stored.items()}
-    tiled = frozenset(t for t, fmt in stored.items() if fmt is not None and fmt.tiled)
+    plain_tiled = plain_tiled and "bf16" in stored
+    layouts = {tier: RecordLayout.from_template(expert_template(cfg, tier, fmt, plain_tiled and fmt is None))
+               for tier, fmt in stored.items()}
+    tiled = frozenset(t for t, fmt in stored.items() if (fmt.tiled if fmt is not None else plain_tiled))
     checksums, alphas = {}, {}
     E = cfg.num_experts
     with tqdm(total=cfg.num_moe_layers * E, desc="experts", unit="expert", disable=not progress) as bar:

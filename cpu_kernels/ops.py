@@ -18,8 +18,8 @@ import numpy as np
 
 from cpu_kernels import native
 from kernel_formats.glu import SILU, GatedActivation
-from kernel_formats.qarray import (TILE, QArray, QPlanes, dequantize, int8_dot_applies, prepare_input, quantize_groups,
-                                   untile_plain)
+from kernel_formats.qarray import (TILE, PlainTiles, QArray, QPlanes, dequantize, int8_dot_applies, prepare_input,
+                                   quantize_groups, untile_plain)
 
 
 # Float weights with fewer columns than this (a router of 8 or 32 experts, a shared expert's [D, 1]
@@ -50,13 +50,16 @@ def available() -> bool:
 
 def _weight_operands(w, tiled: bool = False):
     """(values, scales, offsets, bases) operands and (bits, group, symmetric, tiled) of a weight or a
-    pool of them; tiled: a plain weight stored in the CPU layout (kernel_formats.qarray.tile_plain)."""
+    pool of them; tiled: a plain weight stored in the CPU layout (kernel_formats.qarray.tile_plain),
+    as a PlainTiles pool always is."""
     if isinstance(w, QArray):
         fmt = w.fmt
         offsets = native.empty(np.float16) if w.offsets is None else w.offsets
         bases = native.empty(np.float32) if w.bases is None else w.bases
         return (w.values, w.scales, offsets, bases), dict(bits=np.int64(fmt.bits), group=np.int64(fmt.group_size),
                                                           symmetric=bool(fmt.symmetric), tiled=fmt.tiles(w.n))
+    if isinstance(w, PlainTiles):
+        w, tiled = w.values, True
     dtype = jnp.dtype(w.dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         w = w.astype(jnp.float32)

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: int2 and int3 8, int4 16; int4 at 8 stores 4.25 bits per weight, for the CPU)")
     conv.add_argument("--w8a8", action="store_true", help="int8 tier as W8A8 (per-token int8 activations)")
     conv.add_argument("--cpu-layout", action="store_true",
-                      help="integer expert tiers, dense weights (bf16 projections too) and LM head in the CPU "
+                      help="expert tiers (bf16 too), dense weights (bf16 projections too) and LM head in the CPU "
                            "kernels' layout (column tiles they stream; GPU kernels leave such weights to the XLA "
                            "reference)")
     conv.add_argument("--force", action="store_true", help="replace an existing output directory")

@@ -146,7 +146,7 @@ SCHEMA = {
     "hf_config": dict,
     "quantization": {"method": Text(r"rtn|gptq|haq", "rtn, gptq or haq"), "calibration?": Anything(),
                      "haq_alpha?": Anything()},
-    "tiers": Entries({"format": Maybe(TIER_FORMAT), "record_nbytes": Int(1), "leaves": Items(LEAF)},
+    "tiers": Entries({"format": Maybe(TIER_FORMAT), "tiled?": bool, "record_nbytes": Int(1), "leaves": Items(LEAF)},
                      key=Text("|".join(TIER_NAMES), f"a tier ({', '.join(TIER_NAMES)})")),
     "dense": {"dir": RELPATH, "tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
               "format?": Maybe(TIER_FORMAT), "bytes?": Int(0),

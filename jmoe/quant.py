@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from kernel_formats.qarray import QArray, QuantFormat, dequantize
+from kernel_formats.qarray import QArray, QuantFormat, dequantize, untiled
 
 
 class ExpertWeights(NamedTuple):
@@ -60,7 +60,7 @@ def bf16_expert(weights: ExpertWeights) -> ExpertWeights:
 
 def dequantize_expert(weights: ExpertWeights, dtype=jnp.float32) -> ExpertWeights:
     """Any tier's expert version back to plain K-major arrays (reference path, tests); biases stay float32."""
-    deq = lambda w: dequantize(w, dtype) if isinstance(w, QArray) else jnp.asarray(w, dtype)  # noqa: E731
+    deq = lambda w: dequantize(w, dtype) if isinstance(w, QArray) else jnp.asarray(untiled(w), dtype)  # noqa: E731
     bias = lambda b: None if b is None else jnp.asarray(b, jnp.float32)  # noqa: E731
     return ExpertWeights(deq(weights.gate_up), deq(weights.down), bias(weights.gate_up_bias), bias(weights.down_bias))
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.quant import ExpertWeights
-from kernel_formats.qarray import QuantFormat, template
+from kernel_formats.qarray import PlainTiles, QuantFormat, template
 
 TIER_NAMES = ("int2", "int3", "int4", "int8", "bf16")  # ascending precision
 SKIP = 0
@@ -60,8 +60,11 @@ def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | N
         raise InputError(str(e)) from None
 
 
-def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None) -> ExpertWeights:
-    """Shapes and dtypes of one expert version at `tier` (quantized tiers need their format).
+def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None,
+                    plain_tiled: bool = False) -> ExpertWeights:
+    """Shapes and dtypes of one expert version at `tier` (quantized tiers need their format, which
+    says whether they are stored in the CPU layout; plain_tiled says it of the bf16 tier: its weights
+    are then PlainTiles).
 
     With expert biases (cfg.expert_bias) every tier's version also holds them, float32."""
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
@@ -70,11 +73,14 @@ def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None)
         biases = dict(gate_up_bias=jax.ShapeDtypeStruct((2 * F,), jnp.float32),
                       down_bias=jax.ShapeDtypeStruct((D,), jnp.float32))
     if tier == "bf16":
+        wrap = PlainTiles if plain_tiled else (lambda w: w)
         return ExpertWeights(
-            gate_up=jax.ShapeDtypeStruct((D, 2 * F), jnp.bfloat16),
-            down=jax.ShapeDtypeStruct((F, D), jnp.bfloat16),
+            gate_up=wrap(jax.ShapeDtypeStruct((D, 2 * F), jnp.bfloat16)),
+            down=wrap(jax.ShapeDtypeStruct((F, D), jnp.bfloat16)),
             **biases,
         )
+    if plain_tiled:
+        raise ValueError("plain_tiled applies to the bf16 tier; a quantized tier's format says whether it is tiled")
     if fmt is None:
         raise InputError(f"tier {tier!r} needs a quantization format")
     # Smoothing (HAQ) scales gate_up's input at run time; down's is folded into up's columns.

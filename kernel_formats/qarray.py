@@ -277,6 +277,29 @@ def untile_plain(a):
     return _regroup(a, False)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PlainTiles:
+    """A plain bf16/float32 [..., K, N] weight stored in the CPU layout (tile_plain): an expert pool
+    of the bf16 tier written by `jmoe convert --cpu-layout`. The native CPU kernels read it as it
+    lies; every other reader takes `untiled` of what it gathered. The wrapper, not a flag beside the
+    pool, says how the bytes lie, so no reader can take the tiles for a [K, N] array."""
+    values: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def untiled(w):
+    """A weight in [K, N] layout: PlainTiles untiled, anything else as it is."""
+    return untile_plain(w.values) if isinstance(w, PlainTiles) else w
+
+
 def take_columns(q: QArray, cols: jax.Array) -> QArray:
     """Columns `cols` [A] of the weight, as a [K, N]-layout QArray of A columns (a gather of a few
     columns, as an embedding lookup makes: in the CPU layout each column is read from its tile)."""

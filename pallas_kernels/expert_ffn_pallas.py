@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernel_formats.glu import SILU, GatedActivation
-from kernel_formats.qarray import OFFSET_CODE_ZERO, QArray, int8_per_token
+from kernel_formats.qarray import OFFSET_CODE_ZERO, PlainTiles, QArray, int8_per_token
 from pallas_kernels import device_config
 
 DECODE_ROW_BYTES = 128  # bytes of each weight row a decode program reads per step: one memory transaction
@@ -234,7 +234,7 @@ def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=
         return False
     if rows.ndim != 2 or rows.shape[0] % block_rows:
         return False
-    if any(isinstance(w, QArray) and w.fmt.tiled for w in (gate_up, down)):
+    if any(isinstance(w, PlainTiles) or (isinstance(w, QArray) and w.fmt.tiled) for w in (gate_up, down)):
         return False  # the CPU layout is the CPU kernels' (and the reference reads it through untile)
     if not all(offsets_fit(a) for w in (gate_up, down) for a in pool_arrays(w)):
         return False
@@ -250,9 +250,9 @@ def supports(rows, gate_up, down, block_rows: int, gate_up_bias=None, down_bias=
 
 
 def pool_arrays(w) -> list:
-    """Every array of a pool: the plain array, or a QArray's values, scales, offsets, act_scale and bases."""
-    return [w] if not isinstance(w, QArray) else [a for a in (w.values, w.scales, w.offsets, w.act_scale, w.bases)
-                                                  if a is not None]
+    """Every array of a pool: the plain array (or its tiles), or a QArray's values, scales, offsets,
+    act_scale and bases."""
+    return jax.tree.leaves(w)
 
 
 def offsets_fit(a) -> bool:

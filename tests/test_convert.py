@@ -13,6 +13,7 @@ import jmoe
 from convert import convert_checkpoint
 from jmoe.errors import CheckpointError, ConfigError, FormatError, InputError
 from jmoe.manifest import check_files, read_manifest
+from jmoe.policies import DyMoE
 from jmoe.runtime.store import ExpertStore
 from tests.hf_models import make_checkpoint
 
@@ -173,31 +174,39 @@ def test_hub_id_that_cannot_be_fetched_fails_cleanly(tmp_path, monkeypatch):
     assert no_partial_output(tmp_path, "out")
 
 
-def test_cpu_layout_stores_integer_experts_in_tiles_that_compute_the_same(tmp_path, caplog):
-    """--cpu-layout writes the integer expert tiers in column tiles (the manifest says so, the
+def test_cpu_layout_stores_experts_in_tiles_that_compute_the_same(tmp_path, caplog):
+    """--cpu-layout writes every expert tier in column tiles, bf16 too (the manifest says so, the
     records hold other bytes of the same size); the model computes the same logits from them, on
-    both CPU dots and offloaded; widths that are no whole number of tiles stay [K, N], with a warning."""
+    both CPU dots, on the XLA path and offloaded, one tier or two a token; widths that are no whole
+    number of tiles stay [K, N], with a warning."""
     small_hf = tmp_path / "hf"
     make_checkpoint("qwen3_moe", small_hf, overrides=dict(moe_intermediate_size=64))  # gate_up: two tiles
     plain = convert_checkpoint(small_hf, tmp_path / "plain", tiers="bf16,int4,int2", progress=False)
     tiled = convert_checkpoint(small_hf, tmp_path / "tiled", tiers="bf16,int4,int2", cpu_layout=True, progress=False)
     tiers = read_manifest(tiled)["tiers"]
     assert tiers["int4"]["format"]["tiled"] and tiers["int2"]["format"]["tiled"] and tiers["bf16"]["format"] is None
-    assert "tiled" not in read_manifest(plain)["tiers"]["int4"]["format"]
-    for tier in ("int4", "int2"):
+    assert tiers["bf16"]["tiled"] and "tiled" not in tiers["int4"]
+    plain_tiers = read_manifest(plain)["tiers"]
+    assert "tiled" not in plain_tiers["int4"]["format"] and "tiled" not in plain_tiers["bf16"]
+    for tier in ("bf16", "int4", "int2"):
         a, b = ((p / "experts" / tier / "layer000.bin").read_bytes() for p in (plain, tiled))
         assert len(a) == len(b) and a != b
     ids = [5, 17, 99, 3, 42, 250, 7]
-    for tier, cpu_dot in (("int4", "float"), ("int4", "int8"), ("int2", "int8")):
-        logits = [np.asarray(jmoe.forward(jmoe.load(p, tier=tier, cpu_dot=cpu_dot, compute_dtype="float32"), ids))
-                  for p in (plain, tiled)]
-        assert np.array_equal(*logits), (tier, cpu_dot)
-    resident = jmoe.load(plain, tier="int4", compute_dtype="float32")
-    fixed = sum(v for k, v in resident.memory.items() if k != "experts")
-    offloaded = jmoe.load(tiled, tier="int4", compute_dtype="float32", policy="lru",
-                          device_budget=int(fixed + 0.8 * resident.memory["experts"]))
-    assert offloaded.residency.slots < offloaded.config.num_moe_layers * offloaded.config.num_experts
-    assert jmoe.generate(offloaded, ids, max_new_tokens=8) == jmoe.generate(resident, ids, max_new_tokens=8)
+    for tier, cpu_dot, backend in (("int4", "float", None), ("int4", "int8", None), ("int2", "int8", None),
+                                   ("bf16", "float", None), ("bf16", "float", "xla")):
+        logits = [np.asarray(jmoe.forward(jmoe.load(p, tier=tier, cpu_dot=cpu_dot, compute_dtype="float32",
+                                                    kernel_backend=backend), ids)) for p in (plain, tiled)]
+        assert np.array_equal(*logits), (tier, cpu_dot, backend)
+    two_tiers = [jmoe.load(p, policy=DyMoE(hi="bf16", lo="int4", r=0.5), compute_dtype="float32")
+                 for p in (plain, tiled)]
+    assert jmoe.generate(two_tiers[0], ids, max_new_tokens=8) == jmoe.generate(two_tiers[1], ids, max_new_tokens=8)
+    for tier in ("int4", "bf16"):
+        resident = jmoe.load(plain, tier=tier, compute_dtype="float32")
+        fixed = sum(v for k, v in resident.memory.items() if k != "experts")
+        offloaded = jmoe.load(tiled, tier=tier, compute_dtype="float32", policy="lru",
+                              device_budget=int(fixed + 0.8 * resident.memory["experts"]))
+        assert offloaded.residency.slots < offloaded.config.num_moe_layers * offloaded.config.num_experts
+        assert jmoe.generate(offloaded, ids, max_new_tokens=8) == jmoe.generate(resident, ids, max_new_tokens=8)
 
     narrow = tmp_path / "narrow"
     make_checkpoint("qwen3_moe", narrow, overrides=dict(moe_intermediate_size=40))
@@ -205,6 +214,10 @@ def test_cpu_layout_stores_integer_experts_in_tiles_that_compute_the_same(tmp_pa
         out = convert_checkpoint(narrow, tmp_path / "narrow-out", tiers="int4", cpu_layout=True, progress=False)
     assert "tiled" not in read_manifest(out)["tiers"]["int4"]["format"]
     assert "not multiples of 64" in caplog.text
+    manifest = read_manifest(tiled)
+    manifest["tiers"]["int4"]["tiled"] = True  # the flag belongs to the bf16 tier (a format says the rest's)
+    with pytest.raises(FormatError, match="tiers.int4.tiled applies to a bf16 tier"):
+        ExpertStore(tiled, manifest, jmoe.load(tiled, tier="int4").config)
 
 
 @pytest.mark.parametrize("head_tier", ["int4", "int6"])

@@ -27,8 +27,8 @@ from jmoe.kernels.shapes import EXPERT_SHAPES
 from jmoe.tiers import tier_format
 from kernel_formats.glu import SILU, GatedActivation
 from kernel_formats.optimised import optimised_jit
-from kernel_formats.qarray import (QuantFormat, dequantize, planes, quantize_groups, take_columns, tile, tile_plain,
-                                   untile, untile_plain)
+from kernel_formats.qarray import (PlainTiles, QuantFormat, dequantize, planes, quantize_groups, take_columns, tile,
+                                   tile_plain, untile, untile_plain)
 
 QWEN3, GPT_OSS = EXPERT_SHAPES["qwen3-30b-a3b"], EXPERT_SHAPES["gpt-oss-20b"]  # real models' widths
 
@@ -311,6 +311,44 @@ def test_expert_kernels_read_tiled_pools_as_they_read_k_by_n(tier):
     assert same(both(rows, bs, tier_of, mixed), both(rows, bs, tier_of, [(gu, dn, None, None)] * 2))
     ref = optimised_jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1))
     np.testing.assert_allclose(np.asarray(ref(rows, bs, tgu, tdn)), np.asarray(ref(rows, bs, gu, dn)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows_count", [4, 40])
+def test_expert_kernels_read_bf16_pools_in_the_cpu_layout_as_they_read_k_by_n(rows_count):
+    """The bf16 tier's pools in the CPU layout (PlainTiles, as `convert --cpu-layout` writes them) at
+    GPT-OSS-20B's widths (a gate-up of 5,760 columns: more than one of the kernel's column blocks),
+    with biases and the clamped SwiGLU, in decode and in a prefill's many rows: the block, routed
+    and every-tier kernels give what they give the [K, N] pools (within float32 rounding); the XLA
+    reference reads the tiles too, and the Pallas kernels refuse them."""
+    from pallas_kernels.expert_ffn_pallas import supports
+
+    rng = np.random.default_rng(23)
+    D, F, S = GPT_OSS.hidden, GPT_OSS.inner, 2
+    gu, dn = _pool(rng, S, D, 2 * F, None), _pool(rng, S, F, D, None)
+    tgu, tdn = PlainTiles(tile_plain(gu)), PlainTiles(tile_plain(dn))
+    assert tgu.shape == gu.shape and not np.array_equal(np.asarray(tgu.values), np.asarray(gu))
+    biases = {"gate_up_bias": jnp.asarray(rng.standard_normal((S, 2 * F)).astype(np.float32)),
+              "down_bias": jnp.asarray(rng.standard_normal((S, D)).astype(np.float32)), "activation": CLAMPED}
+    rows = jnp.asarray(rng.standard_normal((rows_count, D)).astype(np.float32) * 3)
+    slot = jnp.asarray(np.where(rng.random(rows_count) < 0.2, -1, rng.integers(0, S, rows_count)).astype(np.int32))
+    token = jnp.asarray(rng.permutation(rows_count).astype(np.int32))
+
+    def same(a, b):  # within float32 rounding: the two layouts sum K in different orders
+        a, b = np.asarray(a), np.asarray(b)
+        return np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+    block = jax.jit(lambda r, b, g, d: expert_ffn(r, b, g, d, block_rows=1, backend="cpu", **biases))
+    assert same(block(rows, slot, tgu, tdn), block(rows, slot, gu, dn))
+    routed = jax.jit(lambda h, t, s, g, d: ops.routed_expert_ffn(h, t, s, g, d, **biases))
+    assert same(routed(rows, token, slot, tgu, tdn), routed(rows, token, slot, gu, dn))
+    tier_of = jnp.asarray((np.arange(rows_count) % 2).astype(np.int32))
+    both = jax.jit(lambda h, t, s, r, p: ops.routed_expert_ffn_tiers(h, t, s, r, p, activation=CLAMPED))
+    pools = [(gu, dn, biases["gate_up_bias"], biases["down_bias"])] * 2
+    mixed = [(tgu, tdn, *pools[0][2:]), pools[1]]
+    assert same(both(rows, token, slot, tier_of, mixed), both(rows, token, slot, tier_of, pools))
+    ref = optimised_jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1, **biases))
+    np.testing.assert_array_equal(np.asarray(ref(rows, slot, tgu, tdn)), np.asarray(ref(rows, slot, gu, dn)))
+    assert supports(rows, gu, dn, 1) and not supports(rows, tgu, tdn, 1)
 
 
 def test_matmul_keeps_leading_dims_and_takes_bf16_inputs():

@@ -22,6 +22,7 @@ from jmoe.format import RecordLayout, expert_file
 from jmoe.quant import ExpertWeights, QuantFormat
 from jmoe.runtime.host_memory import aligned_empty, read_into, release_pages
 from jmoe.tiers import expert_template
+from kernel_formats.qarray import TILE, PlainTiles
 
 log = logging.getLogger("jmoe.runtime")
 
@@ -40,7 +41,12 @@ class ExpertStore:
                 fmt = QuantFormat.from_json(entry["format"]) if entry.get("format") else None
             except ValueError as e:
                 raise FormatError(f"manifest.json: tiers.{tier}.format: {e}") from None
-            template = expert_template(cfg, tier, fmt)
+            plain_tiled = entry.get("tiled", False)  # the bf16 tier in the CPU layout (a format says it of the rest)
+            if plain_tiled and (fmt is not None or any(w % TILE for w in (2 * cfg.moe_intermediate_size,
+                                                                            cfg.hidden_size))):
+                raise FormatError(f"manifest.json: tiers.{tier}.tiled applies to a bf16 tier whose expert widths "
+                                  f"are multiples of {TILE}")
+            template = expert_template(cfg, tier, fmt, plain_tiled)
             layout = RecordLayout.from_json(entry)
             if RecordLayout.from_template(template) != layout:
                 raise FormatError(f"tier {tier} record layout in the manifest does not match this jmoe version")
@@ -50,7 +56,8 @@ class ExpertStore:
                 if listed is None or listed["bytes"] != layout.nbytes * cfg.num_experts:
                     raise FormatError(f"manifest.json does not list {expert_file(tier, layer)} with "
                                       f"{cfg.num_experts} records of {layout.nbytes} bytes")
-        tiled = [t for t, fmt in self.formats.items() if fmt is not None and fmt.tiled]
+        tiled = [t for t, fmt in self.formats.items()
+                 if (fmt.tiled if fmt is not None else isinstance(self._templates[t].gate_up, PlainTiles))]
         if tiled and jax.default_backend() != "cpu":
             log.warning("tiers %s were converted with --cpu-layout: the GPU kernels leave them to the XLA "
                         "reference (slow); convert without it for a GPU", ", ".join(tiled))

@@ -2,7 +2,8 @@
 
 Rows arrive grouped: rows [R, D] split into R / block_rows blocks, block b reading the expert in
 pool slot block_slot[b] (-1: empty block, output zeros). Weights are K-major: gate_up [S, D, 2F]
-(gate columns then up columns), down [S, F, D], each a plain array (bf16 tier) or a QArray pool.
+(gate columns then up columns), down [S, F, D], each a plain array (bf16 tier; PlainTiles in the
+CPU layout) or a QArray pool.
 Optional float32 bias pools gate_up_bias [S, 2F] and down_bias [S, D] are added after each matmul,
 and `activation` (kernel_formats/glu.py; SwiGLU by default) combines gate and up.
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kernel_formats.glu import SILU, GatedActivation
-from kernel_formats.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups
+from kernel_formats.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups, untiled
 
 
 def _precision(dtype):
@@ -24,7 +25,8 @@ def _precision(dtype):
 
 
 def _block_matmul(x, w, safe, dtype, int8_dot: bool = False):
-    """x [nb, BT, K] @ (weights of the blocks' slots) -> [nb, BT, N]; quantized pools dequantized."""
+    """x [nb, BT, K] @ (weights of the blocks' slots) -> [nb, BT, N]; quantized pools dequantized,
+    tiled ones (PlainTiles) untiled after the gather."""
     if isinstance(w, QArray):
         blocks = jax.tree.map(lambda a: a[safe], w)
         scale = None if blocks.act_scale is None else blocks.act_scale[:, None, :]
@@ -33,7 +35,7 @@ def _block_matmul(x, w, safe, dtype, int8_dot: bool = False):
             x = quantize_groups(x, w.fmt.group_size).astype(x.dtype)
         weights = dequantize(blocks, dtype)
     else:
-        weights = w[safe].astype(dtype)
+        weights = untiled(jax.tree.map(lambda a: a[safe], w)).astype(dtype)
     return jnp.einsum("btk,bkn->btn", x, weights, precision=_precision(dtype))
 
 
