@@ -18,8 +18,8 @@ import numpy as np
 
 from cpu_kernels import native
 from kernel_formats.glu import SILU, GatedActivation
-from kernel_formats.qarray import (TILE, PlainTiles, QArray, QPlanes, dequantize, int8_dot_applies, prepare_input,
-                                   quantize_groups, untile_plain)
+from kernel_formats.qarray import (TILE, PlainTiles, QArray, QPlanes, bf16_dot_applies, dequantize, int8_dot_applies,
+                                   prepare_input, quantize_groups, untile_plain)
 
 
 # Float weights with fewer columns than this (a router of 8 or 32 experts, a shared expert's [D, 1]
@@ -124,8 +124,10 @@ def _matmul_planes(x: jax.Array, w: QPlanes, int8_dot: bool) -> jax.Array:
 
 
 def _pool_format(prefix: str, w, int8_dot: bool) -> tuple[tuple, dict]:
+    """A pool's operands and attributes; under the int8 dot a quantized pool's inputs are rounded to
+    int8 per group, a bf16 pool's to bf16 (the kernel does both, and the reference alike)."""
     operands, fmt = _weight_operands(w)
-    fmt["int8_dot"] = int8_dot and int8_dot_applies(w)
+    fmt["int8_dot"] = int8_dot and (int8_dot_applies(w) or bf16_dot_applies(w))
     return operands, {f"{prefix}_{name}": value for name, value in fmt.items()}
 
 

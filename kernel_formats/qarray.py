@@ -422,6 +422,18 @@ def int8_dot_applies(w) -> bool:
     return isinstance(w, QArray) and w.fmt.act_bits is None
 
 
+def bf16_dot_applies(pool) -> bool:
+    """Whether the CPU kernels' reduced-precision dot (load's cpu_dot="int8") rounds the inputs of an
+    expert pool to bf16: a plain bf16 pool (PlainTiles too), which the AVX-512 BF16 dot multiplies
+    two products a lane (llama.cpp's BF16 dot rounds its inputs alike)."""
+    return not is_quantized(pool) and jnp.dtype(pool.dtype) == jnp.dtype(jnp.bfloat16)
+
+
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """x rounded to the nearest bf16 (ties to even), in x's dtype."""
+    return x.astype(jnp.bfloat16).astype(x.dtype)
+
+
 def prepare_input(x: jax.Array, act_scale: jax.Array | None, fmt: QuantFormat) -> jax.Array:
     """What multiplies the dequantized weight: x [..., K] smoothed (act_scale broadcast against x)
     and, for W8A8, quantized per token."""

@@ -351,6 +351,34 @@ def test_expert_kernels_read_bf16_pools_in_the_cpu_layout_as_they_read_k_by_n(ro
     assert supports(rows, gu, dn, 1) and not supports(rows, tgu, tdn, 1)
 
 
+@pytest.mark.parametrize("hidden,inner", [(QWEN3.hidden, QWEN3.inner), (199, 64)])
+def test_the_int8_dot_rounds_a_bf16_pools_inputs_to_bf16_as_its_reference_does(hidden, inner):
+    """Under the int8 dot a bf16 expert pool multiplies its inputs rounded to bf16 (llama.cpp's BF16
+    dot), gate-up's and the activation's alike: prefill rows on the AVX-512 BF16 dot where the CPU
+    has it, decode rows on the float path, [K, N] and tiled pools: within float32 rounding of the XLA
+    reference that rounds them the same way, but for a rare activation the kernel's own exp rounds
+    to the neighbouring bf16 (so the largest error is held looser than the mean), where float
+    inputs are off it by hundreds of times more on average (an odd K pairs its last row with zeros;
+    a width of no whole tiles takes the float path)."""
+    rng = np.random.default_rng(29)
+    D, F, S = hidden, inner, 3
+    gu, dn = _pool(rng, S, D, 2 * F, None), _pool(rng, S, F, D, None)
+    pools = [(gu, dn)] if D % 64 else [(gu, dn), (PlainTiles(tile_plain(gu)), PlainTiles(tile_plain(dn)))]
+    for rows_count in (4, 100):  # 100: more rows an expert than the fused path takes
+        rows = jnp.asarray(rng.standard_normal((rows_count, D)).astype(np.float32))
+        slot = jnp.asarray(rng.integers(0, S, rows_count).astype(np.int32))
+        token = jnp.arange(rows_count, dtype=jnp.int32)
+        ref = optimised_jit(lambda r, b, g, d: expert_ffn_reference(r, b, g, d, block_rows=1, int8_dot=True))
+        expected = np.asarray(ref(rows, slot, gu, dn))
+        for g, d in pools:
+            for int8_dot in (True, False):
+                y = np.asarray(jax.jit(lambda h, t, s, g, d, dot=int8_dot: ops.routed_expert_ffn(
+                    h, t, s, g, d, int8_dot=dot))(rows, token, slot, g, d))
+                err = np.abs(y - expected) / np.abs(expected).max()
+                assert (err.mean() <= 2e-6) == int8_dot, (rows_count, int8_dot, err.mean())
+                assert err.max() <= (5e-4 if int8_dot else 1e-2), (rows_count, int8_dot, err.max())
+
+
 def test_matmul_keeps_leading_dims_and_takes_bf16_inputs():
     rng = np.random.default_rng(1)
     w = _weight(rng, 128, 192, FORMATS["int4"])
@@ -782,6 +810,27 @@ def test_whole_model_greedy_tokens_equal_the_xla_path(tiny_int4, tier):
         model = jmoe.load(tiny_int4, tier=tier, kernel_backend=backend)
         outs[backend] = jmoe.generate(model, prompt, max_new_tokens=24)
     assert outs["cpu"] == outs["xla"]
+
+
+def test_cpu_dot_int8_runs_bf16_experts_on_bf16_inputs_as_the_xla_path_does(tiny_int4):
+    """The bf16 tier under cpu_dot="int8" (the experts' inputs rounded to bf16, the AVX-512 BF16 dot
+    for a long prompt's many rows an expert) gives the XLA path's logits under the same setting over
+    a whole sequence (the same top token wherever its lead is clear; a last-bit difference can move
+    an input across a bf16 rounding boundary, so not bit for bit), many times nearer than those of
+    float inputs."""
+    text = (Path(__file__).parent / "data" / "prose.dev.txt").read_text()
+    logits = {}
+    for backend, cpu_dot in (("cpu", "int8"), ("xla", "int8"), ("cpu", "float")):
+        model = jmoe.load(tiny_int4, tier="bf16", kernel_backend=backend, cpu_dot=cpu_dot)
+        sequence = model.tokenizer.encode(text)[:320]  # about 40 rows an expert (top-4 of 32)
+        logits[backend, cpu_dot] = np.asarray(jmoe.forward(model, sequence))
+    want = logits["xla", "int8"]
+    near, far = (np.abs(logits[key] - want).mean() for key in (("cpu", "int8"), ("cpu", "float")))
+    assert near * 5 < far, (near, far)
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.1
+    assert clear.sum() >= len(want) // 2
+    assert (logits["cpu", "int8"].argmax(-1) == want.argmax(-1))[clear].all()
 
 
 @pytest.fixture(scope="module")

@@ -218,11 +218,17 @@ struct Inputs {
   const float* steps = nullptr;   // [M, groups]
   const int32_t* sums = nullptr;  // [M, groups]: the sum of each group's codes
   int64_t group = 0, groups = 0;
+  // Under the bf16 dot (a plain bf16 weight, QuantizedInputs::bf16_of) x holds its inputs rounded to
+  // bf16, and `pairs` the same inputs two to a 32-bit word, k's bits low and k + 1's high
+  // ([M, ld_pairs], the last pair's high half zero for an odd K), as the AVX-512 BF16 dot reads them.
+  const uint32_t* pairs = nullptr;
+  int64_t ld_pairs = 0;
 
   Inputs from_row(int64_t m) const {
     Inputs r = *this;
     r.x += m * ld;
     if (codes) r.codes += m * groups * group, r.steps += m * groups, r.sums += m * groups;
+    if (pairs) r.pairs += m * ld_pairs;
     return r;
   }
 
@@ -231,9 +237,17 @@ struct Inputs {
     Inputs r = *this;
     r.x += k0;
     if (codes) r.codes += k0, r.steps += k0 / group, r.sums += k0 / group;
+    if (pairs) r.pairs += k0 / 2;  // pieces of K start at even rows (whole units of 8)
     return r;
   }
 };
+
+// x rounded to the nearest bf16, ties to even (as jax's astype(bfloat16) for finite x): its bits.
+static inline uint32_t bf16_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
 
 // Owns the quantized copy behind an Inputs (plain float inputs need none).
 struct QuantizedInputs {
@@ -242,6 +256,30 @@ struct QuantizedInputs {
   std::unique_ptr<float[]> x, steps;
   std::unique_ptr<int8_t[]> codes;
   std::unique_ptr<int32_t[]> sums;
+  std::unique_ptr<uint32_t[]> pairs;
+
+  // Inputs for x[M, K] multiplying a plain bf16 weight under the bf16 dot: rounded to bf16, in
+  // floats (which every other path multiplies) and in pairs (Inputs::pairs).
+  template <typename ForRows>
+  Inputs bf16_of(const float* xp, int64_t ld, int64_t M, int64_t K, ForRows for_rows) {
+    const int64_t ldp = (K + 1) / 2;
+    x.reset(new float[M * K]), pairs.reset(new uint32_t[M * ldp]);
+    for_rows(M, [&](int64_t m) {
+      const float* src = xp + m * ld;
+      float* row = x.get() + m * K;
+      uint32_t* row_pairs = pairs.get() + m * ldp;
+      for (int64_t k = 0; k < K; k += 2) {
+        const uint32_t lo = bf16_bits(src[k]), hi = k + 1 < K ? bf16_bits(src[k + 1]) : 0u;
+        row_pairs[k / 2] = lo | hi << 16;
+        const uint32_t lo_f = lo << 16, hi_f = hi << 16;
+        std::memcpy(row + k, &lo_f, sizeof lo_f);
+        if (k + 1 < K) std::memcpy(row + k + 1, &hi_f, sizeof hi_f);
+      }
+    });
+    Inputs in;
+    in.x = x.get(), in.ld = K, in.pairs = pairs.get(), in.ld_pairs = ldp;
+    return in;
+  }
 
   // Inputs for x[M, K] multiplying a weight with groups of `group` rows: quantized when `quantize`
   // (rows spread over `for_rows`, the caller's parallel loop).
@@ -294,8 +332,84 @@ static inline v16 half16_to_f32(const uint16_t* p) {
 }
 static bool int8_dot_tiles(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t tiles, float* y,
                            int64_t ldy);
+static bool bf16_dot_cols(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t n1, float* y,
+                          int64_t ldy);
 #include "gemm.inc"
 #include "int8_dot.inc"
+
+// ---- the bf16 dot (AVX-512 BF16): many rows of a plain bf16 weight under the bf16 dot ----
+static bool has_bf16_dot() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return yes;
+}
+
+// Only these functions are compiled for AVX-512 BF16 (bf16_dot_cols calls them where the CPU has it).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")
+
+// y[r, 0:64) += x's pairs (R rows, ldp apart) @ a repacked panel of np row pairs x 64 columns.
+template <int R>
+static inline void bf16_block(const uint32_t* xp, int64_t ldp, const uint32_t* panel, int64_t np, float* y,
+                              int64_t ldy) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_load_si512(panel + p * kTile + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * ldp + p]));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm512_storeu_ps(y + r * ldy + 16 * j, _mm512_add_ps(_mm512_loadu_ps(y + r * ldy + 16 * j), acc[r][j]));
+}
+
+// bf16_dot_cols's product: K one panel of kPlainPanelRows rows at a time, each 64-column tile of it
+// repacked into row pairs (column c's rows k and k + 1 in one 32-bit lane, as vdpbf16ps reads them)
+// and multiplied by four rows at a time, two bf16 products a lane an instruction where the float
+// path has one.
+static void bf16_dot_panels(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t n1, float* y,
+                            int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy + n0, y + m * ldy + n1, 0.0f);
+  alignas(64) uint32_t panel[kPlainPanelRows / 2 * kTile];
+  const uint16_t* values = static_cast<const uint16_t*>(w.values);
+  for (int64_t k0 = 0; k0 < w.k; k0 += kPlainPanelRows) {
+    const int64_t kn = std::min<int64_t>(kPlainPanelRows, w.k - k0), np = (kn + 1) / 2;
+    const uint32_t* xp = in.pairs + k0 / 2;
+    for (int64_t c0 = n0; c0 < n1; c0 += kTile) {
+      for (int64_t p = 0; p < np; ++p) {
+        const uint16_t* row = values + (k0 + 2 * p) * w.n + c0;
+        const bool last_alone = 2 * p + 1 == kn;
+        for (int j = 0; j < 4; ++j) {
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j)));
+          const __m512i hi = last_alone ? _mm512_setzero_si512() : _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + w.n + 16 * j))), 16);
+          _mm512_store_si512(panel + p * kTile + 16 * j, _mm512_or_si512(lo, hi));
+        }
+      }
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) bf16_block<4>(xp + m * in.ld_pairs, in.ld_pairs, panel, np, y + m * ldy + c0, ldy);
+      for (; m < M; ++m) bf16_block<1>(xp + m * in.ld_pairs, in.ld_pairs, panel, np, y + m * ldy + c0, ldy);
+    }
+  }
+}
+#pragma GCC pop_options
+
+// Columns [n0, n1) (whole tiles) of y[M, N] = x @ W for a plain bf16 weight under the bf16 dot
+// (in.pairs) on the AVX-512 BF16 dot. False where it does not apply (no pairs, another weight, a
+// ragged tile, a CPU without AVX-512 BF16): the float path then multiplies the same rounded inputs.
+static bool bf16_dot_cols(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t n1, float* y,
+                          int64_t ldy) {
+  if (!in.pairs || w.quantized() || w.bits != 16 || w.tiled || (n1 - n0) % kTile || !has_bf16_dot()) return false;
+  bf16_dot_panels(in, M, w, n0, n1, y, ldy);
+  return true;
+}
 
 // quantize_group for n a multiple of 16, with int8_step's and int8_code's arithmetic (roundscale
 // rounds half to even, as nearbyint does).
@@ -366,6 +480,7 @@ static inline v16 half16_to_f32(const uint16_t* p) {
 }
 static bool int8_dot_tiles(const Inputs& in, int64_t M, const Weight& w, int64_t n0, int64_t tiles, float* y,
                            int64_t ldy);
+static bool bf16_dot_cols(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t) { return false; }
 #include "gemm.inc"
 #include "int8_dot_avx2.inc"
 
@@ -427,6 +542,7 @@ static inline v16 half16_to_f32(const uint16_t* p) {
   return v;
 }
 static bool int8_dot_tiles(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t) { return false; }
+static bool bf16_dot_cols(const Inputs&, int64_t, const Weight&, int64_t, int64_t, float*, int64_t) { return false; }
 #include "gemm.inc"
 }  // namespace portable
 
@@ -760,13 +876,20 @@ struct PoolInputs {
   PoolInputs(ffi::ThreadPool& pool, const std::vector<const Weight*>& weights, const std::vector<bool>& int8_dot,
              const float* x, int64_t R, int64_t K)
       : quantized(weights.size()), of_pool(weights.size()) {
+    auto mode = [&](size_t t) {  // 0: as they are, 1: the int8 dot's groups, 2: the bf16 dot's rounding
+      if (!int8_dot[t]) return 0;
+      return weights[t]->quantized() ? 1 : weights[t]->bits == 16 ? 2 : 0;
+    };
     for (size_t t = 0; t < weights.size(); ++t) {
-      const bool quantize = int8_dot[t] && weights[t]->quantized();
       size_t same = 0;
-      while (same < t && !(quantize == (int8_dot[same] && weights[same]->quantized()) &&
-                           (!quantize || weights[same]->group == weights[t]->group)))
+      while (same < t && !(mode(same) == mode(t) && (mode(t) != 1 || weights[same]->group == weights[t]->group)))
         ++same;
-      of_pool[t] = same < t ? of_pool[same] : quantized[t].of(x, K, R, K, weights[t]->group, quantize, rows_on(pool));
+      if (same < t)
+        of_pool[t] = of_pool[same];
+      else if (mode(t) == 2)
+        of_pool[t] = quantized[t].bf16_of(x, K, R, K, rows_on(pool));
+      else
+        of_pool[t] = quantized[t].of(x, K, R, K, weights[t]->group, mode(t) == 1, rows_on(pool));
     }
   }
 };

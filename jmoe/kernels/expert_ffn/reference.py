@@ -17,7 +17,16 @@ import jax
 import jax.numpy as jnp
 
 from kernel_formats.glu import SILU, GatedActivation
-from kernel_formats.qarray import QArray, dequantize, int8_dot_applies, prepare_input, quantize_groups, untiled
+from kernel_formats.qarray import (
+    QArray,
+    bf16_dot_applies,
+    dequantize,
+    int8_dot_applies,
+    prepare_input,
+    quantize_groups,
+    round_to_bf16,
+    untiled,
+)
 
 
 def _precision(dtype):
@@ -26,7 +35,8 @@ def _precision(dtype):
 
 def _block_matmul(x, w, safe, dtype, int8_dot: bool = False):
     """x [nb, BT, K] @ (weights of the blocks' slots) -> [nb, BT, N]; quantized pools dequantized,
-    tiled ones (PlainTiles) untiled after the gather."""
+    tiled ones (PlainTiles) untiled after the gather. int8_dot: x on the int8 grid of a quantized
+    pool's groups, or rounded to bf16 for a bf16 pool (bf16_dot_applies)."""
     if isinstance(w, QArray):
         blocks = jax.tree.map(lambda a: a[safe], w)
         scale = None if blocks.act_scale is None else blocks.act_scale[:, None, :]
@@ -35,6 +45,8 @@ def _block_matmul(x, w, safe, dtype, int8_dot: bool = False):
             x = quantize_groups(x, w.fmt.group_size).astype(x.dtype)
         weights = dequantize(blocks, dtype)
     else:
+        if int8_dot and bf16_dot_applies(w):
+            x = round_to_bf16(x)
         weights = untiled(jax.tree.map(lambda a: a[safe], w)).astype(dtype)
     return jnp.einsum("btk,bkn->btn", x, weights, precision=_precision(dtype))
 
@@ -48,7 +60,7 @@ def expert_ffn_reference(rows, block_slot, gate_up, down, *, block_rows: int, ga
                          activation: GatedActivation = SILU, int8_dot: bool = False):
     """jnp reference: gather each block's weights, dequantize, matmul (+ bias), gated activation,
     matmul (+ bias). [R, D] in rows.dtype. int8_dot: each matmul's inputs on the CPU kernels'
-    per-group int8 grid first (quantize_groups), for quantized weights."""
+    per-group int8 grid first (quantize_groups) for quantized weights, rounded to bf16 for bf16 ones."""
     R, D = rows.shape
     nb = block_slot.shape[0]
     safe = jnp.maximum(block_slot, 0)
