@@ -11,8 +11,9 @@ measures, each configuration in its own fresh process so its peak memory is its 
 - load time, prefill tok/s (a 512-token prompt), decode tok/s (128 tokens at depth 0 and after
   the 512-token prompt), peak RSS overall and while decoding, beside the bytes the model loads;
   per tier, all-resident and offloaded (device budget from jmoe.memory_plan so the pools hold 50%
-  and 25% of the experts, policy lru+prefetch), quantized tiers with each --cpu-dots setting
-  (load's cpu_dot: float inputs, or inputs rounded to int8 per group as llama.cpp's Q8 dot does);
+  and 25% of the experts, policy lru+prefetch), each tier with each --cpu-dots setting
+  (load's cpu_dot: float inputs, or inputs rounded to int8 per group as llama.cpp's Q8 dot does, to
+  bf16 for bf16 experts as its BF16 dot does);
 - a fresh process's load and first-token time with a cold and a warm XLA compilation cache
   (JMOE_COMPILATION_CACHE pointed at a new directory, then at the same one again);
 - where llama.cpp is found (bench/lib/llama_cpp.py: JMOE_LLAMA_CPP or PATH, and how to build it), the
@@ -56,6 +57,13 @@ DENSE_INT4_TIERS = ("int4", "int3", "int2")  # expert tiers the dense-int4 conve
 
 
 DOT_SUFFIX = {"float": "", "int8": ", int8 dot"}  # label suffix per load(cpu_dot=...)
+BF16_DOT_SUFFIX = ", bf16 dot"  # the bf16 tier under cpu_dot="int8": its experts' inputs rounded to bf16
+
+
+def dot_suffix(tier: str, dot: str) -> str:
+    """A run's label suffix for its tier and load(cpu_dot=...)."""
+    return BF16_DOT_SUFFIX if tier == "bf16" and dot == "int8" else DOT_SUFFIX[dot]
+
 # --mixed: the per-token mixed mode (DyMoE int4/int2, both tiers resident)
 MIXED = "jmoe dense int4, experts int4 + int2"
 MIXED_LABEL = "jmoe DyMoE int4/int2 + dense int4 resident"
@@ -72,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="layers to keep (default 8; 1 with --quick)")
     p.add_argument("--tiers", default="bf16,int4", help="expert tiers to convert and run (default bf16,int4)")
     p.add_argument("--cpu-dots", default="float,int8",
-                   help="load(cpu_dot=...) settings to run quantized tiers with (default float,int8; bf16 runs once, with float inputs)")
+                   help="load(cpu_dot=...) settings to run each tier with (default float,int8; int8 rounds a bf16 "
+                        "tier's expert inputs to bf16)")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help=f"comma-separated: {', '.join(PLACEMENTS)} (default all)".replace("%", "%%"))
     p.add_argument("--llama-types", default=",".join(llama_cpp.QUANT_TYPES),
@@ -261,10 +270,10 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
             fraction = PLACEMENTS[placement]
             policy = "resident" if fraction is None else OFFLOAD_POLICY
             where = "resident" if fraction is None else f"pools {placement}"
-            for dot in args.cpu_dots if tier != "bf16" else ["float"]:  # nothing of bf16 is integer
+            for dot in args.cpu_dots:
                 spec = dict(base, path=str(main), tier=tier, policy=policy, cpu_dot=dot,
                             budget=budget_for(main, tier, fraction, max_seq_len))
-                jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {where}{DOT_SUFFIX[dot]}", "spec": spec,
+                jmoe_runs.append({"kind": "jmoe", "label": f"jmoe {tier} {where}{dot_suffix(tier, dot)}", "spec": spec,
                                   "loaded_bytes": loaded_bytes(main, tier, max_seq_len)})
     if "jmoe dense int4" in conversions:
         dense = Path(conversions["jmoe dense int4"]["path"])
@@ -295,7 +304,7 @@ def plan_configs(args, conversions: dict, llama_ggufs: dict) -> tuple[list[dict]
                     "cache": c} for c in ("cold", "warm")]
     labels = {r["label"] for r in jmoe_runs}
     pairs = []
-    for suffix in DOT_SUFFIX.values():
+    for suffix in (*DOT_SUFFIX.values(), BF16_DOT_SUFFIX):
         pairs += [(f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}", f"llama.cpp {q}") for q in args.llama_types
                   if q in llama_ggufs and f"jmoe {llama_cpp.JMOE_TIER_OF[q]} resident{suffix}" in labels]
         mixed = [f"{mixed_label(r)}{suffix}" for r in args.mixed_r]

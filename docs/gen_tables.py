@@ -209,6 +209,11 @@ def headline() -> str:
     rows.append(decode_row(load(bf16_name), bf16_name, "jmoe bf16 resident", "llama.cpp BF16",
                            "Qwen3-30B-A3B shapes (8 layers), decode tok/s on an AVX-512 EPYC (Zen 5), bf16 throughout, "
                            "projections and LM head in the CPU layout (`--cpu-layout`), vs llama.cpp BF16"))
+    mixtral_bf16 = "real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"
+    rows.append(decode_row(load(mixtral_bf16), mixtral_bf16, "jmoe bf16 resident", "llama.cpp BF16",
+                           "Mixtral-8x7B shapes (2 of 32 layers), decode tok/s on an AVX-512 EPYC (Zen 5), bf16 "
+                           "throughout, experts, projections and LM head in the CPU layout (`--cpu-layout`), vs "
+                           "llama.cpp BF16"))
     lru = offload["runs"]["temperature_0"]["lru@25%"]
     rows.append([
         "Qwen3-30B-A3B shapes (8 layers, int4), decode with a quarter of the experts' bytes (`lru`), speed of resident",
@@ -355,6 +360,7 @@ XEON_LABELS = [  # summary key -> row label, in table order (rows a run lacks ar
     ("jmoe bf16 resident", "jmoe bf16 experts, bf16 dense"),
     # runs before bench.real_shapes ran bf16 with float inputs whatever --cpu-dots said (nothing of it is integer)
     ("jmoe bf16 resident, int8 dot", "jmoe bf16 experts, bf16 dense"),
+    ("jmoe bf16 resident, bf16 dot", "jmoe bf16 experts on inputs rounded to bf16 (`cpu_dot=\"int8\"`), bf16 dense"),
     ("llama.cpp BF16", "llama.cpp BF16"),
     ("jmoe int4 resident, int8 dot", "jmoe int4 experts, bf16 dense, `cpu_dot=\"int8\"`"),
     ("jmoe int2 resident, int8 dot", "jmoe int2 experts, bf16 dense, `cpu_dot=\"int8\"`"),
@@ -389,8 +395,9 @@ def head_groups(d: dict) -> str:
     return f" in groups of {group}" if group else ""
 
 
-def shapes_on_avx512(name: str) -> str:
-    """A real-shapes run on an AVX-512 machine: every configuration it has, then its ratios to llama.cpp."""
+def shapes_on_avx512(name: str, layout: str = "`--cpu-layout`") -> str:
+    """A real-shapes run on an AVX-512 machine: every configuration it has, then its ratios to llama.cpp
+    (layout: how jmoe's rows name a --cpu-layout conversion)."""
     d = load(name)
     gib = 2 ** 30
     rows = []
@@ -399,7 +406,7 @@ def shapes_on_avx512(name: str) -> str:
             continue
         label = label.replace("`--dense-tier int4`", f"`--dense-tier int4` ({head_tier(d)} head{head_groups(d)})")
         if d["settings"].get("cpu_layout") and key.startswith("jmoe"):
-            label += ", `--cpu-layout`"
+            label += ", " + layout
         r = d["summary"][key]
         rss = f"{r['peak_rss_bytes']['median'] / gib:.2f} / {r['loaded_bytes']['median'] / gib:.2f}"
         rows.append([label, med(r["prefill_tok_s"]), med(r["decode_tok_s@0"]), med(r["decode_tok_s@512"]), rss])
@@ -908,10 +915,12 @@ def bf16_summary() -> str:
     """equal_bits_summary's table for bf16 against llama.cpp's BF16: every family's newest run."""
     return ratio_summary(
         BF16_RUNS,
-        lambda d: next(k for k in d["ratios"] if k.startswith("jmoe bf16 resident") and k.endswith("/ llama.cpp BF16")),
+        lambda d: next((k for k in d["ratios"] if k == "jmoe bf16 resident, bf16 dot / llama.cpp BF16"),
+                       next(k for k in d["ratios"] if k.startswith("jmoe bf16 resident")
+                            and k.endswith("/ llama.cpp BF16"))),
         "jmoe: bf16 experts and dense weights (the Zen 5 runs with `--cpu-layout`: plain projections and LM head in "
-        "column tiles; a bf16 expert tier is not tiled); llama.cpp: its BF16 GGUF, `llama-bench -t 2`. Ratios taken "
-        "within each alternating round, median [min–max].")
+        "column tiles, and the bf16 expert tier too in the Mixtral-8x7B and GPT-OSS-20B runs); llama.cpp: its BF16 "
+        "GGUF, `llama-bench -t 2`. Ratios taken within each alternating round, median [min–max].")
 
 
 def grid_bits() -> str:
@@ -1437,6 +1446,9 @@ TABLES = {
     "bf16-summary": bf16_summary,
     "gpt-oss-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
     "mixtral-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
+    "mixtral-bf16-untiled-experts-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_bf16_untiled_experts_zen5_cpu.json",
+        "`--cpu-layout` before it tiled the bf16 experts"),
     "deepseek-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_bf16_zen5_cpu.json"),
     "quality-vs-llama-mixed-r-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_mixed_r_zen4_cpu.json"),
     "quality-vs-llama-dense-s8-zen4": lambda: quality_vs_llama("quality/quality_vs_llama_cpp_dense_s8_zen4_cpu.json"),
