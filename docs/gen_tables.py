@@ -919,8 +919,9 @@ def bf16_summary() -> str:
                        next(k for k in d["ratios"] if k.startswith("jmoe bf16 resident")
                             and k.endswith("/ llama.cpp BF16"))),
         "jmoe: bf16 experts and dense weights (the Zen 5 runs with `--cpu-layout`: plain projections and LM head in "
-        "column tiles, and the bf16 expert tier too in the Mixtral-8x7B and GPT-OSS-20B runs); llama.cpp: its BF16 "
-        "GGUF, `llama-bench -t 2`. Ratios taken within each alternating round, median [min–max].")
+        "column tiles; in the GPT-OSS-20B, Mixtral-8x7B and DeepSeek-V2-Lite runs the bf16 experts too, and "
+        "`cpu_dot=\"int8\"`: the experts' inputs rounded to bf16 as llama.cpp's BF16 dot rounds them); llama.cpp: "
+        "its BF16 GGUF, `llama-bench -t 2`. Ratios taken within each alternating round, median [min–max].")
 
 
 def grid_bits() -> str:
@@ -1445,7 +1446,12 @@ TABLES = {
     "equal-bits-summary": equal_bits_summary,
     "bf16-summary": bf16_summary,
     "gpt-oss-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
+    "gpt-oss-bf16-untiled-experts-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_gpt_oss_bf16_untiled_experts_zen5_cpu.json",
+        "`--cpu-layout` before it tiled the bf16 experts"),
     "mixtral-bf16-zen5": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
+    "mixtral-bf16-tiled-float-inputs-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_bf16_tiled_float_inputs_zen5_cpu.json"),
     "mixtral-bf16-untiled-experts-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixtral_bf16_untiled_experts_zen5_cpu.json",
         "`--cpu-layout` before it tiled the bf16 experts"),
