@@ -47,7 +47,7 @@ from jmoe.manifest import DENSE_TIERS, MANIFEST, PARTIAL_MARKER, seal, sha256_fi
 from jmoe.models import config_from_hf
 from jmoe.models.checkpoint import checkpoint_names, expert_tensor_names, fused_expert_names
 from jmoe.quant import ExpertWeights, bf16_expert, hf_to_kmajor
-from jmoe.tiers import TIER_NAMES, expert_template, tier_format
+from jmoe.tiers import TIER_NAMES, expert_template, expert_widths, tier_format, tiles_fit
 from jmoe.tokenizer import first_line, load_tokenizer
 from kernel_formats.qarray import TILE, PlainTiles, is_quantized, tile, tile_plain
 
@@ -361,9 +361,9 @@ def stored_formats(formats: dict, cfg: ModelConfig, cpu_layout: bool) -> tuple[d
     weights are written as PlainTiles."""
     if not cpu_layout:
         return formats, False
-    widths = (2 * cfg.moe_intermediate_size, cfg.hidden_size)
-    if any(w % TILE for w in widths):
-        log.warning("expert widths %s are not multiples of %d: experts are written in [K, N] layout", widths, TILE)
+    if not tiles_fit(cfg):
+        log.warning("expert widths %s are not multiples of %d: experts are written in [K, N] layout",
+                    expert_widths(cfg), TILE)
         return formats, False
     return {t: None if fmt is None else dataclasses.replace(fmt, tiled=True) for t, fmt in formats.items()}, True
 

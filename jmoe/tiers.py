@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.quant import ExpertWeights
-from kernel_formats.qarray import PlainTiles, QuantFormat, template
+from kernel_formats.qarray import TILE, PlainTiles, QuantFormat, template
 
 TIER_NAMES = ("int2", "int3", "int4", "int8", "bf16")  # ascending precision
 SKIP = 0
@@ -58,6 +58,16 @@ def tier_format(tier: str, *, group_size: int | None = None, symmetric: bool | N
         return QuantFormat(base.bits, group_size or base.group_size, sym, act_bits, smooth, scale_bits=scale_bits)
     except ValueError as e:
         raise InputError(str(e)) from None
+
+
+def expert_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """The widths (N) of an expert's two weights: gate_up's 2F and down's D."""
+    return 2 * cfg.moe_intermediate_size, cfg.hidden_size
+
+
+def tiles_fit(cfg: ModelConfig) -> bool:
+    """Whether both expert weights are a whole number of the CPU layout's column tiles wide."""
+    return not any(w % TILE for w in expert_widths(cfg))
 
 
 def expert_template(cfg: ModelConfig, tier: str, fmt: QuantFormat | None = None,

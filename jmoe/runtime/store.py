@@ -21,7 +21,7 @@ from jmoe.errors import FormatError
 from jmoe.format import RecordLayout, expert_file
 from jmoe.quant import ExpertWeights, QuantFormat
 from jmoe.runtime.host_memory import aligned_empty, read_into, release_pages
-from jmoe.tiers import expert_template
+from jmoe.tiers import expert_template, tiles_fit
 from kernel_formats.qarray import TILE, PlainTiles
 
 log = logging.getLogger("jmoe.runtime")
@@ -42,8 +42,7 @@ class ExpertStore:
             except ValueError as e:
                 raise FormatError(f"manifest.json: tiers.{tier}.format: {e}") from None
             plain_tiled = entry.get("tiled", False)  # the bf16 tier in the CPU layout (a format says it of the rest)
-            if plain_tiled and (fmt is not None or any(w % TILE for w in (2 * cfg.moe_intermediate_size,
-                                                                            cfg.hidden_size))):
+            if plain_tiled and (fmt is not None or not tiles_fit(cfg)):
                 raise FormatError(f"manifest.json: tiers.{tier}.tiled applies to a bf16 tier whose expert widths "
                                   f"are multiples of {TILE}")
             template = expert_template(cfg, tier, fmt, plain_tiled)
