@@ -34,6 +34,8 @@ import jax  # noqa: E402
 from bench.lib.common import result_name, write_result  # noqa: E402
 
 SCOPE = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
+# an instruction XLA made without a jax scope (a dot of a batched einsum): named by its opcode and operands
+UNSCOPED = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = \S+ ([\w\-]+)\(([^)]*)\)')
 TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
@@ -49,6 +51,10 @@ def instruction_scopes(dump: str) -> dict[str, str]:
                 target = TARGET.search(line)  # a native call: which kernel
                 scope += f" [{target.group(1)}]" if target else ""
                 scopes[m.group(1)] = re.sub(r"layer_\d+", "layer_L", scope)
+            elif (m := UNSCOPED.match(line)) and m.group(2) not in ("parameter", "constant", "bitcast", "tuple",
+                                                                     "get-tuple-element"):
+                operands = ", ".join(re.sub(r"\.\d+$", "", o.strip().lstrip("%")) for o in m.group(3).split(","))
+                scopes[m.group(1)] = re.sub(r"layers___\d+___", "layers___L___", f"{m.group(2)}({operands})")
     return scopes
 
 

@@ -102,6 +102,19 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     return _native_matmul(x, k, n, (*operands, *no_plane), int8_dot=int8_dot, **fmt)
 
 
+def batched_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, M, K] @ w [B, K, N] -> float32 [B, M, N], one product a batch entry; w a plain float
+    array (bf16 read as it is stored). Latent attention's per-head up-projections (jmoe/layers/mla.py)."""
+    b, k, n = w.shape
+    if not available():
+        return jnp.einsum("bmk,bkn->bmn", x.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    operands, fmt = _weight_operands(w)
+    no_plane = (native.empty(np.uint8), native.empty(np.float16))
+    return native.call(native.MATMUL, jax.ShapeDtypeStruct((b, x.shape[1], n), jnp.float32), x.astype(jnp.float32),
+                       *operands, *no_plane, k=np.int64(k), n=np.int64(n), int8_dot=False, **fmt)
+
+
 def _native_matmul(x: jax.Array, k: int, n: int, operands: tuple, **attrs) -> jax.Array:
     """x [..., K] times the weight the native matmul's operands describe -> float32 [..., N]."""
     lead = x.shape[:-1]

@@ -196,6 +196,24 @@ def test_narrow_plain_weights_match_float64(dtype, m, k, n):
         assert (np.abs(y - ref) <= 1e-6 * magnitude).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+# latent attention's up-projections at DeepSeek-V2-Lite's widths (keys' [16, 128, 512], values' [16, 512, 128],
+# one token and a prefill's 40), and a ragged width
+@pytest.mark.parametrize("b,m,k,n", [(16, 1, 128, 512), (16, 1, 512, 128), (16, 40, 128, 512), (3, 5, 200, 100)])
+def test_batched_matmul_multiplies_each_entry_by_its_own_weight(dtype, b, m, k, n):
+    rng = np.random.default_rng(b * m + k)
+    w = jnp.asarray(rng.standard_normal((b, k, n)).astype(np.float32) * 0.05).astype(dtype)
+    x = rng.standard_normal((b, m, k)).astype(np.float32)
+    run = jax.jit(ops.batched_matmul)
+    assert native.MATMUL in run.lower(jnp.asarray(x), w).as_text()
+    y = np.asarray(run(jnp.asarray(x), w))
+    wd = np.asarray(w.astype(jnp.float32), np.float64)
+    ref = np.einsum("bmk,bkn->bmn", x.astype(np.float64), wd)
+    magnitude = np.einsum("bmk,bkn->bmn", np.abs(x).astype(np.float64), np.abs(wd))
+    assert y.dtype == np.float32 and y.shape == (b, m, n)
+    assert (np.abs(y - ref) <= 1e-6 * magnitude + 1e-7).all()
+
+
 def test_the_cpu_layout_holds_the_same_weight_in_column_tiles():
     """tile() regroups each row's columns into tiles of 64 (tile t of every row one K-major block,
     in column order); untile() gives the [K, N] arrays back; dequantize and take_columns (an

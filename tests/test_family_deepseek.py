@@ -99,10 +99,13 @@ def test_latent_cache_is_what_the_budget_counts():
     assert expanded / latent > 8
 
 
-def test_on_the_cpu_latent_attention_holds_its_up_projections_as_its_products_read_them(tmp_path):
-    """Loaded on the CPU, each latent attention holds kv_b as W_uk [H, nope, r] and W_uv [H, r, v] in
-    the compute dtype, not kv_b's int4 codes (which each step otherwise dequantized and transposed),
-    and both load's reservation and memory_plan count what it holds; it decodes."""
+@pytest.mark.parametrize("dense_tier,held_dtype", [("int4", "float32"), ("bf16", "bfloat16")])
+def test_on_the_cpu_latent_attention_holds_its_up_projections_as_its_products_read_them(tmp_path, dense_tier,
+                                                                                        held_dtype):
+    """Loaded on the CPU, each latent attention holds kv_b as W_uk [H, nope, r] and W_uv [H, r, v]: an
+    int4 kv_b dequantized to the compute dtype (not its codes, which each step otherwise dequantized
+    and transposed), a bf16 one in bf16 (its transposes round nothing); both load's reservation and
+    memory_plan count what it holds; it decodes."""
     import jax
     import numpy as np
     from flax import nnx
@@ -114,7 +117,7 @@ def test_on_the_cpu_latent_attention_holds_its_up_projections_as_its_products_re
 
     overrides = DEEPSEEK_V2["lite-greedy"]
     make_checkpoint("deepseek_v2", tmp_path / "hf", overrides=overrides, randomize=RANDOMIZED)
-    out = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="int4", dense_tier="int4", progress=False)
+    out = convert_checkpoint(tmp_path / "hf", tmp_path / "m", tiers="int4", dense_tier=dense_tier, progress=False)
     model = jmoe.load(out, compute_dtype="float32")
     cfg = model.config
     heads, nope, rank, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
@@ -123,7 +126,7 @@ def test_on_the_cpu_latent_attention_holds_its_up_projections_as_its_products_re
     held = {name: leaf for name, leaf in flat.items() if "w_uk" in name or "w_uv" in name}
     layers = cfg.num_layers
     assert len(held) == 2 * layers and not any("kv_b_proj" in name for name in flat)
-    assert all(leaf.dtype == np.float32 for leaf in held.values())
+    assert all(leaf.dtype == np.dtype(held_dtype) for leaf in held.values())
     assert {leaf.shape for name, leaf in held.items() if "w_uk" in name} == {(heads, nope, rank)}
     assert {leaf.shape for name, leaf in held.items() if "w_uv" in name} == {(heads, rank, v)}
     assert model.memory["dense"] == tree_nbytes(model.dense) == jmoe.memory_plan(out, compute_dtype="float32")["dense"]

@@ -757,7 +757,8 @@ static bool one_six_bit_weight(const Weight& low, const Weight& high, bool int8_
 }
 
 // y [M, N] = x [M, K] @ W; six bits (bits 6): values, scales and offsets the low plane's, high_values
-// and high_scales the high plane's (both empty otherwise).
+// and high_scales the high plane's (both empty otherwise). Batched: y [B, M, N] = x [B, M, K] @ W [B, K, N]
+// for a plain untiled W (latent attention's per-head up-projections), one product a batch entry.
 static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                               ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::AnyBuffer bases,
                               ffi::AnyBuffer high_values, ffi::AnyBuffer high_scales, ffi::ResultBuffer<ffi::F32> y,
@@ -769,8 +770,13 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   if (auto err = describe(values, scales, offsets, bases, six ? 4 : bits, group, symmetric, k, n, &w, tiled);
       err.failure())
     return err;
-  if (values.size_bytes() != static_cast<size_t>(w.value_bytes()))
-    return ffi::Error::InvalidArgument("weight values do not match [K, N]");
+  const auto dims = x.dimensions();
+  const int64_t batch = dims.size() == 3 ? dims[0] : 1;
+  if (dims.size() != 2 && dims.size() != 3) return ffi::Error::InvalidArgument("x must be [M, K] or [B, M, K]");
+  if (batch != 1 && (w.quantized() || w.tiled || six))
+    return ffi::Error::InvalidArgument("a batched matmul takes a plain untiled weight [B, K, N]");
+  if (values.size_bytes() != static_cast<size_t>(batch * w.value_bytes()))
+    return ffi::Error::InvalidArgument("weight values do not match [K, N] (or [B, K, N] for a batched x)");
   if (six) {
     if (auto err = describe(high_values, high_scales, offsets, bases, 2, group, true, k, n, &high, tiled);
         err.failure())
@@ -778,12 +784,18 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     if (high_values.size_bytes() != static_cast<size_t>(high.value_bytes()))
       return ffi::Error::InvalidArgument("the high plane's values do not match [K, N]");
   }
-  const auto dims = x.dimensions();
-  if (dims.size() != 2 || dims[1] != k) return ffi::Error::InvalidArgument("x must be [M, K]");
-  const int64_t M = dims[0];
+  if (dims.back() != k) return ffi::Error::InvalidArgument("x's last dimension must be K");
+  const int64_t M = dims[dims.size() - 2];
   QuantizedInputs quantized;
-  const Inputs in = quantized.of(x.typed_data(), k, M, k, w.group, int8_dot && w.quantized(), rows_on(pool));
+  const Inputs in = quantized.of(x.typed_data(), k, M * batch, k, w.group, int8_dot && w.quantized(), rows_on(pool));
   float* yp = y->typed_data();
+  if (batch != 1) {
+    std::vector<Product> products;
+    for (int64_t b = 0; b < batch; ++b)
+      products.push_back(Product{in.from_row(b * M), M, w.slot(b), yp + b * M * n, n});
+    run_products(pool, products);
+    return ffi::Error::Success();
+  }
   if (!six || one_six_bit_weight(w, high, int8_dot, &w)) {
     run_products(pool, {Product{in, M, w, yp, n}});
     return ffi::Error::Success();

@@ -53,6 +53,14 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     return jnp.dot(x, w.astype(x.dtype), precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32)
 
 
+def batched_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, M, K] @ w [B, K, N] -> float32 [B, M, N] for a plain w (bf16 multiplied as stored on the CPU)."""
+    if on_cpu():
+        return cpu_kernels.batched_matmul(x, w)
+    return jnp.einsum("bmk,bkn->bmn", x, w.astype(x.dtype), precision=matmul_precision(x.dtype),
+                      preferred_element_type=jnp.float32)
+
+
 def dense_weight(w, dtype, tiled: bool = False) -> jax.Array:
     """The logical weight [K, N] in `dtype` (for the few small weights used outside a matmul); tiled:
     a plain w stored in the CPU layout."""

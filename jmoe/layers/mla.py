@@ -8,9 +8,12 @@ instead of heads * (2 * head widths).
 
 Both up-projections multiply per head, the keys' one transposed (q_nope @ W_uk[h]^T), which the
 integer kernels do not do: the step reads kv_b's weight whole. On the CPU, load holds it already as
-those products read it (`absorb_up_projections`: W_uk [H, nope, r] and W_uv [H, r, v] in the compute
-dtype, kv_b dropped). Dequantized and transposed inside each step instead, it took 8-11 ms a layer
-at DeepSeek-V2-Lite's shapes (an int4 dense tier), two thirds of a decode token's time.
+those products read it (`absorb_up_projections`: W_uk [H, nope, r] and W_uv [H, r, v], kv_b dropped;
+a plain kv_b in its stored dtype, a quantized one in the compute dtype), and one native call runs
+each up-projection head by head (`per_head`). Dequantized and transposed inside each step instead,
+it took 8-11 ms a layer at DeepSeek-V2-Lite's shapes (an int4 dense tier), two thirds of a decode
+token's time; held in float32 and multiplied by XLA's batched dot, a bf16 model's two products took
+0.19-0.24 ms a layer, the native calls on bf16 0.15 ms (bench/results/kernels/mla_up_projections_zen5_cpu.json).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from jmoe.layers.attention import (
     current_importance,
     write_cache,
 )
-from jmoe.layers.linear import Linear
+from jmoe.layers.linear import Linear, batched_matmul
 from jmoe.layers.norms import RMSNorm, matmul_precision
 from jmoe.layers.rope import apply_rope
+from kernel_formats.qarray import is_quantized
 
 LATENT_NORM_EPS = 1e-6  # transformers builds the q/kv latent norms with their default eps
 
@@ -86,9 +90,11 @@ class LatentAttention(nnx.Module):
         self.w_uk = self.w_uv = None  # kv_b as the absorbed products read it, once absorbed (absorb)
 
     def absorb(self, dtype) -> None:
-        """Hold kv_b's up-projections per head as the products read them, in `dtype`: W_uk [H, nope, r]
-        and W_uv [H, r, v]; kv_b itself is dropped."""
-        w = self._kv_b_weight(dtype)
+        """Hold kv_b's up-projections per head as the products read them: W_uk [H, nope, r] and W_uv
+        [H, r, v]; kv_b itself is dropped. A plain kv_b keeps its stored dtype (the transposes round
+        nothing, and a bf16 one is read at half float32's bytes), a quantized one is dequantized to `dtype`."""
+        kernel = self.kv_b_proj.kernel.get_value()
+        w = self._kv_b_weight(dtype if is_quantized(kernel) else kernel.dtype)
         self.w_uk = nnx.data(nnx.Param(jnp.transpose(w[..., : self.nope], (1, 2, 0))))
         self.w_uv = nnx.data(nnx.Param(jnp.transpose(w[..., self.nope :], (1, 0, 2))))
         self.kv_b_proj = None
@@ -97,14 +103,20 @@ class LatentAttention(nnx.Module):
         """kv_b's weight as [r, H, nope + v] in `dtype`."""
         return self.kv_b_proj.weight(dtype).reshape(self.kv_lora_rank, self.num_heads, self.nope + self.v_dim)
 
-    def _up_projections(self):
-        """(W_uk, W_uv, the einsum subscripts of each): [H, nope, r] and [H, r, v] once absorbed, else
-        views of kv_b's weight [r, H, nope] and [r, H, v] in the compute dtype."""
-        if self.kv_b_proj is None:
-            return self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype), "hnr", "hrv"
+    def _up_project_keys(self, q_nope, prec):
+        """The queries in latent space: q_nope [B, T, H, nope] @ W_uk per head -> [B, H, T, r]."""
+        if self.kv_b_proj is None:  # absorbed: one product per head, the weight read as held
+            return per_head(q_nope.transpose(2, 0, 1, 3), self.w_uk[...]).transpose(1, 0, 2, 3).astype(self.dtype)
         # Absorbed attention needs kv_b's weight itself (r x H * (nope + v): small, unlike the projections).
-        w = self._kv_b_weight(self.dtype)
-        return w[..., : self.nope], w[..., self.nope :], "rhn", "rhv"
+        w_k = self._kv_b_weight(self.dtype)[..., : self.nope]
+        return jnp.einsum("bthn,rhn->bhtr", q_nope, w_k, precision=prec)
+
+    def _up_project_values(self, context, prec):
+        """The weighted sums of latents up-projected per head: context [B, H, T, r] -> [B, T, H, v]."""
+        if self.kv_b_proj is None:
+            return per_head(context.transpose(1, 0, 2, 3), self.w_uv[...]).transpose(1, 2, 0, 3).astype(self.dtype)
+        w_v = self._kv_b_weight(self.dtype)[..., self.nope :]
+        return jnp.einsum("bhtr,rhv->bthv", context, w_v, precision=prec)
 
     def _query(self, x):
         if self.q_proj is not None:
@@ -123,19 +135,26 @@ class LatentAttention(nnx.Module):
         k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)
         latent_cache, new_latent = write_cache(cache[0], latent[:, None], meta)  # [P, 1, page, r]
         rot_cache, new_rot = write_cache(cache[1], k_rot.transpose(0, 2, 1, 3), meta)  # [P, 1, page, rope]
-        w_k, w_v, k_axes, v_axes = self._up_projections()
-        q_latent = jnp.einsum(f"bthn,{k_axes}->bhtr", q_nope, w_k, precision=prec)  # keys' up-projection, absorbed
+        with jax.named_scope("up_keys"):  # named for profiles (bench/decode_profile.py)
+            q_latent = self._up_project_keys(q_nope, prec)  # keys' up-projection, absorbed
         # one cache head shared by every query head: the latent query head-major [B, 1, H*T, r], the
         # rotary one token-major [B, T, 1, H, rope], as the projection gives it
         queries = (q_latent.reshape(B, 1, H * T, r), q_rot.reshape(B, T, 1, H, self.rope))
         kw = dict(groups=H, scale=self.scale, window=self.window, precision=prec)
         context, softmax = blocked_attention(queries, (latent_cache, rot_cache), latent_cache, meta, **kw)
         context = context.astype(self.dtype).reshape(B, H, T, r)
-        out = jnp.einsum(f"bhtr,{v_axes}->bthv", context, w_v, precision=prec).reshape(B, T, H * self.v_dim)
+        with jax.named_scope("up_values"):
+            out = self._up_project_values(context, prec).reshape(B, T, H * self.v_dim)
         importance = None
         if want_importance:
             importance = current_importance(queries, (new_latent, new_rot), meta, softmax, **kw)
         return self.o_proj(out), (latent_cache, rot_cache), importance
+
+
+def per_head(x, w):
+    """x [H, B, T, K] @ w [H, K, N], head by head -> float32 [H, B, T, N]."""
+    H, B, T, K = x.shape
+    return batched_matmul(x.reshape(H, B * T, K), w).reshape(H, B, T, w.shape[-1])
 
 
 def absorb_up_projections(graphdef, state, dtype):
