@@ -19,7 +19,7 @@ import numpy as np
 from cpu_kernels import native
 from kernel_formats.glu import SILU, GatedActivation
 from kernel_formats.qarray import (TILE, PlainTiles, QArray, QPlanes, bf16_dot_applies, dequantize, int8_dot_applies,
-                                   prepare_input, quantize_groups, untile_plain)
+                                   prepare_input, quantize_groups, round_to_bf16, untile_plain)
 
 
 # Float weights with fewer columns than this (a router of 8 or 32 experts, a shared expert's [D, 1]
@@ -79,6 +79,7 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
         return _matmul_planes(x, w, int8_dot)
     if tiled and (isinstance(w, QArray) or w.shape[-1] % TILE):
         raise ValueError("tiled applies to a plain weight whose N is a multiple of 64")
+    bf16_dot = int8_dot and bf16_dot_applies(w)
     int8_dot = int8_dot and int8_dot_applies(w)
     if isinstance(w, QArray):
         x = prepare_input(x, w.act_scale, w.fmt)
@@ -89,9 +90,14 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     # router of 8 or 32 experts): in the calling thread it costs less than a call across the kernels'
     # thread pool (bench/results/router_matmul)
     narrow = not isinstance(w, QArray) and not tiled and n < XLA_DOT_COLUMNS
+    # Under the int8 dot a plain bf16 projection's inputs are rounded to bf16 (the AVX-512 BF16 dot's
+    # inputs, as for bf16 experts); a narrow one (a shared expert's [D, 1] gate) keeps them, like the routers.
+    bf16_dot = bf16_dot and not narrow
     if not available() or narrow:
         if int8_dot:
             x = quantize_groups(x, w.fmt.group_size)
+        if bf16_dot:
+            x = round_to_bf16(x.astype(jnp.float32))
         dense = dequantize(w, jnp.float32) if isinstance(w, QArray) else w.astype(jnp.float32)
         if tiled:
             dense = untile_plain(dense)
@@ -99,7 +105,7 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
                        preferred_element_type=jnp.float32)
     operands, fmt = _weight_operands(w, tiled)
     no_plane = (native.empty(np.uint8), native.empty(np.float16))
-    return _native_matmul(x, k, n, (*operands, *no_plane), int8_dot=int8_dot, **fmt)
+    return _native_matmul(x, k, n, (*operands, *no_plane), int8_dot=int8_dot or bf16_dot, **fmt)
 
 
 def batched_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

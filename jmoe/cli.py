@@ -163,8 +163,8 @@ def add_model_options(p) -> None:
     p.add_argument("--cpu-dot", default="float", choices=["float", "int8"],
                    help="CPU products with quantized weights: float inputs (default) or inputs rounded to int8 "
                         "per group, as llama.cpp's Q8 dot (multiplied in integers, faster, on AVX-512 VNNI, and on "
-                        "AVX2 for int4/int2; int3 on VNNI only); int8 also rounds bf16 experts' inputs to bf16, as "
-                        "llama.cpp's BF16 dot (prefill on AVX-512 BF16)")
+                        "AVX2 for int4/int2; int3 on VNNI only); int8 also rounds the inputs of bf16 experts and bf16 "
+                        "dense projections to bf16, as llama.cpp's BF16 dot (prefill on AVX-512 BF16)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads to compute with (default: $JMOE_THREADS, else the cores this process may use: "
                         "its CPU affinity, within its cgroup's CPU quota)")

@@ -641,18 +641,22 @@ def _groups_int8(x, group):
                                    (1, 600, 4200), (4, 1100, 520), (33, 2048, 1536)])
 def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
     """The int8 dot (integer sums for any number of rows, prefill's too: VNNI, or under AVX2 for codes of
-    up to four bits; the float path elsewhere) is x on its per-group int8 grid times the weight; bf16
-    weights take x as it is."""
+    up to four bits; the float path elsewhere) is x on its per-group int8 grid times the weight; a bf16
+    weight takes x rounded to bf16 (the AVX-512 BF16 dot's inputs, where the CPU has it)."""
     rng = np.random.default_rng(m * 100 + k)
     w = _weight(rng, k, n, FORMATS[name])
     x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)
     y = np.asarray(jax.jit(lambda x, w: ops.matmul(x, w, int8_dot=True))(jnp.asarray(x), w))
-    xq = x if FORMATS[name] is None else _groups_int8(x, FORMATS[name].group_size)
+    if FORMATS[name] is None:
+        xq = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    else:
+        xq = _groups_int8(x, FORMATS[name].group_size)
     ref = xq.astype(np.float64) @ _dense(w)
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max() + 1e-7
-    if FORMATS[name] is not None:  # and it is the quantized inputs it multiplied, close to the float ones
-        exact = x.astype(np.float64) @ _dense(w)
-        assert 0 < np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+    # and it is the rounded inputs it multiplied, close to the float ones
+    exact = x.astype(np.float64) @ _dense(w)
+    assert 0 < np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+    if FORMATS[name] is not None:
         ref_jnp = np.asarray(quantize_groups(jnp.asarray(x), FORMATS[name].group_size))
         # the XLA reference's grid: the same codes (its step may differ in the last bit)
         assert np.abs(ref_jnp - xq).max() <= 1e-6 * np.abs(xq).max()
@@ -833,9 +837,10 @@ def test_whole_model_greedy_tokens_equal_the_xla_path(tiny_int4, tier):
 def test_cpu_dot_int8_runs_bf16_experts_on_bf16_inputs_as_the_xla_path_does(tiny_int4):
     """The bf16 tier under cpu_dot="int8" (the experts' inputs rounded to bf16, the AVX-512 BF16 dot
     for a long prompt's many rows an expert) gives the XLA path's logits under the same setting over
-    a whole sequence (the same top token wherever its lead is clear; a last-bit difference can move
-    an input across a bf16 rounding boundary, so not bit for bit), many times nearer than those of
-    float inputs."""
+    a whole sequence (the same top token wherever its lead is clear), nearer than those of float
+    inputs. Not bit for bit, nor much nearer: the bf16 dense projections round their inputs too, so
+    a last-bit difference between the two paths' experts moves some of the next layer's inputs
+    across a bf16 rounding boundary."""
     text = (Path(__file__).parent / "data" / "prose.dev.txt").read_text()
     logits = {}
     for backend, cpu_dot in (("cpu", "int8"), ("xla", "int8"), ("cpu", "float")):
@@ -844,7 +849,7 @@ def test_cpu_dot_int8_runs_bf16_experts_on_bf16_inputs_as_the_xla_path_does(tiny
         logits[backend, cpu_dot] = np.asarray(jmoe.forward(model, sequence))
     want = logits["xla", "int8"]
     near, far = (np.abs(logits[key] - want).mean() for key in (("cpu", "int8"), ("cpu", "float")))
-    assert near * 5 < far, (near, far)
+    assert near * 1.5 < far, (near, far)
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.1
     assert clear.sum() >= len(want) // 2

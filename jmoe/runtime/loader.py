@@ -533,8 +533,8 @@ def load(
         as llama.cpp's Q8 dot does, and multiplied in integers where the CPU has AVX-512 VNNI, or AVX2
         for int4/int2 codes: faster for decode, logits within about 1e-2 of "float"). "int8" also
         rounds the inputs of bf16 experts to bf16, as llama.cpp's BF16 dot does, multiplied two
-        products a lane where the CPU has AVX-512 BF16 (faster prefill); bf16 dense weights keep
-        float inputs.
+        products a lane where the CPU has AVX-512 BF16 (faster prefill), and those of bf16 dense
+        projections alike (not the routers').
       cpu_critical_tokens: with a "+cpu" policy, override the measured critical token count.
       verify: also check every file's sha256 and the manifest's own (reads the whole model once).
       progress: show a progress bar while experts are loaded into host memory (None: on a terminal).
