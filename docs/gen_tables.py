@@ -921,7 +921,7 @@ def bf16_summary() -> str:
         "jmoe: bf16 experts and dense weights (the Zen 5 runs with `--cpu-layout`: plain projections and LM head in "
         "column tiles; in the GPT-OSS-20B, Mixtral-8x7B and DeepSeek-V2-Lite runs the bf16 experts too, and "
         "`cpu_dot=\"int8\"`: the experts' inputs rounded to bf16 as llama.cpp's BF16 dot rounds them, in the "
-        "DeepSeek-V2-Lite run the dense projections' too); llama.cpp: "
+        "Mixtral-8x7B and DeepSeek-V2-Lite runs the dense projections' too); llama.cpp: "
         "its BF16 GGUF, `llama-bench -t 2`. Ratios taken within each alternating round, median [min–max].")
 
 
