@@ -788,8 +788,8 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const int64_t M = dims[dims.size() - 2];
   QuantizedInputs quantized;
   // Under the int8 dot a plain bf16 weight multiplies inputs rounded to bf16 (the AVX-512 BF16 dot's).
-  const Inputs in = int8_dot && w.bits == 16 && batch == 1
-                        ? quantized.bf16_of(x.typed_data(), k, M, k, rows_on(pool))
+  const Inputs in = int8_dot && w.bits == 16
+                        ? quantized.bf16_of(x.typed_data(), k, M * batch, k, rows_on(pool))
                         : quantized.of(x.typed_data(), k, M * batch, k, w.group, int8_dot && w.quantized(),
                                        rows_on(pool));
   float* yp = y->typed_data();
