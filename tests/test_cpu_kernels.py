@@ -580,6 +580,28 @@ def test_routed_ffn_over_several_pools_runs_each_assignment_at_its_own(int8_dot)
     assert hlo.count(native.ROUTED_FFN_TIERS) == 1 and hlo.count(native.ROUTED_FFN + '"') == 0
 
 
+@pytest.mark.parametrize("layout", ["k by n", "cpu layout"])
+def test_a_tokens_experts_in_one_pass_each_down_product_reads_its_own_finished_activation(layout):
+    """The routed call runs gate/up and down in one task list: whoever finishes an expert's last
+    gate/up task computes its activation, and its down tasks wait for it. One to eight experts of
+    one token at Qwen3-30B-A3B's widths (one expert's gate/up split over K into pieces summed
+    before its activation in [K, N]; cut into runs of tiles in the CPU layout), an int4 and an int2
+    pool in one call, float inputs and the int8 dot: each as the reference computes it."""
+    rng = np.random.default_rng(29)
+    D, F, S = QWEN3.hidden, QWEN3.inner, 4
+    shape = tile if layout == "cpu layout" else (lambda w: w)
+    pools = [(shape(_pool(rng, S, D, 2 * F, FORMATS[t])), shape(_pool(rng, S, F, D, FORMATS[t])), None, None)
+             for t in ("int4", "int2")]
+    h = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
+    for A in (1, 2, 8):
+        token = jnp.zeros(A, jnp.int32)
+        slot = jnp.asarray(rng.integers(0, S, A).astype(np.int32))
+        tier = jnp.asarray((np.arange(A) % 2).astype(np.int32))
+        for int8_dot in (False, True):
+            _compare_tiers(h, token, slot, tier, pools, int8_dot=int8_dot)
+            _compare_routed(jnp.repeat(h, A, axis=0), slot, *pools[0][:2], int8_dot=int8_dot)
+
+
 def test_routed_ffn_over_several_pools_with_biases_and_inputs_of_their_own():
     """Per-pool biases and a clamped activation in the one call; a W8A8 pool (its inputs rounded per
     token) beside an int4 one runs a call per pool and still gives each row its own pool's result."""

@@ -249,7 +249,9 @@ static inline uint32_t bf16_bits(float x) {
   return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
-// Owns the quantized copy behind an Inputs (plain float inputs need none).
+// Owns the quantized copy behind an Inputs (plain float inputs need none). `of` and `bf16_of` round
+// every row over the caller's parallel loop; `reserve` only allocates, for rows rounded one by one
+// later (fill_row) as the rows they read become ready (run_experts' one pass).
 struct QuantizedInputs {
   // Left uninitialised (every element is written, the codes' padding too): zeroing them first
   // took a single-threaded pass over fresh pages, as long as the rounding itself at prefill sizes.
@@ -257,51 +259,71 @@ struct QuantizedInputs {
   std::unique_ptr<int8_t[]> codes;
   std::unique_ptr<int32_t[]> sums;
   std::unique_ptr<uint32_t[]> pairs;
+  enum Mode { kAsIs, kInt8Groups, kBf16 };
+  Mode mode = kAsIs;
+  const float* src = nullptr;
+  int64_t src_ld = 0, K = 0, group = 0, groups = 0, padded = 0, ldp = 0;
 
-  // Inputs for x[M, K] multiplying a plain bf16 weight under the bf16 dot: rounded to bf16, in
-  // floats (which every other path multiplies) and in pairs (Inputs::pairs).
-  template <typename ForRows>
-  Inputs bf16_of(const float* xp, int64_t ld, int64_t M, int64_t K, ForRows for_rows) {
-    const int64_t ldp = (K + 1) / 2;
-    x.reset(new float[M * K]), pairs.reset(new uint32_t[M * ldp]);
-    for_rows(M, [&](int64_t m) {
-      const float* src = xp + m * ld;
+  // Inputs for x[M, K] (row stride ld): as they are, on the int8 dot's groups of `group`
+  // (kInt8Groups), or rounded to bf16 for a plain bf16 weight under the bf16 dot (kBf16: in floats,
+  // which every other path multiplies, and in pairs, Inputs::pairs). Rows hold their values once filled.
+  Inputs reserve(const float* xp, int64_t ld, int64_t M, int64_t k, Mode how, int64_t g = 0) {
+    mode = how, src = xp, src_ld = ld, K = k, group = g;
+    Inputs in;
+    in.x = xp, in.ld = ld;
+    if (mode == kBf16) {
+      ldp = (K + 1) / 2;
+      x.reset(new float[M * K]), pairs.reset(new uint32_t[M * ldp]);
+      in.x = x.get(), in.ld = K, in.pairs = pairs.get(), in.ld_pairs = ldp;
+    } else if (mode == kInt8Groups) {
+      groups = (K + group - 1) / group, padded = groups * group;
+      x.reset(new float[M * K]), codes.reset(new int8_t[M * padded]);
+      steps.reset(new float[M * groups]), sums.reset(new int32_t[M * groups]);
+      in.x = x.get(), in.ld = K, in.codes = codes.get(), in.steps = steps.get(), in.sums = sums.get();
+      in.group = group, in.groups = groups;
+    }
+    return in;
+  }
+
+  // Rounds row m of the reserved inputs.
+  void fill_row(int64_t m) {
+    const float* row_in = src + m * src_ld;
+    if (mode == kBf16) {
       float* row = x.get() + m * K;
       uint32_t* row_pairs = pairs.get() + m * ldp;
       for (int64_t k = 0; k < K; k += 2) {
-        const uint32_t lo = bf16_bits(src[k]), hi = k + 1 < K ? bf16_bits(src[k + 1]) : 0u;
+        const uint32_t lo = bf16_bits(row_in[k]), hi = k + 1 < K ? bf16_bits(row_in[k + 1]) : 0u;
         row_pairs[k / 2] = lo | hi << 16;
         const uint32_t lo_f = lo << 16, hi_f = hi << 16;
         std::memcpy(row + k, &lo_f, sizeof lo_f);
         if (k + 1 < K) std::memcpy(row + k + 1, &hi_f, sizeof hi_f);
       }
-    });
-    Inputs in;
-    in.x = x.get(), in.ld = K, in.pairs = pairs.get(), in.ld_pairs = ldp;
-    return in;
-  }
-
-  // Inputs for x[M, K] multiplying a weight with groups of `group` rows: quantized when `quantize`
-  // (rows spread over `for_rows`, the caller's parallel loop).
-  template <typename ForRows>
-  Inputs of(const float* xp, int64_t ld, int64_t M, int64_t K, int64_t group, bool quantize, ForRows for_rows) {
-    Inputs in;
-    in.x = xp, in.ld = ld;
-    if (!quantize) return in;
-    const int64_t groups = (K + group - 1) / group, padded = groups * group;
-    x.reset(new float[M * K]), codes.reset(new int8_t[M * padded]);
-    steps.reset(new float[M * groups]), sums.reset(new int32_t[M * groups]);
-    for_rows(M, [&](int64_t m) {
+    } else if (mode == kInt8Groups) {
       int8_t* row_codes = codes.get() + m * padded;
       std::fill(row_codes + K, row_codes + padded, int8_t{0});
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group, n = std::min(K, k0 + group) - k0;
-        steps[m * groups + g] = quantize_group(xp + m * ld + k0, n, x.get() + m * K + k0, row_codes + k0,
+        steps[m * groups + g] = quantize_group(row_in + k0, n, x.get() + m * K + k0, row_codes + k0,
                                                &sums[m * groups + g]);
       }
-    });
-    in.x = x.get(), in.ld = K, in.codes = codes.get(), in.steps = steps.get(), in.sums = sums.get();
-    in.group = group, in.groups = groups;
+    }
+  }
+
+  // Inputs for x[M, K] multiplying a plain bf16 weight under the bf16 dot, every row rounded over
+  // `for_rows` (the caller's parallel loop).
+  template <typename ForRows>
+  Inputs bf16_of(const float* xp, int64_t ld, int64_t M, int64_t K, ForRows for_rows) {
+    const Inputs in = reserve(xp, ld, M, K, kBf16);
+    for_rows(M, [&](int64_t m) { fill_row(m); });
+    return in;
+  }
+
+  // Inputs for x[M, K] multiplying a weight with groups of `group` rows: quantized when `quantize`
+  // (rows spread over `for_rows`).
+  template <typename ForRows>
+  Inputs of(const float* xp, int64_t ld, int64_t M, int64_t K, int64_t group, bool quantize, ForRows for_rows) {
+    const Inputs in = reserve(xp, ld, M, K, quantize ? kInt8Groups : kAsIs, group);
+    if (quantize) for_rows(M, [&](int64_t m) { fill_row(m); });
     return in;
   }
 };
@@ -610,12 +632,13 @@ struct Product {
   int64_t ldy;
 };
 
-// Runs a phase's products on the pool as tasks of one column block each: kFewRowBlock columns for
-// few rows (each task reads long runs of every weight row it touches), kBlock for many. Where the
-// blocks alone would leave threads idle (one expert, or a projection of 512 or 2048 columns)
-// few-row products are also split over K into pieces of whole groups, each written to a partial
-// buffer and summed afterwards.
-static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& products) {
+// A phase's products cut into tasks of one column block each: kFewRowBlock columns for few rows
+// (each task reads long runs of every weight row it touches), kBlock for many. Where the blocks
+// alone would leave threads idle (one expert, or a projection of 512 or 2048 columns) a tiled
+// weight's few-row product is cut into runs of whole tiles, and other few-row products are split
+// over K into pieces of whole groups, each written to a partial buffer and summed afterwards
+// (sum_pieces). Tasks point into the plan's own partial buffers: a plan stays where it was made.
+struct PhasePlan {
   struct Task {
     int64_t product, n0, n1, k0, k1;
     float* y;
@@ -624,52 +647,58 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
   struct Pieces {
     int64_t count = 1, offset = 0;  // into parts: count partial [M, N] buffers
   };
-  const int64_t want = 2 * static_cast<int64_t>(pool.num_threads());
-  int64_t blocks = 0;
-  for (const Product& p : products) {
-    const int64_t width = p.M <= kFusedRows ? kFewRowBlock : kBlock;
-    blocks += (p.w.n + width - 1) / width;
-  }
-  const bool narrow = blocks < want;  // the blocks alone would leave threads idle
-  // A tiled weight's few-row product is then cut into runs of whole tiles, each task reading its
-  // tiles as one sequential stream; other weights are split over K below.
-  const int64_t split = (want + static_cast<int64_t>(products.size()) - 1) / static_cast<int64_t>(products.size());
-  auto width_of = [&](const Product& p) -> int64_t {
-    if (p.M > kFusedRows) return kBlock;
-    if (!narrow || !p.w.tiled) return kFewRowBlock;
-    const int64_t tiles = p.w.n / kTile;
-    return std::min<int64_t>(kFewRowBlock, std::max<int64_t>(1, (tiles + split - 1) / split) * kTile);
-  };
-  std::vector<Pieces> pieces(products.size());
-  int64_t part_floats = 0;
-  for (size_t i = 0; i < products.size(); ++i) {
-    const Product& p = products[i];
-    if (p.M > kFusedRows || !narrow || p.w.tiled) continue;
-    const int64_t most = std::max<int64_t>(1, p.w.k / kMinPieceRows);
-    pieces[i].count = std::min<int64_t>(most, (want + blocks - 1) / blocks);
-    pieces[i].offset = part_floats;
-    if (pieces[i].count > 1) part_floats += pieces[i].count * p.M * p.w.n;
-  }
-  std::vector<float> parts(part_floats);
+  const std::vector<Product>& products;
   std::vector<Task> tasks;
-  for (size_t i = 0; i < products.size(); ++i) {
-    const Product& p = products[i];
-    const int64_t width = width_of(p), count = pieces[i].count;
-    const int64_t unit = p.w.quantized() ? p.w.group : 8, units = (p.w.k + unit - 1) / unit;
-    for (int64_t n0 = 0; n0 < p.w.n; n0 += width) {
-      const int64_t n1 = std::min(p.w.n, n0 + width);
-      if (count == 1) {
-        tasks.push_back({static_cast<int64_t>(i), n0, n1, 0, p.w.k, p.y, p.ldy});
-        continue;
+  std::vector<int64_t> tasks_of;  // per product
+  std::vector<Pieces> pieces;
+  std::vector<float> parts;
+
+  PhasePlan(int64_t threads, const std::vector<Product>& ps)
+      : products(ps), tasks_of(ps.size()), pieces(ps.size()) {
+    const int64_t want = 2 * threads;
+    int64_t blocks = 0;
+    for (const Product& p : products) {
+      const int64_t width = p.M <= kFusedRows ? kFewRowBlock : kBlock;
+      blocks += (p.w.n + width - 1) / width;
+    }
+    const bool narrow = blocks < want;  // the blocks alone would leave threads idle
+    const int64_t split = (want + static_cast<int64_t>(products.size()) - 1) / static_cast<int64_t>(products.size());
+    auto width_of = [&](const Product& p) -> int64_t {
+      if (p.M > kFusedRows) return kBlock;
+      if (!narrow || !p.w.tiled) return kFewRowBlock;
+      const int64_t tiles = p.w.n / kTile;
+      return std::min<int64_t>(kFewRowBlock, std::max<int64_t>(1, (tiles + split - 1) / split) * kTile);
+    };
+    int64_t part_floats = 0;
+    for (size_t i = 0; i < products.size(); ++i) {
+      const Product& p = products[i];
+      if (p.M > kFusedRows || !narrow || p.w.tiled) continue;
+      const int64_t most = std::max<int64_t>(1, p.w.k / kMinPieceRows);
+      pieces[i].count = std::min<int64_t>(most, (want + blocks - 1) / blocks);
+      pieces[i].offset = part_floats;
+      if (pieces[i].count > 1) part_floats += pieces[i].count * p.M * p.w.n;
+    }
+    parts.resize(part_floats);
+    for (size_t i = 0; i < products.size(); ++i) {
+      const Product& p = products[i];
+      const int64_t width = width_of(p), count = pieces[i].count, before = tasks.size();
+      const int64_t unit = p.w.quantized() ? p.w.group : 8, units = (p.w.k + unit - 1) / unit;
+      for (int64_t n0 = 0; n0 < p.w.n; n0 += width) {
+        const int64_t n1 = std::min(p.w.n, n0 + width);
+        if (count == 1) {
+          tasks.push_back({static_cast<int64_t>(i), n0, n1, 0, p.w.k, p.y, p.ldy});
+          continue;
+        }
+        for (int64_t s = 0; s < count; ++s)
+          tasks.push_back({static_cast<int64_t>(i), n0, n1, std::min(p.w.k, units * s / count * unit),
+                           std::min(p.w.k, units * (s + 1) / count * unit),
+                           parts.data() + pieces[i].offset + s * p.M * p.w.n, p.w.n});
       }
-      for (int64_t s = 0; s < count; ++s)
-        tasks.push_back({static_cast<int64_t>(i), n0, n1, std::min(p.w.k, units * s / count * unit),
-                         std::min(p.w.k, units * (s + 1) / count * unit),
-                         parts.data() + pieces[i].offset + s * p.M * p.w.n, p.w.n});
+      tasks_of[i] = static_cast<int64_t>(tasks.size()) - before;
     }
   }
-  const GemmCols gemm = gemm_cols(current_isa());  // one path for the whole phase
-  parallel_for(pool, tasks.size(), [&](int64_t t) {
+
+  void run(GemmCols gemm, int64_t t) const {
     const Task& task = tasks[t];
     const Product& p = products[task.product];
     const Weight w = p.w.rows(task.k0, task.k1);
@@ -679,10 +708,12 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
     }
     for (int64_t c0 = task.n0; c0 < task.n1; c0 += kTile)  // blocks are whole tiles (N % kTile == 0)
       gemm(p.in.from_k(task.k0), p.M, w.tile(c0 / kTile), 0, kTile, task.y + c0, task.ldy);
-  });
-  for (size_t i = 0; i < products.size(); ++i) {
+  }
+
+  // Product i's output from its pieces, once every task of it is done (nothing where it was not split).
+  void sum_pieces(size_t i) const {
     const Product& p = products[i];
-    if (pieces[i].count == 1) continue;
+    if (pieces[i].count == 1) return;
     const float* part = parts.data() + pieces[i].offset;
     for (int64_t m = 0; m < p.M; ++m) {
       float* ym = p.y + m * p.ldy;
@@ -693,6 +724,14 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
       }
     }
   }
+};
+
+// Runs a phase's products on the pool (PhasePlan's tasks), one path for the whole phase.
+static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& products) {
+  const PhasePlan plan(pool.num_threads(), products);
+  const GemmCols gemm = gemm_cols(current_isa());
+  parallel_for(pool, plan.tasks.size(), [&](int64_t t) { plan.run(gemm, t); });
+  for (size_t i = 0; i < products.size(); ++i) plan.sum_pieces(i);
 }
 
 // A row loop over the pool (QuantizedInputs::of): tasks of 16 rows, one task for a single row.
@@ -884,35 +923,71 @@ struct Run {
 };
 
 // The inputs x [R, K] as each pool's weight multiplies them (rounded per group for the int8 dot),
-// rounded once per distinct (group, int8 dot) among the pools.
+// rounded once per distinct (group, int8 dot) among the pools: every row at once over the pool's
+// threads, or (deferred) row by row as fill_rows asks.
 struct PoolInputs {
   std::vector<QuantizedInputs> quantized;
   std::vector<Inputs> of_pool;
+  std::vector<size_t> owner;  // the quantized copy pool t reads
 
-  PoolInputs(ffi::ThreadPool& pool, const std::vector<const Weight*>& weights, const std::vector<bool>& int8_dot,
+  PoolInputs(ffi::ThreadPool* pool, const std::vector<const Weight*>& weights, const std::vector<bool>& int8_dot,
              const float* x, int64_t R, int64_t K)
-      : quantized(weights.size()), of_pool(weights.size()) {
-    auto mode = [&](size_t t) {  // 0: as they are, 1: the int8 dot's groups, 2: the bf16 dot's rounding
-      if (!int8_dot[t]) return 0;
-      return weights[t]->quantized() ? 1 : weights[t]->bits == 16 ? 2 : 0;
+      : quantized(weights.size()), of_pool(weights.size()), owner(weights.size()) {
+    auto mode = [&](size_t t) {
+      if (!int8_dot[t]) return QuantizedInputs::kAsIs;
+      return weights[t]->quantized() ? QuantizedInputs::kInt8Groups
+             : weights[t]->bits == 16 ? QuantizedInputs::kBf16
+                                      : QuantizedInputs::kAsIs;
     };
     for (size_t t = 0; t < weights.size(); ++t) {
       size_t same = 0;
-      while (same < t && !(mode(same) == mode(t) && (mode(t) != 1 || weights[same]->group == weights[t]->group)))
+      while (same < t && !(mode(same) == mode(t) &&
+                           (mode(t) != QuantizedInputs::kInt8Groups || weights[same]->group == weights[t]->group)))
         ++same;
-      if (same < t)
+      owner[t] = same;
+      if (same < t) {
         of_pool[t] = of_pool[same];
-      else if (mode(t) == 2)
-        of_pool[t] = quantized[t].bf16_of(x, K, R, K, rows_on(pool));
-      else
-        of_pool[t] = quantized[t].of(x, K, R, K, weights[t]->group, mode(t) == 1, rows_on(pool));
+        continue;
+      }
+      of_pool[t] = quantized[t].reserve(x, K, R, K, mode(t), weights[t]->group);
+      if (pool && mode(t) != QuantizedInputs::kAsIs) rows_on(*pool)(R, [&](int64_t m) { quantized[t].fill_row(m); });
     }
+  }
+
+  // Rounds rows [m0, m1) for pool t's weight (a deferred PoolInputs, made without a thread pool).
+  void fill_rows(size_t t, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantized[owner[t]].fill_row(m);
   }
 };
 
+// The activation of rows [m0, m1) of an expert's gate/up output h [., 2F] into act [., F].
+static void activate(const ExpertPools& p, int64_t slot, const float* h, float* act, int64_t m0, int64_t m1) {
+  const int64_t F = p.F;
+  const float* bias = p.gu_bias ? p.gu_bias + slot * 2 * F : nullptr;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* hm = h + m * 2 * F;
+    float* am = act + m * F;
+    for (int64_t j = 0; j < F; ++j) {
+      float g = hm[j], u = hm[F + j];
+      if (bias) g += bias[j], u += bias[F + j];
+      if (p.clamped) {
+        g = std::min(g, p.limit);
+        u = std::max(std::min(u, p.limit), -p.limit);
+        am[j] = (u + 1.0f) * sigmoid_times(g, p.alpha);
+      } else {
+        am[j] = sigmoid_times(g, 1.0f) * u;
+      }
+    }
+    if (p.dn_int8_inputs) quantize_int8_per_token(am, F);
+  }
+}
+
 // y[r] = down(act(gate_up(x[r]))) for the rows of every run, each expert's weights read once; a
-// run reads the pool of its tier (pools share D, F and the activation). Each phase runs all
-// experts' products at once (run_products), so one token's experts keep every core busy.
+// run reads the pool of its tier (pools share D, F and the activation). One pass over the pool's
+// threads: the gate/up tasks of every run, then the down tasks. Whoever finishes a run's last
+// gate/up task computes its activation and rounds it for the down product; a down task waits for
+// its run's (every gate/up task is taken before the first down task, so the wait is short and
+// always ends). One token's experts keep every core busy with no round trip between phases.
 static void run_experts(ffi::ThreadPool& pool, const std::vector<const ExpertPools*>& pools,
                         const std::vector<Run>& runs, const float* x, int64_t R, float* y) {
   const ExpertPools& first = *pools[0];
@@ -924,39 +999,40 @@ static void run_experts(ffi::ThreadPool& pool, const std::vector<const ExpertPoo
     gu_weights.push_back(&p->gu), dn_weights.push_back(&p->dn);
     gu_int8.push_back(p->gu_int8_dot), dn_int8.push_back(p->dn_int8_dot);
   }
-  const PoolInputs gu_in(pool, gu_weights, gu_int8, x, R, D);
-  std::vector<Product> products;
-  for (const Run& r : runs)
-    products.push_back({gu_in.of_pool[r.tier].from_row(r.row0), r.rows, pools[r.tier]->gu.slot(r.slot),
-                        h.data() + r.row0 * 2 * F, 2 * F});
-  run_products(pool, products);
-  parallel_for(pool, runs.size(), [&](int64_t i) {
-    const Run& r = runs[i];
-    const ExpertPools& p = *pools[r.tier];
-    const float* bias = p.gu_bias ? p.gu_bias + r.slot * 2 * F : nullptr;
-    for (int64_t m = r.row0; m < r.row0 + r.rows; ++m) {
-      const float* hm = h.data() + m * 2 * F;
-      float* am = act.data() + m * F;
-      for (int64_t j = 0; j < F; ++j) {
-        float g = hm[j], u = hm[F + j];
-        if (bias) g += bias[j], u += bias[F + j];
-        if (p.clamped) {
-          g = std::min(g, p.limit);
-          u = std::max(std::min(u, p.limit), -p.limit);
-          am[j] = (u + 1.0f) * sigmoid_times(g, p.alpha);
-        } else {
-          am[j] = sigmoid_times(g, 1.0f) * u;
-        }
-      }
-      if (p.dn_int8_inputs) quantize_int8_per_token(am, F);
+  const PoolInputs gu_in(&pool, gu_weights, gu_int8, x, R, D);
+  PoolInputs dn_in(nullptr, dn_weights, dn_int8, act.data(), R, F);
+  std::vector<Product> gu, dn;
+  for (const Run& r : runs) {
+    gu.push_back({gu_in.of_pool[r.tier].from_row(r.row0), r.rows, pools[r.tier]->gu.slot(r.slot),
+                  h.data() + r.row0 * 2 * F, 2 * F});
+    dn.push_back({dn_in.of_pool[r.tier].from_row(r.row0), r.rows, pools[r.tier]->dn.slot(r.slot), y + r.row0 * D, D});
+  }
+  const PhasePlan gu_plan(pool.num_threads(), gu), dn_plan(pool.num_threads(), dn);
+  std::vector<std::atomic<int64_t>> left(runs.size());  // per run: gate/up tasks not done
+  std::vector<std::atomic<bool>> ready(runs.size());    // per run: its down inputs rounded
+  for (size_t i = 0; i < runs.size(); ++i) {
+    left[i].store(gu_plan.tasks_of[i], std::memory_order_relaxed);
+    ready[i].store(false, std::memory_order_relaxed);
+  }
+  const GemmCols gemm = gemm_cols(current_isa());
+  const int64_t gu_tasks = gu_plan.tasks.size();
+  parallel_for(pool, gu_tasks + dn_plan.tasks.size(), [&](int64_t t) {
+    if (t >= gu_tasks) {
+      const int64_t i = dn_plan.tasks[t - gu_tasks].product;
+      while (!ready[i].load(std::memory_order_acquire)) std::this_thread::yield();
+      dn_plan.run(gemm, t - gu_tasks);
+      return;
     }
+    gu_plan.run(gemm, t);
+    const int64_t i = gu_plan.tasks[t].product;
+    if (left[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    const Run& r = runs[i];
+    gu_plan.sum_pieces(i);
+    activate(*pools[r.tier], r.slot, h.data(), act.data(), r.row0, r.row0 + r.rows);
+    dn_in.fill_rows(r.tier, r.row0, r.row0 + r.rows);
+    ready[i].store(true, std::memory_order_release);
   });
-  const PoolInputs dn_in(pool, dn_weights, dn_int8, act.data(), R, F);
-  products.clear();
-  for (const Run& r : runs)
-    products.push_back({dn_in.of_pool[r.tier].from_row(r.row0), r.rows, pools[r.tier]->dn.slot(r.slot),
-                        y + r.row0 * D, D});
-  run_products(pool, products);
+  for (size_t i = 0; i < runs.size(); ++i) dn_plan.sum_pieces(i);
   for (const Run& r : runs) {
     const ExpertPools& p = *pools[r.tier];
     if (!p.dn_bias) continue;
