@@ -8,9 +8,22 @@ reference; the others (`matmul`, `attention`, the cache writes) run their XLA fo
 themselves.
 """
 
-from cpu_kernels.ops import (attention, attention_reads, available, batched_matmul, copy_records, expert_ffn,
-                             first_max, host_computation, matmul, routed_expert_ffn, routed_expert_ffn_tiers,
-                             write_rows, write_slots)
+from cpu_kernels.ops import (
+    attention,
+    attention_reads,
+    available,
+    batched_matmul,
+    copy_records,
+    expert_ffn,
+    first_max,
+    host_computation,
+    matmul,
+    matmuls,
+    routed_expert_ffn,
+    routed_expert_ffn_tiers,
+    write_rows,
+    write_slots,
+)
 
 __all__ = ["attention", "attention_reads", "available", "batched_matmul", "copy_records", "expert_ffn", "first_max",
-           "host_computation", "matmul", "routed_expert_ffn", "routed_expert_ffn_tiers", "write_rows", "write_slots"]
+           "host_computation", "matmul", "matmuls", "routed_expert_ffn", "routed_expert_ffn_tiers", "write_rows", "write_slots"]

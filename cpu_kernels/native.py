@@ -21,6 +21,7 @@ _lock = threading.Lock()
 _state: dict = {}
 
 MATMUL = "jmoe_cpu_matmul"
+MATMULS = "jmoe_cpu_matmuls"
 EXPERT_FFN = "jmoe_cpu_expert_ffn"
 ROUTED_FFN = "jmoe_cpu_routed_ffn"
 ROUTED_FFN_TIERS = "jmoe_cpu_routed_ffn_tiers"
@@ -42,7 +43,8 @@ def _load():
                 from cpu_kernels import _native
 
                 lib = ctypes.cdll.LoadLibrary(_native.__file__)
-                for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (EXPERT_FFN, lib.JmoeCpuExpertFfn),
+                for name, symbol in ((MATMUL, lib.JmoeCpuMatmul), (MATMULS, lib.JmoeCpuMatmuls),
+                                     (EXPERT_FFN, lib.JmoeCpuExpertFfn),
                                      (ROUTED_FFN, lib.JmoeCpuRoutedFfn),
                                      (ROUTED_FFN_TIERS, lib.JmoeCpuRoutedFfnTiers), (WRITE_ROWS, lib.JmoeCpuWriteRows),
                                      (WRITE_SLOTS, lib.JmoeCpuWriteSlots),

@@ -108,6 +108,51 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     return _native_matmul(x, k, n, (*operands, *no_plane), int8_dot=int8_dot or bf16_dot, **fmt)
 
 
+def _one_pass_operands(w, int8_dot: bool, tiled: bool):
+    """(operands, attributes) of w in a shared-input call (matmuls), or None where w takes its own
+    call: a six-bit weight, inputs of its own (HAQ smoothing, W8A8), or a float weight narrower than a tile."""
+    if isinstance(w, QPlanes):
+        return None
+    if isinstance(w, QArray):
+        if w.act_scale is not None or w.fmt.act_bits:
+            return None
+        n = w.n
+    else:
+        n = w.shape[-1]
+        if not tiled and n < XLA_DOT_COLUMNS:
+            return None
+    dot = int8_dot and (int8_dot_applies(w) or bf16_dot_applies(w))
+    operands, fmt = _weight_operands(w, tiled)
+    return operands, dict(fmt, n=np.int64(n), int8_dot=bool(dot))
+
+
+def matmuls(x: jax.Array, weights: list, *, int8_dot: list[bool], tiled: list[bool]) -> list[jax.Array]:
+    """[x @ w for w in weights] (float32), as `matmul` computes each: one native call over the pool for
+    every weight it takes (a layer's q, k and v; an MLP's gate and up), where a call each made a
+    round trip per weight; the rest, and everything where the native kernels do not run, one by one."""
+    shared = [_one_pass_operands(w, dot, t) if available() else None
+              for w, dot, t in zip(weights, int8_dot, tiled)]
+    ones = [i for i, s in enumerate(shared) if s is not None]
+    if len(ones) < 2:  # nothing to share: a call each
+        return [matmul(x, w, int8_dot=dot, tiled=t) for w, dot, t in zip(weights, int8_dot, tiled)]
+    out = [None if s is not None else matmul(x, w, int8_dot=dot, tiled=t)
+           for w, dot, t, s in zip(weights, int8_dot, tiled, shared)]
+    k = x.shape[-1]
+    operands, attrs, widths = [], {"k": np.int64(k)}, []
+    for j, i in enumerate(ones):
+        ops_i, attrs_i = shared[i]
+        operands += ops_i
+        attrs.update({f"{name}{j}": value for name, value in attrs_i.items()})
+        widths.append(int(attrs_i["n"]))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    y = native.call(native.MATMULS, jax.ShapeDtypeStruct((x2.shape[0], sum(widths)), jnp.float32), x2,
+                    *operands, **attrs)
+    for i, start, width in zip(ones, np.cumsum([0, *widths[:-1]]), widths):
+        out[i] = y[:, int(start):int(start) + width].reshape(*lead, width)
+    return out
+
+
 def batched_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [B, M, K] @ w [B, K, N] -> float32 [B, M, N], one product a batch entry; w a plain float
     array (bf16 read as it is stored). Latent attention's per-head up-projections (jmoe/layers/mla.py)."""

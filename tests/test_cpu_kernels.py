@@ -262,6 +262,35 @@ def test_matmul_reads_the_cpu_layout_as_it_reads_k_by_n(name, m, k, n, int8_dot)
         assert np.abs(tiled - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("int8_dot", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_weights_that_share_an_input_in_one_call_give_what_each_call_gives(m, int8_dot):
+    """cpu_kernels.matmuls (a layer's q, k and v; an MLP's gate and up): the weights it takes in one
+    native call (quantized in the dense format, int8, tiled or [K, N]; a plain bf16 one in tiles)
+    give what a matmul each gives, within float32 rounding (a product too narrow for every thread
+    is cut differently beside others); the ones it cannot take (HAQ-smoothed inputs, six bits, a
+    float weight narrower than a tile) still get their own call, and the results keep their order."""
+    rng = np.random.default_rng(31 + m)
+    k = 2048
+    smooth = rng.uniform(0.5, 2.0, k).astype(np.float16).astype(np.float32)
+    weights = [tile(_weight(rng, k, 4096, FORMATS["int4-s8"])), _weight(rng, k, 512, FORMATS["int4-s8"]),
+               _weight(rng, k, 512, FORMATS["int8"]), tile_plain(_weight(rng, k, 576, None)),
+               _weight(rng, k, 256, QuantFormat(4, 64, False, smooth=True), smooth), _six_bit_weight(rng, k, 256, 64),
+               _weight(rng, k, 8, None)]
+    tiled = [False, False, False, True, False, False, False]
+    dots = [int8_dot] * len(weights)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    together = jax.jit(lambda x, ws: ops.matmuls(x, ws, int8_dot=dots, tiled=tiled))
+    each = jax.jit(lambda x, ws: [ops.matmul(x, w, int8_dot=d, tiled=t) for w, d, t in zip(ws, dots, tiled)])
+    hlo = together.lower(x, weights).as_text()
+    own_calls = 1 + (1 if int8_dot else 2)  # the smoothed weight; six bits, a call a plane without the int8 dot
+    assert hlo.count(f"@{native.MATMULS}(") == 1 and hlo.count(f"@{native.MATMUL}(") == own_calls
+    for got, want in zip(together(x, weights), each(x, weights)):
+        got, want = np.asarray(got), np.asarray(want)
+        assert got.shape == want.shape == (m, want.shape[1])
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (2, 768, 2048), (3, 1100, 128), (9, 512, 640), (40, 256, 192)])
 def test_matmul_reads_plain_weights_in_the_cpu_layout(dtype, m, k, n, monkeypatch):

@@ -960,6 +960,57 @@ struct PoolInputs {
   }
 };
 
+// Weights [K, N_i] that multiply the same x [M, K] (a layer's q, k and v projections; an MLP's gate
+// and up), in one call: y [M, sum of N_i], each weight's columns after the one before. One pass over
+// the pool takes every weight's tasks, where a call each made a round trip (and an int8 rounding of
+// x) per weight. Per weight i: the values, scales, offsets and bases of jmoe_cpu_matmul (six bits
+// excepted) and attributes bits<i>, group<i>, symmetric<i>, n<i>, tiled<i>, int8_dot<i>; k shared.
+constexpr size_t kWeightBuffers = 4;
+
+static ffi::Error matmuls_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs buffers,
+                               ffi::ResultBuffer<ffi::F32> y, ffi::Dictionary attrs) {
+  if (buffers.size() == 0 || buffers.size() % kWeightBuffers != 0)
+    return ffi::Error::InvalidArgument("matmuls wants four buffers per weight");
+  int64_t k;
+  if (auto e = attr(attrs, "k", &k); e.failure()) return e;
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] != k) return ffi::Error::InvalidArgument("x must be [M, K]");
+  const int64_t M = dims[0], count = buffers.size() / kWeightBuffers;
+  std::vector<Weight> weights(count);
+  std::vector<const Weight*> of(count);
+  std::vector<bool> int8_dot(count);
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    auto any = [&](size_t j) { return buffers.get<ffi::AnyBuffer>(kWeightBuffers * i + j); };
+    auto values = any(0), scales = any(1), offsets = any(2), bases = any(3);
+    if (!values.has_value() || !scales.has_value() || !offsets.has_value() || !bases.has_value())
+      return ffi::Error::InvalidArgument("matmuls: a weight buffer has the wrong type");
+    const std::string own = std::to_string(i);
+    int64_t bits, group, n;
+    bool symmetric, tiled, dot;
+    for (auto e : {attr(attrs, ("bits" + own).c_str(), &bits), attr(attrs, ("group" + own).c_str(), &group),
+                   attr(attrs, ("symmetric" + own).c_str(), &symmetric), attr(attrs, ("n" + own).c_str(), &n),
+                   attr(attrs, ("tiled" + own).c_str(), &tiled), attr(attrs, ("int8_dot" + own).c_str(), &dot)})
+      if (e.failure()) return e;
+    if (bits == 6) return ffi::Error::InvalidArgument("matmuls takes no six-bit weight");
+    if (auto e = describe(*values, *scales, *offsets, *bases, bits, group, symmetric, k, n, &weights[i], tiled);
+        e.failure())
+      return e;
+    if (values->size_bytes() != static_cast<size_t>(weights[i].value_bytes()))
+      return ffi::Error::InvalidArgument("weight values do not match [K, N]");
+    of[i] = &weights[i], int8_dot[i] = dot, total += n;
+  }
+  if (y->dimensions().size() != 2 || y->dimensions()[0] != M || y->dimensions()[1] != total)
+    return ffi::Error::InvalidArgument("y must be [M, sum of the weights' N]");
+  const PoolInputs in(&pool, of, int8_dot, x.typed_data(), M, k);
+  std::vector<Product> products;
+  float* yp = y->typed_data();
+  for (int64_t i = 0, col = 0; i < count; col += weights[i].n, ++i)
+    products.push_back({in.of_pool[i], M, weights[i], yp + col, total});
+  run_products(pool, products);
+  return ffi::Error::Success();
+}
+
 // The activation of rows [m0, m1) of an expert's gate/up output h [., 2F] into act [., F].
 static void activate(const ExpertPools& p, int64_t slot, const float* h, float* act, int64_t m0, int64_t m1) {
   const int64_t F = p.F;
@@ -1381,6 +1432,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmul, jmoe::matmul_impl,
                                   .Attr<int64_t>("n")
                                   .Attr<bool>("int8_dot")
                                   .Attr<bool>("tiled"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmuls, jmoe::matmuls_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
 
 // Both FFN targets take the pools first, then their own inputs, and their attributes as a dictionary.
 static auto bind_pools() {

@@ -13,7 +13,7 @@ from jmoe.layers.attention import (
     current_importance,
     write_cache,
 )
-from jmoe.layers.linear import Linear
+from jmoe.layers.linear import Linear, project_together
 from jmoe.layers.norms import RMSNorm, matmul_precision
 from jmoe.layers.rope import apply_rope
 
@@ -55,7 +55,7 @@ class GroupedQueryAttention(nnx.Module):
 
     def _project(self, x):
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project_together(x, [self.q_proj, self.k_proj, self.v_proj])
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

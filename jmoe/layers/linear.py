@@ -119,6 +119,19 @@ class Linear(nnx.Module):
         return not is_quantized(kernel) and kernel.shape[-1] % TILE == 0
 
 
+def project_together(x, linears: list[Linear]) -> list[jax.Array]:
+    """[linear(x) for linear in linears] for Linears that read the same x (a layer's q, k and v; an
+    MLP's gate and up): on the CPU one native call for them all (cpu_kernels.matmuls), each result as
+    its own call gives it."""
+    if not on_cpu() or any(linear.capture for linear in linears):
+        return [linear(x) for linear in linears]
+    dtype = linears[0].dtype
+    ys = cpu_kernels.matmuls(x.astype(dtype), [linear.kernel.get_value() for linear in linears],
+                             int8_dot=[linear.int8_dot for linear in linears], tiled=[linear.tiled for linear in linears])
+    return [(y if linear.bias is None else y + linear.bias[...].astype(jnp.float32)).astype(linear.dtype)
+            for y, linear in zip(ys, linears)]
+
+
 class Embed(nnx.Module):
     """Token embeddings: rows gathered first, then cast (or dequantized) to the compute dtype.
 

@@ -32,7 +32,7 @@ from jmoe.layers.attention import (
     current_importance,
     write_cache,
 )
-from jmoe.layers.linear import Linear, batched_matmul
+from jmoe.layers.linear import Linear, batched_matmul, project_together
 from jmoe.layers.norms import RMSNorm, matmul_precision
 from jmoe.layers.rope import apply_rope
 from kernel_formats.qarray import is_quantized
@@ -118,18 +118,21 @@ class LatentAttention(nnx.Module):
         w_v = self._kv_b_weight(self.dtype)[..., self.nope :]
         return jnp.einsum("bhtr,rhv->bthv", context, w_v, precision=prec)
 
-    def _query(self, x):
-        if self.q_proj is not None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def _query_and_latent(self, x):
+        """The queries and kv_a's output (latent and rotary key), the two projections of x in one call."""
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        q, kv = project_together(x, [first, self.kv_a_proj_with_mqa])
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv
 
     def __call__(self, x, cache, meta: AttentionMeta, *, want_importance: bool = False):
         """x [B, T, D], cache (latent, rotary key) -> (out [B, T, D], cache, importance [B, T] or None)."""
         B, T, _ = x.shape
         H, r, prec = self.num_heads, self.kv_lora_rank, matmul_precision(self.dtype)
-        q = self._query(x).reshape(B, T, H, self.nope + self.rope)
+        q, kv = self._query_and_latent(x)
+        q = q.reshape(B, T, H, self.nope + self.rope)
         q_nope, q_rot = q[..., : self.nope], q[..., self.nope :]
-        kv = self.kv_a_proj_with_mqa(x)
         latent, k_rot = self.kv_a_layernorm(kv[..., :r]), kv[..., r:]
         q_rot = apply_rope(q_rot, meta.cos, meta.sin, interleaved=self.rope_interleaved)
         k_rot = apply_rope(k_rot[:, :, None, :], meta.cos, meta.sin, interleaved=self.rope_interleaved)

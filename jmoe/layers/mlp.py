@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jmoe.layers.linear import Linear
+from jmoe.layers.linear import Linear, project_together
 
 
 class DenseMLP(nnx.Module):
@@ -18,4 +18,5 @@ class DenseMLP(nnx.Module):
         self.down_proj = Linear(intermediate, hidden, **kw)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_together(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(jax.nn.silu(gate) * up)
