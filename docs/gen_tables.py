@@ -165,7 +165,7 @@ def headline() -> str:
     # keeps its output matrix at Q6_K) and in the mixed mode, the newest run of each per machine; every
     # other run is in docs/benchmarks.md.
     zen4_mixed = "real_shapes/real_shapes_mixed_r_zen4_cpu.json"
-    zen5 = "real_shapes/real_shapes_mixed_qwen3_8L_six_bit_pass_zen5_cpu.json"
+    zen5 = "real_shapes/real_shapes_mixed_qwen3_8L_shared_input_zen5_cpu.json"
     emr = "real_shapes/real_shapes_mixed_r_emr_cpu.json"
     emr_g32 = "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"  # the mixed mode with the quality row's head
     for name, equal_name, where in [
@@ -866,7 +866,7 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_qwen3_8L_six_bit_pass_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixed_qwen3_8L_shared_input_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_six_bit_pass_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
@@ -1439,6 +1439,10 @@ TABLES = {
         "real_shapes/real_shapes_mixtral_4L_six_bit_pass_zen5_cpu.json"),
     "mixed-qwen3-8L-six-bit-pass-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixed_qwen3_8L_six_bit_pass_zen5_cpu.json"),
+    "mixed-qwen3-8L-one-pass-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_qwen3_8L_one_pass_zen5_cpu.json"),
+    "mixed-qwen3-8L-shared-input-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_qwen3_8L_shared_input_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
