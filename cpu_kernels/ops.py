@@ -146,10 +146,10 @@ def matmuls(x: jax.Array, weights: list, *, int8_dot: list[bool], tiled: list[bo
         widths.append(int(attrs_i["n"]))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    y = native.call(native.MATMULS, jax.ShapeDtypeStruct((x2.shape[0], sum(widths)), jnp.float32), x2,
-                    *operands, **attrs)
-    for i, start, width in zip(ones, np.cumsum([0, *widths[:-1]]), widths):
-        out[i] = y[:, int(start):int(start) + width].reshape(*lead, width)
+    results = [jax.ShapeDtypeStruct((x2.shape[0], width), jnp.float32) for width in widths]
+    ys = native.call(native.MATMULS, results, x2, *operands, **attrs)
+    for i, y, width in zip(ones, ys, widths):
+        out[i] = y.reshape(*lead, width)
     return out
 
 

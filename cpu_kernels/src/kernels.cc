@@ -961,14 +961,15 @@ struct PoolInputs {
 };
 
 // Weights [K, N_i] that multiply the same x [M, K] (a layer's q, k and v projections; an MLP's gate
-// and up), in one call: y [M, sum of N_i], each weight's columns after the one before. One pass over
+// and up), in one call: a result y_i [M, N_i] per weight (no slices of one wide result to copy out
+// afterwards). One pass over
 // the pool takes every weight's tasks, where a call each made a round trip (and an int8 rounding of
 // x) per weight. Per weight i: the values, scales, offsets and bases of jmoe_cpu_matmul (six bits
 // excepted) and attributes bits<i>, group<i>, symmetric<i>, n<i>, tiled<i>, int8_dot<i>; k shared.
 constexpr size_t kWeightBuffers = 4;
 
 static ffi::Error matmuls_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs buffers,
-                               ffi::ResultBuffer<ffi::F32> y, ffi::Dictionary attrs) {
+                               ffi::RemainingRets outs, ffi::Dictionary attrs) {
   if (buffers.size() == 0 || buffers.size() % kWeightBuffers != 0)
     return ffi::Error::InvalidArgument("matmuls wants four buffers per weight");
   int64_t k;
@@ -979,7 +980,6 @@ static ffi::Error matmuls_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   std::vector<Weight> weights(count);
   std::vector<const Weight*> of(count);
   std::vector<bool> int8_dot(count);
-  int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) {
     auto any = [&](size_t j) { return buffers.get<ffi::AnyBuffer>(kWeightBuffers * i + j); };
     auto values = any(0), scales = any(1), offsets = any(2), bases = any(3);
@@ -998,15 +998,19 @@ static ffi::Error matmuls_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
       return e;
     if (values->size_bytes() != static_cast<size_t>(weights[i].value_bytes()))
       return ffi::Error::InvalidArgument("weight values do not match [K, N]");
-    of[i] = &weights[i], int8_dot[i] = dot, total += n;
+    of[i] = &weights[i], int8_dot[i] = dot;
   }
-  if (y->dimensions().size() != 2 || y->dimensions()[0] != M || y->dimensions()[1] != total)
-    return ffi::Error::InvalidArgument("y must be [M, sum of the weights' N]");
+  if (outs.size() != static_cast<size_t>(count)) return ffi::Error::InvalidArgument("matmuls wants a result per weight");
   const PoolInputs in(&pool, of, int8_dot, x.typed_data(), M, k);
   std::vector<Product> products;
-  float* yp = y->typed_data();
-  for (int64_t i = 0, col = 0; i < count; col += weights[i].n, ++i)
-    products.push_back({in.of_pool[i], M, weights[i], yp + col, total});
+  for (int64_t i = 0; i < count; ++i) {
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!out.has_value()) return ffi::Error::InvalidArgument("matmuls: a result is not float32");
+    const auto od = (*out)->dimensions();
+    if (od.size() != 2 || od[0] != M || od[1] != weights[i].n)
+      return ffi::Error::InvalidArgument("matmuls: result i must be [M, N of weight i]");
+    products.push_back({in.of_pool[i], M, weights[i], (*out)->typed_data(), weights[i].n});
+  }
   run_products(pool, products);
   return ffi::Error::Success();
 }
@@ -1438,7 +1442,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoeCpuMatmuls, jmoe::matmuls_impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
                                   .Attrs());
 
 // Both FFN targets take the pools first, then their own inputs, and their attributes as a dictionary.
