@@ -906,8 +906,8 @@ BF16_RUNS = [
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_bf16_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_bf16_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_bf16_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_bf16_9_rounds_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_bf16_9_rounds_zen5_cpu.json"),
 ]
 
 
@@ -1443,6 +1443,10 @@ TABLES = {
         "real_shapes/real_shapes_mixed_qwen3_8L_one_pass_zen5_cpu.json"),
     "mixed-qwen3-8L-shared-input-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixed_qwen3_8L_shared_input_zen5_cpu.json"),
+    "deepseek-bf16-9-rounds-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_deepseek_v2_lite_bf16_9_rounds_zen5_cpu.json"),
+    "mixtral-bf16-9-rounds-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_bf16_9_rounds_zen5_cpu.json"),
     "deepseek-shapes-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     "expert-mixed-tiers-zen4": expert_mixed_tiers,
     "expert-tiers": lambda: expert_mixed_tiers("kernels/expert_tiers_cpu.json"),
