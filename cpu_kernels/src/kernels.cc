@@ -207,7 +207,7 @@ static inline float int8_code(float x, float step) {
 // decode the scalar loop took 4.5% of a Qwen3-30B-A3B slice's step under AVX2).
 static float quantize_group(const float* in, int64_t n, float* out, int8_t* codes, int32_t* sum);
 
-// The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (QuantizedInputs::of) each
+// The inputs x[M, K] of one matmul (row stride ld). Under the int8 dot (QuantizedInputs::kInt8Groups) each
 // row's K groups of G are also held as int8 codes with one float step per group, the way
 // llama.cpp's Q8 blocks are (int8_step, int8_code), and x then holds step * code, so every path
 // (VNNI or float) multiplies the same numbers.
@@ -218,7 +218,7 @@ struct Inputs {
   const float* steps = nullptr;   // [M, groups]
   const int32_t* sums = nullptr;  // [M, groups]: the sum of each group's codes
   int64_t group = 0, groups = 0;
-  // Under the bf16 dot (a plain bf16 weight, QuantizedInputs::bf16_of) x holds its inputs rounded to
+  // Under the bf16 dot (a plain bf16 weight, QuantizedInputs::kBf16) x holds its inputs rounded to
   // bf16, and `pairs` the same inputs two to a 32-bit word, k's bits low and k + 1's high
   // ([M, ld_pairs], the last pair's high half zero for an odd K), as the AVX-512 BF16 dot reads them.
   const uint32_t* pairs = nullptr;
@@ -249,9 +249,9 @@ static inline uint32_t bf16_bits(float x) {
   return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
-// Owns the quantized copy behind an Inputs (plain float inputs need none). `of` and `bf16_of` round
-// every row over the caller's parallel loop; `reserve` only allocates, for rows rounded one by one
-// later (fill_row) as the rows they read become ready (run_experts' one pass).
+// Owns the quantized copy behind an Inputs (plain float inputs need none): `reserve` allocates it,
+// `fill_row` rounds a row (PoolInputs rounds every row over the pool's threads, run_experts' one
+// pass each run's rows as they become ready).
 struct QuantizedInputs {
   // Left uninitialised (every element is written, the codes' padding too): zeroing them first
   // took a single-threaded pass over fresh pages, as long as the rounding itself at prefill sizes.
@@ -307,24 +307,6 @@ struct QuantizedInputs {
                                                &sums[m * groups + g]);
       }
     }
-  }
-
-  // Inputs for x[M, K] multiplying a plain bf16 weight under the bf16 dot, every row rounded over
-  // `for_rows` (the caller's parallel loop).
-  template <typename ForRows>
-  Inputs bf16_of(const float* xp, int64_t ld, int64_t M, int64_t K, ForRows for_rows) {
-    const Inputs in = reserve(xp, ld, M, K, kBf16);
-    for_rows(M, [&](int64_t m) { fill_row(m); });
-    return in;
-  }
-
-  // Inputs for x[M, K] multiplying a weight with groups of `group` rows: quantized when `quantize`
-  // (rows spread over `for_rows`).
-  template <typename ForRows>
-  Inputs of(const float* xp, int64_t ld, int64_t M, int64_t K, int64_t group, bool quantize, ForRows for_rows) {
-    const Inputs in = reserve(xp, ld, M, K, quantize ? kInt8Groups : kAsIs, group);
-    if (quantize) for_rows(M, [&](int64_t m) { fill_row(m); });
-    return in;
   }
 };
 
@@ -734,7 +716,7 @@ static void run_products(ffi::ThreadPool& pool, const std::vector<Product>& prod
   for (size_t i = 0; i < products.size(); ++i) plan.sum_pieces(i);
 }
 
-// A row loop over the pool (QuantizedInputs::of): tasks of 16 rows, one task for a single row.
+// A row loop over the pool (PoolInputs): tasks of 16 rows, one task for a single row.
 static auto rows_on(ffi::ThreadPool& pool) {
   return [&pool](int64_t M, const std::function<void(int64_t)>& row) {
     const int64_t per = 16;
@@ -743,6 +725,45 @@ static auto rows_on(ffi::ThreadPool& pool) {
     });
   };
 }
+
+// The inputs x [R, K] as each weight multiplies them (an expert pool's, or dense projections'): as
+// they are, rounded per group for the int8 dot, or to bf16 for a plain bf16 weight under it; rounded
+// once per distinct way among the weights: every row at once over the pool's threads, or (deferred)
+// row by row as fill_rows asks.
+struct PoolInputs {
+  std::vector<QuantizedInputs> quantized;
+  std::vector<Inputs> of_pool;
+  std::vector<size_t> owner;  // the quantized copy pool t reads
+
+  PoolInputs(ffi::ThreadPool* pool, const std::vector<const Weight*>& weights, const std::vector<bool>& int8_dot,
+             const float* x, int64_t R, int64_t K)
+      : quantized(weights.size()), of_pool(weights.size()), owner(weights.size()) {
+    auto mode = [&](size_t t) {
+      if (!int8_dot[t]) return QuantizedInputs::kAsIs;
+      return weights[t]->quantized() ? QuantizedInputs::kInt8Groups
+             : weights[t]->bits == 16 ? QuantizedInputs::kBf16
+                                      : QuantizedInputs::kAsIs;
+    };
+    for (size_t t = 0; t < weights.size(); ++t) {
+      size_t same = 0;
+      while (same < t && !(mode(same) == mode(t) &&
+                           (mode(t) != QuantizedInputs::kInt8Groups || weights[same]->group == weights[t]->group)))
+        ++same;
+      owner[t] = same;
+      if (same < t) {
+        of_pool[t] = of_pool[same];
+        continue;
+      }
+      of_pool[t] = quantized[t].reserve(x, K, R, K, mode(t), weights[t]->group);
+      if (pool && mode(t) != QuantizedInputs::kAsIs) rows_on(*pool)(R, [&](int64_t m) { quantized[t].fill_row(m); });
+    }
+  }
+
+  // Rounds rows [m0, m1) for pool t's weight (a deferred PoolInputs, made without a thread pool).
+  void fill_rows(size_t t, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantized[owner[t]].fill_row(m);
+  }
+};
 
 // Weight description from a pool's buffers (leading slot dimension optional). Scales and offsets
 // are float16, or uint8 codes with float32 bases [slots, 2, N] (8-bit scales); bases is empty otherwise.
@@ -825,12 +846,9 @@ static ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   if (dims.back() != k) return ffi::Error::InvalidArgument("x's last dimension must be K");
   const int64_t M = dims[dims.size() - 2];
-  QuantizedInputs quantized;
   // Under the int8 dot a plain bf16 weight multiplies inputs rounded to bf16 (the AVX-512 BF16 dot's).
-  const Inputs in = int8_dot && w.bits == 16
-                        ? quantized.bf16_of(x.typed_data(), k, M * batch, k, rows_on(pool))
-                        : quantized.of(x.typed_data(), k, M * batch, k, w.group, int8_dot && w.quantized(),
-                                       rows_on(pool));
+  const PoolInputs rounded(&pool, {&w}, {int8_dot}, x.typed_data(), M * batch, k);
+  const Inputs in = rounded.of_pool[0];
   float* yp = y->typed_data();
   if (batch != 1) {
     std::vector<Product> products;
@@ -920,44 +938,6 @@ static ffi::Error read_pools(ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scales,
 // Rows [row0, row0 + rows) of the inputs all run through the expert in `slot` of pool `tier`.
 struct Run {
   int64_t row0, rows, slot, tier = 0;
-};
-
-// The inputs x [R, K] as each pool's weight multiplies them (rounded per group for the int8 dot),
-// rounded once per distinct (group, int8 dot) among the pools: every row at once over the pool's
-// threads, or (deferred) row by row as fill_rows asks.
-struct PoolInputs {
-  std::vector<QuantizedInputs> quantized;
-  std::vector<Inputs> of_pool;
-  std::vector<size_t> owner;  // the quantized copy pool t reads
-
-  PoolInputs(ffi::ThreadPool* pool, const std::vector<const Weight*>& weights, const std::vector<bool>& int8_dot,
-             const float* x, int64_t R, int64_t K)
-      : quantized(weights.size()), of_pool(weights.size()), owner(weights.size()) {
-    auto mode = [&](size_t t) {
-      if (!int8_dot[t]) return QuantizedInputs::kAsIs;
-      return weights[t]->quantized() ? QuantizedInputs::kInt8Groups
-             : weights[t]->bits == 16 ? QuantizedInputs::kBf16
-                                      : QuantizedInputs::kAsIs;
-    };
-    for (size_t t = 0; t < weights.size(); ++t) {
-      size_t same = 0;
-      while (same < t && !(mode(same) == mode(t) &&
-                           (mode(t) != QuantizedInputs::kInt8Groups || weights[same]->group == weights[t]->group)))
-        ++same;
-      owner[t] = same;
-      if (same < t) {
-        of_pool[t] = of_pool[same];
-        continue;
-      }
-      of_pool[t] = quantized[t].reserve(x, K, R, K, mode(t), weights[t]->group);
-      if (pool && mode(t) != QuantizedInputs::kAsIs) rows_on(*pool)(R, [&](int64_t m) { quantized[t].fill_row(m); });
-    }
-  }
-
-  // Rounds rows [m0, m1) for pool t's weight (a deferred PoolInputs, made without a thread pool).
-  void fill_rows(size_t t, int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantized[owner[t]].fill_row(m);
-  }
 };
 
 // Weights [K, N_i] that multiply the same x [M, K] (a layer's q, k and v projections; an MLP's gate
