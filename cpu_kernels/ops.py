@@ -86,10 +86,7 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
         k, n = w.k, w.n
     else:
         k, n = w.shape
-    # XLA's dot where the native kernels do not run, and for a float weight with no whole tile (a
-    # router of 8 or 32 experts): in the calling thread it costs less than a call across the kernels'
-    # thread pool (bench/results/router_matmul)
-    narrow = not isinstance(w, QArray) and not tiled and n < XLA_DOT_COLUMNS
+    narrow = _narrow(w, tiled)
     # Under the int8 dot a plain bf16 projection's inputs are rounded to bf16 (the AVX-512 BF16 dot's
     # inputs, as for bf16 experts); a narrow one (a shared expert's [D, 1] gate) keeps them, like the routers.
     bf16_dot = bf16_dot and not narrow
@@ -108,19 +105,19 @@ def matmul(x: jax.Array, w, *, int8_dot: bool = False, tiled: bool = False) -> j
     return _native_matmul(x, k, n, (*operands, *no_plane), int8_dot=int8_dot or bf16_dot, **fmt)
 
 
+def _narrow(w, tiled: bool) -> bool:
+    """Whether XLA's dot multiplies w, a float weight with no whole tile (a router of 8 or 32 experts):
+    in the calling thread it costs less than a call across the kernels' thread pool
+    (bench/results/router_matmul)."""
+    return not isinstance(w, QArray) and not tiled and w.shape[-1] < XLA_DOT_COLUMNS
+
+
 def _one_pass_operands(w, int8_dot: bool, tiled: bool):
     """(operands, attributes) of w in a shared-input call (matmuls), or None where w takes its own
     call: a six-bit weight, inputs of its own (HAQ smoothing, W8A8), or a float weight narrower than a tile."""
-    if isinstance(w, QPlanes):
+    if isinstance(w, QPlanes) or not _multiplies_h_as_is(w) or _narrow(w, tiled):
         return None
-    if isinstance(w, QArray):
-        if w.act_scale is not None or w.fmt.act_bits:
-            return None
-        n = w.n
-    else:
-        n = w.shape[-1]
-        if not tiled and n < XLA_DOT_COLUMNS:
-            return None
+    n = w.n if isinstance(w, QArray) else w.shape[-1]
     dot = int8_dot and (int8_dot_applies(w) or bf16_dot_applies(w))
     operands, fmt = _weight_operands(w, tiled)
     return operands, dict(fmt, n=np.int64(n), int8_dot=bool(dot))
@@ -273,9 +270,10 @@ def routed_expert_ffn(h, token, slot, gate_up, down, *, gate_up_bias=None, down_
 _SHARED_ATTRS = ("hidden", "inner", "clamped", "alpha", "limit")
 
 
-def _multiplies_h_as_is(gate_up) -> bool:
-    """Whether gate_up multiplies the hidden states as they are (no smoothing, no W8A8 rounding)."""
-    return not isinstance(gate_up, QArray) or (gate_up.act_scale is None and gate_up.fmt.act_bits != 8)
+def _multiplies_h_as_is(w) -> bool:
+    """Whether w (a pool's gate_up, a projection) multiplies its inputs as they are (no smoothing, no
+    W8A8 rounding)."""
+    return not isinstance(w, QArray) or (w.act_scale is None and w.fmt.act_bits != 8)
 
 
 def routed_expert_ffn_tiers(h, token, slot, tier, pools, *, activation: GatedActivation = SILU,

@@ -104,6 +104,10 @@ class Linear(nnx.Module):
             self.sow(nnx.Intermediate, INPUT_HESSIAN, jnp.dot(flat.T, flat, precision=jax.lax.Precision.HIGHEST),
                      reduce_fn=lambda total, h: total + h, init_fn=lambda: 0.0)
         y = matmul(x.astype(self.dtype), self.kernel.get_value(), int8_dot=self.int8_dot, tiled=self.tiled)
+        return self.with_bias(y)
+
+    def with_bias(self, y):
+        """The float32 product y with the bias added (in float32), if there is one."""
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x):
@@ -128,8 +132,7 @@ def project_together(x, linears: list[Linear]) -> list[jax.Array]:
     dtype = linears[0].dtype
     ys = cpu_kernels.matmuls(x.astype(dtype), [linear.kernel.get_value() for linear in linears],
                              int8_dot=[linear.int8_dot for linear in linears], tiled=[linear.tiled for linear in linears])
-    return [(y if linear.bias is None else y + linear.bias[...].astype(jnp.float32)).astype(linear.dtype)
-            for y, linear in zip(ys, linears)]
+    return [linear.with_bias(y).astype(linear.dtype) for y, linear in zip(ys, linears)]
 
 
 class Embed(nnx.Module):
