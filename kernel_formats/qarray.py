@@ -44,6 +44,13 @@ plane's are never read there: keep them 16 times the low plane's, as `planes` wr
 G = 64: 4.5 + 2.25 = 6.75 bits per weight, G = 128: 6.375. The quantizers work on the 6-bit grid
 itself, a QArray of one code per byte (pack 1), which `planes` splits for storage.
 
+With 8-bit scales (the int6 head's default, groups of 32) the low plane's scales and offsets are
+8-bit codes as above, and the 6-bit grid's own offset codes already hold its value at code 32 (the
+low plane's offset: `group_scales` subtracts 32 scales to give the grid's offset), so `planes` keeps
+the codes as they are; each column's scale base has three significant bits, so that 16 times a
+scale (the high plane's float16 scale) is exact. G = 32: 4.5 + 2.5 = 7.0 bits stored, of which the
+one CPU pass reads 6.5 (the high plane's scales are not read), as G = 64 with float16 scales.
+
 The CPU layout (fmt.tiled, written by `jmoe convert --cpu-layout`): the same arrays, same shapes,
 with every row's columns regrouped into tiles of TILE: tile t (columns [TILE t, TILE t + TILE)) of
 all rows is stored as one K-major [rows, TILE] block, the blocks in column order. The CPU kernels
@@ -80,8 +87,8 @@ class QuantFormat:
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 6, 8):
             raise ValueError(f"bits must be 2, 3, 4, 6 or 8, not {self.bits}")
-        if self.bits == 6 and (self.symmetric or self.act_bits or self.smooth or self.scale_bits != 16):
-            raise ValueError("6 bits are asymmetric, with float16 scales, without W8A8 or smoothing")
+        if self.bits == 6 and (self.symmetric or self.act_bits or self.smooth):
+            raise ValueError("6 bits are asymmetric, without W8A8 or smoothing")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, not {self.group_size}")
         if self.act_bits not in (None, 8):
@@ -158,8 +165,9 @@ class QArray:
 
 
 def plane_formats(fmt: QuantFormat) -> tuple[QuantFormat, QuantFormat]:
-    """A 6-bit format's low plane (asymmetric int4) and high plane (symmetric int2) formats."""
-    return (QuantFormat(4, fmt.group_size, False, tiled=fmt.tiled),
+    """A 6-bit format's low plane (asymmetric int4, with the 6-bit format's scales) and high plane
+    (symmetric int2, float16 scales) formats."""
+    return (QuantFormat(4, fmt.group_size, False, tiled=fmt.tiled, scale_bits=fmt.scale_bits),
             QuantFormat(2, fmt.group_size, True, tiled=fmt.tiled))
 
 
@@ -196,10 +204,16 @@ def planes(q: QArray) -> QPlanes:
     if q.fmt.bits != 6 or q.fmt.tiled:
         raise ValueError("planes splits a 6-bit QArray in [K, N] layout")
     codes = np.asarray(q.values, np.uint8)
-    scale, offset = np.asarray(q.scales, np.float32), np.asarray(q.offsets, np.float32)
     low_fmt, high_fmt = plane_formats(q.fmt)
-    low = QArray(values=np.asarray(pack_codes(codes & 15, low_fmt)), scales=scale.astype(np.float16),
-                 offsets=(offset + 32 * scale).astype(np.float16), act_scale=None, fmt=low_fmt, k=q.k)
+    values = np.asarray(pack_codes(codes & 15, low_fmt))
+    if q.fmt.scale_bits == 8:  # the codes already hold the low plane's offsets (the grid's value at code 32)
+        scale = np.asarray(q.scales, np.float32) * np.asarray(q.bases, np.float32)[0]
+        low = QArray(values=values, scales=np.asarray(q.scales), offsets=np.asarray(q.offsets), act_scale=None,
+                     fmt=low_fmt, k=q.k, bases=np.asarray(q.bases))
+    else:
+        scale, offset = np.asarray(q.scales, np.float32), np.asarray(q.offsets, np.float32)
+        low = QArray(values=values, scales=scale.astype(np.float16), offsets=(offset + 32 * scale).astype(np.float16),
+                     act_scale=None, fmt=low_fmt, k=q.k)
     high = QArray(values=np.asarray(pack_codes(codes >> 4, high_fmt)), scales=(16 * scale).astype(np.float16),
                   offsets=None, act_scale=None, fmt=high_fmt, k=q.k)
     return QPlanes(low, high, q.fmt)
@@ -385,7 +399,12 @@ def group_scales(q: QArray) -> tuple[jax.Array, jax.Array | None]:
     if q.fmt.scale_bits == 16:
         return q.scales.astype(jnp.float32), None if q.offsets is None else q.offsets.astype(jnp.float32)
     scale = q.scales.astype(jnp.float32) * q.bases[..., 0:1, :]
-    return scale, (q.offsets.astype(jnp.float32) - OFFSET_CODE_ZERO) * q.bases[..., 1:2, :]
+    offset = (q.offsets.astype(jnp.float32) - OFFSET_CODE_ZERO) * q.bases[..., 1:2, :]
+    # six bits: the offset codes hold the grid's value at code 32, the low plane's offset (module docstring)
+    return scale, offset - SIX_BIT_MIDDLE * scale if q.fmt.bits == 6 else offset
+
+
+SIX_BIT_MIDDLE = 32  # the 6-bit code whose value a six-bit weight's 8-bit offset codes hold
 
 
 OFFSET_CODE_ZERO = 128  # an 8-bit offset code's zero (the codes are unsigned)

@@ -713,21 +713,23 @@ def test_int8_dot_matmul_multiplies_the_int8_inputs(name, m, k, n):
         assert np.abs(ref_jnp - xq).max() <= 1e-6 * np.abs(xq).max()
 
 
-def _six_bit_weight(rng, k, n, group):
+def _six_bit_weight(rng, k, n, group, scale_bits=16):
     w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
-    return jax.tree.map(jnp.asarray, planes(quantize_rtn(w, QuantFormat(6, group, False))))
+    return jax.tree.map(jnp.asarray, planes(quantize_rtn(w, QuantFormat(6, group, False, scale_bits=scale_bits))))
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+# float16 scales in each group size; 8-bit ones (codes on per-column bases, the low plane's) in two
+@pytest.mark.parametrize("group,scale_bits", [(32, 16), (64, 16), (128, 16), (32, 8), (64, 8)])
 # (1, 2048, 1536) and (5, 768, 2048): one row and the many-row path, [K, N] and tiled; (40, 256, 192): rows in
 # blocks; (3, 200, 100) and (1, 600, 4200): a ragged last tile (the two planes' products) and K not whole groups
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1536), (5, 768, 2048), (40, 256, 192), (3, 200, 100), (1, 600, 4200)])
-def test_a_six_bit_weight_multiplies_as_the_sum_of_its_planes(group, m, k, n):
+def test_a_six_bit_weight_multiplies_as_the_sum_of_its_planes(group, scale_bits, m, k, n):
     """A six-bit weight (the int6 head: an int4 and an int2 plane) under the int8 dot, in one pass over
     both planes' codes, is x on its per-group int8 grid times the weight the two planes add up to; and
     without the int8 dot, x times that weight."""
     rng = np.random.default_rng(m * 10 + group)
-    w = _six_bit_weight(rng, k, n, group)
+    w = _six_bit_weight(rng, k, n, group, scale_bits)
+    assert (w.low.scales.dtype == jnp.uint8) == (scale_bits == 8)
     x = rng.standard_normal((m, k)).astype(np.float32)
     ref = _groups_int8(x, group).astype(np.float64) @ _dense(w)
     exact = x.astype(np.float64) @ _dense(w)

@@ -273,6 +273,42 @@ def test_int6_is_stored_as_an_int4_and_an_int2_plane_that_add_up_to_its_grid():
         dense_mod.dense_format("int6", symmetric=True)
 
 
+def test_int6_with_8_bit_scales_stores_the_low_planes_codes_and_adds_up_to_its_grid_exactly():
+    """With 8-bit scales a 6-bit weight's offset codes hold its grid's value at code 32 (the low
+    plane's offset), so the low plane keeps the quantizer's scale and offset codes as they are; its
+    scale base has three significant bits, so the high plane's float16 scales are 16 times the low
+    plane's exactly, and the planes add up to the coded 6-bit grid. 7 bits per weight in groups of 32
+    (codes, two 8-bit codes a group, the high plane's float16 scale), 6.5 in groups of 64, and two float32
+    bases a column (64 / K bits)."""
+    from convert.quantizers.grid import group_params
+    from kernel_formats.qarray import group_scales, unpack_codes
+
+    rng = np.random.default_rng(4)
+    w = (rng.normal(size=(256, 128)) * rng.uniform(0.01, 1.0, size=(1, 128))).astype(np.float32)
+    for group, bits_per_weight in ((32, 7.0), (64, 6.5)):
+        fmt = QuantFormat(6, group, False, scale_bits=8)
+        q = quantize_rtn(w, fmt)
+        p = planes(q)
+        assert p.low.fmt.scale_bits == 8 and p.high.fmt.scale_bits == 16
+        for name in ("scales", "offsets", "bases"):
+            np.testing.assert_array_equal(np.asarray(getattr(p.low, name)), np.asarray(getattr(q, name)))
+        np.testing.assert_array_equal(np.asarray(unpack_codes(p.high.values, p.high.fmt)), np.asarray(q.values) >> 4)
+        mantissa, _ = np.frexp(np.asarray(q.bases[0]))
+        np.testing.assert_array_equal(mantissa * 8, np.round(mantissa * 8))
+        scale, offset = (np.asarray(a) for a in group_scales(jax.tree.map(jnp.asarray, q)))
+        low_scale, low_offset = (np.asarray(a) for a in group_scales(jax.tree.map(jnp.asarray, p.low)))
+        np.testing.assert_array_equal(np.asarray(p.high.scales, np.float32), 16 * low_scale)
+        np.testing.assert_array_equal(low_scale, scale)
+        np.testing.assert_allclose(low_offset, offset + 32 * scale, rtol=0, atol=1e-6 * np.abs(low_offset).max())
+        grid = np.asarray(dequantize(jax.tree.map(jnp.asarray, q)))
+        np.testing.assert_allclose(np.asarray(dequantize(p)), grid, rtol=0, atol=1e-6 * np.abs(grid).max())
+        step = np.repeat(np.asarray(group_params(w.reshape(-1, group, 128), fmt)[0])[:, 0], group, axis=0)
+        assert np.all(np.abs(grid - w) <= 0.51 * step + 0.01 * np.abs(w).max(axis=0))  # codes' error, and the scales'
+        assert 8 * sum(a.nbytes for a in jax.tree.leaves(p)) / w.size == bits_per_weight + 64 / 256
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), template(fmt, 256, 128)) == \
+            jax.tree.map(lambda a: (a.shape, a.dtype), p)
+
+
 def test_gptq_writes_an_int6_weight_as_its_planes():
     """GPTQ on the 6-bit grid in blocks of columns (convert/dense_gptq.py) gives the planes of the
     whole weight's 6-bit GPTQ."""

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernel_formats.qarray import OFFSET_CODE_ZERO, QArray, QuantFormat, pack_codes, unpack_codes
+from kernel_formats.qarray import OFFSET_CODE_ZERO, SIX_BIT_MIDDLE, QArray, QuantFormat, pack_codes, unpack_codes
 
 
 def _f16(x):
@@ -167,20 +167,33 @@ def coded_scales(values, scales, offsets, fmt: QuantFormat):
     so each code keeps about 0.2-0.4% of its column's range (measured on the tiny model's int2 experts:
     +0.04 points of perplexity over float16 scales). A group whose codes are all equal holds a single
     value, stored as its offset with a zero scale, so that its arbitrary scale does not widen the
-    column's range. A group that varies keeps a scale code of at least 1."""
+    column's range. A group that varies keeps a scale code of at least 1. Six bits code the value at
+    code 32 in place of the offset (kernel_formats.qarray.group_scales): their low plane's offset."""
     scales, offsets = np.asarray(scales, np.float32), np.asarray(offsets, np.float32)
     groups, n = scales.shape
     codes = unpack_codes_host(values, fmt).reshape(groups, fmt.group_size, n)
     flat = codes.min(axis=1) == codes.max(axis=1)
     offsets = np.where(flat, codes[:, 0, :] * scales + offsets, offsets)
     scales = np.where(flat, 0.0, scales)
+    if fmt.bits == 6:  # six bits code the grid's value at its middle code, the low plane's offset
+        offsets = offsets + SIX_BIT_MIDDLE * scales
     scale_base = scales.max(axis=0) / 255.0
     offset_base = np.abs(offsets).max(axis=0) / 127.0
     scale_base = np.where(scale_base > 0, scale_base, 1.0).astype(np.float32)
     offset_base = np.where(offset_base > 0, offset_base, 1.0).astype(np.float32)
+    if fmt.bits == 6:
+        scale_base = three_bit_base(scale_base)
     scale_codes = np.clip(np.rint(scales / scale_base), np.where(flat, 0, 1), 255).astype(np.uint8)
     offset_codes = (np.clip(np.rint(offsets / offset_base), -127, 127) + OFFSET_CODE_ZERO).astype(np.uint8)
     return scale_codes, offset_codes, np.stack([scale_base, offset_base])
+
+
+def three_bit_base(base: np.ndarray) -> np.ndarray:
+    """Each base rounded up to three significant bits: a code (8 bits) times it has at most 11, so a
+    six-bit weight's high plane holds 16 times each scale exactly in float16 (kernel_formats.qarray:
+    the one-pass kernel applies the low plane's scale to the whole code)."""
+    mantissa, exponent = np.frexp(base.astype(np.float32))
+    return np.ldexp(np.ceil(mantissa * 8) / 8, exponent).astype(np.float32)
 
 
 def unpack_codes_host(values, fmt: QuantFormat) -> np.ndarray:
