@@ -14,9 +14,9 @@ Q8_0, Q4_0, Q4_K_M and Q3_K_M by llama-quantize (and Q4_0 for the routed experts
 BF16, as jmoe's expert tiers leave it), each scored by llama-perplexity, and jmoe's
 tiers (RTN), int4 and int3 with dense int4 under the int8 dot, and the per-token mixed mode (DyMoE int4/int2,
 both tiers whole, scored token by token as it decodes), RTN and GPTQ (experts and LM head, calibrated
-on the train splits), with the LM head at int8 (the default beside dense int4), int6 (the bytes of
-llama.cpp's Q6_K output matrix; also in groups of 32, 7.5 bits) or int4, scored by jmoe on the same windows with the
-same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexity(..., context=ctx // 2)).
+on the train splits), with the LM head at int8 (the default beside dense int4), int6 (the bytes a token
+reads of llama.cpp's Q6_K output matrix; also in groups of 64, 6.25 bits read) or int4, scored by jmoe on the
+same windows with the same rule: windows of --ctx tokens, each scoring its second half (jmoe.perplexity(..., context=ctx // 2)).
 The rows "GPTQ experts with dense bf16" are every expert tier and precision policy of one GPTQ conversion:
 int4, int3 and int2, DyMoE int4/int2 per token, and DynaExq (one version an expert, and its lo
 versions kept under 8 int4 copies a layer) in the device budget of every expert at int2 and 8 int4
@@ -155,11 +155,9 @@ BESIDE_LLAMA = {
     "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token": ("gptq-dense-int4-head-int6",
                                                                            dict(policy="mixed", cpu_dot="int8"),
                                                                            "decode"),
-    # the int6 head in groups of 32 (7.5 bits a weight): less error on every logit for 0.75 bit more
-    "GPTQ: int4 experts + dense int4 (int6 head in groups of 32), int8 dot": (
-        "gptq-dense-int4-head-int6-g32", {"tier": "int4", "cpu_dot": "int8"}, "prefill"),
-    "GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token": (
-        "gptq-dense-int4-head-int6-g32", {"policy": "mixed", "cpu_dot": "int8"}, "decode"),
+    # the int6 head in groups of 64 (6.25 bits a weight read): what the default's groups of 32 buy
+    "GPTQ: int4 experts + dense int4 (int6 head in groups of 64), int8 dot": (
+        "gptq-dense-int4-head-int6-g64", {"tier": "int4", "cpu_dot": "int8"}, "prefill"),
     # three-bit experts with Q4_0's other bytes: the quality side of reading fewer expert bytes (Q3_K_M's)
     "int3 experts + dense int4 (int6 head), int8 dot": ("dense-int4-head-int6", dict(tier="int3", cpu_dot="int8"),
                                                         "prefill"),
@@ -201,7 +199,7 @@ CONVERSIONS = {  # each with the converter's defaults otherwise
     "gptq-dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4", **CALIBRATED),
     "dense-int4-head-int6": dict(tiers="int4,int3", dense_tier="int4", head_tier="int6"),
     "gptq-dense-int4-head-int6": dict(tiers="int4,int3,int2", dense_tier="int4", head_tier="int6", **CALIBRATED),
-    "gptq-dense-int4-head-int6-g32": dict(tiers="int4,int2", dense_tier="int4", head_tier="int6", head_group_size=32,
+    "gptq-dense-int4-head-int6-g64": dict(tiers="int4", dense_tier="int4", head_tier="int6", head_group_size=64,
                                           **CALIBRATED),
 }
 # K-quants need rows of 256: on the tiny model (rows of 96 and 128) llama-quantize falls back to

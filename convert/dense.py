@@ -43,10 +43,15 @@ DENSE_INT4_GROUP = 32
 # int2 and int3 coding: 4.5 bits per weight, Q4_0's, where float16 scales and offsets made 5.0.
 DENSE_INT4_SCALE_BITS = 8
 # int6 (the head's tier between int8 and int4, as llama.cpp's Q6_K output matrix beside Q4_0) in
-# groups of 64: 6.75 bits per weight (Q6_K: 6.56) against int8's 8.125, for about a tenth of a Qwen3-30B-A3B
-# 8-layer slice's decode time (bench/results/real_shapes). Groups of 128 (6.375 bits) cost the bundled
-# model as much perplexity in a scratch run, but a real head's columns are 16 times longer.
-DENSE_INT6_GROUP = 64
+# groups of 32 with 8-bit scales and offsets (kernel_formats/qarray.py): the one-pass CPU kernel reads
+# 6.5 bits per weight (Q6_K: 6.56), what groups of 64 with float16 scales read, for less error on
+# every logit. On the bundled model (GPTQ, int4 experts, dense int4) groups of 64 cost +0.13% of math
+# perplexity over bf16 and groups of 32 +0.06%, with float16 or 8-bit scales alike, where Q4_0 costs
+# +0.16% (bench/results/quality). Stored: 7.0 bits (the high plane keeps a float16 scale a group,
+# which that kernel does not read). The head is about half of a Qwen3-30B-A3B 8-layer slice's decode
+# bytes (bench/results/real_shapes).
+DENSE_INT6_GROUP = 32
+DENSE_INT6_SCALE_BITS = 8
 
 
 def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | None = None) -> QuantFormat | None:
@@ -58,11 +63,11 @@ def dense_format(tier: str, *, group_size: int | None = None, symmetric: bool | 
     if tier == "int4":
         return tier_format(tier, group_size=group_size or DENSE_INT4_GROUP, symmetric=symmetric,
                            scale_bits=DENSE_INT4_SCALE_BITS)
-    if tier == "int6":  # a dense tier only (two planes, kernel_formats.qarray): asymmetric, float16 scales
+    if tier == "int6":  # a dense tier only (two planes, kernel_formats.qarray): asymmetric, 8-bit scales
         if symmetric:
             raise InputError("the int6 tier is asymmetric: leave --symmetric off")
         try:
-            return QuantFormat(6, group_size or DENSE_INT6_GROUP, symmetric=False)
+            return QuantFormat(6, group_size or DENSE_INT6_GROUP, symmetric=False, scale_bits=DENSE_INT6_SCALE_BITS)
         except ValueError as e:
             raise InputError(str(e)) from None
     return tier_format(tier, group_size=group_size, symmetric=symmetric)

@@ -114,8 +114,9 @@ def convert_checkpoint(
       group_size: group size along K for every integer tier (default: 128 for int8, 32 for int4 dense
         weights, 64 otherwise).
       head_group_size: the LM head and embedding table's group size along K where it differs from
-        group_size's (int6 in groups of 32 stores 7.5 bits per weight where 64 stores 6.75, for less
-        error on every logit: bench/quality.py).
+        group_size's (int6, by default in groups of 32 with 8-bit scales, stores 7.0 bits per weight
+        and the CPU reads 6.5 of them; in groups of 64, 6.5 and 6.25, for more error on every logit:
+        bench/quality.py).
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       scale_bits: 8 or 16, how the asymmetric expert tiers store each group's scale and offset: 8-bit
         codes on per-column bases or float16 (default: int2 and int3 8-bit, int4 float16; symmetric tiers and the

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--group-size", type=int, default=None, help="group size along K (32, 64, 128)")
     conv.add_argument("--head-group-size", type=int, default=None,
                       help="the LM head and embedding table's group size along K (32, 64, 128; default: --group-size's, "
-                           "else the head tier's: int6 64)")
+                           "else the head tier's: int6 32)")
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--scale-bits", type=int, default=None,
                       help="8 or 16: the asymmetric expert tiers' scales and offsets as 8-bit codes or float16 "

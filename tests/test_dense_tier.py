@@ -230,7 +230,7 @@ def test_an_int8_head_beside_int4_dense_weights_loses_less_than_an_int4_head(tin
 
 
 def test_an_int6_head_loses_about_what_an_int8_head_does(tiny_logits):
-    """Beside int4 dense weights, the int6 head (two planes, 6.75 bits) adds less than half of what
+    """Beside int4 dense weights, the int6 head (two planes, 6.5 bits read) adds less than half of what
     the int4 head adds to the int8 head's loss."""
     logits, ids = tiny_logits
     loss = {t: nll(logits[t], ids) for t in logits}
@@ -326,21 +326,23 @@ def test_gptq_writes_an_int6_weight_as_its_planes():
 
 
 def test_head_group_size_sets_the_head_and_embedding_groups_alone(qwen2_hf, tmp_path, capsys):
-    """--head-group-size 32 with an int6 head: the LM head and embedding table in groups of 32 (7.5
-    bits per weight: 4 + 2 bits of codes, two float16 scales and an offset a group), every other
-    dense weight at its own groups; refused for a bf16 head and for a size no kernel reads."""
+    """--head-group-size 64 with an int6 head: the LM head and embedding table in groups of 64 (6.5
+    bits per weight: 4 + 2 bits of codes, two 8-bit codes and a float16 scale a group, and two float32
+    bases a column), every other dense weight at its own groups; the default's groups of 32 store
+    7 bits; refused for a bf16 head and for a size no kernel reads."""
     hf = tmp_path / "untied"
     make_checkpoint("qwen2_moe", hf, overrides={"tie_word_embeddings": False})
     assert cli_main(["convert", str(hf), "-o", str(tmp_path / "m"), "--dense-tier", "int4", "--head-tier", "int6",
-                     "--head-group-size", "32", "--no-progress"]) == 0
+                     "--head-group-size", "64", "--no-progress"]) == 0
     model = jmoe.load(tmp_path / "m")
     for path in (("lm_head", "kernel"), ("embed_tokens", "embedding")):
         head = leaf(model, *path)
-        assert head.fmt.bits == 6 and head.fmt.group_size == 32
-        assert 8 * tree_nbytes(head) / (head.k * head.n) == pytest.approx(7.5)
+        assert head.fmt.bits == 6 and head.fmt.group_size == 64 and head.fmt.scale_bits == 8
+        assert 8 * tree_nbytes(head) / (head.k * head.n) == pytest.approx(6.5 + 64 / head.k)
     assert leaf(model, "layers", 1, "self_attn", "q_proj", "kernel").fmt.group_size == 32
     default = jmoe.load(convert_checkpoint(hf, tmp_path / "d", dense_tier="int4", head_tier="int6", progress=False))
-    assert leaf(default, "lm_head", "kernel").fmt.group_size == 64
+    head = leaf(default, "lm_head", "kernel")
+    assert head.fmt.group_size == 32 and 8 * tree_nbytes(head) / (head.k * head.n) == pytest.approx(7 + 64 / head.k)
     assert len(jmoe.generate(model, [3, 4, 5], max_new_tokens=3)) == 3
     with pytest.raises(InputError, match="the head tier is bf16"):
         convert_checkpoint(hf, tmp_path / "out", dense_tier="int4", head_tier="bf16", head_group_size=32,

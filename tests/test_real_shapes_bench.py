@@ -164,14 +164,15 @@ def test_a_conversion_whose_dense_formats_are_not_the_converters_is_not_reused(t
     assert real_shapes.stale_dense_formats(out, options) is None
     assert "head format" in real_shapes.stale_dense_formats(out, ["--dense-tier", "int4"])  # int8 by default
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["dense"]["head_format"]["group_size"] = 128  # as written before the default was 64
+    manifest["dense"]["head_format"].update(group_size=64, scale_bits=16)  # as written before the default was 32
     (out / "manifest.json").write_text(json.dumps(manifest))
-    assert "group_size': 128" in real_shapes.stale_dense_formats(out, options)
+    assert "group_size': 64" in real_shapes.stale_dense_formats(out, options)
     again = real_shapes.convert_jmoe(src, out, ["int4"], options, True, tmp_path / "convert.log")
-    assert again["seconds"] is not None and again["head_format"]["group_size"] == 64
+    assert again["seconds"] is not None and again["head_format"]["group_size"] == 32
+    assert again["head_format"]["scale_bits"] == 8
     kept = real_shapes.convert_jmoe(src, out, ["int4"], options, True, tmp_path / "convert.log")
     assert kept["seconds"] is None and kept["head_tier"] == "int6"
-    assert "group_size': 64" in real_shapes.stale_dense_formats(out, [*options, "--head-group-size", "32"])
+    assert "group_size': 32" in real_shapes.stale_dense_formats(out, [*options, "--head-group-size", "64"])
 
 
 def test_llama_perplexity_is_read_when_a_stream_lost_its_last_lines():
