@@ -106,6 +106,12 @@ def in_graph_seconds(fn, args, *, calls: int = 20, repeat: int = 5) -> float:
     return timed(lambda: jax.block_until_ready(chained(*args)), repeat=repeat, warmup=1) / calls
 
 
+def spread(values) -> dict:
+    """A timing's median and range, as the results record them."""
+    values = [float(v) for v in values]
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+
+
 def staging_bytes(path: Path) -> int:
     """What load() reserves for transfers in flight, at most: 2 top-k of the largest record."""
     from jmoe.manifest import read_manifest
