@@ -155,17 +155,18 @@ def headline() -> str:
         [("jmoe", "GPTQ: int4 experts + dense int4 (int6 head), int8 dot"),
          ("jmoe", "GPTQ: DyMoE int4/int2 r=0.5 + dense int4 (int6 head), int8 dot, per token"), ("llama.cpp", "Q4_0")]))
     rows.append(quality_row(  # the mixed mode at Q4_0's quality
-        "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json",
+        "quality/quality_vs_llama_cpp_head_int6_s8_zen5_cpu.json",
         ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ "
-         "DyMoE int4/int2 per token (r = 0.75) + dense int4 + int6 head in groups of 32 (7.5 bits); llama.cpp "
-         "Q4_0 (its head at Q8_0 on this model)"),
-        [("jmoe", "GPTQ: DyMoE int4/int2 + dense int4 (int6 head in groups of 32), int8 dot, per token"),
+         "DyMoE int4/int2 per token at r = 0.75 and at r = 0.625, dense int4, int6 head (groups of 32, 8-bit "
+         "scales: 6.5 bits a weight read); llama.cpp Q4_0 (its head at Q8_0 on this model)"),
+        [("jmoe", "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token"),
+         ("jmoe", "GPTQ: DyMoE int4/int2 r=0.625 + dense int4 (int6 head), int8 dot, per token"),
          ("llama.cpp", "Q4_0")]))
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
     # keeps its output matrix at Q6_K) and in the mixed mode, the newest run of each per machine; every
     # other run is in docs/benchmarks.md.
     zen4_mixed = "real_shapes/real_shapes_mixed_r_zen4_cpu.json"
-    zen5 = "real_shapes/real_shapes_mixed_qwen3_8L_shared_input_zen5_cpu.json"
+    zen5 = "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_s8_zen5_cpu.json"
     emr = "real_shapes/real_shapes_mixed_r_emr_cpu.json"
     emr_g32 = "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"  # the mixed mode with the quality row's head
     for name, equal_name, where in [
@@ -390,8 +391,12 @@ def head_tier(d: dict) -> str:
 
 
 def head_groups(d: dict) -> str:
-    """" in groups of G" where a real-shapes run set the LM head's group size (--head-group-size)."""
+    """" in groups of G" where a real-shapes run set the LM head's group size (--head-group-size), or
+    its head had 8-bit scales (the int6 head's default since groups of 32)."""
+    fmt = d["conversions"].get("jmoe dense int4", {}).get("head_format") or {}
     group = d["settings"].get("head_group_size")
+    if fmt.get("scale_bits") == 8:
+        return f" in groups of {group or fmt['group_size']}, 8-bit scales"
     return f" in groups of {group}" if group else ""
 
 
@@ -420,6 +425,18 @@ def shapes_on_avx512(name: str, layout: str = "`--cpu-layout`") -> str:
                             "decode (depth 512)"], ratios)
     return out + (f"\n\n{d['model']['name']} shapes, {d['model']['layers']} layers, random weights. Machine: "
                   f"{machine(d)}; {d['settings']['rounds']} rounds, median [min–max] ({source(name)}).")
+
+
+def head_formats(name: str = "kernels/head_formats_zen5_cpu.json") -> str:
+    """The int6 head's formats timed alone (bench/head_formats.py)."""
+    d = load(name)
+    base = next(k for k in d["formats"][0] if k.endswith("within a round"))
+    rows = [[r["format"], f"{r['read_mb']:.1f}", f"{r['stored_mb']:.1f}", med(r["ms"], 2), f"{r['gb_s']:.1f}",
+             med(r[base], 3)] for r in d["formats"]]
+    return table(["Qwen3-30B-A3B's int6 head, one row, int8 dot", "MB read", "MB stored", "ms",
+                  "GB/s read", base.replace(" time over this, within a round", ": its time over this one's")],
+                 rows) + (f"\n\n{d['rounds']} alternating rounds, each a jitted chain of {d['calls']} dependent "
+                          f"calls, median [min–max]. Machine: {machine(d)} ({source(name)}).")
 
 
 def router_matmul() -> str:
@@ -866,7 +883,7 @@ EQUAL_BITS_RUNS = [
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixed_r_zen4_cpu.json"),
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_gpt_oss_head_int6_zen4_cpu.json"),
     ("AMD EPYC (Zen 4)", "real_shapes/real_shapes_mixtral_head_int6_zen4_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixed_qwen3_8L_shared_input_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_s8_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_6L_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_4L_six_bit_pass_zen5_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
@@ -1408,6 +1425,14 @@ TABLES = {
         "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"),
     "quality-vs-llama-head-int6-g32-emr": lambda: quality_vs_llama(
         "quality/quality_vs_llama_cpp_head_int6_g32_emr_cpu.json"),
+    "quality-vs-llama-head-int6-s8-zen5": lambda: quality_vs_llama(
+        "quality/quality_vs_llama_cpp_head_int6_s8_zen5_cpu.json"),
+    "mixed-qwen3-8L-head-int6-s8-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_s8_zen5_cpu.json"),
+    "head-formats-zen5": head_formats,
+    "head-scales-ab-zen5": lambda: decode_ab_zen5(
+        "kernels/decode_ab_qwen3_8L_int6_head_scales_zen5_cpu.json",
+        "Qwen3-30B-A3B slice (8 layers), int4 experts + dense int4, `--cpu-layout`"),
     "gpt-oss-shapes-head-int6-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_gpt_oss_head_int6_emr_cpu.json"),
     "mixtral-shapes-head-int6-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_mixtral_head_int6_emr_cpu.json"),
     "qwen3-shapes-after-load-trim-emr": lambda: shapes_on_avx512("real_shapes/real_shapes_after_load_trim_emr_cpu.json"),
