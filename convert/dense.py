@@ -45,11 +45,11 @@ DENSE_INT4_SCALE_BITS = 8
 # int6 (the head's tier between int8 and int4, as llama.cpp's Q6_K output matrix beside Q4_0) in
 # groups of 32 with 8-bit scales and offsets (kernel_formats/qarray.py): the one-pass CPU kernel reads
 # 6.5 bits per weight (Q6_K: 6.56), what groups of 64 with float16 scales read, for less error on
-# every logit. On the bundled model (GPTQ, int4 experts, dense int4) groups of 64 cost +0.13% of math
-# perplexity over bf16 and groups of 32 +0.06%, with float16 or 8-bit scales alike, where Q4_0 costs
-# +0.16% (bench/results/quality). Stored: 7.0 bits (the high plane keeps a float16 scale a group,
-# which that kernel does not read). The head is about half of a Qwen3-30B-A3B 8-layer slice's decode
-# bytes (bench/results/real_shapes).
+# every logit. On the bundled model (GPTQ, int4 experts, dense int4) groups of 32 cost +0.03% of math
+# perplexity over bf16 where groups of 64 cost +0.29% with 8-bit scales (+0.15% to +0.22% with float16
+# ones in earlier runs) and Q4_0 +0.16% (bench/results/quality/quality_vs_llama_cpp_head_int6_s8_zen5_cpu.json).
+# Stored: 7.0 bits (the high plane keeps a float16 scale a group, which that kernel does not read).
+# The head is about half of a Qwen3-30B-A3B 8-layer slice's decode bytes (bench/results/real_shapes).
 DENSE_INT6_GROUP = 32
 DENSE_INT6_SCALE_BITS = 8
 
