@@ -2,7 +2,9 @@
 is bound by memory bandwidth, the ratio of these bounds the ratio of decode speeds at equal efficiency.
 
 A jmoe conversion reads every dense array but the embedding table (a token reads one row of it;
-a table tied to the LM head is read whole), the LM head included, and top_k routed experts a MoE layer, at one tier or, in the per-token mixed
+a table tied to the LM head is read whole) and a six-bit weight's high-plane scales (the one CPU pass
+under the int8 dot reads the low plane's only; counted apart), the LM head included, and top_k routed
+experts a MoE layer, at one tier or, in the per-token mixed
 mode (DyMoE with both tiers resident), a share r of the uses at the high tier and the rest at the
 low one (the depth schedule's mean is r). A GGUF reads every tensor but token_embd, its routed
 experts' tensors (ffn_*_exps) at top_k of their experts. Attention over the KV cache (a few KiB a
@@ -28,17 +30,23 @@ MIB = 2**20
 
 
 def jmoe_dense_bytes(dense_dir: Path, tied: bool) -> dict[str, int]:
-    """The dense checkpoint's bytes, from orbax's metadata: what a token reads, and the embedding
-    table's rows it does not (none where the table is also the LM head: `tied`)."""
+    """The dense checkpoint's bytes, from orbax's metadata: what a token reads, the embedding table's
+    rows it does not (none where the table is also the LM head: `tied`), and the six-bit weights'
+    high-plane scales, which the int8 dot's one pass does not read (kernel_formats.qarray)."""
     import orbax.checkpoint as ocp
 
     meta = ocp.PyTreeCheckpointer().metadata(dense_dir.absolute())
     meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-    out = {"embedding": 0, "read_per_token": 0}
+    out = {"embedding": 0, "six_bit_high_scales": 0, "read_per_token": 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(meta)[0]:
         nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-        unread = "embed_tokens" in jax.tree_util.keystr(path) and not tied
-        out["embedding" if unread else "read_per_token"] += nbytes
+        key = jax.tree_util.keystr(path)
+        if "embed_tokens" in key and not tied:
+            out["embedding"] += nbytes
+        elif key.endswith("['high']['scales']"):
+            out["six_bit_high_scales"] += nbytes
+        else:
+            out["read_per_token"] += nbytes
     return out
 
 
@@ -54,6 +62,7 @@ def jmoe_bytes(root: Path, ratios: list[float]) -> dict:
         for r in ratios:
             rows[f"{hi}/{lo} at r = {r:g}"] = dense["read_per_token"] + uses * (r * record[hi] + (1 - r) * record[lo])
     return {"dense_bytes_read": dense["read_per_token"], "embedding_bytes": dense["embedding"],
+            "six_bit_high_scale_bytes": dense["six_bit_high_scales"],
             "expert_record_bytes": record, "top_k": cfg.top_k, "expert_uses_per_token": uses,
             "bytes_per_token": rows}
 

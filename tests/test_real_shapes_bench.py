@@ -264,3 +264,9 @@ def test_decode_bytes_count_the_dense_checkpoint_and_a_tokens_experts(short_hf_d
     records = {t: model.store.record_nbytes(t) for t in ("int4", "int2")}
     assert rows["int4 experts"] - rows["int2 experts"] == cfg.top_k * cfg.num_moe_layers * (records["int4"] - records["int2"])
     assert rows["int4 experts"] > rows["int4/int2 at r = 0.75"] > rows["int4/int2 at r = 0.5"] > rows["int2 experts"]
+    # a six-bit head's high-plane scales, which the int8 dot's one pass does not read, counted apart
+    six = convert_checkpoint(short_hf_dir, tmp_path / "six", tiers="int4", dense_tier="int4", head_tier="int6",
+                             progress=False)
+    got = jmoe_bytes(six, [])
+    head = jmoe.load(six, tier="int4").dense["embed_tokens"]["embedding"].get_value()
+    assert got["six_bit_high_scale_bytes"] == int(head.high.scales.nbytes) > 0
