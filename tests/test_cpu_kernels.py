@@ -92,7 +92,7 @@ def test_narrower_instruction_sets_compute_the_same(isa):
                 test_matmul_matches_float64("int3", m, k, n)
                 test_int8_dot_matmul_multiplies_the_int8_inputs("int3", m, k, n)
             int3_int8_dot_at_a_real_width()
-            test_a_six_bit_weight_multiplies_as_the_sum_of_its_planes(64, 40, 256, 192)  # the two planes' products
+            test_a_six_bit_weight_multiplies_as_the_sum_of_its_planes(64, 8, 40, 256, 192)  # the two planes' products
             for m, k, n in ((1, 2880, 32), (40, 96, 24)):  # a narrow float weight's vectors and column tail
                 test_narrow_plain_weights_match_float64(jnp.bfloat16, m, k, n)
             for case in attention_tests.NATIVE_CASES:  # every width: AVX2 holds 128 columns in two chunks
