@@ -923,8 +923,8 @@ BF16_RUNS = [
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_bf16_zen5_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_gpt_oss_bf16_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_bf16_9_rounds_zen5_cpu.json"),
-    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_bf16_9_rounds_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_mixtral_bf16_9_rounds_second_zen5_cpu.json"),
+    ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_bf16_9_rounds_second_zen5_cpu.json"),
 ]
 
 
@@ -1430,6 +1430,10 @@ TABLES = {
     "mixed-qwen3-8L-head-int6-s8-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_s8_zen5_cpu.json"),
     "head-formats-zen5": head_formats,
+    "deepseek-bf16-9-rounds-second-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_deepseek_v2_lite_bf16_9_rounds_second_zen5_cpu.json"),
+    "mixtral-bf16-9-rounds-second-zen5": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixtral_bf16_9_rounds_second_zen5_cpu.json"),
     "head-scales-ab-zen5": lambda: decode_ab_zen5(
         "kernels/decode_ab_qwen3_8L_int6_head_scales_zen5_cpu.json",
         "Qwen3-30B-A3B slice (8 layers), int4 experts + dense int4, `--cpu-layout`"),
