@@ -56,7 +56,6 @@ import gc
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,7 +65,7 @@ from pathlib import Path
 
 import jmoe
 from bench.lib import host_io
-from bench.lib.common import CORPUS, DOMAINS, ROOT, TINY_HF, machine, result_path
+from bench.lib.common import CORPUS, DOMAINS, ROOT, TINY_HF, machine, result_path, spread
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.serving.compiles import no_compiles
 
@@ -404,10 +403,6 @@ def time_case(args) -> dict:
                        "decode_tokens": tokens, "waited_for_quiet_s": waited,
                        "other_processes_cores": other_cores(before, busy_seconds(), time.perf_counter() - start)})
     return {"rounds": rounds, "jmoe_source": jmoe_source()}
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def run_timing(path: Path, name: str, budget: int | None, args) -> dict:

@@ -62,9 +62,7 @@ def main(argv=None) -> None:
     def product(h, w):  # the head's logits, one of them fed back so that the calls chain
         return h + cpu_kernels.matmul(h, w, int8_dot=True)[:, :1] * 1e-30
 
-    for w in weights.values():  # compile and warm every format before any is timed
-        in_graph_seconds(product, (x, w), calls=args.calls, repeat=1)
-    ms = {label: [] for label in FORMATS}
+    ms = {label: [] for label in FORMATS}  # (in_graph_seconds compiles and warms each chain before it times it)
     for r in range(args.rounds):
         for label in (FORMATS if r % 2 == 0 else reversed(FORMATS)):
             ms[label].append(1e3 * in_graph_seconds(product, (x, weights[label]), calls=args.calls, repeat=3))

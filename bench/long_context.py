@@ -158,7 +158,8 @@ def compiled_rows(args) -> list[dict]:
 
 def depth_rows(args) -> dict:
     import jmoe
-    from bench.offload_decode import spread, streamed
+    from bench.lib.common import spread
+    from bench.offload_decode import streamed
     from jmoe.serving.compiles import no_compiles
 
     converted = tiny_converted(Path(args.work))

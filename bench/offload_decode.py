@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ import jax
 import numpy as np
 
 import jmoe
-from bench.lib.common import machine, planned_budget, write_result
+from bench.lib.common import machine, planned_budget, spread, write_result
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from jmoe.policies import DyMoE
@@ -160,10 +159,6 @@ def per_token(before: dict, after: dict) -> dict:
     out.update(replays=delta["replays"], degraded_share=delta["degraded"] / uses, hit_rate=delta["hits"] / uses,
                decode_tokens=tokens)
     return out
-
-
-def spread(values) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def warm_up_draft_lengths(model, prompts, kw) -> None:

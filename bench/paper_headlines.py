@@ -55,11 +55,11 @@ import numpy as np
 
 import jmoe
 from bench.lib.common import (CALIB_FILES, DOMAINS, RESULTS, TINY_HF, dev_tokens, planned_budget, result_path,
-                              write_result)
+                              spread, write_result)
 from bench.decode_io import busy_seconds, other_cores, wait_for_quiet
 from bench.lib.gpu_model import GpuParams, dense_bytes_of, modelled_tpot, replay
 from bench.lib.paper_claims import PAPERS, markdown
-from bench.offload_decode import host_counts, per_token, spread, streamed
+from bench.offload_decode import host_counts, per_token, streamed
 from jmoe import trace_routing
 from jmoe.policies import DyMoE, DynaExq
 from jmoe.policies.placement import routed_counts

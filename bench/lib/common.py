@@ -107,9 +107,8 @@ def in_graph_seconds(fn, args, *, calls: int = 20, repeat: int = 5) -> float:
 
 
 def spread(values) -> dict:
-    """A timing's median and range, as the results record them."""
-    values = [float(v) for v in values]
-    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+    """A measurement's median and range, as the results record them."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def staging_bytes(path: Path) -> int:
