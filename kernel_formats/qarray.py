@@ -212,8 +212,8 @@ def planes(q: QArray) -> QPlanes:
                      fmt=low_fmt, k=q.k, bases=np.asarray(q.bases))
     else:
         scale, offset = np.asarray(q.scales, np.float32), np.asarray(q.offsets, np.float32)
-        low = QArray(values=values, scales=scale.astype(np.float16), offsets=(offset + 32 * scale).astype(np.float16),
-                     act_scale=None, fmt=low_fmt, k=q.k)
+        low = QArray(values=values, scales=scale.astype(np.float16),
+                     offsets=(offset + SIX_BIT_MIDDLE * scale).astype(np.float16), act_scale=None, fmt=low_fmt, k=q.k)
     high = QArray(values=np.asarray(pack_codes(codes >> 4, high_fmt)), scales=(16 * scale).astype(np.float16),
                   offsets=None, act_scale=None, fmt=high_fmt, k=q.k)
     return QPlanes(low, high, q.fmt)
