@@ -25,6 +25,7 @@ from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.format import DENSE_DIR
 from jmoe.layers.linear import tiled_kernel_paths
+from jmoe.layers.refined_head import RefinedHead, quantize_rows
 from jmoe.layers.transformer import AS_DENSE, abstract_model
 from jmoe.manifest import DENSE_TIERS
 from jmoe.models.checkpoint import dense_tensor
@@ -140,6 +141,22 @@ def quantize_columns(read_rows, spec: QArray | QPlanes, quantize, blocks=None) -
     return dataclasses.replace(stored, fmt=spec.fmt)
 
 
+ROW_TABLES = {"embed_tokens": ("embed_tokens", "embedding"), "head_rows": ("lm_head", "kernel")}  # -> source
+
+
+def read_row_table(source: TensorSource, name: str, shape: tuple, advance) -> dict:
+    """A refined head's int8 row table {rows, scales} (jmoe/layers/refined_head.py) of the source's
+    [V, D] tensor, quantized a block of rows at a time."""
+    rows, scales = np.empty(shape, np.int8), None
+    for block in row_blocks(shape[0], shape[1] * 4):
+        codes, block_scales = quantize_rows(source.get(name, shape, block))
+        if scales is None:
+            scales = np.empty((shape[0], block_scales.shape[1]), np.float16)
+        rows[block], scales[block] = codes, block_scales
+        advance(codes.size + block_scales.size)  # the bar's total counts both leaves
+    return {"rows": rows, "scales": scales}
+
+
 def source_elements(cfg: ModelConfig, structure: dict) -> int:
     """How many numbers the dense weights hold (the progress bar's total)."""
     leaves = jax.tree_util.tree_leaves(structure, is_leaf=is_quantized)
@@ -155,11 +172,25 @@ def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt: Quan
     Linear kernels (jmoe.layers.linear.tiled_kernel_paths) stored in the CPU layout, the entry's
     `tiled_kernels` saying so."""
     structure = dense_structure(cfg, fmt, head_fmt)
+    refined = isinstance(head_fmt, RefinedHead)
     tiled = set(tiled_kernel_paths(abstract_model(cfg, np.float32, fmt, head_fmt))) if tile_kernels else set()
-    index = {}
+    index, row_tables = {}, {}
+
+    def load_row_leaf(module: str, leaf: str, spec):
+        t = dense_tensor(cfg, ROW_TABLES[module])
+        hf_name = next((n for n in t.hf_names if n in source), t.hf_names[0])
+        used.add(hf_name)
+        if module not in row_tables:  # rows and scales from one pass over the source
+            row_tables[module] = read_row_table(source, hf_name, (cfg.vocab_size, cfg.hidden_size), advance)
+        value = row_tables[module].pop(leaf)
+        index[f"{module}.{leaf}"] = {"hf_name": hf_name, "shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
+        return value
 
     def load(path, spec):
-        t = dense_tensor(cfg, tuple(k.key for k in path))
+        keys = tuple(k.key for k in path)
+        if refined and keys[0] in ROW_TABLES:
+            return load_row_leaf(*keys, spec)
+        t = dense_tensor(cfg, keys)
         quantized = is_quantized(spec)
         # A quantized embedding stores E^T: like a kernel, the source's rows become its columns.
         transpose = t.transpose or (quantized and t.path[-1] == "embedding")
@@ -184,6 +215,9 @@ def read_dense(source: TensorSource, cfg: ModelConfig, used: set[str], fmt: Quan
              "bytes": tree_nbytes(dense), "tensors": index}
     if tiled:
         entry["tiled_kernels"] = True
-    if head_fmt is not AS_DENSE:
+    if refined:
+        entry.update(head_tier=tier_of(head_fmt.coarse), head_format=head_fmt.coarse.to_json(),
+                     head_rows=head_fmt.rows_json())
+    elif head_fmt is not AS_DENSE:
         entry.update(head_tier=tier_of(head_fmt), head_format=None if head_fmt is None else head_fmt.to_json())
     return dense, entry

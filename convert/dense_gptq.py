@@ -29,9 +29,10 @@ from kernel_formats.qarray import QArray
 COLUMNS = 8192  # output columns quantized at once (bounds GPTQ's float32 working copies)
 
 
-def head_path(cfg: ModelConfig) -> tuple[str, str]:
-    """Where the head lives in the dense tree: the embedding table when tied, else the LM head."""
-    return ("embed_tokens", "embedding") if cfg.tie_word_embeddings else ("lm_head", "kernel")
+def head_path(dense: dict) -> tuple[str, str]:
+    """Where the head lives in the dense tree: the LM head, or a tied model's embedding table (a
+    refined head is a Linear of its own, tied or not)."""
+    return ("lm_head", "kernel") if "lm_head" in dense else ("embed_tokens", "embedding")
 
 
 def hessian_of(inputs: np.ndarray) -> np.ndarray:
@@ -74,6 +75,6 @@ def calibrated_head(source: TensorSource, cfg: ModelConfig, dense: dict, inputs:
                     progress: bool = False) -> None:
     """Replace the quantized head in `dense` by GPTQ's against `inputs` [n, D], the final-norm
     outputs of the calibration tokens (LayerwiseCalibration.head_inputs)."""
-    module, leaf = head_path(cfg)
+    module, leaf = head_path(dense)
     dense[module][leaf] = calibrated_weight(source, cfg, (module, leaf), dense[module][leaf], hessian_of(inputs),
                                             progress)

@@ -43,6 +43,7 @@ from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError, OutputError
 from jmoe.format import DENSE_DIR, TOKENIZER_DIR, RecordLayout, expert_file
 from jmoe.layers.experts import expert_activation
+from jmoe.layers.refined_head import ROW_GROUP, RefinedHead
 from jmoe.manifest import DENSE_TIERS, MANIFEST, PARTIAL_MARKER, seal, sha256_file
 from jmoe.models import config_from_hf
 from jmoe.models.checkpoint import checkpoint_names, expert_tensor_names, fused_expert_names
@@ -86,6 +87,7 @@ def convert_checkpoint(
     calib_seq_len: int = 256,
     group_size: int | None = None,
     head_group_size: int | None = None,
+    refine_head: int | None = None,
     symmetric: bool | None = None,
     scale_bits: int | None = None,
     w8a8: bool = False,
@@ -117,6 +119,9 @@ def convert_checkpoint(
         group_size's (int6, by default in groups of 32 with 8-bit scales, stores 7.0 bits per weight
         and the CPU reads 6.5 of them; in groups of 64, 6.5 and 6.25, for more error on every logit:
         bench/quality.py).
+      refine_head: an integer head refined per token (jmoe/layers/refined_head.py): its this many
+        largest logits computed again from int8 rows of the head stored beside it (which also hold
+        the embedding table), so the head can be read at int4 for little more error than at int6.
       symmetric: force symmetric (True) or asymmetric (False) integer grids.
       scale_bits: 8 or 16, how the asymmetric expert tiers store each group's scale and offset: 8-bit
         codes on per-column bases or float16 (default: int2 and int3 8-bit, int4 float16; symmetric tiers and the
@@ -159,11 +164,19 @@ def convert_checkpoint(
     head_fmt = dense_format(head_tier, group_size=head_group_size or group_size, symmetric=symmetric)
     if cpu_layout:  # integer dense weights, LM head and embedding table too (a decode step reads them all)
         dense_fmt, head_fmt = (None if f is None else dataclasses.replace(f, tiled=True) for f in (dense_fmt, head_fmt))
+    if refine_head is not None:
+        top = validate.integer("refine_head", refine_head, minimum=1)
+        if head_fmt is None:
+            raise InputError("refine_head refines an integer head: choose a head tier other than bf16")
+        head_fmt = RefinedHead(head_fmt, top)
     out = absolute(validate.path("output", out))
     root = resolve_source(validate.path("source", src))
     check_output(out, root, overwrite)
     hf_config = read_config(root)
     cfg = config_from_hf(hf_config)
+    if isinstance(head_fmt, RefinedHead) and cfg.hidden_size % ROW_GROUP:
+        raise InputError(f"refine_head stores rows in groups of {ROW_GROUP}: hidden size {cfg.hidden_size} "
+                         "is not a multiple")
     source = TensorSource(root)
     check_layer_count(source, cfg)
     stored, plain_tiled = stored_formats(formats, cfg, cpu_layout)

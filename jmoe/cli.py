@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--head-group-size", type=int, default=None,
                       help="the LM head and embedding table's group size along K (32, 64, 128; default: --group-size's, "
                            "else the head tier's: int6 32)")
+    conv.add_argument("--refine-head", type=int, nargs="?", const=256, default=None, metavar="TOP",
+                      help="an integer LM head refined per token: its TOP largest logits (default 256) computed "
+                           "again from int8 rows stored beside it, which also hold the embedding table (with "
+                           "--head-tier int4: 4.5 bits a weight read, about the int6 head's quality)")
     conv.add_argument("--symmetric", action="store_true", default=None, help="symmetric integer grids")
     conv.add_argument("--scale-bits", type=int, default=None,
                       help="8 or 16: the asymmetric expert tiers' scales and offsets as 8-bit codes or float16 "
@@ -223,7 +227,9 @@ def cmd_convert(args) -> None:
     out = convert_checkpoint(args.source, args.output, tiers=args.tiers, dense_tier=args.dense_tier,
                              head_tier=args.head_tier, method=args.method, calib=calib,
                              calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len,
-                             group_size=args.group_size, head_group_size=args.head_group_size, symmetric=args.symmetric, scale_bits=args.scale_bits,
+                             group_size=args.group_size, head_group_size=args.head_group_size,
+                             refine_head=args.refine_head,
+                             symmetric=args.symmetric, scale_bits=args.scale_bits,
                              w8a8=args.w8a8, cpu_layout=args.cpu_layout,
                              overwrite=args.force, progress=not args.no_progress)
     print(f"wrote {out}", file=sys.stderr)

@@ -152,6 +152,7 @@ SCHEMA = {
               "format?": Maybe(TIER_FORMAT), "bytes?": Int(0),
               "head_tier?": Text("|".join(DENSE_TIERS), f"a dense tier ({', '.join(DENSE_TIERS)})"),
               "head_format?": Maybe(TIER_FORMAT), "method?": Text("gptq", "gptq"),
+              "head_rows?": {"bits": Const(8), "group_size": Const(32), "top": Int(1)},
               "head_method?": Text("gptq", "gptq"),
               "tiled_kernels?": bool,
               "tensors": Entries({"hf_name": str, "shape": Items(Int(0)), "dtype": str})},
@@ -269,6 +270,8 @@ def _check_consistency(root: Path, manifest: dict[str, Any]) -> None:
     head_fmt = manifest["dense"].get("head_format", dense_fmt)
     if (head_fmt is None) != (head_tier == "bf16") or (head_fmt and head_fmt["bits"] != DENSE_TIER_BITS[head_tier]):
         raise FormatError(f"{MANIFEST}: dense.head_format does not describe head tier {head_tier}")
+    if "head_rows" in manifest["dense"] and head_fmt is None:
+        raise FormatError(f"{MANIFEST}: dense.head_rows refines an integer head: the head tier is bf16")
     for rel in [*manifest["files"], manifest["dense"]["dir"], manifest["tokenizer"]]:
         if rel is not None:
             inside(root, rel)
@@ -284,12 +287,18 @@ def tiled_kernels(manifest: dict[str, Any]) -> bool:
     return bool(manifest["dense"].get("tiled_kernels", False))
 
 
-def head_format(manifest: dict[str, Any]) -> QuantFormat | None:
+def head_format(manifest: dict[str, Any]):
     """The format of the LM head and embedding table (a manifest without dense.head_format stores
-    them at the dense tier)."""
+    them at the dense tier): a QuantFormat, None (bf16), or with dense.head_rows a RefinedHead
+    (jmoe/layers/refined_head.py) of the head's format."""
     if "head_format" not in manifest["dense"]:
         return dense_format(manifest)
-    return _format(manifest["dense"]["head_format"], "dense.head_format")
+    fmt = _format(manifest["dense"]["head_format"], "dense.head_format")
+    if "head_rows" in manifest["dense"]:
+        from jmoe.layers.refined_head import RefinedHead
+
+        return RefinedHead(fmt, manifest["dense"]["head_rows"]["top"])
+    return fmt
 
 
 def _format(fmt: dict | None, where: str) -> QuantFormat | None:

@@ -22,6 +22,7 @@ from jmoe.layers.fetch import StepFetcher, overlay
 from jmoe.layers.modules import make_norm
 from jmoe.layers.moe import LayerSignals
 from jmoe.layers.linear import Embed, Linear, matmul
+from jmoe.layers.refined_head import RefinedHead, RowTable, refine
 from kernel_formats.qarray import QuantFormat
 
 
@@ -169,21 +170,31 @@ AS_DENSE = "as dense"  # head_quant's default: the embedding table and LM head i
 class Transformer(nnx.Module):
     """The whole model. `quant` is the dense tier's format (None: plain param_dtype weights): the
     attention projections, dense MLPs and shared experts are stored in it, and the LM head and
-    embedding table in `head_quant` (default: the same); norms, routers and biases stay float."""
+    embedding table in `head_quant` (default: the same); norms, routers and biases stay float.
+    A RefinedHead `head_quant` (jmoe/layers/refined_head.py): the LM head at its coarse format (a
+    Linear of its own, tied or not), the embedding table as int8 rows, and an untied head's int8 rows
+    in `head_rows` (a tied head refines from the embedding table's)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 quant: QuantFormat | None = None, head_quant: QuantFormat | None | str = AS_DENSE):
+                 quant: QuantFormat | None = None, head_quant: QuantFormat | RefinedHead | None | str = AS_DENSE):
         self.config = cfg
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
-        head_kw = dict(kw, quant=quant if head_quant is AS_DENSE else head_quant)
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, **head_kw)
+        refined = head_quant if isinstance(head_quant, RefinedHead) else None
+        head_kw = dict(kw, quant=quant if head_quant is AS_DENSE else refined.coarse if refined else head_quant)
+        if refined:
+            self.embed_tokens = RowTable(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        else:
+            self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, **head_kw)
         self.layers = nnx.List([DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers)])
         self.norm = make_norm(cfg, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not refined:
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, **head_kw)
+        self.head_rows = RowTable(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if refined and not \
+            cfg.tie_word_embeddings else None
+        self.refine_top = refined.top if refined else 0  # static
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -193,7 +204,11 @@ class Transformer(nnx.Module):
         x = self.norm(x)
         if self.lm_head is None:
             return matmul(x, self.embed_tokens.head_weight(), int8_dot=self.embed_tokens.int8_dot)
-        return self.lm_head.project(x)
+        logits = self.lm_head.project(x)
+        if self.refine_top:
+            bias = None if self.lm_head.bias is None else self.lm_head.bias[...]
+            logits = refine(logits, x, self.head_rows or self.embed_tokens, self.refine_top, bias)
+        return logits
 
     def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False,
                  pools: dict | None = None):
@@ -207,7 +222,7 @@ class Transformer(nnx.Module):
 
 
 def abstract_model(cfg: ModelConfig, dtype, quant: QuantFormat | None = None,
-                   head_quant: QuantFormat | None | str = AS_DENSE) -> Transformer:
+                   head_quant: QuantFormat | RefinedHead | None | str = AS_DENSE) -> Transformer:
     """The model with shape-only parameters (no memory, no random init); `quant`: the dense tier's
     format, `head_quant`: the LM head's and embedding table's (default: the dense tier's)."""
     return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=None, quant=quant, head_quant=head_quant))

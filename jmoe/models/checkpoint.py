@@ -52,8 +52,9 @@ def dense_tensor(cfg: ModelConfig, path: tuple) -> DenseTensor:
     leaf = parts[-1]
     transpose = leaf == "kernel"
     parts[-1] = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    if parts[0] == "lm_head":
-        return DenseTensor(tuple(path), (".".join(parts),), transpose)
+    if parts[0] == "lm_head":  # a tied model's refined head reads the embedding table
+        tied = ("model.embed_tokens.weight",) if cfg.tie_word_embeddings else ()
+        return DenseTensor(tuple(path), (".".join(parts), *tied), transpose)
     if parts[0] == "layers" and cfg.moe_layers[int(parts[1])] and parts[2] == "mlp":
         modules = [parts[3]]
         if parts[3] == "router":
