@@ -548,6 +548,7 @@ def compile_and_read(jitted, args, decode: bool, whole_step: bool = False, *, bu
 
 
 STEP_LAYERS = 2
+REFINED_INT4 = "int4, refined"  # a head tier of STEP_CASES: int4 refined from int8 rows
 STEP_CACHE = 1024
 STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its pool, kernel backend, cache slots,
     # KV cache dtype)
@@ -567,6 +568,9 @@ STEP_CASES = (  # (name, phase, pools: tier -> fraction of the experts in its po
     # integer dense weights (jmoe/layers/linear.py): dense int4 and the int6 head's two planes
     ("decode, resident int4, dense int4, int6 head", "decode", {"int4": 1.0}, "pallas", STEP_CACHE, "bfloat16",
      ("int4", "int6")),
+    # the refined head (jmoe/layers/refined_head.py): the int4 head, then its top logits from int8 rows
+    ("decode, resident int4, dense int4, refined int4 head", "decode", {"int4": 1.0}, "pallas", STEP_CACHE,
+     "bfloat16", ("int4", REFINED_INT4)),
 )
 
 
@@ -583,6 +587,7 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
     from convert.dense import dense_format
     from jmoe.decoding.engine import _forward, new_cache
     from jmoe.layers.experts import ExpertState, Selection
+    from jmoe.layers.refined_head import RefinedHead
     from jmoe.layers.transformer import abstract_model
     from jmoe.models import config_from_hf
     from jmoe.tiers import expert_template
@@ -590,7 +595,8 @@ def compile_step(model: str, case: str, phase: str, pool_fractions: dict, backen
     sharding = jax.sharding.SingleDeviceSharding(device)
     on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     cfg = config_from_hf(model_named(model).config_for(STEP_LAYERS))
-    formats = (None, None) if dense_tiers is None else tuple(dense_format(t) for t in dense_tiers)
+    formats = (None, None) if dense_tiers is None else tuple(
+        RefinedHead(dense_format("int4")) if t == REFINED_INT4 else dense_format(t) for t in dense_tiers)
     graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16, *formats))
     dense = jax.tree.map(lambda s: on(s.shape, s.dtype), nnx.to_pure_dict(state))
     layers, experts = cfg.num_moe_layers, cfg.num_experts

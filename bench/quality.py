@@ -158,6 +158,14 @@ BESIDE_LLAMA = {
     # the int6 head in groups of 64 (6.25 bits a weight read): what the default's groups of 32 buy
     "GPTQ: int4 experts + dense int4 (int6 head in groups of 64), int8 dot": (
         "gptq-dense-int4-head-int6-g64", {"tier": "int4", "cpu_dot": "int8"}, "prefill"),
+    # the int4 head refined per token (its 256 largest logits again from int8 rows): 2 bits a
+    # weight fewer than the int6 head, the refined head's quality side
+    "GPTQ: int4 experts + dense int4 (int4 head, refined), int8 dot": (
+        "gptq-dense-int4-head-int4-refined", {"tier": "int4", "cpu_dot": "int8"}, "prefill"),
+    "GPTQ: DyMoE int4/int2 + dense int4 (int4 head, refined), int8 dot, per token": (
+        "gptq-dense-int4-head-int4-refined", {"policy": "mixed", "cpu_dot": "int8"}, "decode"),
+    "GPTQ: DyMoE int4/int2 r=0.625 + dense int4 (int4 head, refined), int8 dot, per token": (
+        "gptq-dense-int4-head-int4-refined", {"policy": "mixed", "cpu_dot": "int8", "r": 0.625}, "decode"),
     # three-bit experts with Q4_0's other bytes: the quality side of reading fewer expert bytes (Q3_K_M's)
     "int3 experts + dense int4 (int6 head), int8 dot": ("dense-int4-head-int6", dict(tier="int3", cpu_dot="int8"),
                                                         "prefill"),
@@ -199,6 +207,8 @@ CONVERSIONS = {  # each with the converter's defaults otherwise
     "gptq-dense-int4-head-int4": dict(tiers="int4", dense_tier="int4", head_tier="int4", **CALIBRATED),
     "dense-int4-head-int6": dict(tiers="int4,int3", dense_tier="int4", head_tier="int6"),
     "gptq-dense-int4-head-int6": dict(tiers="int4,int3,int2", dense_tier="int4", head_tier="int6", **CALIBRATED),
+    "gptq-dense-int4-head-int4-refined": dict(tiers="int4,int2", dense_tier="int4", head_tier="int4", refine_head=256,
+                                              **CALIBRATED),
     "gptq-dense-int4-head-int6-g64": dict(tiers="int4", dense_tier="int4", head_tier="int6", head_group_size=64,
                                           **CALIBRATED),
 }

@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-group-size", type=int, choices=(32, 64, 128), default=None,
                    help="the LM head's group size along K in those conversions (default: the head tier's; "
                         "directories named ...-head-<tier>-g<size>)")
+    p.add_argument("--refine-head", type=int, nargs="?", const=256, default=None, metavar="TOP",
+                   help="convert those with `jmoe convert --refine-head TOP` (default 256): the head's TOP largest "
+                        "logits a token computed again from int8 rows (directories named ...-refined<TOP>)")
     p.add_argument("--cpu-layout", action="store_true",
                    help="convert jmoe's models with --cpu-layout (their directories named ...-cpu)")
     p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")
@@ -193,7 +196,7 @@ def dense_tiers(path: Path) -> dict:
     dense = json.loads((path / "manifest.json").read_text())["dense"]
     tier = dense.get("tier", "bf16")
     return {"dense_tier": tier, "head_tier": dense.get("head_tier", tier), "dense_format": dense.get("format"),
-            "head_format": dense.get("head_format", dense.get("format"))}
+            "head_format": dense.get("head_format", dense.get("format")), "head_rows": dense.get("head_rows")}
 
 
 def stale_dense_formats(path: Path, extra: list[str]) -> str | None:
@@ -205,9 +208,13 @@ def stale_dense_formats(path: Path, extra: list[str]) -> str | None:
     parser.add_argument("--dense-tier", default="bf16")
     parser.add_argument("--head-tier", default=None)
     parser.add_argument("--head-group-size", type=int, default=None)
+    parser.add_argument("--refine-head", type=int, default=None)
     known, _ = parser.parse_known_args(extra)
     head_tier = known.head_tier or default_head_tier(known.dense_tier)
     held = dense_tiers(path)
+    top = (held["head_rows"] or {}).get("top")
+    if top != known.refine_head:
+        return f"its head refines {top or 'no'} logits a token, not {known.refine_head or 'none'}"
     strip = lambda fmt: None if fmt is None else {k: v for k, v in fmt.items() if k != "tiled"}  # noqa: E731
     for what, tier, fmt, group in (("dense", known.dense_tier, held["dense_format"], None),
                                    ("head", head_tier, held["head_format"], known.head_group_size)):
@@ -383,6 +390,8 @@ def main(argv=None) -> None:
     head, head_suffix = (["--head-tier", args.head_tier], f"-head-{args.head_tier}") if args.head_tier else ([], "")
     if args.head_group_size:
         head, head_suffix = [*head, "--head-group-size", str(args.head_group_size)], f"{head_suffix}-g{args.head_group_size}"
+    if args.refine_head:
+        head, head_suffix = [*head, "--refine-head", str(args.refine_head)], f"{head_suffix}-refined{args.refine_head}"
     conversions = {}
     if not args.dense_int4_only:
         conversions["jmoe"] = convert_jmoe(src, args.data / f"jmoe-{name}{suffix}", args.tiers, layout, args.reuse,
@@ -435,7 +444,7 @@ def main(argv=None) -> None:
                      "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens,
                      "llama_threads": args.llama_threads,
                      "quick": args.quick, "method": "rtn", "cpu_layout": args.cpu_layout, "head_tier": args.head_tier,
-                     "head_group_size": args.head_group_size,
+                     "head_group_size": args.head_group_size, "refine_head": args.refine_head,
                      "mixed_r": args.mixed_r if args.mixed else None,
                      "llama_cpp": llama.version() if llama else None},
         "conversions": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in conversions.items()},

@@ -395,9 +395,11 @@ def head_groups(d: dict) -> str:
     its head had 8-bit scales (the int6 head's default since groups of 32)."""
     fmt = d["conversions"].get("jmoe dense int4", {}).get("head_format") or {}
     group = d["settings"].get("head_group_size")
+    top = d["settings"].get("refine_head")  # the refined head (jmoe/layers/refined_head.py)
+    refined = f", its {top} largest logits refined from int8 rows" if top else ""
     if fmt.get("scale_bits") == 8:
-        return f" in groups of {group or fmt['group_size']}, 8-bit scales"
-    return f" in groups of {group}" if group else ""
+        return f" in groups of {group or fmt['group_size']}, 8-bit scales{refined}"
+    return (f" in groups of {group}" if group else "") + refined
 
 
 def shapes_on_avx512(name: str, layout: str = "`--cpu-layout`") -> str:

@@ -270,3 +270,12 @@ def test_decode_bytes_count_the_dense_checkpoint_and_a_tokens_experts(short_hf_d
     got = jmoe_bytes(six, [])
     head = jmoe.load(six, tier="int4").dense["embed_tokens"]["embedding"].get_value()
     assert got["six_bit_high_scale_bytes"] == int(head.high.scales.nbytes) > 0
+    # a refined head: the int4 head whole, and of its int8 rows (the embedding table) `top` a token
+    refined = convert_checkpoint(short_hf_dir, tmp_path / "refined", tiers="int4", dense_tier="int4",
+                                 head_tier="int4", refine_head=16, progress=False)
+    got = jmoe_bytes(refined, [])
+    dense = jmoe.load(refined, tier="int4").dense
+    table = [int(dense["embed_tokens"][leaf].get_value().nbytes) for leaf in ("rows", "scales")]
+    whole = sum(int(a.nbytes) for a in jax.tree.leaves(nnx.to_pure_dict(dense)))
+    assert got["refine_top"] == 16 and got["refine_row_bytes"] == got["embedding_bytes"] == sum(table)
+    assert got["dense_bytes_read"] == whole - sum(table) + sum(n * 16 // cfg.vocab_size for n in table)
