@@ -162,6 +162,14 @@ def headline() -> str:
         [("jmoe", "GPTQ: DyMoE int4/int2 + dense int4 (int6 head), int8 dot, per token"),
          ("jmoe", "GPTQ: DyMoE int4/int2 r=0.625 + dense int4 (int6 head), int8 dot, per token"),
          ("llama.cpp", "Q4_0")]))
+    rows.append(quality_row(  # the mixed mode with the refined head (an int4 head's bytes)
+        "quality/quality_vs_llama_cpp_refined_head_gnr_cpu.json",
+        ("Tiny Qwen3-MoE, perplexity over bf16 (prose / code / math) on the same tokens as llama.cpp: jmoe GPTQ "
+         "DyMoE int4/int2 per token at r = 0.75 and at r = 0.625, dense int4, int4 LM head with its 256 largest "
+         "logits refined from int8 rows (4.5 bits a weight read); llama.cpp Q4_0"),
+        [("jmoe", "GPTQ: DyMoE int4/int2 + dense int4 (int4 head, refined), int8 dot, per token"),
+         ("jmoe", "GPTQ: DyMoE int4/int2 r=0.625 + dense int4 (int4 head, refined), int8 dot, per token"),
+         ("llama.cpp", "Q4_0")]))
     # Decode beside llama.cpp at equal bits (int4 experts, dense int4 and the int6 head against Q4_0, which
     # keeps its output matrix at Q6_K) and in the mixed mode, the newest run of each per machine; every
     # other run is in docs/benchmarks.md.
@@ -169,10 +177,14 @@ def headline() -> str:
     zen5 = "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_s8_zen5_cpu.json"
     emr = "real_shapes/real_shapes_mixed_r_emr_cpu.json"
     emr_g32 = "real_shapes/real_shapes_mixed_head_int6_g32_emr_cpu.json"  # the mixed mode with the quality row's head
+    gnr_refined = "real_shapes/real_shapes_mixed_qwen3_8L_refined_head_gnr_cpu.json"
+    gnr_int6 = "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_gnr_cpu.json"
     for name, equal_name, where in [
         (zen4_mixed, "real_shapes/real_shapes_equal_bits_7_rounds_zen4_cpu.json", "on an AVX-512 EPYC (Zen 4)"),
         (zen5, zen5, "on an AVX-512 EPYC (Zen 5)"),
         (emr_g32, emr, "on an AVX-512 Xeon (Emerald Rapids)"),
+        # the mixed mode with the refined head, the equal-bits row with the int6 head
+        (gnr_refined, gnr_int6, "on an AVX-512 Xeon with AMX (Granite Rapids class)"),
     ]:
         run = load(name)
         r = run["settings"].get("mixed_r") or [0.75]
@@ -893,6 +905,7 @@ EQUAL_BITS_RUNS = [
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_mixtral_after_load_trim_emr_cpu.json"),
     ("Intel Xeon (Emerald Rapids)", "real_shapes/real_shapes_deepseek_v2_lite_emr_cpu.json"),
     ("AMD EPYC (Zen 5)", "real_shapes/real_shapes_deepseek_v2_lite_16L_six_bit_pass_zen5_cpu.json"),
+    ("Intel Xeon with AMX (Granite Rapids class)", "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_gnr_cpu.json"),
 ]
 
 
@@ -1432,6 +1445,12 @@ TABLES = {
     "mixed-qwen3-8L-head-int6-s8-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_s8_zen5_cpu.json"),
     "head-formats-zen5": head_formats,
+    "quality-vs-llama-refined-head-gnr": lambda: quality_vs_llama(
+        "quality/quality_vs_llama_cpp_refined_head_gnr_cpu.json"),
+    "mixed-qwen3-8L-refined-head-gnr": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_qwen3_8L_refined_head_gnr_cpu.json"),
+    "mixed-qwen3-8L-head-int6-gnr": lambda: shapes_on_avx512(
+        "real_shapes/real_shapes_mixed_qwen3_8L_head_int6_gnr_cpu.json"),
     "deepseek-bf16-9-rounds-second-zen5": lambda: shapes_on_avx512(
         "real_shapes/real_shapes_deepseek_v2_lite_bf16_9_rounds_second_zen5_cpu.json"),
     "mixtral-bf16-9-rounds-second-zen5": lambda: shapes_on_avx512(
