@@ -42,12 +42,8 @@ class RefinedHead:
     top: int = DEFAULT_TOP
 
     @property
-    def tiled(self) -> bool:
+    def tiled(self) -> bool:  # the loader's check for a CPU-layout conversion on a GPU
         return self.coarse.tiled
-
-    @property
-    def bits(self) -> int:
-        return self.coarse.bits
 
     def rows_json(self) -> dict:
         """The manifest's dense.head_rows entry."""
