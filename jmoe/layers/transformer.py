@@ -192,8 +192,8 @@ class Transformer(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, **head_kw)
-        self.head_rows = RowTable(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if refined and not \
-            cfg.tie_word_embeddings else None
+        untied_rows = refined and not cfg.tie_word_embeddings  # a tied head refines from the embedding rows
+        self.head_rows = RowTable(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if untied_rows else None
         self.refine_top = refined.top if refined else 0  # static
 
     def embed(self, tokens):
