@@ -46,6 +46,7 @@ from bench.lib import llama_cpp
 from bench.lib.common import RESULTS, ROOT, dymoe_ratios, machine
 from bench.lib.random_checkpoint import MODELS, checkpoint_bytes, model_named, write_checkpoint
 from bench.lib.real_shapes_report import markdown, plot, ratios, summarize
+from jmoe.layers.refined_head import DEFAULT_TOP
 from jmoe.policies.dymoe import DEFAULT_R
 
 # --placements names: all-resident, or pools holding that share of the experts
@@ -101,9 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-group-size", type=int, choices=(32, 64, 128), default=None,
                    help="the LM head's group size along K in those conversions (default: the head tier's; "
                         "directories named ...-head-<tier>-g<size>)")
-    p.add_argument("--refine-head", type=int, nargs="?", const=256, default=None, metavar="TOP",
-                   help="convert those with `jmoe convert --refine-head TOP` (default 256): the head's TOP largest "
-                        "logits a token computed again from int8 rows (directories named ...-refined<TOP>)")
+    p.add_argument("--refine-head", type=int, nargs="?", const=DEFAULT_TOP, default=None, metavar="TOP",
+                   help=f"convert those with `jmoe convert --refine-head TOP` (default {DEFAULT_TOP}): the head's "
+                        "TOP largest logits a token computed again from int8 rows (directories named ...-refined<TOP>)")
     p.add_argument("--cpu-layout", action="store_true",
                    help="convert jmoe's models with --cpu-layout (their directories named ...-cpu)")
     p.add_argument("--quick", action="store_true", help="tiny token counts, 1 layer, 1 round: checks the bench")

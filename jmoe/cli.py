@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--head-group-size", type=int, default=None,
                       help="the LM head and embedding table's group size along K (32, 64, 128; default: --group-size's, "
                            "else the head tier's: int6 32)")
-    conv.add_argument("--refine-head", type=int, nargs="?", const=256, default=None, metavar="TOP",
+    conv.add_argument("--refine-head", type=int, nargs="?", const=256, default=None, metavar="TOP",  # DEFAULT_TOP
                       help="an integer LM head refined per token: its TOP largest logits (default 256) computed "
                            "again from int8 rows stored beside it, which also hold the embedding table (with "
                            "--head-tier int4: 4.5 bits a weight read, about the int6 head's quality)")

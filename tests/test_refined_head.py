@@ -13,7 +13,7 @@ import jmoe
 from convert import convert_checkpoint
 from jmoe.cli import main as cli_main
 from jmoe.errors import FormatError, InputError
-from jmoe.layers.refined_head import ROW_GROUP, ROW_QMAX, RowTable, quantize_rows, refine
+from jmoe.layers.refined_head import DEFAULT_TOP, ROW_GROUP, ROW_QMAX, RowTable, quantize_rows, refine
 from jmoe.manifest import read_manifest
 from kernel_formats.qarray import dequantize
 from tests.conftest import TINY_HF, dev_text
@@ -112,6 +112,13 @@ def test_refine_head_is_refused_for_a_bf16_head_and_a_count_below_one(tmp_path, 
                      "0"]) == 2
     assert "refine_head" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_clis_refine_head_without_a_count_takes_the_default():
+    from jmoe.cli import build_parser
+
+    args = build_parser().parse_args(["convert", "src", "-o", "out", "--refine-head"])
+    assert args.refine_head == DEFAULT_TOP  # the parser keeps a literal so the CLI starts without flax
 
 
 def test_a_manifest_refining_a_bf16_head_is_refused(tmp_path):

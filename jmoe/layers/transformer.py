@@ -207,7 +207,8 @@ class Transformer(nnx.Module):
         logits = self.lm_head.project(x)
         if self.refine_top:
             bias = None if self.lm_head.bias is None else self.lm_head.bias[...]
-            logits = refine(logits, x, self.head_rows or self.embed_tokens, self.refine_top, bias)
+            rows = self.embed_tokens if self.head_rows is None else self.head_rows  # tied: the embedding rows
+            logits = refine(logits, x, rows, self.refine_top, bias)
         return logits
 
     def __call__(self, tokens, cache: KVCache, meta: AttentionMeta, experts: ExpertState, *, want_importance=False,
